@@ -1,0 +1,178 @@
+"""The public functions: `attention`, `merge_states`, `dispatch_info`, `gpu_available`."""
+from __future__ import annotations
+
+from . import _checks, _interop
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, stream=None,
+              kernel="auto"):
+    """Exact scaled-dot-product attention, ``softmax(scale * q @ k^T [+ mask]) @ v``.
+
+    Computed with the tiled online-softmax recurrence: no ``Sq x Sk`` matrix is formed and the
+    extra memory is O(S). The running max, running sum and unnormalised output accumulate in
+    float32 (float64 for float64 inputs).
+
+    Parameters
+    ----------
+    q : array, shape (..., Sq, D)
+    k : array, shape (..., Sk, D)
+    v : array, shape (..., Sk, Dv)
+        float16, bfloat16, float32 or float64, all the same dtype and on the same device.
+        Leading (batch) axes broadcast NumPy-style, so a key/value head axis of size 1 gives
+        multi-query attention; 2-D inputs are a single head. Any ``Sq, Sk >= 1``;
+        ``1 <= D, Dv <= 256``.
+
+        *Where they run.* NumPy arrays (and CPU DLPack objects) run the same tiled recurrence on
+        the CPU in NumPy. CuPy arrays, and GPU arrays exposing ``__cuda_array_interface__``
+        (Numba, PyTorch) or ``__dlpack__`` (PyTorch, JAX), run on their GPU, viewed without a
+        copy. bfloat16 on the CPU needs ``ml_dtypes``.
+
+        *Strides.* An input whose last axis is contiguous is used as it is, whatever its other
+        strides, so a ``(B, S, H, D)`` buffer passed as a ``(B, H, S, D)`` transposed view costs
+        nothing. A GPU input whose last axis is not contiguous is copied once (a temporary
+        allocation). More than three batch axes that no stride pattern lets us merge are also
+        copied once.
+    causal : bool, optional
+        Apply a causal mask aligned to the bottom-right corner of the score matrix (as
+        FlashAttention >= 2.1 and cuDNN do): query ``i`` sees keys ``j <= i + (Sk - Sq)``.
+        With ``Sq > Sk`` the first ``Sq - Sk`` query rows see no key; their output is 0 and their
+        lse is ``-inf`` (never NaN).
+    scale : float, optional
+        Multiplies ``q @ k^T`` before the softmax. Default ``1 / sqrt(D)``.
+    return_lse : bool, optional
+        Also return ``lse``, float32 of shape ``(..., Sq)``: the natural log of each row's softmax
+        denominator, ``logsumexp(scale * q @ k^T)`` over the visible keys. With it, partial
+        results over disjoint key sets combine exactly through `merge_states`.
+    out : array or (array, array), optional
+        Buffer for ``o`` (shape ``(..., Sq, Dv)``, the input dtype, same device, contiguous last
+        axis), or with ``return_lse=True`` a pair ``(o, lse)`` (lse C-contiguous float32). When
+        given, nothing is allocated.
+    stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
+        GPU only: the stream to launch on. Default: CuPy's current stream. The call never
+        synchronises the device.
+    kernel : {"auto", "generic", "tensorcore"}, optional
+        GPU only. ``"auto"`` lets the dispatcher pick the fastest correct kernel; ``"generic"``
+        forces the scalar audit kernel (float32/float64 arithmetic, accurate exp2);
+        ``"tensorcore"`` demands the tensor-core kernel and raises if the inputs do not qualify.
+
+    Returns
+    -------
+    o : array, shape (..., Sq, Dv), the input dtype
+        A NumPy array for CPU inputs; a CuPy array for GPU inputs (whatever their type:
+        ``torch.from_dlpack(o)`` or ``jax.dlpack.from_dlpack(o)`` views it without a copy).
+    lse : array, shape (..., Sq), float32
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        Unsupported or mismatched dtypes, a non-array argument, a non-bool ``causal``.
+    ValueError
+        Mismatched devices, fewer than 2 dimensions, a zero-length axis, mismatched D between q
+        and k or Sk between k and v, a head dim over 256, batch axes that do not broadcast, an
+        ``out`` of the wrong shape, dtype, device or layout, a non-finite ``scale``.
+
+    Notes
+    -----
+    NaN and inf in the inputs propagate as in the float64 reference: a NaN score makes its row
+    NaN; a score of +inf makes its row NaN (inf - inf), as ``scipy.special.softmax`` does.
+    """
+    prob = _checks.check_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
+                                   out=out, stream=stream, kernel=kernel)
+    if prob.backend == "cpu":
+        from ._cpu import attention_numpy
+
+        o, lse = attention_numpy(prob.q, prob.k, prob.v, causal=prob.causal, scale=prob.scale,
+                                 out=prob.out, need_lse=prob.return_lse)
+        if prob.return_lse and prob.out_lse is not None:
+            prob.out_lse[...] = lse
+            lse = prob.out_lse
+        return (o, lse) if prob.return_lse else o
+    return _attention_gpu(prob)
+
+
+def _attention_gpu(prob):
+    import cupy
+
+    from . import _dispatch, _launch
+
+    with cupy.cuda.Device(prob.device_id):
+        attrs = _launch.device_attributes(prob.device_id)
+        plan = _dispatch.plan_for(prob, attrs["compute_capability"])
+        o = prob.out
+        if o is None:
+            o = cupy.empty(prob.o_shape, dtype=prob.q.dtype)
+        lse = None
+        if prob.return_lse:
+            lse = prob.out_lse
+            if lse is None:
+                lse = cupy.empty(prob.lse_shape, dtype=cupy.float32)
+        _launch.launch_forward(plan, prob, o, lse, attrs)
+    return (o, lse) if prob.return_lse else o
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Combine two partial attention results over disjoint key sets.
+
+    The reduction operator of the online-softmax recurrence, on normalised outputs::
+
+        lse = logaddexp(lse_a, lse_b)
+        o   = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)
+
+    Associative and commutative; a partial that saw no key (``o = 0, lse = -inf``) is the
+    identity, and two such partials give ``o = 0, lse = -inf`` (never NaN). Use it for split-K
+    attention, decoding over a paged or sharded KV cache, or combining results from several GPUs.
+
+    Parameters
+    ----------
+    o_a, o_b : array, shape (..., Sq, Dv)
+        Partial outputs (as returned by `attention`), same dtype and device.
+    lse_a, lse_b : array, shape (..., Sq), float32
+        Their log-sum-exps (``attention(..., return_lse=True)``).
+
+    Returns
+    -------
+    o : array, shape (..., Sq, Dv), the dtype of ``o_a``
+    lse : array, shape (..., Sq), float32
+        NumPy arrays for CPU inputs, CuPy arrays for GPU inputs. The weights are computed in
+        float32 (float64 for float64 outputs). GPU inputs that are not C-contiguous are copied once.
+    """
+    backend, device_id, (o_a, lse_a, o_b, lse_b), dt = _checks.check_merge(o_a, lse_a, o_b, lse_b)
+    if backend == "cpu":
+        from ._cpu import merge_states_numpy
+
+        return merge_states_numpy(o_a, lse_a, o_b, lse_b)
+    import cupy
+
+    from . import _launch
+
+    with cupy.cuda.Device(device_id):
+        o_a, lse_a, o_b, lse_b = (cupy.ascontiguousarray(x) for x in (o_a, lse_a, o_b, lse_b))
+        o = cupy.empty_like(o_a)
+        lse = cupy.empty_like(lse_a)
+        _launch.launch_merge(o_a, lse_a, o_b, lse_b, o, lse, dt, device_id)
+    return o, lse
+
+
+def dispatch_info(q, k, v, *, causal=False, kernel="auto"):
+    """The name of the kernel `attention` would run for these arguments, e.g.
+    ``"cpu-numpy"`` or ``"generic<float16,D64,full>"``. Validates like `attention`; launches nothing."""
+    prob = _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=False,
+                                   out=None, stream=None, kernel=kernel)
+    if prob.backend == "cpu":
+        return "cpu-numpy"
+    from . import _dispatch, _launch
+
+    cc = _launch.device_attributes(prob.device_id)["compute_capability"]
+    return _dispatch.plan_for(prob, cc).label
+
+
+def gpu_available():
+    """True when CuPy imports and sees at least one CUDA device."""
+    cp = _interop.cupy_or_none()
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, or a driver too old for this CuPy
+        return False

@@ -1,0 +1,211 @@
+"""Argument checking for the public API, in one place and before any launch.
+
+`check_attention` turns whatever the caller passed into a `Problem`: arrays on one backend (NumPy or
+CuPy), one dtype, validated shapes, the softmax scale, the output buffers and the stream. Every
+error names the argument and says what was expected. Nothing here launches work on the GPU or
+synchronises it; the only copies are the documented ones (an input whose last axis is not
+contiguous, see `attention`'s docstring).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _interop
+
+#: Largest head dimension (D and Dv) any kernel accepts.
+MAX_HEAD_DIM = 256
+
+#: dtypes accepted by `attention`, by NumPy/CuPy dtype name.
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+KERNEL_CHOICES = ("auto", "generic", "tensorcore")
+
+
+@dataclass
+class Problem:
+    """A validated attention call. Shapes follow the public API: q (..., Sq, D), k (..., Sk, D),
+    v (..., Sk, Dv), o (..., Sq, Dv), lse (..., Sq) with ``...`` = ``batch_shape``."""
+
+    backend: str                 # "cpu" or "gpu"
+    q: Any
+    k: Any
+    v: Any
+    dtype_name: str
+    batch_shape: Tuple[int, ...]
+    sq: int
+    sk: int
+    d: int
+    dv: int
+    causal: bool
+    scale: float
+    return_lse: bool
+    out: Any                     # None or the o buffer to write
+    out_lse: Any                 # None or the lse buffer to write
+    stream: Any                  # None (current stream) or a cupy.cuda.Stream-like object
+    kernel: str
+    device_id: Optional[int] = None
+
+    @property
+    def o_shape(self):
+        return self.batch_shape + (self.sq, self.dv)
+
+    @property
+    def lse_shape(self):
+        return self.batch_shape + (self.sq,)
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name of a NumPy/CuPy dtype ('float16', 'bfloat16', ...)."""
+    return np.dtype(dtype).name
+
+
+def _check_array_dtype(name, x):
+    n = dtype_name(x.dtype)
+    if n not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {n}; expected one of {', '.join(SUPPORTED_DTYPES)}")
+    return n
+
+
+def check_scale(scale, d):
+    """The softmax scale as a Python float; defaults to 1/sqrt(D)."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def _check_kernel(kernel, backend):
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    if backend == "cpu" and kernel != "auto":
+        raise ValueError(
+            f"kernel={kernel!r} selects a GPU kernel, but the inputs are on the CPU "
+            "(NumPy); pass GPU arrays or kernel='auto'")
+
+
+def _check_out(name, buf, shape, dtype, backend, device_id, check_dtype_name=None):
+    if buf is None:
+        return None
+    b_backend, b_dev = _interop.backend_of(buf, name)
+    if b_backend != backend or (backend == "gpu" and b_dev != device_id):
+        raise ValueError(
+            f"{name} is on {_interop.describe(b_backend, b_dev)} but the inputs are on "
+            f"{_interop.describe(backend, device_id)}")
+    buf = _interop.as_backend_array(buf, b_backend)
+    if tuple(buf.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(buf.shape)}; expected {tuple(shape)}")
+    want = check_dtype_name or dtype
+    if dtype_name(buf.dtype) != want:
+        raise TypeError(f"{name} has dtype {dtype_name(buf.dtype)}; expected {want}")
+    if buf.ndim and buf.shape[-1] > 1 and buf.strides[-1] != buf.itemsize:
+        raise ValueError(f"{name} must have a contiguous last axis (stride {buf.itemsize} "
+                         f"bytes), got stride {buf.strides[-1]}")
+    if backend == "cpu" and not buf.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    return buf
+
+
+def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel) -> Problem:
+    """Validate the arguments of `cuflash.attention` and return a `Problem`."""
+    backends = [_interop.backend_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    if len(set(backends)) != 1:
+        desc = ", ".join(f"{n} on {_interop.describe(*b)}" for n, b in zip("qkv", backends))
+        raise ValueError(f"q, k and v must be on the same device; got {desc}")
+    backend, device_id = backends[0]
+    q, k, v = (_interop.as_backend_array(x, backend) for x in (q, k, v))
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dimensions (..., S, D); got shape {tuple(x.shape)}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has a zero-length axis: shape {tuple(x.shape)}")
+    names = [_check_array_dtype(n, x) for n, x in (("q", q), ("k", k), ("v", v))]
+    if len(set(names)) != 1:
+        raise TypeError(f"q, k and v must have the same dtype; got {names[0]}, {names[1]}, {names[2]}")
+    dt = names[0]
+
+    sq, d = q.shape[-2:]
+    sk, dk = k.shape[-2:]
+    skv, dv = v.shape[-2:]
+    if dk != d:
+        raise ValueError(f"k has head dim {dk} but q has {d}: the last axes of q and k must match")
+    if skv != sk:
+        raise ValueError(f"v has {skv} keys (axis -2) but k has {sk}: they must match")
+    for name, n in (("head dim D of q and k", d), ("head dim Dv of v", dv)):
+        if n > MAX_HEAD_DIM:
+            raise ValueError(f"{name} is {n}; at most {MAX_HEAD_DIM} is supported")
+    try:
+        batch = tuple(int(s) for s in np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    except ValueError:
+        raise ValueError(
+            f"the batch axes of q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])} and "
+            f"v {tuple(v.shape[:-2])} do not broadcast") from None
+
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    scale = check_scale(scale, d)
+    _check_kernel(kernel, backend)
+
+    out_o = out_lse = None
+    if out is not None:
+        if isinstance(out, tuple):
+            if not return_lse or len(out) != 2:
+                raise ValueError("out may be a pair (o, lse) only with return_lse=True; "
+                                 "otherwise pass the o buffer alone")
+            out_o, out_lse = out
+        else:
+            out_o = out
+    o_shape = batch + (sq, dv)
+    out_o = _check_out("out", out_o, o_shape, dt, backend, device_id)
+    out_lse = _check_out("out[1] (lse)", out_lse, batch + (sq,), dt, backend, device_id,
+                         check_dtype_name="float32")
+
+    if stream is not None and backend == "cpu":
+        raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
+
+    if backend == "gpu":
+        # The kernels read rows through a stride but need a contiguous last axis: copy once if not.
+        q, k, v = (_interop.last_axis_contiguous(x) for x in (q, k, v))
+
+    return Problem(backend=backend, q=q, k=k, v=v, dtype_name=dt, batch_shape=batch, sq=int(sq),
+                   sk=int(sk), d=int(d), dv=int(dv), causal=bool(causal), scale=scale,
+                   return_lse=bool(return_lse), out=out_o, out_lse=out_lse, stream=stream,
+                   kernel=kernel, device_id=device_id)
+
+
+def check_merge(o_a, lse_a, o_b, lse_b):
+    """Validate `merge_states` arguments; returns (backend, device_id, arrays, dtype name)."""
+    items = (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b))
+    backends = [_interop.backend_of(x, n) for n, x in items]
+    if len(set(backends)) != 1:
+        desc = ", ".join(f"{n} on {_interop.describe(*b)}" for (n, _), b in zip(items, backends))
+        raise ValueError(f"merge_states inputs must be on one device; got {desc}")
+    backend, device_id = backends[0]
+    o_a, lse_a, o_b, lse_b = (_interop.as_backend_array(x, backend) for _, x in items)
+    if o_a.ndim < 1 or 0 in o_a.shape:
+        raise ValueError(f"o_a must have shape (..., Sq, Dv) with no zero-length axis; got {tuple(o_a.shape)}")
+    if tuple(o_a.shape) != tuple(o_b.shape):
+        raise ValueError(f"o_a and o_b must have the same shape; got {tuple(o_a.shape)} and {tuple(o_b.shape)}")
+    want_lse = tuple(o_a.shape[:-1])
+    for n, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if tuple(x.shape) != want_lse:
+            raise ValueError(f"{n} has shape {tuple(x.shape)}; expected {want_lse} (o's shape without its last axis)")
+        if dtype_name(x.dtype) != "float32":
+            raise TypeError(f"{n} has dtype {dtype_name(x.dtype)}; expected float32")
+    da, db = _check_array_dtype("o_a", o_a), _check_array_dtype("o_b", o_b)
+    if da != db:
+        raise TypeError(f"o_a and o_b must have the same dtype; got {da} and {db}")
+    return backend, device_id, (o_a, lse_a, o_b, lse_b), da

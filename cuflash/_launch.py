@@ -1,0 +1,163 @@
+"""Launch: the kernel parameter block, the launch configuration and its checks, the launch itself.
+
+The device-side `AttnParams` (kernels_cu/common.cuh) is mirrored by `PARAMS_DTYPE`, a NumPy
+structured dtype of 8-byte fields, passed by value through CuPy. No device memory is allocated
+here and nothing synchronises: a launch is capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _compile
+
+_PTR_FIELDS = ("q", "k", "v", "o", "lse")
+_INT_FIELDS = ("sq", "sk", "d", "dv", "nb0", "nb1", "nb2",
+               "q_s0", "q_s1", "q_s2", "q_sr", "k_s0", "k_s1", "k_s2", "k_sr",
+               "v_s0", "v_s1", "v_s2", "v_sr", "o_s0", "o_s1", "o_s2", "o_sr", "n_mblocks")
+PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _PTR_FIELDS] +
+                        [(f, np.int64) for f in _INT_FIELDS] + [("scale_log2", np.float64)])
+
+MAX_GRID_X = 2**31 - 1
+_LOG2E = 1.4426950408889634
+
+
+def _element_strides(x, batch_shape):
+    """Element strides of `x` over `batch_shape` + its last two axes, 0 on broadcast batch axes."""
+    nb = len(batch_shape)
+    st = [s // x.itemsize for s in x.strides]
+    shape = list(x.shape)
+    pad = nb - (x.ndim - 2)
+    bst = [0] * pad + [0 if n == 1 else s for n, s in zip(shape[:-2], st[:-2])]
+    return bst, st[-2]
+
+
+def collapse_batch(batch_shape, *tensors):
+    """Merge the batch axes of all `tensors` into at most as few axes as their strides allow.
+
+    Returns (sizes, [batch strides per tensor], [row stride per tensor]). Axes of size 1 are
+    dropped; adjacent axes i, i+1 merge when every tensor has stride[i] == stride[i+1] * size[i+1].
+    """
+    per = [_element_strides(t, batch_shape) for t in tensors]
+    sizes = []
+    strides = [[] for _ in tensors]
+    for ax, n in enumerate(batch_shape):
+        if n == 1:
+            continue
+        if sizes and all(strides[i][-1] == per[i][0][ax] * n for i in range(len(tensors))):
+            sizes[-1] *= n
+            for i in range(len(tensors)):
+                strides[i][-1] = per[i][0][ax]
+            continue
+        sizes.append(n)
+        for i in range(len(tensors)):
+            strides[i].append(per[i][0][ax])
+    return sizes, strides, [p[1] for p in per]
+
+
+def _stream_ptr(stream):
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, int):
+        return cupy.cuda.ExternalStream(stream)
+    ptr = getattr(stream, "ptr", None)
+    if ptr is None:
+        ptr = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
+        if ptr is None:
+            raise TypeError("stream must be a cupy.cuda.Stream, an object with .ptr or "
+                            ".cuda_stream, or an integer cudaStream_t handle")
+        return cupy.cuda.ExternalStream(int(ptr))
+    return stream
+
+
+def launch_forward(plan, prob, o, lse, device_attrs):
+    """Launch `plan` for the validated problem `prob`, writing `o` and (if not None) `lse`.
+
+    `device_attrs` carries the device limits checked here: max_smem_optin, sm_count.
+    """
+    import cupy
+
+    q, k, v = prob.q, prob.k, prob.v
+    if lse is not None and not lse.flags.c_contiguous:
+        raise ValueError("the lse buffer must be C-contiguous")
+    sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
+    if len(sizes) > 3:
+        # More than three batch axes that no stride pattern merges: materialise the inputs once
+        # as contiguous full-batch arrays (documented in `attention`), then they collapse to one.
+        full = prob.batch_shape
+        q, k, v = (cupy.ascontiguousarray(cupy.broadcast_to(t, full + t.shape[-2:]))
+                   for t in (q, k, v))
+        sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
+        if len(sizes) > 3:  # o itself was given with an unmergeable layout
+            raise ValueError("out has a batch layout with more than three non-mergeable axes; "
+                             "pass a C-contiguous out")
+    while len(sizes) < 3:
+        sizes.insert(0, 1)
+        for s in bstr:
+            s.insert(0, 0)
+    nbatch = sizes[0] * sizes[1] * sizes[2]
+    n_mblocks = -(-prob.sq // plan.block_m)
+
+    grid = n_mblocks * nbatch
+    if grid > MAX_GRID_X:
+        raise ValueError(f"too many blocks for one launch: {n_mblocks} query blocks x {nbatch} "
+                         f"batch entries > {MAX_GRID_X}")
+    if plan.smem_bytes > device_attrs["max_smem_optin"]:
+        raise ValueError(
+            f"{plan.label} needs {plan.smem_bytes} bytes of shared memory per block; this GPU "
+            f"allows {device_attrs['max_smem_optin']}")
+    if plan.threads > 1024:
+        raise ValueError(f"{plan.label}: {plan.threads} threads per block > 1024")
+
+    p = np.zeros((), dtype=PARAMS_DTYPE)
+    p["q"], p["k"], p["v"], p["o"] = q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr
+    p["lse"] = 0 if lse is None else lse.data.ptr
+    p["sq"], p["sk"], p["d"], p["dv"] = prob.sq, prob.sk, prob.d, prob.dv
+    p["nb0"], p["nb1"], p["nb2"] = sizes
+    for name, bs, rs in zip("qkvo", bstr, rstr):
+        p[f"{name}_s0"], p[f"{name}_s1"], p[f"{name}_s2"] = bs
+        p[f"{name}_sr"] = rs
+    p["n_mblocks"] = n_mblocks
+    p["scale_log2"] = prob.scale * _LOG2E
+
+    kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
+    kern((grid,), (plan.threads,), (p[()],), shared_mem=plan.smem_bytes,
+         stream=_stream_ptr(prob.stream))
+
+
+def launch_merge(o_a, lse_a, o_b, lse_b, o, lse, dtype_name, device_id, stream=None):
+    """Launch the merge kernel on contiguous inputs; o (rows, dv) and lse (rows,) outputs."""
+    from ._dispatch import _CXX_TYPE, _ACC_TYPE
+
+    rows = int(math.prod(lse.shape))
+    dv = int(o.shape[-1])
+    spec = _compile.Specialisation(
+        "merge", f"cuflash::cuflash_merge_states<{_CXX_TYPE[dtype_name]}, {_ACC_TYPE[dtype_name]}>")
+    kern = _compile.get_kernel(spec, device_id)
+    threads = 256
+    blocks = -(-rows * dv // threads)
+    if blocks > MAX_GRID_X:
+        raise ValueError(f"merge_states: {rows * dv} elements is too many for one launch")
+    kern((blocks,), (threads,), (o_a, lse_a, o_b, lse_b, o, lse, np.int64(rows), np.int64(dv)),
+         stream=_stream_ptr(stream))
+
+
+_DEVICE_ATTRS = {}
+
+
+def device_attributes(device_id):
+    """Limits of a device that the dispatcher and the launch checks need, read once per device."""
+    attrs = _DEVICE_ATTRS.get(device_id)
+    if attrs is None:
+        import cupy
+
+        dev = cupy.cuda.Device(device_id)
+        a = dev.attributes
+        attrs = {"compute_capability": int(dev.compute_capability),
+                 "max_smem_optin": int(a["MaxSharedMemoryPerBlockOptin"]),
+                 "sm_count": int(a["MultiProcessorCount"])}
+        _DEVICE_ATTRS[device_id] = attrs
+    return attrs

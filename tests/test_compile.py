@@ -1,0 +1,71 @@
+"""Every kernel specialisation the dispatcher can pick compiles through NVRTC for sm_80 and sm_90
+with no local-memory spills. Needs CuPy's NVRTC binding and the NVRTC library (the `test` extra
+installs both), not a GPU. The registers and shared memory of each specialisation are printed in
+the session summary."""
+import pytest
+
+from cuflash import _compile, _dispatch
+
+from conftest import COMPILE_REPORTS
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def _specs():
+    specs = [plan.spec for plan in _dispatch.all_specialisations()]
+    for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
+                   ("float", "float"), ("double", "double")):
+        specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))
+    return specs
+
+
+def _have_nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nvrtc_present():
+    err = _have_nvrtc()
+    if err is not None:
+        pytest.fail("the NVRTC compile check needs CuPy and the NVRTC library; install the test "
+                    f"extra (pip install -e '.[test]'). Import failed with {err}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", _specs(), ids=lambda s: s.name.replace("cuflash::", ""))
+def test_compiles_without_spills(spec, arch):
+    rep = _compile.compile_report(spec, arch)
+    COMPILE_REPORTS.append(rep)
+    assert rep.spill_stores == 0 and rep.spill_loads == 0, rep.summary()
+    assert rep.stack_bytes == 0, f"local memory in use: {rep.summary()}"
+    assert rep.cubin_size > 0
+
+
+def test_source_hash_covers_headers(tmp_path, monkeypatch):
+    """The cache key (source hash) changes when an included header changes."""
+    import kernels_cu
+
+    for name in ("common.cuh", "attn_generic.cu"):
+        (tmp_path / name).write_text((kernels_cu.SOURCE_DIR / name).read_text())
+    monkeypatch.setattr(_compile, "SOURCE_DIR", tmp_path)
+    _compile.family_source.cache_clear()
+    try:
+        src1, h1 = _compile.family_source("attn_generic")
+        assert "struct AttnParams" in src1  # the header was inlined
+        _compile.family_source.cache_clear()
+        (tmp_path / "common.cuh").write_text((tmp_path / "common.cuh").read_text() + "\n// edit\n")
+        _, h2 = _compile.family_source("attn_generic")
+        assert h1 != h2
+    finally:
+        _compile.family_source.cache_clear()
+
+
+def test_missing_family_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="no kernel family"):
+        _compile.family_source("does_not_exist")
