@@ -5,9 +5,12 @@ The rule, in order:
 1. ``kernel="generic"`` forces the generic kernel (``kernels_cu/attn_generic.cu``): scalar
    float32 (float64 for float64 inputs) arithmetic with the accurate exp2, every dtype, head dims
    1..256. It is the audit path.
-2. ``kernel="tensorcore"`` asks for the tensor-core kernel and raises if the inputs do not qualify.
+2. ``kernel="tensorcore"`` asks for the tensor-core kernel (``kernels_cu/attn_mma.cu``, mma.sync,
+   sm_80+, float16/bfloat16) and raises if the inputs do not qualify.
 3. ``kernel="auto"`` takes the tensor-core kernel when the inputs qualify (see
-   `tensorcore_reason`), the generic kernel otherwise.
+   `tensorcore_reason`: compute capability >= 8.0, float16/bfloat16, D == Dv, D % 8 == 0, rows
+   16-byte aligned), the generic kernel otherwise. Head dims between the fast paths (64, 96, 128,
+   192, 256) are zero-padded to the next one.
 
 Kernel sources mirror the tile constants below (`GenericConfig` and friends); a mismatch leaves
 rows unwritten, which the GPU tests catch by poisoning every output with NaN.
@@ -62,9 +65,61 @@ def generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Plan:
                 threads=nwarps * 32, smem_bytes=smem_elems * _ACC_BYTES[acc])
 
 
+#: Tensor-core tile shapes per padded head dim: (BN keys per tile, warps per block, min blocks per
+#: SM for __launch_bounds__). BM = 16 * warps query rows per block. See kernels_cu/attn_mma.cu.
+TC_CONFIGS = {
+    64: (64, 8, 1),
+    96: (64, 8, 1),
+    128: (64, 8, 1),
+    192: (64, 8, 1),
+    256: (64, 8, 1),
+}
+TC_DTYPES = ("float16", "bfloat16")
+
+
+def tensorcore_dpad(d: int) -> int:
+    """The fast-path head dim that holds d (smaller head dims are zero-padded)."""
+    for b in sorted(TC_CONFIGS):
+        if d <= b:
+            return b
+    raise ValueError(f"head dim {d} exceeds 256")
+
+
+def tensorcore_plan(dtype_name: str, d: int, causal: bool) -> Plan:
+    dpad = tensorcore_dpad(d)
+    bn, nwarps, minb = TC_CONFIGS[dpad]
+    bm = 16 * nwarps
+    smem = (bm + 2 * bn) * (dpad + 8) * 2
+    name = (f"cuflash::cuflash_fwd_mma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {nwarps}, {minb}, "
+            f"{'true' if causal else 'false'}>")
+    label = f"tensorcore<{dtype_name},D{dpad},BM{bm},BN{bn},{'causal' if causal else 'full'}>"
+    return Plan(label=label, spec=Specialisation("attn_mma", name), block_m=bm,
+                threads=32 * nwarps, smem_bytes=smem)
+
+
+def _aligned16(x) -> bool:
+    """Data pointer and every stride of x (a CuPy array) are multiples of 16 bytes."""
+    if x.data.ptr % 16:
+        return False
+    return all(st % 16 == 0 for n, st in zip(x.shape[:-1], x.strides[:-1]) if n > 1)
+
+
 def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     """Why the tensor-core kernel cannot run these inputs, or None if it can."""
-    return "the tensor-core kernel is not built yet"
+    if prob.backend != "gpu":
+        return "the inputs are on the CPU"
+    if compute_capability is None or compute_capability < 80:
+        return f"it needs compute capability 8.0 or newer (this GPU: {compute_capability})"
+    if prob.dtype_name not in TC_DTYPES:
+        return f"it takes float16 and bfloat16 inputs, not {prob.dtype_name}"
+    if prob.d != prob.dv:
+        return f"it needs D == Dv (got D={prob.d}, Dv={prob.dv})"
+    if prob.d % 8:
+        return f"it needs a head dim that is a multiple of 8 (got {prob.d})"
+    bufs = [prob.q, prob.k, prob.v] + ([prob.out] if prob.out is not None else [])
+    if not all(_aligned16(x) for x in bufs):
+        return "every row of q, k, v (and out) must start on a 16-byte boundary"
+    return None
 
 
 def plan_for(prob, compute_capability: Optional[int]) -> Plan:
@@ -72,7 +127,9 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     if prob.kernel == "generic":
         return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
     why_not = tensorcore_reason(prob, compute_capability)
-    if prob.kernel == "tensorcore" and why_not is not None:
+    if why_not is None:
+        return tensorcore_plan(prob.dtype_name, prob.d, prob.causal)
+    if prob.kernel == "tensorcore":
         raise ValueError(f"kernel='tensorcore' cannot run these inputs: {why_not}")
     return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
 
@@ -84,4 +141,8 @@ def all_specialisations():
         for db in (32, 64, 128, 256):
             for causal in (False, True):
                 plans.append(generic_plan(dt, db, db, causal))
+    for dt in TC_DTYPES:
+        for dpad in TC_CONFIGS:
+            for causal in (False, True):
+                plans.append(tensorcore_plan(dt, dpad, causal))
     return plans

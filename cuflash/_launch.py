@@ -17,7 +17,8 @@ _INT_FIELDS = ("sq", "sk", "d", "dv", "nb0", "nb1", "nb2",
                "q_s0", "q_s1", "q_s2", "q_sr", "k_s0", "k_s1", "k_s2", "k_sr",
                "v_s0", "v_s1", "v_s2", "v_sr", "o_s0", "o_s1", "o_s2", "o_sr", "n_mblocks")
 PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _PTR_FIELDS] +
-                        [(f, np.int64) for f in _INT_FIELDS] + [("scale_log2", np.float64)])
+                        [(f, np.int64) for f in _INT_FIELDS] +
+                        [("scale_log2", np.float64), ("scale", np.float64)])
 
 MAX_GRID_X = 2**31 - 1
 _LOG2E = 1.4426950408889634
@@ -101,6 +102,8 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     nbatch = sizes[0] * sizes[1] * sizes[2]
     n_mblocks = -(-prob.sq // plan.block_m)
 
+    if max(prob.sq, prob.sk) >= 2**31 - 1024:
+        raise ValueError(f"Sq and Sk must be below 2**31 - 1024 (got {prob.sq}, {prob.sk})")
     grid = n_mblocks * nbatch
     if grid > MAX_GRID_X:
         raise ValueError(f"too many blocks for one launch: {n_mblocks} query blocks x {nbatch} "
@@ -122,6 +125,7 @@ def launch_forward(plan, prob, o, lse, device_attrs):
         p[f"{name}_sr"] = rs
     p["n_mblocks"] = n_mblocks
     p["scale_log2"] = prob.scale * _LOG2E
+    p["scale"] = prob.scale
 
     kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
     kern((grid,), (plan.threads,), (p[()],), shared_mem=plan.smem_bytes,

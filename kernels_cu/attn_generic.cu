@@ -1,19 +1,20 @@
 // attn_generic.cu: the generic forward kernel, the audit path of cuflash.
 //
 // Version 1 (foundation). Scalar arithmetic in the accumulator type (float32 for fp16/bf16/fp32
-// inputs, float64 for fp64) with the accurate exp2, for every head dim 1..256 and every dtype.
+// inputs, float64 for fp64) with the accurate exp and log, for every head dim 1..256 and every dtype.
 // It is the reference implementation on the GPU: the tensor-core kernels are audited against the
 // same float64 truth, and `kernel="generic"` forces this one.
 //
 // Algorithm (one query row; the state is m, l, O, kept in registers):
 //   for each key tile of BC keys:
-//     s_j   = scale * log2(e) * q . k_j           (masked keys: -inf)
+//     s_j   = scale * q . k_j                     (masked keys: -inf)
 //     m'    = max(m, max_j s_j)
-//     alpha = exp2(m - m')                        (0 when m' = -inf: the row saw nothing yet)
-//     p_j   = exp2(s_j - m')
+//     alpha = exp(m - m')                         (0 when m' = -inf: the row saw nothing yet)
+//     p_j   = exp(s_j - m')
 //     l     = alpha * l + sum_j p_j
 //     O     = alpha * O + sum_j p_j v_j
-//   o = O / l, lse = (m + log2 l) * ln 2          (a row that saw no key: o = 0, lse = -inf)
+//   o = O / l, lse = m + log l                    (a row that saw no key: o = 0, lse = -inf)
+// The dot products accumulate in four interleaved partial sums (shorter rounding chains).
 //
 // Work split: a block of NWARPS warps owns BLOCK_M = NWARPS * ROWS query rows; each warp owns ROWS
 // rows. Within a warp, for the score step lane j owns key j of the tile (BC = 32); for the output
@@ -38,6 +39,9 @@ struct GenericConfig {
     static constexpr int QK_STRIDE = DB + 1;          // +1: conflict-free reads of k_j by lane j
     static constexpr int V_STRIDE = DVB;              // lanes read consecutive columns: no pad
     static constexpr int DVC = DVB / 32;              // output columns per lane and row
+    // Unroll of the P.V loop over the tile's keys: full where the accumulators are few, partial
+    // where a full unroll would push the register count into spills (checked by the tests).
+    static constexpr int PV_UNROLL = DVC <= 2 ? 32 : 4;
     static constexpr int SMEM_ELEMS = BLOCK_M * QK_STRIDE + BC * QK_STRIDE + BC * V_STRIDE;
     static_assert(DB % 32 == 0 && DVB % 32 == 0, "head-dim buckets are multiples of 32");
 };
@@ -90,7 +94,7 @@ cuflash_fwd_generic(const AttnParams p) {
 #pragma unroll
         for (int c = 0; c < Cfg::DVC; ++c) acc[r][c] = Acc(0);
     }
-    const Acc scale_log2 = static_cast<Acc>(p.scale_log2);
+    const Acc scale = static_cast<Acc>(p.scale);
 
     for (long long t = 0; t < n_tiles; ++t) {
         const long long key0 = t * Cfg::BC;
@@ -108,9 +112,11 @@ cuflash_fwd_generic(const AttnParams p) {
         __syncthreads();
 
         // Scores: lane owns key key0 + lane, for each of the warp's ROWS rows.
-        Acc s[Cfg::ROWS];
+        Acc part[Cfg::ROWS][4];
 #pragma unroll
-        for (int r = 0; r < Cfg::ROWS; ++r) s[r] = Acc(0);
+        for (int r = 0; r < Cfg::ROWS; ++r)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) part[r][u] = Acc(0);
         const Acc* krow = k_s + lane * Cfg::QK_STRIDE;
         const Acc* qrow = q_s + (warp * Cfg::ROWS) * Cfg::QK_STRIDE;
         for (int c = 0; c < d4; c += 4) {
@@ -118,16 +124,19 @@ cuflash_fwd_generic(const AttnParams p) {
             for (int u = 0; u < 4; ++u) {
                 const Acc kv = krow[c + u];
 #pragma unroll
-                for (int r = 0; r < Cfg::ROWS; ++r) s[r] += qrow[r * Cfg::QK_STRIDE + c + u] * kv;
+                for (int r = 0; r < Cfg::ROWS; ++r) part[r][u] += qrow[r * Cfg::QK_STRIDE + c + u] * kv;
             }
         }
+        Acc s[Cfg::ROWS];
+#pragma unroll
+        for (int r = 0; r < Cfg::ROWS; ++r) s[r] = (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
         const long long key = key0 + lane;
 #pragma unroll
         for (int r = 0; r < Cfg::ROWS; ++r) {
             const long long row = row0 + warp * Cfg::ROWS + r;
             bool valid = key < p.sk;
             if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
-            s[r] = valid ? s[r] * scale_log2 : neg_inf<Acc>();
+            s[r] = valid ? s[r] * scale : neg_inf<Acc>();
         }
 
         // Online-softmax update and P.V, one row at a time.
@@ -137,12 +146,12 @@ cuflash_fwd_generic(const AttnParams p) {
             const Acc alpha = rescale_factor(m[r], m_new);
             // m' = -inf: nothing visible yet, p = 0 (a NaN score still propagates as NaN).
             const Acc pj = (m_new == neg_inf<Acc>()) ? (s[r] != s[r] ? s[r] : Acc(0))
-                                                     : acc_exp2(s[r] - m_new);
+                                                     : acc_exp(s[r] - m_new);
             l[r] = l[r] * alpha + pj;
             m[r] = m_new;
 #pragma unroll
             for (int c = 0; c < Cfg::DVC; ++c) acc[r][c] *= alpha;
-#pragma unroll 8
+#pragma unroll Cfg::PV_UNROLL
             for (int j = 0; j < Cfg::BC; ++j) {
                 const Acc pb = __shfl_sync(0xffffffffu, pj, j);
 #pragma unroll
@@ -165,8 +174,7 @@ cuflash_fwd_generic(const AttnParams p) {
             if (col < dv) o[row * p.o_sr + col] = from_acc<T>(acc[r][c] * inv);
         }
         if (p.lse != nullptr && lane == 0) {
-            const Acc ln2 = Acc(0.693147180559945309417232121458176568);
-            const Acc lse = empty ? neg_inf<Acc>() : (m[r] + acc_log2(lsum)) * ln2;
+            const Acc lse = empty ? neg_inf<Acc>() : m[r] + acc_log(lsum);
             p.lse[bc.b * p.sq + row] = static_cast<float>(lse);
         }
     }

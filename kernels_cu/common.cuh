@@ -59,12 +59,17 @@ template <> __device__ __forceinline__ unsigned int pack2<bf16_t>(float a, float
 }
 
 // ---------------------------------------------------------------------------------------------
-// Math. The generic (audit) kernel uses the accurate library exp2; the tensor-core kernel uses the
-// hardware ex2.approx (2 ulp), which is far below the fp16/bf16 rounding of P that follows it.
-__device__ __forceinline__ float acc_exp2(float x) { return exp2f(x); }
-__device__ __forceinline__ double acc_exp2(double x) { return exp2(x); }
-__device__ __forceinline__ float acc_log2(float x) { return log2f(x); }
-__device__ __forceinline__ double acc_log2(double x) { return log2(x); }
+// Math. The generic (audit) kernel uses the accurate library exp and log on natural-log scores, so
+// that the exponent s - m is formed before any irrational factor and is exact when s is near m; the
+// tensor-core kernel uses the hardware ex2.approx (2 ulp) on scores pre-multiplied by
+// scale * log2(e), far below the fp16/bf16 rounding of P that follows it.
+__device__ __forceinline__ float acc_exp(float x) { return expf(x); }
+__device__ __forceinline__ double acc_exp(double x) { return exp(x); }
+// lse = m + log(l) with l in [1, Sk]: the intrinsic's error there (2^-21.4 absolute on [0.5, 2],
+// 2 ulp elsewhere) is below the float32 rounding of lse, and unlike logf it has no slow-path call
+// (whose saved registers would show up as a stack frame).
+__device__ __forceinline__ float acc_log(float x) { return __logf(x); }
+__device__ __forceinline__ double acc_log(double x) { return log(x); }
 
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -78,11 +83,11 @@ template <> __device__ __forceinline__ double neg_inf<double>() {
     return __longlong_as_double(0xfff0000000000000ULL);
 }
 
-// alpha = exp2(m_old - m_new) with the guard of the recurrence: a row that has seen only masked
-// keys keeps m = -inf, and exp2(-inf - (-inf)) would be NaN. Such a row has l = 0 and O = 0, so any
+// alpha = exp(m_old - m_new) with the guard of the recurrence: a row that has seen only masked
+// keys keeps m = -inf, and exp(-inf - (-inf)) would be NaN. Such a row has l = 0 and O = 0, so any
 // finite alpha is right; we use 0.
 template <typename Acc> __device__ __forceinline__ Acc rescale_factor(Acc m_old, Acc m_new) {
-    return (m_new == neg_inf<Acc>()) ? Acc(0) : acc_exp2(m_old - m_new);
+    return (m_new == neg_inf<Acc>()) ? Acc(0) : acc_exp(m_old - m_new);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -116,7 +121,8 @@ struct AttnParams {
     long long v_s0, v_s1, v_s2, v_sr;
     long long o_s0, o_s1, o_s2, o_sr;
     long long n_mblocks;   // ceil(Sq / BLOCK_M) for the kernel that is launched
-    double scale_log2;     // softmax scale * log2(e): scores go straight to exp2
+    double scale_log2;     // softmax scale * log2(e): scores go straight to exp2 (fast kernels)
+    double scale;          // the softmax scale itself (the generic kernel uses natural exp)
 };
 
 // Split a flat batch index into the three collapsed batch axes and return each tensor's offset.
@@ -157,5 +163,61 @@ __device__ __forceinline__ long long causal_keys_visible(long long i, long long 
     const long long lim = i + (sk - sq) + 1;
     return lim < sk ? lim : sk;
 }
+
+}  // namespace cuflash
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core building blocks (sm_80+): asynchronous copies, ldmatrix, mma.sync m16n8k16.
+namespace cuflash {
+
+__device__ __forceinline__ unsigned int smem_addr(const void* p) {
+    return static_cast<unsigned int>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy that bypasses L1; src_bytes = 0 writes zeros (tails, padding).
+__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// Four 8x8 matrices of 16-bit elements; lane l supplies the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int addr, unsigned int& r0, unsigned int& r1,
+                                            unsigned int& r2, unsigned int& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int addr, unsigned int& r0,
+                                                  unsigned int& r1, unsigned int& r2,
+                                                  unsigned int& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// D = A * B + D for a 16x16 (row) by 16x8 (col) product, fp32 accumulators.
+template <typename T> struct Mma;
+template <> struct Mma<fp16_t> {
+    static __device__ __forceinline__ void run(float (&d)[4], const unsigned int (&a)[4],
+                                               unsigned int b0, unsigned int b1) {
+        asm volatile(  // volatile: keeps each mma next to its ldmatrix (bounded live fragments)
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Mma<bf16_t> {
+    static __device__ __forceinline__ void run(float (&d)[4], const unsigned int (&a)[4],
+                                               unsigned int b0, unsigned int b1) {
+        asm volatile(  // volatile: keeps each mma next to its ldmatrix (bounded live fragments)
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
 
 }  // namespace cuflash

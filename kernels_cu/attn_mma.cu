@@ -1,0 +1,242 @@
+// attn_mma.cu: tensor-core forward kernel for float16 / bfloat16 (sm_80 and later).
+//
+// Version 1. mma.sync m16n8k16 with fp32 accumulators for both products, ldmatrix for every
+// operand from padded (bank-conflict-free) shared memory, cp.async loads that overlap the loads
+// of V_j with S = Q K_j^T and the loads of K_{j+1} with O += P V_j, exp2-based softmax with the
+// scale folded into one multiply, P converted to 16 bits in registers and fed straight back as the
+// A operand of the P.V product (the m16n8 accumulator layout of two adjacent key tiles is exactly
+// the m16n8k16 A-operand layout).
+//
+// Work split: a block of NWARPS warps owns BM = 16 * NWARPS query rows; warp w owns rows
+// 16w .. 16w + 15 and, for each K/V tile of BN keys, computes its 16 x BN scores, the online
+// softmax update of its rows, and its 16 x D slice of O. Q stays in shared memory and is re-read
+// with ldmatrix per tile (registers are the scarce resource: O takes D/2 and S takes BN/2 per
+// thread). Every thread keeps the state of two rows (g and g + 8 of its warp's 16, g = lane / 4),
+// each spread over the 4 threads of a quad, so row reductions are two shuffles.
+//
+// Per tile and warp: 2 * 16 * BN * D FLOPs for each product; shared-memory reads of K and V
+// (BN * D * 2 bytes each) feed 16 rows, i.e. 16 FLOP per byte read from shared memory.
+// Causal: tiles past the block's last visible key are never loaded; the mask is applied only on
+// tiles that cross the diagonal or the end of the keys.
+//
+// Requirements checked on the host (cuflash/_dispatch.py): D == Dv, D % 8 == 0, D <= DPAD, every
+// row of q, k, v, o 16-byte aligned. Head dims below DPAD are zero-padded in shared memory.
+#include "common.cuh"
+
+namespace cuflash {
+
+template <typename T, int DPAD, int BN, int NWARPS>
+struct MmaConfig {
+    static constexpr int BM = 16 * NWARPS;
+    static constexpr int THREADS = 32 * NWARPS;
+    static constexpr int STRIDE = DPAD + 8;        // +16 bytes per row: ldmatrix rows hit all banks
+    static constexpr int CHUNKS = DPAD / 8;        // 16-byte chunks per row
+    static constexpr int NT_S = BN / 8;            // n8 tiles of scores per warp
+    static constexpr int NT_O = DPAD / 8;          // n8 tiles of output per warp
+    static constexpr int SMEM_ELEMS = (BM + 2 * BN) * STRIDE;
+    static_assert(DPAD % 16 == 0 && BN % 16 == 0, "tile shapes must be multiples of 16");
+};
+
+// Copy rows [row0, row0 + ROWS) of a (rows x d) matrix with row stride `ld` into shared memory
+// (row stride STRIDE), zero-filling rows >= n_rows and columns >= d.
+// Row indices are 32-bit (the host checks Sq, Sk < 2^31); offsets into memory are 64-bit.
+template <int ROWS, int CHUNKS, int STRIDE, int THREADS, typename T>
+__device__ __forceinline__ void load_tile(T* smem, const T* g, long long ld, int row0, int n_rows,
+                                          int d, int tid) {
+    const T* base = g + static_cast<long long>(row0) * ld;
+#pragma unroll
+    for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        const bool ok = row0 + r < n_rows && c * 8 < d;
+        const T* src = ok ? base + r * ld + c * 8 : g;  // a valid address even when zero-filling
+        cp_async16(smem_addr(smem + r * STRIDE + c * 8), src, ok ? 16 : 0);
+    }
+}
+
+template <typename T, int DPAD, int BN, int NWARPS, int MINB, bool CAUSAL>
+__global__ void __launch_bounds__(32 * NWARPS, MINB)
+cuflash_fwd_mma(const AttnParams p) {
+    using Cfg = MmaConfig<T, DPAD, BN, NWARPS>;
+    constexpr int STRIDE = Cfg::STRIDE;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* q_s = reinterpret_cast<T*>(smem_raw);
+    T* k_s = q_s + Cfg::BM * STRIDE;
+    T* v_s = k_s + BN * STRIDE;
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int g = lane / 4;   // row within an 8-row group
+    const int t4 = lane % 4;  // column pair within an n8 tile
+    const BlockCoord bc = block_coord(p);
+    const BatchOffsets off = batch_offsets(p, bc.b);
+    const T* q = static_cast<const T*>(p.q) + off.q;
+    const T* k = static_cast<const T*>(p.k) + off.k;
+    const T* v = static_cast<const T*>(p.v) + off.v;
+    T* o = static_cast<T*>(p.o) + off.o;
+    const int sq = static_cast<int>(p.sq), sk = static_cast<int>(p.sk);
+    const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
+    const int d = static_cast<int>(p.d);
+    const int diag = sk - sq;  // row i sees keys j <= i + diag
+
+    int n_keys = sk;
+    if (CAUSAL) {
+        const int last_row = min(row0 + Cfg::BM, sq) - 1;
+        n_keys = max(0, min(sk, last_row + diag + 1));
+    }
+    const int n_tiles = (n_keys + BN - 1) / BN;
+    // Tiles from masked_from on need the mask: the partial tail tile (if Sk % BN != 0) and, under
+    // the causal mask, every tile holding a key that the block's first row cannot see.
+    int mask_key = (sk % BN) ? (sk / BN) * BN : sk;
+    if (CAUSAL) mask_key = min(mask_key, row0 + diag + 1);
+    const int masked_from = mask_key < 0 ? 0 : mask_key / BN;
+
+    load_tile<Cfg::BM, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(q_s, q, p.q_sr, row0, sq, d, tid);
+    if (n_tiles > 0)
+        load_tile<BN, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(k_s, k, p.k_sr, 0, sk, d, tid);
+    cp_async_commit();
+
+    float acc_o[Cfg::NT_O][4];
+#pragma unroll
+    for (int i = 0; i < Cfg::NT_O; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc_o[i][j] = 0.f;
+    float m_run[2] = {neg_inf<float>(), neg_inf<float>()};  // running max (log2 units)
+    float l_run[2] = {0.f, 0.f};                            // per-thread partial row sums
+    const float scale_log2 = static_cast<float>(p.scale_log2);
+
+    // Per-lane ldmatrix row offsets (elements). A operand (Q rows): matrices (rows 0-7 | 8-15) x
+    // (k 0-7 | 8-15). B from K (non-transposed): (keys 0-7 | 8-15 -> two n-tiles) x (k 0-7 | 8-15).
+    // B from V (transposed): (keys 0-7 | 8-15) x (d 0-7 | 8-15 -> two n-tiles).
+    const int lr = lane % 8, lm = lane / 8;
+    const unsigned int q_base =
+        smem_addr(q_s + (warp * 16 + lr + 8 * (lm % 2)) * STRIDE + 8 * (lm / 2));
+    const unsigned int k_base = smem_addr(k_s + (lr + 8 * (lm / 2)) * STRIDE + 8 * (lm % 2));
+    const unsigned int v_base = smem_addr(v_s + (lr + 8 * (lm % 2)) * STRIDE + 8 * (lm / 2));
+    const int my_row[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int key0 = j * BN;
+        cp_async_wait<0>();
+        __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
+        load_tile<BN, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(v_s, v, p.v_sr, key0, sk, d, tid);
+        cp_async_commit();
+
+        // S = Q K_j^T, 16 x BN per warp.
+        float s[Cfg::NT_S][4];
+#pragma unroll
+        for (int i = 0; i < Cfg::NT_S; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+            unsigned int a[4];
+            ldmatrix_x4(q_base + kk * 32, a[0], a[1], a[2], a[3]);
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                unsigned int b0, b1, b2, b3;
+                ldmatrix_x4(k_base + (nn * 16 * STRIDE + kk * 16) * 2, b0, b1, b2, b3);
+                Mma<T>::run(s[2 * nn], a, b0, b1);
+                Mma<T>::run(s[2 * nn + 1], a, b2, b3);
+            }
+        }
+
+        // Scale to log2 units and mask. s[nt][e]: row my_row[e / 2], key key0 + nt*8 + 2*t4 + e%2.
+        const bool need_mask = j >= masked_from;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[nt][e] * scale_log2;
+                if (need_mask) {
+                    const int key = key0 + nt * 8 + 2 * t4 + (e % 2);
+                    bool ok = key < sk;
+                    if (CAUSAL) ok = ok && key <= my_row[e / 2] + diag;
+                    x = ok ? x : neg_inf<float>();
+                }
+                s[nt][e] = x;
+            }
+
+        // Online softmax for the thread's two rows (each shared by the 4 threads of a quad).
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = m_run[h];
+#pragma unroll
+            for (int nt = 0; nt < Cfg::NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // A row with nothing visible yet keeps m = -inf: use 0 as the reference so that the
+            // exponentials below are exp2(-inf) = 0 instead of NaN.
+            const float m_ref = (mx == neg_inf<float>()) ? 0.f : mx;
+            alpha[h] = fast_exp2(m_run[h] - m_ref);
+            m_run[h] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < Cfg::NT_S; ++nt) {
+                s[nt][2 * h] = fast_exp2(s[nt][2 * h] - m_ref);
+                s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] - m_ref);
+                sum += s[nt][2 * h] + s[nt][2 * h + 1];
+            }
+            l_run[h] = l_run[h] * alpha[h] + sum;
+        }
+#pragma unroll
+        for (int i = 0; i < Cfg::NT_O; ++i) {
+            acc_o[i][0] *= alpha[0]; acc_o[i][1] *= alpha[0];
+            acc_o[i][2] *= alpha[1]; acc_o[i][3] *= alpha[1];
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();  // V_j landed; every warp is done with K_j
+        if (j + 1 < n_tiles) {
+            load_tile<BN, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(k_s, k, p.k_sr, key0 + BN, sk, d, tid);
+            cp_async_commit();
+        }
+
+        // O += P V_j: P (16 x BN) from registers as A operands, V_j from shared memory.
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned int a[4];
+            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int nn = 0; nn < DPAD / 16; ++nn) {
+                unsigned int b0, b1, b2, b3;
+                ldmatrix_x4_trans(v_base + (kk * 16 * STRIDE + nn * 16) * 2, b0, b1, b2, b3);
+                Mma<T>::run(acc_o[2 * nn], a, b0, b1);
+                Mma<T>::run(acc_o[2 * nn + 1], a, b2, b3);
+            }
+        }
+    }
+    cp_async_wait<0>();  // nothing in flight when the block exits
+
+    // Epilogue: finish the row sums over the quad, divide once, write O (pairs of 16-bit values)
+    // and lse (natural log; -inf for a row that saw no key).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = l_run[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int row = my_row[h];
+        if (row >= sq) continue;
+        const bool empty = (l == 0.f);
+        const float inv = empty ? 0.f : 1.f / l;
+        T* orow = o + static_cast<long long>(row) * p.o_sr;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT_O; ++nt) {
+            const int col = nt * 8 + 2 * t4;
+            if (col < d) {
+                *reinterpret_cast<unsigned int*>(orow + col) =
+                    pack2<T>(acc_o[nt][2 * h] * inv, acc_o[nt][2 * h + 1] * inv);
+            }
+        }
+        if (p.lse != nullptr && t4 == 0) {
+            p.lse[bc.b * p.sq + row] =
+                empty ? neg_inf<float>() : (m_run[h] + log2f(l)) * 0.6931471805599453f;
+        }
+    }
+}
+
+}  // namespace cuflash

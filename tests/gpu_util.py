@@ -1,0 +1,76 @@
+"""Helpers for the GPU tests: inputs of any dtype (bfloat16 included) made from float64 values,
+NaN-poisoned output buffers, and the float64 comparison with the pass rule of
+`cuflash.reference.tolerance`."""
+import numpy as np
+
+from cuflash import reference
+
+
+def cupy():
+    import cupy as cp
+
+    return cp
+
+
+def bf16_dtype():
+    """CuPy's bfloat16 dtype, or None when ml_dtypes is missing."""
+    try:
+        import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+    except ImportError:
+        return None
+    return np.dtype("bfloat16")
+
+
+def to_gpu(x64, dtype):
+    """A GPU array of `dtype` holding `x64`, which must already be representable in `dtype`."""
+    cp = cupy()
+    if dtype == "bfloat16":
+        bits = (np.ascontiguousarray(x64, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return cp.asarray(bits).view(bf16_dtype())
+    return cp.asarray(np.asarray(x64, dtype=dtype))
+
+
+def to_host64(a):
+    """A GPU array of any supported dtype as a float64 NumPy array."""
+    cp = cupy()
+    if a.dtype.name == "bfloat16":
+        bits = cp.asnumpy(a.view(cp.uint16)).astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64)
+    return cp.asnumpy(a).astype(np.float64)
+
+
+def poisoned(shape, dtype):
+    """An uninitialised GPU array with every byte 0xFF: NaN in every float format."""
+    cp = cupy()
+    a = cp.empty(shape, dtype=bf16_dtype() if dtype == "bfloat16" else dtype)
+    a.view(cp.uint8).fill(0xFF)
+    return a
+
+
+def random_inputs(rng, batch_q, batch_kv, sq, sk, d, dv, dtype, scale_v=1.0):
+    """Fresh random q, k, v (float64 arrays whose values are representable in `dtype`)."""
+    q = reference.round_to(rng.standard_normal(batch_q + (sq, d)), dtype)
+    k = reference.round_to(rng.standard_normal(batch_kv + (sk, d)), dtype)
+    v = reference.round_to(scale_v * rng.standard_normal(batch_kv + (sk, dv)), dtype)
+    return q, k, v
+
+
+def check_against_reference(o_gpu, lse_gpu, q, k, v, *, causal, scale, dtype):
+    """Assert the pass rule for `o_gpu` and a tight match for `lse_gpu` (if given)."""
+    o_ref, lse_ref = reference.attention_ref(q, k, v, causal=causal, scale=scale)
+    naive_err = reference.naive_error(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref)
+    o = to_host64(o_gpu)
+    assert not np.isnan(o).any(), f"{int(np.isnan(o).sum())} output elements are NaN (unwritten?)"
+    err = float(np.max(np.abs(o - o_ref)))
+    tol = reference.tolerance(dtype, o_ref, naive_err)
+    assert err <= tol, f"max abs error {err:.3e} > threshold {tol:.3e} (naive {naive_err:.3e})"
+    if lse_gpu is not None:
+        lse = to_host64(lse_gpu)
+        assert not np.isnan(lse).any(), "lse has NaN (unwritten?)"
+        ninf = np.isneginf(lse_ref)
+        assert np.array_equal(np.isneginf(lse), ninf), "lse = -inf exactly where no key is visible"
+        fin = ~ninf
+        if fin.any():
+            lerr = np.abs(lse[fin] - lse_ref[fin])
+            assert np.all(lerr <= 1e-4 + 1e-5 * np.abs(lse_ref[fin])), f"lse error {lerr.max():.3e}"
+    return err, naive_err

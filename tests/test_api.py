@@ -1,0 +1,89 @@
+"""The public API's argument checks (CPU, no GPU needed): every bad input gets a TypeError or
+ValueError that names the argument and what was expected; good inputs of every accepted form run."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+
+RNG = np.random.default_rng()
+
+
+def arr(*shape, dtype=np.float32):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+Q, K, V = arr(2, 3, 10, 16), arr(2, 3, 12, 16), arr(2, 3, 12, 8)
+
+
+@pytest.mark.parametrize("args,kwargs,exc,match", [
+    ((Q, K, V.astype(np.float64)), {}, TypeError, "same dtype"),
+    ((Q.astype(np.int32), K, V), {}, TypeError, "q has dtype int32"),
+    ((Q.astype(np.complex64), K, V), {}, TypeError, "expected one of"),
+    ((arr(16), K, V), {}, ValueError, "at least 2 dimensions"),
+    ((arr(2, 3, 0, 16), K, V), {}, ValueError, "zero-length axis"),
+    ((Q, arr(2, 3, 12, 0), V), {}, ValueError, "zero-length axis"),
+    ((arr(0, 3, 10, 16), K, V), {}, ValueError, "zero-length axis"),
+    ((Q, arr(2, 3, 12, 15), V), {}, ValueError, "head dim 15 but q has 16"),
+    ((Q, K, arr(2, 3, 11, 8)), {}, ValueError, "v has 11 keys"),
+    ((arr(1, 4, 300), arr(1, 4, 300), arr(1, 4, 8)), {}, ValueError, "at most 256"),
+    ((arr(1, 4, 16), arr(1, 4, 16), arr(1, 4, 257)), {}, ValueError, "at most 256"),
+    ((arr(2, 10, 16), arr(3, 12, 16), arr(3, 12, 8)), {}, ValueError, "do not broadcast"),
+    ((Q, K, V), {"causal": 1}, TypeError, "causal must be a bool"),
+    ((Q, K, V), {"scale": float("nan")}, ValueError, "scale must be finite"),
+    ((Q, K, V), {"scale": "0.1"}, TypeError, "scale must be a real number"),
+    ((Q, K, V), {"out": np.empty((2, 3, 10, 16), np.float32)}, ValueError, "out has shape"),
+    ((Q, K, V), {"out": np.empty((2, 3, 10, 8), np.float64)}, TypeError, "out has dtype"),
+    ((Q, K, V), {"out": np.empty((2, 3, 8, 10), np.float32).swapaxes(-1, -2)}, ValueError,
+     "contiguous last axis"),
+    ((Q, K, V), {"kernel": "fast"}, ValueError, "kernel must be one of"),
+    ((Q, K, V), {"kernel": "generic"}, ValueError, "inputs are on the CPU"),
+    ((Q, K, V), {"stream": 0}, ValueError, "stream= applies to GPU inputs only"),
+    (([[1.0]], K, V), {}, TypeError, "q must be a NumPy or CuPy array"),
+])
+def test_bad_input(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        cuflash.attention(*args, **kwargs)
+
+
+def test_out_pair_needs_return_lse():
+    o = np.empty((2, 3, 10, 8), np.float32)
+    lse = np.empty((2, 3, 10), np.float32)
+    with pytest.raises(ValueError, match="only with return_lse=True"):
+        cuflash.attention(Q, K, V, out=(o, lse))
+    with pytest.raises(TypeError, match="expected float32"):
+        cuflash.attention(Q, K, V, return_lse=True, out=(o, lse.astype(np.float64)))
+
+
+def test_out_is_written_and_returned():
+    o = np.full((2, 3, 10, 8), np.nan, np.float32)
+    lse = np.full((2, 3, 10), np.nan, np.float32)
+    res = cuflash.attention(Q, K, V, causal=True, return_lse=True, out=(o, lse))
+    assert res[0] is o and res[1] is lse
+    o_ref, lse_ref = reference.attention_ref(Q, K, V, causal=True)
+    assert np.max(np.abs(o - o_ref)) < 1e-5
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_states_bad_input():
+    o = arr(3, 4)
+    lse = arr(3)
+    with pytest.raises(ValueError, match="same shape"):
+        cuflash.merge_states(o, lse, arr(3, 5), lse)
+    with pytest.raises(ValueError, match="lse_b has shape"):
+        cuflash.merge_states(o, lse, o, arr(4))
+    with pytest.raises(TypeError, match="lse_a has dtype float64"):
+        cuflash.merge_states(o, lse.astype(np.float64), o, lse)
+    with pytest.raises(TypeError, match="same dtype"):
+        cuflash.merge_states(o, lse, o.astype(np.float64), lse)
+
+
+def test_dispatch_info_and_gpu_available_on_cpu():
+    assert cuflash.dispatch_info(Q, K, V) == "cpu-numpy"
+    assert isinstance(cuflash.gpu_available(), bool)
+
+
+def test_default_scale_is_inverse_sqrt_d():
+    o1 = cuflash.attention(Q, K, V)
+    o2 = cuflash.attention(Q, K, V, scale=1 / 4.0)
+    np.testing.assert_array_equal(o1, o2)

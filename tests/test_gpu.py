@@ -1,0 +1,230 @@
+"""GPU tests: every kernel against the float64 SciPy reference, on fresh random inputs, with the
+output buffers poisoned with NaN so an unwritten element fails. Skipped without a GPU."""
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+
+from gpu_util import (bf16_dtype, check_against_reference, cupy, poisoned, random_inputs, to_gpu,
+                      to_host64)
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+SHAPES = [(1, 1), (7, 7), (113, 113), (1000, 1000), (1, 1000), (1000, 7), (113, 1000), (257, 64),
+          (64, 257), (300, 2048)]
+SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+
+
+def _rng(*key):
+    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+
+
+def _skip_unsupported(dtype):
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes (CuPy's bfloat16 dtype)")
+
+
+def _run(q, k, v, dtype, *, causal, scale=None, kernel="auto", batch=None):
+    cp = cupy()
+    qg, kg, vg = to_gpu(q, dtype), to_gpu(k, dtype), to_gpu(v, dtype)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    o = poisoned(batch + (q.shape[-2], v.shape[-1]), dtype)
+    lse = poisoned(batch + (q.shape[-2],), "float32")
+    label = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel=kernel)
+    res = cuflash.attention(qg, kg, vg, causal=causal, scale=scale, return_lse=True,
+                            out=(o, lse), kernel=kernel)
+    assert res[0] is o and res[1] is lse
+    cp.cuda.get_current_stream().synchronize()
+    return o, lse, label
+
+
+@pytest.mark.parametrize("kernel", ["auto", "generic"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk", SHAPES)
+def test_matches_reference(sq, sk, dtype, causal, kernel):
+    _skip_unsupported(dtype)
+    d = [64, 128, 256, 96][(sq + sk) % 4]
+    batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
+    rng = _rng("ref", sq, sk, dtype, causal, kernel)
+    q, k, v = random_inputs(rng, batch, batch, sq, sk, d, d, dtype)
+    o, lse, label = _run(q, k, v, dtype, causal=causal, kernel=kernel)
+    if kernel == "auto" and dtype in ("float16", "bfloat16"):
+        assert label.startswith("tensorcore"), label  # the fast path is what these tests exercise
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("d", [1, 7, 16, 32, 40, 64, 72, 96, 100, 128, 160, 192, 200, 256])
+def test_head_dims(d, dtype, causal):
+    _skip_unsupported(dtype)
+    rng = _rng("hd", d, dtype, causal)
+    q, k, v = random_inputs(rng, (2,), (2,), 113, 200, d, d, dtype)
+    o, lse, label = _run(q, k, v, dtype, causal=causal)
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 32), (32, 128), (256, 8), (5, 256)])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_dv_differs(d, dv, dtype):
+    rng = _rng("dv", d, dv, dtype)
+    q, k, v = random_inputs(rng, (3,), (3,), 77, 150, d, dv, dtype)
+    o, lse, _ = _run(q, k, v, dtype, causal=True)
+    check_against_reference(o, lse, q, k, v, causal=True, scale=1 / math.sqrt(d), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_multi_query_broadcast_and_scale(dtype):
+    rng = _rng("mqa", dtype)
+    q, k, v = random_inputs(rng, (2, 8), (2, 1), 130, 90, 64, 64, dtype)
+    o, lse, _ = _run(q, k, v, dtype, causal=False, scale=0.3)
+    check_against_reference(o, lse, q, k, v, causal=False, scale=0.3, dtype=dtype)
+
+
+def test_two_d_inputs_and_negative_scale():
+    rng = _rng("2d")
+    q, k, v = random_inputs(rng, (), (), 50, 70, 64, 64, "float16")
+    o, lse, _ = _run(q, k, v, "float16", causal=True, scale=-0.2)
+    check_against_reference(o, lse, q, k, v, causal=True, scale=-0.2, dtype="float16")
+
+
+def test_many_batch_axes_unmergeable():
+    """Four batch axes broadcast in a pattern no stride merge can collapse to three."""
+    rng = _rng("4b")
+    q, k, v = random_inputs(rng, (2, 1, 3, 2), (1, 2, 1, 2), 33, 40, 64, 64, "float16")
+    o, lse, _ = _run(q, k, v, "float16", causal=False)
+    check_against_reference(o, lse, q, k, v, causal=False, scale=1 / 8, dtype="float16")
+
+
+@pytest.mark.parametrize("kernel", ["auto", "generic"])
+def test_strided_bshd_view_is_not_copied(kernel):
+    """A (B, S, H, D) buffer passed as a (B, H, S, D) view: used in place, result right."""
+    cp = cupy()
+    rng = _rng("bshd", kernel)
+    B, S, H, D = 2, 300, 4, 128
+    x = [reference.round_to(rng.standard_normal((B, S, H, D)), "float16") for _ in range(3)]
+    g = [cp.asarray(a.astype(np.float16)) for a in x]
+    views = [a.transpose(0, 2, 1, 3) for a in g]
+    assert not views[0].flags.c_contiguous
+    out = poisoned((B, H, S, D), "float16")
+    pool = cp.get_default_memory_pool()
+    cuflash.attention(*views, causal=True, out=out, kernel=kernel)  # warm-up: compile
+    out.view(cp.uint8).fill(0xFF)
+    before = pool.used_bytes()
+    cuflash.attention(*views, causal=True, out=out, kernel=kernel)
+    assert pool.used_bytes() == before, "no allocation when out= is given"
+    ref_in = [a.transpose(0, 2, 1, 3) for a in x]
+    check_against_reference(out, None, *ref_in, causal=True, scale=1 / math.sqrt(D), dtype="float16")
+
+
+def test_non_contiguous_last_axis_is_copied_and_right():
+    cp = cupy()
+    rng = _rng("lastaxis")
+    q, k, v = random_inputs(rng, (2,), (2,), 40, 50, 32, 32, "float32")
+    qg = cp.asarray(np.ascontiguousarray(np.swapaxes(q, -1, -2))).swapaxes(-1, -2)  # stride != 1
+    assert qg.strides[-1] != qg.itemsize
+    o, lse = cuflash.attention(qg, to_gpu(k, "float32"), to_gpu(v, "float32"), return_lse=True)
+    check_against_reference(o, lse, q, k, v, causal=False, scale=1 / math.sqrt(32), dtype="float32")
+
+
+@pytest.mark.parametrize("kernel", ["auto", "generic"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_fully_masked_rows(kernel, dtype):
+    """Causal with Sq > Sk: the first Sq - Sk rows see nothing -> o = 0, lse = -inf, no NaN."""
+    rng = _rng("masked", kernel, dtype)
+    q, k, v = random_inputs(rng, (2,), (2,), 200, 30, 64, 64, dtype)
+    o, lse, _ = _run(q, k, v, dtype, causal=True, kernel=kernel)
+    oh, lh = to_host64(o), to_host64(lse)
+    assert np.all(oh[:, :170] == 0) and np.all(np.isneginf(lh[:, :170]))
+    check_against_reference(o, lse, q, k, v, causal=True, scale=1 / 8, dtype=dtype)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "generic"])
+def test_nan_propagates(kernel):
+    rng = _rng("nan", kernel)
+    q, k, v = random_inputs(rng, (), (), 20, 40, 64, 64, "float16")
+    q[3, 5] = np.nan
+    o, _, _ = _run(q, k, v, "float16", causal=False, kernel=kernel)
+    oh = to_host64(o)
+    assert np.isnan(oh[3]).all()
+    assert not np.isnan(np.delete(oh, 3, axis=0)).any()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_merge_states_splits_keys(dtype):
+    _skip_unsupported(dtype)
+    rng = _rng("merge", dtype)
+    q, k, v = random_inputs(rng, (2, 2), (2, 2), 100, 300, 64, 64, dtype)
+    qg, kg, vg = to_gpu(q, dtype), to_gpu(k, dtype), to_gpu(v, dtype)
+    o1, l1 = cuflash.attention(qg, kg[..., :120, :], vg[..., :120, :], return_lse=True)
+    o2, l2 = cuflash.attention(qg, kg[..., 120:, :], vg[..., 120:, :], return_lse=True)
+    o, lse = cuflash.merge_states(o1, l1, o2, l2)
+    check_against_reference(o, lse, q, k, v, causal=False, scale=1 / 8, dtype=dtype)
+
+
+def test_merge_states_empty_partials():
+    cp = cupy()
+    o = cp.zeros((3, 4), dtype=cp.float32)
+    lse = cp.full((3,), -cp.inf, dtype=cp.float32)
+    om, lm = cuflash.merge_states(o, lse, o, lse)
+    assert not cp.isnan(om).any() and bool(cp.all(cp.isneginf(lm)))
+
+
+def test_stream_and_cuda_graph_capture():
+    """The call runs on the given stream and can be captured in a CUDA graph (no sync, no alloc)."""
+    cp = cupy()
+    rng = _rng("graph")
+    q, k, v = random_inputs(rng, (2, 4), (2, 4), 256, 256, 64, 64, "float16")
+    qg, kg, vg = to_gpu(q, "float16"), to_gpu(k, "float16"), to_gpu(v, "float16")
+    out = poisoned((2, 4, 256, 64), "float16")
+    lse = poisoned((2, 4, 256), "float32")
+    s = cp.cuda.Stream(non_blocking=True)
+    cuflash.attention(qg, kg, vg, causal=True, out=(out, lse), return_lse=True, stream=s)
+    s.synchronize()
+    out.view(cp.uint8).fill(0xFF)
+    lse.view(cp.uint8).fill(0xFF)
+    cp.cuda.Device().synchronize()
+    with s:
+        s.begin_capture()
+        cuflash.attention(qg, kg, vg, causal=True, out=(out, lse), return_lse=True)
+        graph = s.end_capture()
+    graph.launch(stream=s)
+    s.synchronize()
+    check_against_reference(out, lse, q, k, v, causal=True, scale=1 / 8, dtype="float16")
+
+
+def test_torch_dlpack_inputs():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    cp = cupy()
+    g = torch.Generator(device="cuda").manual_seed(int(SEED % 2**31))
+    q, k, v = (torch.randn(2, 4, 120, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    o = cuflash.attention(q, k, v, causal=True)
+    assert isinstance(o, cp.ndarray)
+    ot = torch.from_dlpack(o)
+    assert ot.dtype == torch.bfloat16 and ot.data_ptr() == o.data.ptr  # zero-copy back
+    qh, kh, vh = (x.float().cpu().numpy().astype(np.float64) for x in (q, k, v))
+    check_against_reference(o, None, qh, kh, vh, causal=True, scale=1 / 8, dtype="bfloat16")
+
+
+def test_errors_on_gpu():
+    cp = cupy()
+    q = cp.ones((2, 8, 64), dtype=cp.float16) * 0.5
+    with pytest.raises(ValueError, match="same device"):
+        cuflash.attention(q, np.ones((2, 8, 64), np.float16), q)
+    with pytest.raises(TypeError, match="out has dtype"):
+        cuflash.attention(q, q, q, out=cp.empty((2, 8, 64), cp.float32))
+    with pytest.raises(ValueError, match="out has shape"):
+        cuflash.attention(q, q, q, out=cp.empty((2, 8, 63), cp.float16))
+    with pytest.raises(ValueError, match="tensorcore"):
+        cuflash.attention(q.astype(cp.float32), q.astype(cp.float32), q.astype(cp.float32),
+                          kernel="tensorcore")
+    with pytest.raises(ValueError, match="out is on"):
+        cuflash.attention(q, q, q, out=np.empty((2, 8, 64), np.float16))
