@@ -65,6 +65,8 @@ __all__ = [
     "round_to",
     "tolerance",
     "naive_error",
+    "output_scale",
+    "pass_threshold",
     "naive_error_bound_f64",
     "unit_roundoff",
     "OnlineState",
@@ -349,8 +351,20 @@ def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None) -> floa
     return float(diff.max()) if diff.size else 0.0
 
 
-def tolerance(dtype, o_ref, naive_err) -> float:
-    """Pass threshold for a fused result in ``dtype``: ``2 * naive_err + 2 * u(dtype) * max|o_ref|``.
+def output_scale(q, k, v, *, causal: bool = False, scale: Optional[float] = None) -> float:
+    """``max_i,c sum_j softmax(s)_ij |v_jc|``: the size of the terms each output sums.
+
+    It bounds ``max|o|`` and is the scale at which rounding the weights p and the output acts:
+    where the weighted values cancel (a small ``|o|`` from large ``|v|``), any same-precision
+    implementation carries an error of order ``u`` times this, not times ``|o|``.
+    """
+    o_abs, _ = attention_ref(q, k, np.abs(np.asarray(v, dtype=np.float64)), causal=causal,
+                             scale=scale)
+    return float(np.max(o_abs)) if o_abs.size else 0.0
+
+
+def tolerance(dtype, o_ref, naive_err, out_scale: Optional[float] = None) -> float:
+    """Pass threshold for a fused result in ``dtype``: ``2 * naive_err + 4 * u(dtype) * A``.
 
     Parameters
     ----------
@@ -358,19 +372,38 @@ def tolerance(dtype, o_ref, naive_err) -> float:
     o_ref : array_like
         The float64 reference output (:func:`attention_ref`).
     naive_err : float
-        ``max |naive_attention(..., dtype=dtype) - o_ref|``.
+        The naive same-precision error, :func:`naive_error`.
+    out_scale : float, optional
+        ``A``, the scale of the summed terms (:func:`output_scale`); default ``max|o_ref|``
+        (which it bounds from above).
 
     Returns
     -------
     float
         The largest acceptable ``max |o - o_ref|``.  ``u`` is the unit roundoff (2^-11 fp16,
-        2^-8 bf16, 2^-24 fp32, 2^-53 fp64); the second term allows for the final rounding of the
-        output to ``dtype``.
+        2^-8 bf16, 2^-24 fp32, 2^-53 fp64); the second term, the small absolute term of the rule,
+        allows for the few roundings (weights, their sum, the output) that any same-precision
+        implementation makes at the scale ``A``, which on small problems (a few output
+        elements) the measured naive error, a maximum over few samples, does not reliably show.
     """
     u = unit_roundoff(dtype)
-    o_ref = np.asarray(o_ref, dtype=np.float64)
-    amax = float(np.max(np.abs(o_ref))) if o_ref.size else 0.0
-    return 2.0 * float(naive_err) + 2.0 * u * amax
+    if out_scale is None:
+        o_ref = np.asarray(o_ref, dtype=np.float64)
+        out_scale = float(np.max(np.abs(o_ref))) if o_ref.size else 0.0
+    return 2.0 * float(naive_err) + 4.0 * u * float(out_scale)
+
+
+def pass_threshold(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
+                   o_ref=None):
+    """The rule in one call: ``(threshold, naive_err)`` for inputs q, k, v audited in `dtype`.
+
+    ``threshold = 2 * naive_error + 4 * u(dtype) * output_scale``; see :func:`tolerance`.
+    """
+    if o_ref is None:
+        o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale)
+    ne = naive_error(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref)
+    a = output_scale(q, k, v, causal=causal, scale=scale)
+    return tolerance(dtype, o_ref, ne, out_scale=a), ne
 
 
 # ---------------------------------------------------------------------------------------------

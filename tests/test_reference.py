@@ -379,10 +379,10 @@ def test_naive_low_precision(dtype, bound):
 
 def test_tolerance_formula():
     o_ref = np.array([[0.5, -2.0], [1.0, 0.25]])
-    assert ref.tolerance("float16", o_ref, 1e-3) == 2e-3 + 2 * 2.0 ** -11 * 2.0
-    assert ref.tolerance("bfloat16", o_ref, 0.0) == 2 * 2.0 ** -8 * 2.0
-    assert ref.tolerance(np.float32, o_ref, 1e-7) == 2e-7 + 2 * 2.0 ** -24 * 2.0
-    assert ref.tolerance(np.dtype("float64"), o_ref, 0.0) == 2 * 2.0 ** -53 * 2.0
+    assert ref.tolerance("float16", o_ref, 1e-3) == 2e-3 + 4 * 2.0 ** -11 * 2.0
+    assert ref.tolerance("bfloat16", o_ref, 0.0) == 4 * 2.0 ** -8 * 2.0
+    assert ref.tolerance(np.float32, o_ref, 1e-7) == 2e-7 + 4 * 2.0 ** -24 * 2.0
+    assert ref.tolerance(np.dtype("float64"), o_ref, 0.0) == 4 * 2.0 ** -53 * 2.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,987 @@
+"""The numerical audit behind ``cuflash-check``.
+
+Everything here sits on the public API (:func:`cuflash.attention`, :func:`cuflash.merge_states`,
+:func:`cuflash.dispatch_info`, :func:`cuflash.gpu_available`) and on :mod:`cuflash.reference`.
+CuPy is touched only to move arrays to and from the GPU and to describe the device, and it is
+imported lazily, so the CPU audit runs without it.
+
+An audited case is one attention call compared with the float64 SciPy reference computed on the
+very values the kernel received (the inputs are drawn in float64 and rounded to the dtype first):
+
+* ``err``: max |o - o_ref|; ``rel``: ||o - o_ref|| / ||o_ref|| (Frobenius norms);
+* ``naive``: max |o_naive - o_ref| for the unfused matmul -> softmax -> matmul written in the same
+  precision (:func:`cuflash.reference.naive_attention`); for float64, where that computation is
+  the reference itself, its forward-error bound instead (:func:`naive_error`);
+* ``threshold``: :func:`cuflash.reference.tolerance`, i.e. ``2 * naive + 4 * u * A``;
+* ``lse``: max |lse - lse_ref| over the rows whose reference lse is finite.
+
+The pass rule is spelled out in :data:`PASS_RULE` (it is also the ``--help`` text of the CLI).
+"""
+from __future__ import annotations
+
+import math
+import platform
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from scipy.special import softmax as _scipy_softmax
+
+from cuflash import attention, dispatch_info, gpu_available, merge_states
+from cuflash import reference
+
+ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+#: Relative bound of the lse check, as a function of the dtype: ``max(1e-5, 2 u)``.
+#: lse is float32 and built from float32-accumulated scores for every dtype, so for float32 and
+#: float64 it is good to a few 1e-7 relative; 16-bit kernels may sum the probabilities after
+#: rounding them to the dtype, which moves l by up to u relative, i.e. lse by up to u absolute.
+LSE_RTOL = {name: max(1e-5, 2.0 * reference.unit_roundoff(name)) for name in ALL_DTYPES}
+
+#: Bound for the float64 property audits of the recurrence and of the merge operator.
+EXACT_TOL = 1e-12
+
+PASS_RULE = (
+    "A case PASSES when all of these hold.\n\n"
+    "(1) Output: max|o - o_ref| <= 2 * max|o_naive - o_ref| + 4 * u * A, where o_ref "
+    "is the float64 SciPy reference computed on the same (rounded) inputs, o_naive a naive "
+    "same-precision implementation (matmul -> softmax -> matmul, each stage rounded to the "
+    "dtype, products accumulated in float32) and u the unit roundoff of the dtype (2^-11 "
+    "float16, 2^-8 bfloat16, 2^-24 float32, 2^-53 float64): the rule FlashAttention's own "
+    "tests use, with a small absolute term. A = max over rows and columns of sum_j p_j |v_j| "
+    "(>= max|o_ref|) is the size of the terms each output sums: rounding the weights p, their "
+    "sum and the output acts at that scale (a few roundings, hence 4u), and on problems with "
+    "few output elements the measured naive error alone is too noisy to see it. For float64 the naive "
+    "implementation performs the very operations of the reference (its measured error is 0), "
+    "so its first-order forward-error bound u * max|v| * (2 (D+1) |scale| max||q_i|| "
+    "max||k_j|| + 2 Sk + 4) stands in for it (marked * in the table).\n\n"
+    "(2) Every output element is finite wherever the reference is (the out=(o, lse) buffers "
+    "are pre-filled with NaN, so elements the kernel never writes fail) and the returned "
+    "(o, lse) are those buffers.\n\n"
+    "(3) lse: rows whose reference lse is -inf (no visible key) must be exactly -inf; every "
+    "other row must be finite with |lse - lse_ref| <= max(1e-5, 2u) * max(1, |lse_ref|) "
+    "(lse is float32 for every dtype and built from float32-accumulated scores; the 2u lets "
+    "16-bit kernels sum probabilities rounded to the dtype).\n\n"
+    "Property audits: the recurrence (random chunkings and orders, a max jump of 1000) and the "
+    "merge operator (associativity, commutativity, identity) run in float64 and must agree "
+    "with SciPy to 1e-12; float16 scores near 12 must overflow exp(s)/sum(exp(s)) while "
+    "cuflash stays within the case rule; a max jump of ~150 between key tiles (alpha "
+    "underflows) must stay within the case rule; merge_states of two key halves must match "
+    "the reference over all keys within the case rule plus 8 * 2^-24 * max(1, |lse_ref|) * "
+    "max|o_ref| (the halves' lse are float32)."
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# dtypes and devices
+# ----------------------------------------------------------------------------------------------
+
+class AuditError(Exception):
+    """A problem with the audit's own inputs (device, dtype, file): reported, exit status 2."""
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype object for ``name``; bfloat16 comes from ml_dtypes (AuditError if absent)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        if name != "bfloat16":
+            raise
+    try:
+        import ml_dtypes  # noqa: F401  (registers the type with NumPy)
+        return np.dtype(ml_dtypes.bfloat16)
+    except ImportError:
+        raise AuditError("bfloat16 needs the ml_dtypes package, which is not installed") from None
+
+
+def _bf16_on_gpu() -> bool:
+    try:
+        import cupy
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError:
+            pass
+        cupy.dtype("bfloat16")
+        return True
+    except Exception:
+        return False
+
+
+def _bf16_on_cpu() -> bool:
+    try:
+        numpy_dtype("bfloat16")
+        return True
+    except AuditError:
+        return False
+
+
+def _why_no_gpu() -> str:
+    """A short reason why no GPU is usable (best effort, for the messages)."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
+        return f"CuPy cannot be imported ({type(exc).__name__}: {exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"CuPy finds no CUDA device ({type(exc).__name__}: {exc})".replace("\n", " ")
+    if n == 0:
+        return "CuPy reports 0 CUDA devices"
+    return "cuflash.gpu_available() returned False"
+
+
+class Device:
+    """Where the audited calls run: moves arrays there and back and lists the kernels to audit."""
+
+    name = "cpu"
+
+    def to_device(self, x: np.ndarray):
+        return x
+
+    def to_host(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    def same_buffer(self, a, b) -> bool:
+        return a is b or (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+                          and a.shape == b.shape and np.shares_memory(a, b))
+
+    def default_dtypes(self) -> List[str]:
+        return ["float16", "float32", "float64"]
+
+    def supports(self, dtype: str) -> bool:
+        return dtype != "bfloat16" or _bf16_on_cpu()
+
+    def kernels(self, q, k, v, causal) -> List[Tuple[str, str]]:
+        """(kernel argument, dispatched kernel name) pairs to audit for these inputs."""
+        return [("auto", dispatch_info(q, k, v, causal=causal, kernel="auto"))]
+
+    def info(self) -> Dict[str, Any]:
+        return {"kind": "cpu", "processor": platform.processor() or platform.machine(),
+                "platform": platform.platform()}
+
+
+class GpuDevice(Device):
+    name = "gpu"
+
+    def __init__(self):
+        import cupy
+        self._cp = cupy
+
+    def to_device(self, x):
+        return self._cp.asarray(x)
+
+    def to_host(self, x):
+        return self._cp.asnumpy(x)
+
+    def same_buffer(self, a, b) -> bool:
+        if a is b:
+            return True
+        try:
+            return (tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+                    and a.data.ptr == b.data.ptr)
+        except AttributeError:
+            return False
+
+    def default_dtypes(self) -> List[str]:
+        names = ["float16", "float32", "float64"]
+        if _bf16_on_gpu():
+            names.insert(1, "bfloat16")
+        return names
+
+    def supports(self, dtype: str) -> bool:
+        return dtype != "bfloat16" or _bf16_on_gpu()
+
+    def kernels(self, q, k, v, causal):
+        auto = dispatch_info(q, k, v, causal=causal, kernel="auto")
+        generic = dispatch_info(q, k, v, causal=causal, kernel="generic")
+        pairs = [("auto", auto)]
+        if generic != auto:
+            pairs.append(("generic", generic))
+        return pairs
+
+    def info(self):
+        cp = self._cp
+        d: Dict[str, Any] = {"kind": "gpu"}
+        try:
+            dev = cp.cuda.Device()
+            props = cp.cuda.runtime.getDeviceProperties(dev.id)
+            name = props.get("name", b"")
+            d["index"] = dev.id
+            d["name"] = name.decode() if isinstance(name, bytes) else str(name)
+            d["compute_capability"] = str(dev.compute_capability)
+            d["memory_bytes"] = int(props.get("totalGlobalMem", 0))
+            d["cuda_runtime"] = cp.cuda.runtime.runtimeGetVersion()
+            d["cuda_driver"] = cp.cuda.runtime.driverGetVersion()
+        except Exception as exc:  # the audit itself will report real problems
+            d["error"] = f"{type(exc).__name__}: {exc}"
+        return d
+
+
+def select_device(requested: str) -> Tuple[Device, str]:
+    """The device for ``--device`` (cpu, gpu or auto) and a sentence saying why."""
+    if requested == "cpu":
+        return Device(), "requested with --device cpu"
+    have = bool(gpu_available())
+    if requested == "gpu":
+        if not have:
+            raise AuditError(f"--device gpu: no usable CUDA GPU ({_why_no_gpu()})")
+        return GpuDevice(), "requested with --device gpu"
+    if requested != "auto":
+        raise AuditError(f"unknown device {requested!r}")
+    if have:
+        return GpuDevice(), "auto: cuflash.gpu_available() is True"
+    return Device(), f"auto: no usable CUDA GPU, so the NumPy path; {_why_no_gpu()}"
+
+
+def resolve_dtypes(device: Device, requested: Sequence[str]) -> List[str]:
+    if not requested:
+        return device.default_dtypes()
+    out = []
+    for name in requested:
+        if name not in ALL_DTYPES:
+            raise AuditError(f"unknown dtype {name!r}; expected one of {', '.join(ALL_DTYPES)}")
+        if not device.supports(name):
+            why = ("CuPy does not accept cupy.dtype('bfloat16') (install ml_dtypes)"
+                   if device.name == "gpu" else "ml_dtypes is not installed")
+            raise AuditError(f"--dtype {name} is not available on the {device.name}: {why}")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def versions() -> Dict[str, str]:
+    from importlib import metadata
+    import scipy
+    import cuflash
+
+    v = {"python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__,
+         "cuflash": str(getattr(cuflash, "__version__", "unknown"))}
+    try:
+        v["click"] = metadata.version("click")
+    except metadata.PackageNotFoundError:
+        pass
+    if "cupy" in sys.modules:
+        v["cupy"] = sys.modules["cupy"].__version__
+    try:
+        import ml_dtypes
+        v["ml_dtypes"] = ml_dtypes.__version__
+    except ImportError:
+        pass
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# the grid
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    batch: Tuple[int, ...]
+    sq: int
+    sk: int
+    d: int
+    dv: int
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        return "(" + ",".join(str(x) for x in self.batch + (self.sq, self.sk, self.d, self.dv)) + ")"
+
+
+#: (Sq, Sk) pairs of the standard audit.
+SEQ_PAIRS = [(1, 1), (7, 7), (113, 113), (1000, 1000), (1, 1000), (113, 7), (7, 113),
+             (1000, 113), (128, 1000)]
+#: (D, Dv) pairs of the standard audit.
+HEAD_DIMS = [(16, 16), (64, 64), (128, 128), (256, 256), (64, 32), (1, 1)]
+QUICK = [((2, 3), 7, 7, 16, 16, False), ((2, 3), 113, 7, 64, 64, True),
+         ((2, 3), 7, 113, 64, 32, True), ((2, 3), 113, 113, 128, 128, False),
+         ((2, 3), 1, 113, 1, 1, False)]
+
+
+def standard_grid(quick: bool = False) -> List[Shape]:
+    """The shapes of the standard audit (``quick``: the small subset the tests use)."""
+    if quick:
+        return [Shape(*c) for c in QUICK]
+    shapes = []
+    for sq, sk in SEQ_PAIRS:
+        batch = (1, 2) if max(sq, sk) >= 1000 else (2, 3)
+        for d, dv in HEAD_DIMS:
+            for causal in (False, True):
+                shapes.append(Shape(batch, sq, sk, d, dv, causal))
+    return shapes
+
+
+# ----------------------------------------------------------------------------------------------
+# one case
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Inputs:
+    """float64 values of q, k, v (before rounding to the audited dtype) and the call options."""
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    causal: bool
+    scale: Optional[float]
+    label: str
+    seed: Optional[List[int]] = None
+    exact: Optional[str] = None   # dtype whose values these already are (no rounding needed)
+
+
+def draw_inputs(shape: Shape, seed: int, index: int) -> Inputs:
+    """Random q, k, v for a grid shape from ``numpy.random.default_rng([seed, index])``.
+
+    k and v are standard normal; q has standard deviation 2 so the softmax is peaked enough that
+    the row maximum moves between key tiles and the rescaling is exercised.
+    """
+    rng = np.random.default_rng([seed, index])
+    b = shape.batch
+    q = 2.0 * rng.standard_normal(b + (shape.sq, shape.d))
+    k = rng.standard_normal(b + (shape.sk, shape.d))
+    v = rng.standard_normal(b + (shape.sk, shape.dv))
+    return Inputs(q, k, v, shape.causal, None, shape.label, seed=[seed, index])
+
+
+@dataclass
+class CaseResult:
+    dtype: str
+    kernel_arg: str
+    kernel: str
+    shape: str
+    causal: bool
+    seed: Optional[List[int]] = None
+    scale: Optional[float] = None
+    max_abs_err: float = math.nan
+    rel_err: float = math.nan
+    naive_err: float = math.nan
+    naive_kind: str = "measured"
+    threshold: float = math.nan
+    lse_err: float = math.nan
+    lse_tol: float = math.nan
+    nonfinite: int = 0
+    passed: bool = False
+    reasons: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def kernel_short(self) -> str:
+        return self.kernel.split("<", 1)[0]
+
+
+def _max(x: np.ndarray) -> float:
+    return float(np.max(x)) if x.size else 0.0
+
+
+def naive_error(q, k, v, causal, scale, dtype: str, o_ref: np.ndarray) -> Tuple[float, str, float]:
+    """The naive same-precision error that sets the bar, how it was obtained (measured for
+    float16, bfloat16 and float32, the forward-error bound for float64: see
+    :func:`cuflash.reference.naive_error`), and the output scale of the absolute term
+    (:func:`cuflash.reference.output_scale`)."""
+    err = reference.naive_error(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref)
+    a = reference.output_scale(q, k, v, causal=causal, scale=scale)
+    return err, ("bound" if dtype == "float64" else "measured"), a
+
+
+def lse_check(lse, lse_ref, dtype: str) -> Tuple[float, float, List[str]]:
+    """(max abs error over finite reference entries, allowed bound there, failure reasons)."""
+    reasons = []
+    lse = np.asarray(lse, dtype=np.float64)
+    lse_ref = np.asarray(lse_ref, dtype=np.float64)
+    if lse.shape != lse_ref.shape:
+        return math.inf, math.nan, [f"lse has shape {lse.shape}, expected {lse_ref.shape}"]
+    fin = np.isfinite(lse_ref)
+    masked = lse_ref == -np.inf
+    wrong_masked = int(np.count_nonzero(masked & (lse != -np.inf)))
+    if wrong_masked:
+        reasons.append(f"{wrong_masked} fully masked rows have lse != -inf")
+    bad = int(np.count_nonzero(fin & ~np.isfinite(lse)))
+    if bad:
+        reasons.append(f"{bad} lse entries are not finite where the reference is")
+    rtol = LSE_RTOL[dtype]
+    if fin.any():
+        diff = np.abs(lse[fin] - lse_ref[fin])
+        allowed = rtol * np.maximum(1.0, np.abs(lse_ref[fin]))
+        err = float(np.max(diff)) if not np.isnan(diff).any() else math.nan
+        over = int(np.count_nonzero(~(diff <= allowed)))
+        if over:
+            reasons.append(f"lse error over max({rtol:.0e}*max(1,|lse_ref|)) in {over} rows "
+                           f"(max {err:.3g})")
+        bound = float(np.max(allowed))
+    else:
+        err, bound = 0.0, 0.0
+    if wrong_masked:
+        err = math.inf
+    return err, bound, reasons
+
+
+def score_output(res: CaseResult, o: np.ndarray, lse, o_ref: np.ndarray, lse_ref: np.ndarray,
+                 naive_err: float, naive_kind: str = "measured",
+                 out_scale: Optional[float] = None, extra_tol: float = 0.0) -> CaseResult:
+    """Fill the error columns and the verdict of ``res`` (``extra_tol`` widens the threshold)."""
+    o = np.asarray(o).astype(np.float64)
+    res.naive_err = naive_err
+    res.naive_kind = naive_kind
+    res.threshold = float(reference.tolerance(res.dtype, o_ref, naive_err, out_scale)) + extra_tol
+    if o.shape != o_ref.shape:
+        res.reasons.append(f"output shape {o.shape}, expected {o_ref.shape}")
+        res.passed = False
+        return res
+    nonfinite = int(np.count_nonzero(~np.isfinite(o) & np.isfinite(o_ref)))
+    res.nonfinite = nonfinite
+    if nonfinite:
+        res.reasons.append(f"{nonfinite} output elements are NaN/inf (never written, or overflow)")
+    diff = np.abs(o - o_ref)
+    res.max_abs_err = float(np.max(diff)) if diff.size else 0.0
+    nref = float(np.linalg.norm(o_ref))
+    ndiff = float(np.linalg.norm(o - o_ref))
+    res.rel_err = ndiff / nref if nref > 0 else (0.0 if ndiff == 0 else math.inf)
+    if not res.max_abs_err <= res.threshold:
+        res.reasons.append(f"max abs error {res.max_abs_err:.3g} > threshold {res.threshold:.3g}")
+    if lse is None:
+        res.reasons.append("no lse returned")
+    else:
+        res.lse_err, res.lse_tol, why = lse_check(lse, lse_ref, res.dtype)
+        res.reasons.extend(why)
+    res.passed = not res.reasons
+    return res
+
+
+class Reference:
+    """The float64 reference and the naive error for one set of rounded inputs, computed once
+    and shared by every kernel audited on them."""
+
+    def __init__(self, q, k, v, causal, scale, dtype):
+        self._args = (q, k, v, causal, scale, dtype)
+        self._val = None
+
+    def get(self):
+        if self._val is None:
+            q, k, v, causal, scale, dtype = self._args
+            o_ref, lse_ref = reference.attention_ref(q, k, v, causal=causal, scale=scale)
+            self._val = (o_ref, lse_ref) + naive_error(q, k, v, causal, scale, dtype, o_ref)
+        return self._val
+
+
+def _describe_exc(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".replace("\n", " ")
+
+
+def run_inputs(device: Device, inp: Inputs, dtypes: Sequence[str],
+               raise_call_errors: bool = False) -> List[CaseResult]:
+    """Audit ``inp`` in every dtype and through every kernel the dispatcher may pick.
+
+    With ``raise_call_errors`` a ValueError/TypeError from cuflash's argument checks propagates
+    (used for user files: the message is the diagnosis); otherwise it is recorded as a FAIL.
+    """
+    results = []
+    try:
+        o_shape = np.broadcast_shapes(inp.q.shape[:-2], inp.k.shape[:-2], inp.v.shape[:-2]) \
+            + (inp.q.shape[-2], inp.v.shape[-1])
+    except (ValueError, IndexError):
+        o_shape = None  # malformed: cuflash.attention's checks will say what is wrong
+    for dtype in dtypes:
+        npdt = numpy_dtype(dtype)
+        if inp.exact == dtype:
+            rq, rk, rv = inp.q, inp.k, inp.v
+        else:
+            rq, rk, rv = (reference.round_to(x, dtype) for x in (inp.q, inp.k, inp.v))
+        ref = Reference(rq, rk, rv, inp.causal, inp.scale, dtype)
+        dq, dk, dv = (device.to_device(x.astype(npdt)) for x in (rq, rk, rv))
+        try:
+            kernels = device.kernels(dq, dk, dv, inp.causal)
+        except (ValueError, TypeError) as exc:
+            if raise_call_errors:
+                raise
+            kernels = [("auto", f"dispatch_info raised {_describe_exc(exc)}")]
+        for kernel_arg, kernel_name in kernels:
+            t0 = time.perf_counter()
+            res = CaseResult(dtype=dtype, kernel_arg=kernel_arg, kernel=kernel_name,
+                             shape=inp.label, causal=bool(inp.causal), seed=inp.seed,
+                             scale=inp.scale)
+            # Output buffers pre-filled with NaN: anything the kernel does not write shows.
+            out = None if o_shape is None else (
+                device.to_device(np.full(o_shape, np.nan, npdt)),
+                device.to_device(np.full(o_shape[:-1], np.nan, np.float32)))
+            kwargs = dict(causal=inp.causal, scale=inp.scale, return_lse=True, out=out)
+            if kernel_arg != "auto":
+                kwargs["kernel"] = kernel_arg
+            try:
+                o, lse = attention(dq, dk, dv, **kwargs)
+                o_host, lse_host = device.to_host(o), device.to_host(lse)
+            except (ValueError, TypeError) as exc:
+                if raise_call_errors:
+                    raise
+                res.reasons.append(f"attention raised {_describe_exc(exc)}")
+                results.append(res)
+                continue
+            except Exception as exc:  # a launch or compile failure is a failed case
+                res.reasons.append(f"attention raised {_describe_exc(exc)}")
+                results.append(res)
+                continue
+            o_ref, lse_ref, naive_err, naive_kind, out_scale = ref.get()
+            score_output(res, o_host, lse_host, o_ref, lse_ref, naive_err, naive_kind, out_scale)
+            if out is not None and not (device.same_buffer(o, out[0])
+                                        and device.same_buffer(lse, out[1])):
+                res.reasons.append("the returned (o, lse) are not the out= buffers")
+                res.passed = False
+            res.seconds = time.perf_counter() - t0
+            results.append(res)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# property audits
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class PropertyResult:
+    name: str
+    where: str
+    measured: float
+    limit: float
+    passed: bool
+    detail: str = ""
+
+
+def _prop_chunk_order(rng) -> PropertyResult:
+    """Random chunkings and chunk orders of the recurrence against SciPy's softmax (float64)."""
+    worst = 0.0
+    trials = 0
+    for n in (1, 2, 7, 64, 301, 1000):
+        s = 3.0 * rng.standard_normal((4, n))
+        v = rng.standard_normal((n, 5))
+        want = _scipy_softmax(s, axis=-1) @ v
+        specs = [n, 1]
+        for _ in range(4):
+            cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, rng.integers(0, 12)),
+                                      replace=False)) if n > 1 else np.array([], dtype=int)
+            sizes = [int(x) for x in np.diff(np.concatenate([[0], cuts, [n]]).astype(int))]
+            specs.append(sizes)
+        perm = rng.permutation(n)  # non-contiguous chunks: every third key of a shuffle
+        specs.append([perm[i::3] for i in range(3)] if n >= 3 else [n])
+        for spec in specs:
+            n_chunks = -(-n // spec) if isinstance(spec, int) else len(spec)
+            for order in (None, rng.permutation(n_chunks), list(range(n_chunks))[::-1]):
+                o, _ = reference.online_softmax(s, v, spec, order)
+                worst = max(worst, float(np.max(np.abs(o - want))))
+                trials += 1
+    # The worked example of docs/online-softmax.md: s = [1, 2, 3, 10], v = 1, tiles [1,2],[3,10].
+    o, lse = reference.online_softmax(np.array([1.0, 2, 3, 10]), np.ones((4, 1)), [2, 2])
+    worst = max(worst, abs(float(o[0]) - 1.0))
+    ok = worst < EXACT_TOL
+    return PropertyResult("chunk-order invariance", "reference, float64", worst, EXACT_TOL, ok,
+                          f"{trials} random chunkings/orders vs scipy softmax @ v")
+
+
+def _parts(rng, sizes, n_rows=6, dv=4):
+    """Normalised partial results (o, lse) of attention rows over disjoint key sets, plus the
+    full result over their union, all float64 from SciPy."""
+    n = sum(sizes)
+    s = 4.0 * rng.standard_normal((n_rows, n))
+    v = rng.standard_normal((n, dv))
+    parts = []
+    start = 0
+    for m in sizes:
+        sl = s[:, start:start + m]
+        parts.append((_scipy_softmax(sl, axis=-1) @ v[start:start + m], _lse(sl)))
+        start += m
+    return parts, (_scipy_softmax(s, axis=-1) @ v, _lse(s))
+
+
+def _lse(s):
+    from scipy.special import logsumexp
+    return logsumexp(s, axis=-1)
+
+
+def _pair_err(x, y) -> float:
+    (oa, la), (ob, lb) = x, y
+    e_o = float(np.max(np.abs(oa - ob)))
+    fin = np.isfinite(la) | np.isfinite(lb)
+    e_l = float(np.max(np.abs(la[fin] - lb[fin]))) if fin.any() else 0.0
+    same_inf = np.array_equal(la[~fin], lb[~fin])
+    return max(e_o, e_l) if same_inf else math.inf
+
+
+def _prop_merge(rng) -> List[PropertyResult]:
+    mg = reference.merge_normalized
+    worst_assoc = worst_comm = worst_id = 0.0
+    for _ in range(5):
+        (a, b, c), full = _parts(rng, [int(x) for x in rng.integers(1, 60, size=3)])
+        left = mg(*mg(*a, *b), *c)
+        right = mg(*a, *mg(*b, *c))
+        worst_assoc = max(worst_assoc, _pair_err(left, right), _pair_err(left, full))
+        worst_comm = max(worst_comm, _pair_err(mg(*a, *b), mg(*b, *a)),
+                         _pair_err(mg(*mg(*c, *a), *b), full))
+        empty = (np.zeros_like(a[0]), np.full_like(a[1], -np.inf))
+        worst_id = max(worst_id, _pair_err(mg(*a, *empty), a), _pair_err(mg(*empty, *a), a))
+        both = mg(*empty, *empty)
+        if not (np.all(both[0] == 0) and np.all(both[1] == -np.inf)):
+            worst_id = math.inf
+    w = "reference, float64"
+    return [
+        PropertyResult("merge associativity", w, worst_assoc, EXACT_TOL, worst_assoc < EXACT_TOL,
+                       "(a+b)+c vs a+(b+c) vs all keys at once, 5 random splits"),
+        PropertyResult("merge commutativity", w, worst_comm, EXACT_TOL, worst_comm < EXACT_TOL,
+                       "a+b vs b+a, (c+a)+b vs all keys"),
+        PropertyResult("merge identity (-inf, 0)", w, worst_id, EXACT_TOL, worst_id < EXACT_TOL,
+                       "a+empty = empty+a = a, empty+empty = (0, -inf), no NaN"),
+    ]
+
+
+def _prop_alpha_underflow_ref(rng) -> PropertyResult:
+    """The running max jumps by 1000 between chunks: alpha = exp(-1000) is 0 in float64."""
+    low = rng.standard_normal(300)
+    high = 1000.0 + rng.standard_normal(50)
+    s = np.concatenate([low, high])
+    v = rng.standard_normal((s.size, 3))
+    want = _scipy_softmax(s) @ v
+    o, lse = reference.online_softmax(s, v, [300, 50])
+    err = float(np.max(np.abs(o - want)))
+    err = max(err, abs(float(lse) - float(_lse(s))) / abs(float(_lse(s))))
+    ok = bool(np.all(np.isfinite(o))) and err < EXACT_TOL
+    return PropertyResult("alpha underflow (max jumps by 1000)", "reference, float64", err,
+                          EXACT_TOL, ok, "exp(m_old - m_new) = 0 exactly; result still exact")
+
+
+def _device_attention_check(device: Device, dtype: str, q64, k64, v64, *, scale, kernel_arg,
+                            extra_ok=True) -> Tuple[float, float, bool, str]:
+    """Run attention on the device on q, k, v (float64 values representable in dtype) and judge
+    it with the per-case rule. Returns (max abs err, threshold, passed, detail)."""
+    npdt = numpy_dtype(dtype)
+    res = CaseResult(dtype=dtype, kernel_arg=kernel_arg, kernel="", shape="", causal=False)
+    try:
+        kw = {"kernel": kernel_arg} if kernel_arg != "auto" else {}
+        o, lse = attention(*(device.to_device(x.astype(npdt)) for x in (q64, k64, v64)),
+                           scale=scale, return_lse=True, **kw)
+        o, lse = device.to_host(o), device.to_host(lse)
+    except Exception as exc:
+        return math.nan, math.nan, False, f"attention raised {_describe_exc(exc)}"
+    o_ref, lse_ref = reference.attention_ref(q64, k64, v64, scale=scale)
+    score_output(res, o, lse, o_ref, lse_ref,
+                 *naive_error(q64, k64, v64, False, scale, dtype, o_ref))
+    return res.max_abs_err, res.threshold, res.passed and extra_ok, "; ".join(res.reasons)
+
+
+def _device_kernels(device: Device, dtype: str, q, k, v) -> List[Tuple[str, str]]:
+    npdt = numpy_dtype(dtype)
+    try:
+        return device.kernels(*(device.to_device(x.astype(npdt)) for x in (q, k, v)), False)
+    except Exception:
+        return [("auto", "auto")]
+
+
+def _prop_fp16_overflow(device: Device, rng) -> List[PropertyResult]:
+    """Scores around 12: exp overflows float16 (max 65504 < e^11.1) without the max shift."""
+    d, n = 64, 96
+    q = np.ones((1, 1, 4, d))
+    k = reference.round_to(1.5 + 0.5 * rng.standard_normal((1, 1, n, d)), "float16")
+    v = reference.round_to(rng.standard_normal((1, 1, n, 32)), "float16")
+    scale = 1.0 / math.sqrt(d)
+    s = scale * (q @ np.swapaxes(k, -1, -2))
+    unstable = reference.unstable_softmax(s, np.float16)
+    n_bad = int(np.count_nonzero(~np.isfinite(unstable)))
+    overflowed = n_bad > 0
+    # The recurrence on the same scores rounded to float16 (state in float32, as in a kernel).
+    s16 = reference.round_to(s, "float16")
+    rec, _ = reference.online_softmax(s16.astype(np.float16), v[0, 0], 32)
+    rec_err = float(np.max(np.abs(rec - _scipy_softmax(s16, axis=-1) @ v[0, 0])))
+    rec_ok = bool(np.all(np.isfinite(rec))) and rec_err < 1e-5
+    out = []
+    for kernel_arg, kname in _device_kernels(device, "float16", q, k, v):
+        err, thr, ok, why = _device_attention_check(device, "float16", q, k, v, scale=scale,
+                                                    kernel_arg=kernel_arg)
+        ok = ok and overflowed and rec_ok
+        detail = (f"s in [{s.min():.1f}, {s.max():.1f}]: unstable fp16 softmax has {n_bad}/"
+                  f"{unstable.size} NaN/inf; recurrence with fp16 scores err {rec_err:.1e}")
+        if why:
+            detail += "; " + why
+        out.append(PropertyResult("fp16 overflow of exp(s)/sum(exp(s))",
+                                  f"{device.name}, float16, {kname.split('<', 1)[0]}",
+                                  err, thr, ok, detail))
+    return out
+
+
+def _prop_alpha_underflow_device(device: Device, dtypes, rng) -> List[PropertyResult]:
+    """Keys 0..511 score ~0, keys 512..639 score ~150: a kernel walking the keys in order sees its
+    running max jump by ~150, so alpha = exp(-150) underflows to 0 in the float32 state."""
+    d, n_low, n_high = 64, 512, 128
+    scale = 1.0 / math.sqrt(d)
+    sc = np.concatenate([rng.standard_normal(n_low), 150.0 + rng.standard_normal(n_high)])
+    q = np.ones((1, 2, 3, d))
+    # Every component of k_j equals s_j / (scale * d) up to a small perturbation.
+    k = (sc / (scale * d))[None, None, :, None] + 0.01 * rng.standard_normal((1, 2, sc.size, d))
+    v = rng.standard_normal((1, 2, sc.size, d))  # D == Dv, so tensor-core kernels qualify
+    out = []
+    for dtype in dtypes:
+        rq, rk, rv = (reference.round_to(x, dtype) for x in (q, k, v))
+        for kernel_arg, kname in _device_kernels(device, dtype, rq, rk, rv):
+            err, thr, ok, why = _device_attention_check(device, dtype, rq, rk, rv, scale=scale,
+                                                        kernel_arg=kernel_arg)
+            out.append(PropertyResult("alpha underflow (max jumps by ~150)",
+                                      f"{device.name}, {dtype}, {kname.split('<', 1)[0]}",
+                                      err, thr, ok, why or "scores ~0 for 512 keys, then ~150"))
+    return out
+
+
+def _prop_merge_device(device: Device, dtypes, rng) -> List[PropertyResult]:
+    """merge_states of attention over two halves of the keys vs the float64 reference over all.
+
+    The threshold is the per-case one plus ``8 * 2^-24 * max(1, max|lse_ref|) * max|o_ref|``:
+    the halves' lse are float32 whatever the dtype, so each merge weight exp(lse_half - lse)
+    carries a relative error of a few float32 roundoffs of |lse|. That term is negligible
+    next to the 16-bit tolerances and dominates the float64 one.
+    """
+    shape_q, sk, d, dv = (2, 3, 37), 300, 64, 64
+    q0 = 2.0 * rng.standard_normal(shape_q + (d,))
+    k0 = rng.standard_normal(shape_q[:2] + (sk, d))
+    v0 = rng.standard_normal(shape_q[:2] + (sk, dv))
+    cut = int(rng.integers(1, sk))
+    scale = 1.0 / math.sqrt(d)  # the halves must use the full problem's scale
+    out = []
+    for dtype in dtypes:
+        npdt = numpy_dtype(dtype)
+        q, k, v = (reference.round_to(x, dtype) for x in (q0, k0, v0))
+        o_ref, lse_ref = reference.attention_ref(q, k, v, scale=scale)
+        naive = naive_error(q, k, v, False, scale, dtype, o_ref)
+        lse_term = (8.0 * reference.unit_roundoff("float32") * max(1.0, _max(np.abs(lse_ref)))
+                    * _max(np.abs(o_ref)))
+        for kernel_arg, kname in _device_kernels(device, dtype, q, k, v):
+            where = f"{device.name}, {dtype}, {kname.split('<', 1)[0]}"
+            res = CaseResult(dtype=dtype, kernel_arg=kernel_arg, kernel=kname, shape="",
+                             causal=False)
+            kw = {"kernel": kernel_arg} if kernel_arg != "auto" else {}
+            try:
+                dq = device.to_device(q.astype(npdt))
+                halves = []
+                for sl in (slice(0, cut), slice(cut, sk)):
+                    halves.extend(attention(dq, device.to_device(k[..., sl, :].astype(npdt)),
+                                            device.to_device(v[..., sl, :].astype(npdt)),
+                                            scale=scale, return_lse=True, **kw))
+                o, lse = merge_states(*halves)
+                o, lse = device.to_host(o), device.to_host(lse)
+            except Exception as exc:
+                out.append(PropertyResult("merge_states of two key halves", where, math.nan,
+                                          math.nan, False, f"raised {_describe_exc(exc)}"))
+                continue
+            score_output(res, o, lse, o_ref, lse_ref, *naive, extra_tol=lse_term)
+            out.append(PropertyResult(
+                "merge_states of two key halves", where, res.max_abs_err, res.threshold,
+                res.passed, "; ".join(res.reasons) or f"keys split at {cut} of {sk}, vs all keys"))
+    return out
+
+
+def property_audits(device: Device, dtypes: Sequence[str], seed: int) -> List[PropertyResult]:
+    rng = np.random.default_rng([seed, 999_999])
+    results = [_prop_chunk_order(rng)]
+    results += _prop_merge(rng)
+    results.append(_prop_alpha_underflow_ref(rng))
+    results += _prop_fp16_overflow(device, rng)
+    results += _prop_alpha_underflow_device(device, dtypes, rng)
+    results += _prop_merge_device(device, dtypes, rng)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# user files
+# ----------------------------------------------------------------------------------------------
+
+def load_npz(path: str, dtypes_requested: Sequence[str]) -> Tuple[Inputs, List[str]]:
+    """Read q, k, v (and the optional scalars causal, scale) from an .npz file.
+
+    Returns the inputs and the dtypes to audit: the file's dtype, or ``dtypes_requested`` (the
+    values are then rounded to each).  Arrays the audit cannot take apart (no common supported
+    dtype, fewer than 2 axes) come back with ``exact="raw"`` for :func:`preflight`.
+    """
+    try:
+        f = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise AuditError(f"{path}: no such file") from None
+    except Exception as exc:
+        raise AuditError(f"{path}: cannot read it as an .npz archive ({_describe_exc(exc)})") \
+            from None
+    if not hasattr(f, "files"):
+        raise AuditError(f"{path}: this is a single .npy array, not an .npz archive with "
+                         "arrays q, k, v (write one with numpy.savez(path, q=q, k=k, v=v))")
+    with f:
+        missing = [n for n in ("q", "k", "v") if n not in f.files]
+        if missing:
+            raise AuditError(
+                f"{path}: missing array{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(repr(m) for m in missing)}; the file has "
+                f"{', '.join(repr(n) for n in f.files) or 'no arrays'} "
+                "(expected q, k, v and optionally causal, scale)")
+        q, k, v = (f[n] for n in ("q", "k", "v"))
+        causal, scale = False, None
+        if "causal" in f.files:
+            c = f["causal"]
+            if c.shape != () or c.dtype != np.bool_:
+                raise AuditError(f"{path}: 'causal' must be a boolean scalar, got dtype "
+                                 f"{c.dtype} and shape {c.shape}")
+            causal = bool(c)
+        if "scale" in f.files:
+            sc = f["scale"]
+            if sc.shape != () or sc.dtype.kind not in "fiu":
+                raise AuditError(f"{path}: 'scale' must be a real scalar, got dtype {sc.dtype} "
+                                 f"and shape {sc.shape}")
+            scale = float(sc)
+    names = [x.dtype.name for x in (q, k, v)]
+    raw = Inputs(q, k, v, causal, scale, "", exact="raw")
+    if dtypes_requested:
+        dtypes, exact = list(dtypes_requested), None
+    elif len(set(names)) != 1 or names[0] not in ALL_DTYPES:
+        return raw, [names[0]]
+    else:
+        dtypes, exact = [names[0]], names[0]
+    if any(x.ndim < 2 for x in (q, k, v)):
+        return raw, dtypes
+    try:
+        q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    except (TypeError, ValueError) as exc:
+        raise AuditError(f"{path}: cannot convert q, k, v to float64 ({exc})") from None
+    try:
+        batch = tuple(int(b) for b in np.broadcast_shapes(q.shape[:-2], k.shape[:-2],
+                                                          v.shape[:-2]))
+    except ValueError:
+        batch = ()
+    dims = batch + (q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
+    label = "(" + ",".join(str(x) for x in dims) + ")"
+    return Inputs(q, k, v, causal, scale, label, exact=exact), dtypes
+
+
+def preflight(inp: Inputs, path: str):
+    """Let cuflash's own argument checks judge arrays the audit cannot take apart (the NumPy path
+    validates exactly like the GPU path), and raise AuditError with its message."""
+    try:
+        attention(np.asarray(inp.q), np.asarray(inp.k), np.asarray(inp.v),
+                  causal=inp.causal, scale=inp.scale)
+    except (ValueError, TypeError) as exc:
+        raise AuditError(f"{path}: {exc}") from None
+    raise AuditError(f"{path}: q, k, v cannot be audited (dtypes {inp.q.dtype}, {inp.k.dtype}, "
+                     f"{inp.v.dtype}; shapes {inp.q.shape}, {inp.k.shape}, {inp.v.shape})")
+
+
+# ----------------------------------------------------------------------------------------------
+# formatting and JSON
+# ----------------------------------------------------------------------------------------------
+
+def _fmt(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "nan"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.2e}"
+
+
+def format_cases(results: Sequence[CaseResult]) -> str:
+    head = ["dtype", "kernel", "shape (B,H,Sq,Sk,D,Dv)", "causal", "max abs err", "rel err",
+            "naive err", "threshold", "lse err", "result"]
+    rows = [[r.dtype, r.kernel_short, r.shape, "yes" if r.causal else "no", _fmt(r.max_abs_err),
+             _fmt(r.rel_err), _fmt(r.naive_err) + ("*" if r.naive_kind == "bound" else " "),
+             _fmt(r.threshold), _fmt(r.lse_err),
+             "PASS" if r.passed else "FAIL"] for r in results]
+    table = _table(head, rows, right=range(4, 9))
+    if any(r.naive_kind == "bound" for r in results):
+        table += ("\n* float64: the naive float64 implementation is the float64 reference "
+                  "itself, so its\n  forward-error bound stands in for its (zero) measured "
+                  "error; see --help.")
+    return table
+
+
+def format_properties(results: Sequence[PropertyResult]) -> str:
+    head = ["property", "where", "measured", "limit", "result"]
+    rows = [[p.name, p.where, _fmt(p.measured), _fmt(p.limit), "PASS" if p.passed else "FAIL"]
+            for p in results]
+    return _table(head, rows, right=(2, 3))
+
+
+def format_failures(cases: Sequence[CaseResult], props: Sequence[PropertyResult]) -> str:
+    lines = []
+    for r in cases:
+        if not r.passed:
+            seed = f" seed {r.seed}" if r.seed else ""
+            lines.append(f"FAIL {r.dtype} {r.kernel} {r.shape} causal={r.causal}{seed}: "
+                         + "; ".join(r.reasons))
+    for p in props:
+        if not p.passed:
+            lines.append(f"FAIL {p.name} [{p.where}]: {p.detail}")
+    return "\n".join(lines)
+
+
+def _table(head, rows, right=()) -> str:
+    right = set(right)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+
+    def line(cells):
+        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(head), sep] + [line(r) for r in rows])
+
+
+def _json_num(x):
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        if math.isnan(x):
+            return "NaN"
+        if math.isinf(x):
+            return "Infinity" if x > 0 else "-Infinity"
+        return x
+    return x
+
+
+def to_json(*, device: Device, reason: str, seed: Optional[int], mode: str,
+            cases: Sequence[CaseResult], props: Sequence[PropertyResult], dtypes, file=None,
+            seconds: float) -> Dict[str, Any]:
+    """Everything the run found, as a JSON-serialisable dict (non-finite floats as strings)."""
+    def case(r: CaseResult):
+        d = {k: _json_num(v) for k, v in r.__dict__.items()}
+        d["result"] = "PASS" if r.passed else "FAIL"
+        return d
+
+    def prop(p: PropertyResult):
+        d = {k: _json_num(v) for k, v in p.__dict__.items()}
+        d["result"] = "PASS" if p.passed else "FAIL"
+        return d
+
+    n_pass = sum(r.passed for r in cases) + sum(p.passed for p in props)
+    n_all = len(cases) + len(props)
+    return {
+        "tool": "cuflash-check",
+        "mode": mode,
+        "file": file,
+        "device": {"selected": device.name, "reason": reason, **device.info()},
+        "versions": versions(),
+        "seed": seed,
+        "rng": "numpy.random.default_rng([seed, shape_index]) per grid shape; q ~ N(0, 4), "
+               "k, v ~ N(0, 1), then reference.round_to(dtype)" if mode == "standard" else None,
+        "dtypes": list(dtypes),
+        "pass_rule": PASS_RULE,
+        "lse_rtol": LSE_RTOL,
+        "cases": [case(r) for r in cases],
+        "properties": [prop(p) for p in props],
+        "summary": {"passed": n_pass, "failed": n_all - n_pass, "cases": len(cases),
+                    "properties": len(props)},
+        "seconds": round(seconds, 3),
+    }
+
+
+def new_seed() -> int:
+    return secrets.randbits(32)
+
+
+Progress = Callable[[int], None]
+
+
+def run_grid(device: Device, shapes: Sequence[Shape], dtypes: Sequence[str], seed: int,
+             progress: Optional[Progress] = None) -> List[CaseResult]:
+    results = []
+    for index, shape in enumerate(shapes):
+        inp = draw_inputs(shape, seed, index)
+        results.extend(run_inputs(device, inp, dtypes))
+        if progress is not None:
+            progress(1)
+    return results

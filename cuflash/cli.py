@@ -1,0 +1,134 @@
+"""``cuflash-check``: audit cuflash's attention against a float64 SciPy reference.
+
+This module is only the click command; the grid, the cases, the property audits and the
+formatting live in :mod:`cuflash._audit`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+HELP = """Audit cuflash.attention against a float64 SciPy reference.
+
+Without FILE, run the standard audit: a grid of shapes (Sq, Sk up to 1000, head dims 1 to
+256, D != Dv, causal on and off) in every dtype of the device and through every kernel the
+dispatcher can pick (on a GPU also the generic audit kernel when "auto" picks another one),
+followed by property audits of the online-softmax recurrence and of the merge operator.
+Inputs are random, from numpy.random.default_rng([SEED, shape index]); the seed is printed.
+
+With FILE (an .npz holding arrays q, k, v and optionally the scalars causal (bool) and scale
+(float)), audit that single problem in the file's dtype, or in each --dtype given.
+
+Pass rule. {rule}
+
+Exit status: 0 when everything passes, 1 when any case or property fails, 2 for usage errors
+(no GPU for --device gpu, unreadable FILE, missing array, shapes cuflash rejects).
+"""
+
+
+class _InputError(click.ClickException):
+    """An error in what the audit was asked to do; exit status 2 like click's usage errors."""
+
+    exit_code = 2
+
+
+def _help() -> str:
+    # click re-wraps each paragraph of the text, PASS_RULE's included.
+    from cuflash._audit import PASS_RULE
+    return HELP.replace("{rule}", PASS_RULE)
+
+
+def _parse_seed(text):
+    try:
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"expected an integer or 'random', got {text!r}",
+                                 param_hint="--seed") from None
+
+
+@click.command(help=_help(), context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--device", "device_name", type=click.Choice(["auto", "cpu", "gpu"]),
+              default="auto", show_default=True,
+              help="Where to run: auto picks the GPU when cuflash.gpu_available(), else the "
+                   "NumPy path, and says why.")
+@click.option("--dtype", "dtypes", multiple=True,
+              type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
+              help="Restrict (or, with FILE, cast) to these dtypes; repeat for several. "
+                   "Default: float16, bfloat16 (GPU with ml_dtypes), float32, float64.")
+@click.option("--seed", default="0", show_default=True,
+              help="Seed of the random inputs, or 'random' for a fresh one (printed). A fixed "
+                   "default makes the standard audit reproducible run to run.")
+@click.option("--quick", is_flag=True, help="A small subset of the grid (seconds).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Also write every result, the device, versions and the seed as JSON.")
+def main(file, device_name, dtypes, seed, quick, json_path):
+    from cuflash import _audit
+
+    t0 = time.perf_counter()
+    try:
+        device, reason = _audit.select_device(device_name)
+        # With FILE and no --dtype, the file's own dtype is audited.
+        dtypes = _audit.resolve_dtypes(device, dtypes) if dtypes or file is None else []
+    except _audit.AuditError as exc:
+        raise _InputError(str(exc)) from None
+    click.echo(f"device: {device.name} ({reason})")
+
+    props = []
+    if file is None:
+        mode = "standard"
+        seed = _audit.new_seed() if seed == "random" else _parse_seed(seed)
+        shapes = _audit.standard_grid(quick)
+        click.echo(f"seed: {seed}   dtypes: {', '.join(dtypes)}   "
+                   f"{len(shapes)} shapes{' (--quick)' if quick else ''}")
+        with click.progressbar(length=len(shapes) + 1, label="auditing", file=sys.stderr,
+                               show_pos=True) as bar:
+            cases = _audit.run_grid(device, shapes, dtypes, seed, progress=bar.update)
+            props = _audit.property_audits(device, dtypes, seed)
+            bar.update(1)
+    else:
+        mode = "file"
+        seed = None
+        try:
+            inp, dtypes = _audit.load_npz(file, dtypes)
+            if inp.exact == "raw":
+                _audit.preflight(inp, file)
+            click.echo(f"file: {file}   q {inp.q.shape}, k {inp.k.shape}, v {inp.v.shape}   "
+                       f"causal={inp.causal}   scale={'default' if inp.scale is None else inp.scale}"
+                       f"   dtypes: {', '.join(dtypes)}")
+            cases = _audit.run_inputs(device, inp, dtypes, raise_call_errors=True)
+        except _audit.AuditError as exc:
+            raise _InputError(str(exc)) from None
+        except (ValueError, TypeError) as exc:
+            raise _InputError(f"{file}: {exc}") from None
+
+    click.echo("")
+    click.echo(_audit.format_cases(cases))
+    if props:
+        click.echo("")
+        click.echo(_audit.format_properties(props))
+    failures = _audit.format_failures(cases, props)
+    if failures:
+        click.echo("")
+        click.echo(failures)
+
+    n_all = len(cases) + len(props)
+    n_pass = sum(r.passed for r in cases) + sum(p.passed for p in props)
+    elapsed = time.perf_counter() - t0
+    if json_path:
+        doc = _audit.to_json(device=device, reason=reason, seed=seed, mode=mode, cases=cases,
+                             props=props, dtypes=dtypes, file=file, seconds=elapsed)
+        with open(json_path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2, allow_nan=False)
+            fh.write("\n")
+    click.echo("")
+    click.echo(f"elapsed: {elapsed:.1f} s")
+    click.echo(f"{n_pass} passed, {n_all - n_pass} failed")
+    sys.exit(0 if n_pass == n_all else 1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

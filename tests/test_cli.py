@@ -1,0 +1,128 @@
+"""Tests of the ``cuflash-check`` command (CPU path; a few seconds in all)."""
+import json
+import re
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import cuflash
+from cuflash import _audit
+from cuflash.cli import main
+
+SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$", re.MULTILINE)
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def summary(output):
+    m = SUMMARY.search(output)
+    assert m, output
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_quick_cpu_audit_passes():
+    r = run("--quick", "--device", "cpu", "--seed", 3)
+    assert r.exit_code == 0, r.output
+    passed, failed = summary(r.output)
+    assert failed == 0 and passed > 0
+    assert "seed: 3" in r.output
+    assert "chunk-order invariance" in r.output  # the property table is there too
+
+
+def test_json_report(tmp_path):
+    path = tmp_path / "audit.json"
+    r = run("--quick", "--device", "cpu", "--seed", 5, "--dtype", "float32", "--dtype", "float64",
+            "--json", path)
+    assert r.exit_code == 0, r.output
+    data = json.loads(path.read_text())
+    assert len(data["cases"]) == len(_audit.standard_grid(quick=True)) * 2
+    assert {c["dtype"] for c in data["cases"]} == {"float32", "float64"}
+    assert all(c["result"] == "PASS" for c in data["cases"])
+    assert data["seed"] == 5
+    assert data["device"]["selected"] == "cpu"
+    assert "numpy" in data["versions"]
+    s = data["summary"]
+    assert s["passed"] + s["failed"] == len(data["cases"]) + len(data["properties"])
+    assert summary(r.output) == (s["passed"], s["failed"])
+
+
+def test_npz_file_is_audited(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "qkv.npz"
+    np.savez(path, q=rng.standard_normal((2, 5, 16)).astype(np.float32),
+             k=rng.standard_normal((2, 9, 16)).astype(np.float32),
+             v=rng.standard_normal((2, 9, 8)).astype(np.float32), causal=np.bool_(True))
+    r = run(path, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "(2,5,9,16,8)" in r.output and "float32" in r.output
+    assert summary(r.output) == (1, 0)
+    # --dtype casts the file's values.
+    r = run(path, "--device", "cpu", "--dtype", "float16", "--dtype", "float64")
+    assert r.exit_code == 0, r.output
+    assert summary(r.output) == (2, 0)
+
+
+def test_npz_missing_array(tmp_path):
+    path = tmp_path / "no_v.npz"
+    np.savez(path, q=np.ones((4, 8)), k=np.ones((4, 8)))
+    r = run(path, "--device", "cpu")
+    assert r.exit_code == 2
+    assert "no_v.npz" in r.output and "missing" in r.output and "'v'" in r.output
+
+
+def test_npz_bad_shapes_report_cuflash_message(tmp_path):
+    path = tmp_path / "bad.npz"
+    np.savez(path, q=np.ones((4, 8)), k=np.ones((4, 6)), v=np.ones((4, 8)))
+    r = run(path, "--device", "cpu")
+    assert r.exit_code == 2
+    assert "bad.npz: " in r.output and "head dim" in r.output
+
+
+@pytest.mark.skipif(cuflash.gpu_available(), reason="a GPU is present")
+def test_device_gpu_without_gpu():
+    r = run("--quick", "--device", "gpu")
+    assert r.exit_code == 2
+    assert "--device gpu" in r.output and "no usable CUDA GPU" in r.output
+
+
+def test_broken_attention_is_caught(monkeypatch):
+    real = _audit.attention
+
+    def broken(q, k, v, **kw):
+        o, lse = real(q, k, v, **kw)
+        o[...] = o + 0.1  # o is the out= buffer: the corruption is what the caller receives
+        return o, lse
+
+    monkeypatch.setattr(_audit, "attention", broken)
+    r = run("--quick", "--device", "cpu", "--dtype", "float32", "--seed", 1)
+    assert r.exit_code == 1, r.output
+    passed, failed = summary(r.output)
+    assert failed >= len(_audit.standard_grid(quick=True))
+    assert "FAIL" in r.output and "max abs error" in r.output
+
+
+def test_help_states_the_pass_rule():
+    r = run("--help")
+    assert r.exit_code == 0
+    text = " ".join(r.output.split())
+    assert "2 * max|o_naive - o_ref| + 4 * u * A" in text
+
+
+def test_unwritten_output_is_caught(monkeypatch):
+    real = _audit.attention
+
+    def lazy(q, k, v, *, out=None, **kw):
+        o, lse = real(q, k, v, **kw)  # computed elsewhere; the last query row never reaches out
+        if out is None:
+            return o, lse
+        out[0][..., :-1, :] = o[..., :-1, :]
+        out[1][...] = lse
+        return out
+
+    monkeypatch.setattr(_audit, "attention", lazy)
+    r = run("--quick", "--device", "cpu", "--dtype", "float64", "--seed", 2)
+    assert r.exit_code == 1, r.output
+    assert "NaN/inf" in r.output
