@@ -65,14 +65,15 @@ def generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Plan:
                 threads=nwarps * 32, smem_bytes=smem_elems * _ACC_BYTES[acc])
 
 
-#: Tensor-core tile shapes per padded head dim: (BN keys per tile, warps per block, min blocks per
-#: SM for __launch_bounds__). BM = 16 * warps query rows per block. See kernels_cu/attn_mma.cu.
+#: Tensor-core tile shapes per padded head dim: (BN keys per tile, warps per block, m16 tiles per
+#: warp MT, min blocks per SM for __launch_bounds__). BM = 16 * MT * warps query rows per block.
+#: See kernels_cu/attn_mma.cu.
 TC_CONFIGS = {
-    64: (64, 8, 1),
-    96: (64, 8, 1),
-    128: (64, 8, 1),
-    192: (64, 8, 1),
-    256: (64, 8, 1),
+    64: (64, 4, 2, 2),
+    96: (64, 4, 2, 2),
+    128: (64, 4, 2, 2),
+    192: (64, 4, 1, 2),
+    256: (64, 4, 1, 2),
 }
 TC_DTYPES = ("float16", "bfloat16")
 
@@ -87,11 +88,11 @@ def tensorcore_dpad(d: int) -> int:
 
 def tensorcore_plan(dtype_name: str, d: int, causal: bool) -> Plan:
     dpad = tensorcore_dpad(d)
-    bn, nwarps, minb = TC_CONFIGS[dpad]
-    bm = 16 * nwarps
+    bn, nwarps, mt, minb = TC_CONFIGS[dpad]
+    bm = 16 * mt * nwarps
     smem = (bm + 2 * bn) * (dpad + 8) * 2
-    name = (f"cuflash::cuflash_fwd_mma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {nwarps}, {minb}, "
-            f"{'true' if causal else 'false'}>")
+    name = (f"cuflash::cuflash_fwd_mma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {nwarps}, {mt}, "
+            f"{minb}, {'true' if causal else 'false'}>")
     label = f"tensorcore<{dtype_name},D{dpad},BM{bm},BN{bn},{'causal' if causal else 'full'}>"
     return Plan(label=label, spec=Specialisation("attn_mma", name), block_m=bm,
                 threads=32 * nwarps, smem_bytes=smem)
@@ -116,6 +117,8 @@ def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
         return f"it needs D == Dv (got D={prob.d}, Dv={prob.dv})"
     if prob.d % 8:
         return f"it needs a head dim that is a multiple of 8 (got {prob.d})"
+    if not prob.scale > 0:
+        return f"it folds a positive scale into exp2 (got scale={prob.scale})"
     bufs = [prob.q, prob.k, prob.v] + ([prob.out] if prob.out is not None else [])
     if not all(_aligned16(x) for x in bufs):
         return "every row of q, k, v (and out) must start on a 16-byte boundary"

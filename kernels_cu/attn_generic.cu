@@ -41,13 +41,13 @@ struct GenericConfig {
     static constexpr int DVC = DVB / 32;              // output columns per lane and row
     // Unroll of the P.V loop over the tile's keys: full where the accumulators are few, partial
     // where a full unroll would push the register count into spills (checked by the tests).
-    static constexpr int PV_UNROLL = DVC <= 2 ? 32 : 4;
+    static constexpr int PV_UNROLL = DVC <= 2 ? 32 : (sizeof(Acc) == 8 ? 2 : 4);
     static constexpr int SMEM_ELEMS = BLOCK_M * QK_STRIDE + BC * QK_STRIDE + BC * V_STRIDE;
     static_assert(DB % 32 == 0 && DVB % 32 == 0, "head-dim buckets are multiples of 32");
 };
 
 template <typename T, typename Acc, int DB, int DVB, bool CAUSAL>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(128, 1)
 cuflash_fwd_generic(const AttnParams p) {
     using Cfg = GenericConfig<T, Acc, DB, DVB, CAUSAL>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -149,14 +149,20 @@ cuflash_fwd_generic(const AttnParams p) {
                                                      : acc_exp(s[r] - m_new);
             l[r] = l[r] * alpha + pj;
             m[r] = m_new;
+            // The tile's P.V is summed on its own, then added to the rescaled accumulator: two
+            // chains of at most 32 and Sk / 32 additions instead of one of Sk (float32 error
+            // grows with the chain; this keeps long-key rows within the naive error).
+            Acc tile[Cfg::DVC];
 #pragma unroll
-            for (int c = 0; c < Cfg::DVC; ++c) acc[r][c] *= alpha;
+            for (int c = 0; c < Cfg::DVC; ++c) tile[c] = Acc(0);
 #pragma unroll Cfg::PV_UNROLL
             for (int j = 0; j < Cfg::BC; ++j) {
                 const Acc pb = __shfl_sync(0xffffffffu, pj, j);
 #pragma unroll
-                for (int c = 0; c < Cfg::DVC; ++c) acc[r][c] += pb * v_s[j * Cfg::V_STRIDE + c * 32 + lane];
+                for (int c = 0; c < Cfg::DVC; ++c) tile[c] += pb * v_s[j * Cfg::V_STRIDE + c * 32 + lane];
             }
+#pragma unroll
+            for (int c = 0; c < Cfg::DVC; ++c) acc[r][c] = acc[r][c] * alpha + tile[c];
         }
     }
 

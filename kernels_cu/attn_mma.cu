@@ -1,21 +1,25 @@
 // attn_mma.cu: tensor-core forward kernel for float16 / bfloat16 (sm_80 and later).
 //
-// Version 1. mma.sync m16n8k16 with fp32 accumulators for both products, ldmatrix for every
+// Version 2: lazy rescaling of l and O (only when the max grows by more than 2^8) and the scale
+// folded into one FFMA per score; 4-warp blocks, several per SM. Version 1 (8 warps, 1 block per
+// SM, rescale every tile) ran at 0.6-0.8x PyTorch's FLASH backend on an H200.
+//
+// mma.sync m16n8k16 with fp32 accumulators for both products, ldmatrix for every
 // operand from padded (bank-conflict-free) shared memory, cp.async loads that overlap the loads
 // of V_j with S = Q K_j^T and the loads of K_{j+1} with O += P V_j, exp2-based softmax with the
 // scale folded into one multiply, P converted to 16 bits in registers and fed straight back as the
 // A operand of the P.V product (the m16n8 accumulator layout of two adjacent key tiles is exactly
 // the m16n8k16 A-operand layout).
 //
-// Work split: a block of NWARPS warps owns BM = 16 * NWARPS query rows; warp w owns rows
-// 16w .. 16w + 15 and, for each K/V tile of BN keys, computes its 16 x BN scores, the online
-// softmax update of its rows, and its 16 x D slice of O. Q stays in shared memory and is re-read
+// Work split: a block of NWARPS warps owns BM = 16 * MT * NWARPS query rows; warp w owns MT
+// m-tiles of 16 rows and, for each K/V tile of BN keys, computes their 16 x BN scores, the online
+// softmax update of their rows, and their 16 x D slices of O. Q stays in shared memory and is re-read
 // with ldmatrix per tile (registers are the scarce resource: O takes D/2 and S takes BN/2 per
 // thread). Every thread keeps the state of two rows (g and g + 8 of its warp's 16, g = lane / 4),
 // each spread over the 4 threads of a quad, so row reductions are two shuffles.
 //
-// Per tile and warp: 2 * 16 * BN * D FLOPs for each product; shared-memory reads of K and V
-// (BN * D * 2 bytes each) feed 16 rows, i.e. 16 FLOP per byte read from shared memory.
+// Per tile and warp: 2 * 16 * MT * BN * D FLOPs for each product; shared-memory reads of K and V
+// (BN * D * 2 bytes each) feed 16 * MT rows, i.e. 16 * MT FLOP per byte read from shared memory.
 // Causal: tiles past the block's last visible key are never loaded; the mask is applied only on
 // tiles that cross the diagonal or the end of the keys.
 //
@@ -25,14 +29,14 @@
 
 namespace cuflash {
 
-template <typename T, int DPAD, int BN, int NWARPS>
+template <typename T, int DPAD, int BN, int NWARPS, int MT>
 struct MmaConfig {
-    static constexpr int BM = 16 * NWARPS;
+    static constexpr int BM = 16 * MT * NWARPS;   // query rows per block
     static constexpr int THREADS = 32 * NWARPS;
     static constexpr int STRIDE = DPAD + 8;        // +16 bytes per row: ldmatrix rows hit all banks
     static constexpr int CHUNKS = DPAD / 8;        // 16-byte chunks per row
-    static constexpr int NT_S = BN / 8;            // n8 tiles of scores per warp
-    static constexpr int NT_O = DPAD / 8;          // n8 tiles of output per warp
+    static constexpr int NT_S = BN / 8;            // n8 tiles of scores per m-tile
+    static constexpr int NT_O = DPAD / 8;          // n8 tiles of output per m-tile
     static constexpr int SMEM_ELEMS = (BM + 2 * BN) * STRIDE;
     static_assert(DPAD % 16 == 0 && BN % 16 == 0, "tile shapes must be multiples of 16");
 };
@@ -40,23 +44,46 @@ struct MmaConfig {
 // Copy rows [row0, row0 + ROWS) of a (rows x d) matrix with row stride `ld` into shared memory
 // (row stride STRIDE), zero-filling rows >= n_rows and columns >= d.
 // Row indices are 32-bit (the host checks Sq, Sk < 2^31); offsets into memory are 64-bit.
+// When the threads divide evenly into rows of chunks, each thread copies the same column chunk of
+// rows r0, r0 + RSTEP, ...: one 64-bit offset and one 64-bit step per tile instead of a 64-bit
+// address per chunk held across the main loop (that cost ~30 registers).
 template <int ROWS, int CHUNKS, int STRIDE, int THREADS, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* g, long long ld, int row0, int n_rows,
                                           int d, int tid) {
-    const T* base = g + static_cast<long long>(row0) * ld;
+    if constexpr (THREADS % CHUNKS == 0) {
+        constexpr int RSTEP = THREADS / CHUNKS;
+        const int r0 = tid / CHUNKS, c = tid % CHUNKS;
+        const bool col_ok = c * 8 < d;
+        const T* src = g + static_cast<long long>(row0 + r0) * ld + c * 8;
+        const long long step = RSTEP * ld;
+        const unsigned int dst = smem_addr(smem + r0 * STRIDE + c * 8);
 #pragma unroll
-    for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
-        const int r = i / CHUNKS, c = i % CHUNKS;
-        const bool ok = row0 + r < n_rows && c * 8 < d;
-        const T* src = ok ? base + r * ld + c * 8 : g;  // a valid address even when zero-filling
-        cp_async16(smem_addr(smem + r * STRIDE + c * 8), src, ok ? 16 : 0);
+        for (int n = 0; n < (ROWS + RSTEP - 1) / RSTEP; ++n) {
+            if (ROWS % RSTEP == 0 || r0 + n * RSTEP < ROWS) {
+                const bool ok = col_ok && row0 + r0 + n * RSTEP < n_rows;
+                cp_async16(dst + n * RSTEP * STRIDE * 2, ok ? src : g, ok ? 16 : 0);
+            }
+            src += step;
+        }
+    } else {
+        const T* base = g + static_cast<long long>(row0) * ld;
+#pragma unroll
+        for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const bool ok = row0 + r < n_rows && c * 8 < d;
+            const T* src = ok ? base + r * ld + c * 8 : g;  // a valid address when zero-filling
+            cp_async16(smem_addr(smem + r * STRIDE + c * 8), src, ok ? 16 : 0);
+        }
     }
 }
 
-template <typename T, int DPAD, int BN, int NWARPS, int MINB, bool CAUSAL>
+// Lazy-rescale threshold in exp2 units (see the softmax step).
+constexpr float RESCALE_LOG2 = 8.f;
+
+template <typename T, int DPAD, int BN, int NWARPS, int MT, int MINB, bool CAUSAL>
 __global__ void __launch_bounds__(32 * NWARPS, MINB)
 cuflash_fwd_mma(const AttnParams p) {
-    using Cfg = MmaConfig<T, DPAD, BN, NWARPS>;
+    using Cfg = MmaConfig<T, DPAD, BN, NWARPS, MT>;
     constexpr int STRIDE = Cfg::STRIDE;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
@@ -96,24 +123,34 @@ cuflash_fwd_mma(const AttnParams p) {
         load_tile<BN, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(k_s, k, p.k_sr, 0, sk, d, tid);
     cp_async_commit();
 
-    float acc_o[Cfg::NT_O][4];
+    // Warp w owns m-tiles mt = 0..MT-1 at rows row0 + (w * MT + mt) * 16; a thread holds rows
+    // g and g + 8 of each.
+    float acc_o[MT][Cfg::NT_O][4];
+    float m_run[MT][2], l_run[MT][2];  // reference max (raw score units), partial row sums
+    int my_row[MT][2];
 #pragma unroll
-    for (int i = 0; i < Cfg::NT_O; ++i)
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc_o[i][j] = 0.f;
-    float m_run[2] = {neg_inf<float>(), neg_inf<float>()};  // running max (log2 units)
-    float l_run[2] = {0.f, 0.f};                            // per-thread partial row sums
+        for (int i = 0; i < Cfg::NT_O; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][i][e] = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            m_run[mt][h] = neg_inf<float>();
+            l_run[mt][h] = 0.f;
+            my_row[mt][h] = row0 + (warp * MT + mt) * 16 + g + 8 * h;
+        }
+    }
     const float scale_log2 = static_cast<float>(p.scale_log2);
 
-    // Per-lane ldmatrix row offsets (elements). A operand (Q rows): matrices (rows 0-7 | 8-15) x
+    // Per-lane ldmatrix row addresses. A operand (Q rows): matrices (rows 0-7 | 8-15) x
     // (k 0-7 | 8-15). B from K (non-transposed): (keys 0-7 | 8-15 -> two n-tiles) x (k 0-7 | 8-15).
     // B from V (transposed): (keys 0-7 | 8-15) x (d 0-7 | 8-15 -> two n-tiles).
     const int lr = lane % 8, lm = lane / 8;
     const unsigned int q_base =
-        smem_addr(q_s + (warp * 16 + lr + 8 * (lm % 2)) * STRIDE + 8 * (lm / 2));
+        smem_addr(q_s + (warp * MT * 16 + lr + 8 * (lm % 2)) * STRIDE + 8 * (lm / 2));
     const unsigned int k_base = smem_addr(k_s + (lr + 8 * (lm / 2)) * STRIDE + 8 * (lm % 2));
     const unsigned int v_base = smem_addr(v_s + (lr + 8 * (lm % 2)) * STRIDE + 8 * (lm / 2));
-    const int my_row[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
 
     for (int j = 0; j < n_tiles; ++j) {
         const int key0 = j * BN;
@@ -122,69 +159,103 @@ cuflash_fwd_mma(const AttnParams p) {
         load_tile<BN, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(v_s, v, p.v_sr, key0, sk, d, tid);
         cp_async_commit();
 
-        // S = Q K_j^T, 16 x BN per warp.
-        float s[Cfg::NT_S][4];
+        // S = Q K_j^T: MT x (16 x BN) per warp; each K fragment feeds MT products.
+        float s[MT][Cfg::NT_S][4];
 #pragma unroll
-        for (int i = 0; i < Cfg::NT_S; ++i)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
+            for (int i = 0; i < Cfg::NT_S; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][i][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < DPAD / 16; ++kk) {
-            unsigned int a[4];
-            ldmatrix_x4(q_base + kk * 32, a[0], a[1], a[2], a[3]);
+            unsigned int a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(q_base + (mt * 16 * STRIDE + kk * 16) * 2, a[mt][0], a[mt][1],
+                            a[mt][2], a[mt][3]);
 #pragma unroll
             for (int nn = 0; nn < BN / 16; ++nn) {
                 unsigned int b0, b1, b2, b3;
                 ldmatrix_x4(k_base + (nn * 16 * STRIDE + kk * 16) * 2, b0, b1, b2, b3);
-                Mma<T>::run(s[2 * nn], a, b0, b1);
-                Mma<T>::run(s[2 * nn + 1], a, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(s[mt][2 * nn], a[mt], b0, b1);
+                    Mma<T>::run(s[mt][2 * nn + 1], a[mt], b2, b3);
+                }
             }
         }
 
-        // Scale to log2 units and mask. s[nt][e]: row my_row[e / 2], key key0 + nt*8 + 2*t4 + e%2.
+        // Mask, then the online softmax for the thread's rows, on raw scores: the scale (> 0,
+        // checked on the host) is folded into one FFMA per score, p = exp2(s * c - m * c) with
+        // c = scale * log2(e). s[mt][nt][e]: row my_row[mt][e / 2], key key0 + nt*8 + 2*t4 + e%2.
+        //
+        // Lazy rescaling: the reference max m only moves when the tile's max exceeds it by more
+        // than 2^RESCALE_LOG2 in exp2 units. Otherwise p <= 2^RESCALE_LOG2 (256: exact in fp32,
+        // and in range for fp16/bf16 P) and l, O need no rescale, which saves D/2 multiplies per
+        // row and tile after the first few tiles. The state stays consistent (l and O are sums
+        // relative to the same m), so the result is exact up to rounding, as in the plain form.
         const bool need_mask = j >= masked_from;
 #pragma unroll
-        for (int nt = 0; nt < Cfg::NT_S; ++nt)
+        for (int mt = 0; mt < MT; ++mt) {
+            if (need_mask) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[nt][e] * scale_log2;
-                if (need_mask) {
-                    const int key = key0 + nt * 8 + 2 * t4 + (e % 2);
-                    bool ok = key < sk;
-                    if (CAUSAL) ok = ok && key <= my_row[e / 2] + diag;
-                    x = ok ? x : neg_inf<float>();
+                for (int nt = 0; nt < Cfg::NT_S; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key0 + nt * 8 + 2 * t4 + (e % 2);
+                        bool ok = key < sk;
+                        if (CAUSAL) ok = ok && key <= my_row[mt][e / 2] + diag;
+                        s[mt][nt][e] = ok ? s[mt][nt][e] : neg_inf<float>();
+                    }
+            }
+            float alpha[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mx = m_run[mt][h];
+#pragma unroll
+                for (int nt = 0; nt < Cfg::NT_S; ++nt)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                // grow is true on the first visible key (m = -inf, mx finite) and false while
+                // nothing is visible (-inf - -inf is NaN): then m stays -inf and every p is 0.
+                const bool grow = (mx - m_run[mt][h]) * scale_log2 > RESCALE_LOG2;
+                alpha[h] = grow ? fast_exp2((m_run[mt][h] - mx) * scale_log2) : 1.f;
+                if (grow) m_run[mt][h] = mx;
+                const float m_c = (m_run[mt][h] == neg_inf<float>()) ? 0.f : m_run[mt][h] * scale_log2;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < Cfg::NT_S; ++nt) {
+                    s[mt][nt][2 * h] = fast_exp2(fmaf(s[mt][nt][2 * h], scale_log2, -m_c));
+                    s[mt][nt][2 * h + 1] = fast_exp2(fmaf(s[mt][nt][2 * h + 1], scale_log2, -m_c));
+                    sum += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
                 }
-                s[nt][e] = x;
+                l_run[mt][h] = l_run[mt][h] * alpha[h] + sum;
             }
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+                for (int i = 0; i < Cfg::NT_O; ++i) {
+                    acc_o[mt][i][0] *= alpha[0];
+                    acc_o[mt][i][1] *= alpha[0];
+                    acc_o[mt][i][2] *= alpha[1];
+                    acc_o[mt][i][3] *= alpha[1];
+                }
+            }
+        }
 
-        // Online softmax for the thread's two rows (each shared by the 4 threads of a quad).
-        float alpha[2];
+        // P to 16 bits now, in the A-operand layout of the P.V product: two adjacent n8 score
+        // tiles form one k16 slice. Halves the registers P occupies while V_j is awaited.
+        unsigned int pk[MT][BN / 16][4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = m_run[h];
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < Cfg::NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // A row with nothing visible yet keeps m = -inf: use 0 as the reference so that the
-            // exponentials below are exp2(-inf) = 0 instead of NaN.
-            const float m_ref = (mx == neg_inf<float>()) ? 0.f : mx;
-            alpha[h] = fast_exp2(m_run[h] - m_ref);
-            m_run[h] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < Cfg::NT_S; ++nt) {
-                s[nt][2 * h] = fast_exp2(s[nt][2 * h] - m_ref);
-                s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] - m_ref);
-                sum += s[nt][2 * h] + s[nt][2 * h + 1];
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                pk[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pk[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pk[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pk[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
-            l_run[h] = l_run[h] * alpha[h] + sum;
-        }
-#pragma unroll
-        for (int i = 0; i < Cfg::NT_O; ++i) {
-            acc_o[i][0] *= alpha[0]; acc_o[i][1] *= alpha[0];
-            acc_o[i][2] *= alpha[1]; acc_o[i][3] *= alpha[1];
-        }
 
         cp_async_wait<0>();
         __syncthreads();  // V_j landed; every warp is done with K_j
@@ -193,20 +264,19 @@ cuflash_fwd_mma(const AttnParams p) {
             cp_async_commit();
         }
 
-        // O += P V_j: P (16 x BN) from registers as A operands, V_j from shared memory.
+        // O += P V_j: P (16 x BN per m-tile) from registers as A operands, V_j from shared
+        // memory; each V fragment feeds MT products.
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            unsigned int a[4];
-            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int nn = 0; nn < DPAD / 16; ++nn) {
                 unsigned int b0, b1, b2, b3;
                 ldmatrix_x4_trans(v_base + (kk * 16 * STRIDE + nn * 16) * 2, b0, b1, b2, b3);
-                Mma<T>::run(acc_o[2 * nn], a, b0, b1);
-                Mma<T>::run(acc_o[2 * nn + 1], a, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(acc_o[mt][2 * nn], pk[mt][kk], b0, b1);
+                    Mma<T>::run(acc_o[mt][2 * nn + 1], pk[mt][kk], b2, b3);
+                }
             }
         }
     }
@@ -215,28 +285,31 @@ cuflash_fwd_mma(const AttnParams p) {
     // Epilogue: finish the row sums over the quad, divide once, write O (pairs of 16-bit values)
     // and lse (natural log; -inf for a row that saw no key).
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float l = l_run[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const int row = my_row[h];
-        if (row >= sq) continue;
-        const bool empty = (l == 0.f);
-        const float inv = empty ? 0.f : 1.f / l;
-        T* orow = o + static_cast<long long>(row) * p.o_sr;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < Cfg::NT_O; ++nt) {
-            const int col = nt * 8 + 2 * t4;
-            if (col < d) {
-                *reinterpret_cast<unsigned int*>(orow + col) =
-                    pack2<T>(acc_o[nt][2 * h] * inv, acc_o[nt][2 * h + 1] * inv);
+        for (int h = 0; h < 2; ++h) {
+            float l = l_run[mt][h];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int row = my_row[mt][h];
+            if (row >= sq) continue;
+            const bool empty = (l == 0.f);
+            const float inv = empty ? 0.f : 1.f / l;
+            T* orow = o + static_cast<long long>(row) * p.o_sr;
+#pragma unroll
+            for (int nt = 0; nt < Cfg::NT_O; ++nt) {
+                const int col = nt * 8 + 2 * t4;
+                if (col < d) {
+                    *reinterpret_cast<unsigned int*>(orow + col) =
+                        pack2<T>(acc_o[mt][nt][2 * h] * inv, acc_o[mt][nt][2 * h + 1] * inv);
+                }
+            }
+            if (p.lse != nullptr && t4 == 0) {
+                p.lse[bc.b * p.sq + row] =
+                    empty ? neg_inf<float>()
+                          : (m_run[mt][h] * scale_log2 + __log2f(l)) * 0.6931471805599453f;
             }
         }
-        if (p.lse != nullptr && t4 == 0) {
-            p.lse[bc.b * p.sq + row] =
-                empty ? neg_inf<float>() : (m_run[h] + log2f(l)) * 0.6931471805599453f;
-        }
-    }
 }
 
 }  // namespace cuflash

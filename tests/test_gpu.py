@@ -126,7 +126,7 @@ def test_non_contiguous_last_axis_is_copied_and_right():
     cp = cupy()
     rng = _rng("lastaxis")
     q, k, v = random_inputs(rng, (2,), (2,), 40, 50, 32, 32, "float32")
-    qg = cp.asarray(np.ascontiguousarray(np.swapaxes(q, -1, -2))).swapaxes(-1, -2)  # stride != 1
+    qg = cp.asarray(np.ascontiguousarray(np.swapaxes(q, -1, -2), dtype=np.float32)).swapaxes(-1, -2)
     assert qg.strides[-1] != qg.itemsize
     o, lse = cuflash.attention(qg, to_gpu(k, "float32"), to_gpu(v, "float32"), return_lse=True)
     check_against_reference(o, lse, q, k, v, causal=False, scale=1 / math.sqrt(32), dtype="float32")
