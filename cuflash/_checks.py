@@ -65,6 +65,10 @@ def dtype_name(dtype) -> str:
 
 
 def _check_array_dtype(name, x):
+    if x.dtype.kind == "V" and x.dtype.itemsize == 2:
+        raise TypeError(f"{name} has an opaque 2-byte dtype ({x.dtype}): a bfloat16 tensor received "
+                        "without ml_dtypes, which gives NumPy and CuPy their bfloat16 dtype; "
+                        "pip install ml_dtypes")
     n = dtype_name(x.dtype)
     if n not in SUPPORTED_DTYPES:
         raise TypeError(

@@ -75,7 +75,22 @@ TC_CONFIGS = {
     192: (64, 4, 1, 2),
     256: (64, 4, 1, 2),
 }
+#: Per-architecture exceptions, {first compute capability: {dpad: config}}, applied when the
+#: device's compute capability is below the next key: on sm_8x the 64-key tiles of D = 96/128
+#: leave no register headroom (NVRTC 13.0 spills 8 bytes for sm_80), so they take 48-key tiles.
+TC_ARCH_CONFIGS = {
+    80: {96: (48, 4, 2, 2), 128: (48, 4, 2, 2)},
+    90: {},
+}
 TC_DTYPES = ("float16", "bfloat16")
+
+
+def tensorcore_config(dpad: int, compute_capability: int):
+    """(BN, warps, MT, min blocks per SM) for a padded head dim on a device."""
+    arch = max((a for a in TC_ARCH_CONFIGS if a <= compute_capability), default=None)
+    if arch is not None and dpad in TC_ARCH_CONFIGS[arch]:
+        return TC_ARCH_CONFIGS[arch][dpad]
+    return TC_CONFIGS[dpad]
 
 
 def tensorcore_dpad(d: int) -> int:
@@ -86,9 +101,9 @@ def tensorcore_dpad(d: int) -> int:
     raise ValueError(f"head dim {d} exceeds 256")
 
 
-def tensorcore_plan(dtype_name: str, d: int, causal: bool) -> Plan:
+def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: int) -> Plan:
     dpad = tensorcore_dpad(d)
-    bn, nwarps, mt, minb = TC_CONFIGS[dpad]
+    bn, nwarps, mt, minb = tensorcore_config(dpad, compute_capability)
     bm = 16 * mt * nwarps
     smem = (bm + 2 * bn) * (dpad + 8) * 2
     name = (f"cuflash::cuflash_fwd_mma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {nwarps}, {mt}, "
@@ -131,14 +146,15 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
         return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
     why_not = tensorcore_reason(prob, compute_capability)
     if why_not is None:
-        return tensorcore_plan(prob.dtype_name, prob.d, prob.causal)
+        return tensorcore_plan(prob.dtype_name, prob.d, prob.causal, compute_capability)
     if prob.kernel == "tensorcore":
         raise ValueError(f"kernel='tensorcore' cannot run these inputs: {why_not}")
     return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
 
 
-def all_specialisations():
-    """Every plan the dispatcher can return, for the compile check: (label, Specialisation)."""
+def all_specialisations(compute_capability: int = 90):
+    """Every plan the dispatcher can return on a device of this compute capability (the compile
+    check builds them for sm_80 and sm_90)."""
     plans = []
     for dt in _CXX_TYPE:
         for db in (32, 64, 128, 256):
@@ -147,5 +163,5 @@ def all_specialisations():
     for dt in TC_DTYPES:
         for dpad in TC_CONFIGS:
             for causal in (False, True):
-                plans.append(tensorcore_plan(dt, dpad, causal))
+                plans.append(tensorcore_plan(dt, dpad, causal, compute_capability))
     return plans

@@ -56,8 +56,18 @@ def backend_of(x, name):
                     f"__cuda_array_interface__; got {type(x).__module__}.{type(x).__name__}")
 
 
+def _register_bfloat16():
+    """Import ml_dtypes if it is installed: it registers bfloat16 with NumPy, which CuPy and
+    NumPy need to give DLPack bfloat16 tensors (PyTorch, JAX) a bfloat16 dtype."""
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        pass
+
+
 def as_backend_array(x, backend):
     """View `x` as a NumPy (cpu) or CuPy (gpu) array; never copies."""
+    _register_bfloat16()
     if backend == "cpu":
         return x if isinstance(x, np.ndarray) else np.from_dlpack(x)
     cp = cupy_or_none()

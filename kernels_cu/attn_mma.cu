@@ -100,7 +100,6 @@ cuflash_fwd_mma(const AttnParams p) {
     const T* q = static_cast<const T*>(p.q) + off.q;
     const T* k = static_cast<const T*>(p.k) + off.k;
     const T* v = static_cast<const T*>(p.v) + off.v;
-    T* o = static_cast<T*>(p.o) + off.o;
     const int sq = static_cast<int>(p.sq), sk = static_cast<int>(p.sk);
     const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
     const int d = static_cast<int>(p.d);
@@ -127,7 +126,9 @@ cuflash_fwd_mma(const AttnParams p) {
     // g and g + 8 of each.
     float acc_o[MT][Cfg::NT_O][4];
     float m_run[MT][2], l_run[MT][2];  // reference max (raw score units), partial row sums
-    int my_row[MT][2];
+    // Row of m-tile mt, half h for this thread (recomputed where needed: registers are scarce).
+    const int row_base = row0 + warp * MT * 16 + g;
+    const auto row_of = [row_base](int mt, int h) { return row_base + mt * 16 + 8 * h; };
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -138,7 +139,6 @@ cuflash_fwd_mma(const AttnParams p) {
         for (int h = 0; h < 2; ++h) {
             m_run[mt][h] = neg_inf<float>();
             l_run[mt][h] = 0.f;
-            my_row[mt][h] = row0 + (warp * MT + mt) * 16 + g + 8 * h;
         }
     }
     const float scale_log2 = static_cast<float>(p.scale_log2);
@@ -188,7 +188,7 @@ cuflash_fwd_mma(const AttnParams p) {
 
         // Mask, then the online softmax for the thread's rows, on raw scores: the scale (> 0,
         // checked on the host) is folded into one FFMA per score, p = exp2(s * c - m * c) with
-        // c = scale * log2(e). s[mt][nt][e]: row my_row[mt][e / 2], key key0 + nt*8 + 2*t4 + e%2.
+        // c = scale * log2(e). s[mt][nt][e]: row row_of(mt, e / 2), key key0 + nt*8 + 2*t4 + e%2.
         //
         // Lazy rescaling: the reference max m only moves when the tile's max exceeds it by more
         // than 2^RESCALE_LOG2 in exp2 units. Otherwise p <= 2^RESCALE_LOG2 (256: exact in fp32,
@@ -205,17 +205,24 @@ cuflash_fwd_mma(const AttnParams p) {
                     for (int e = 0; e < 4; ++e) {
                         const int key = key0 + nt * 8 + 2 * t4 + (e % 2);
                         bool ok = key < sk;
-                        if (CAUSAL) ok = ok && key <= my_row[mt][e / 2] + diag;
+                        if (CAUSAL) ok = ok && key <= row_of(mt, e / 2) + diag;
                         s[mt][nt][e] = ok ? s[mt][nt][e] : neg_inf<float>();
                     }
             }
             float alpha[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float mx = m_run[mt][h];
+                // Tree reductions: short dependency chains (a serial chain of NT_S dependent
+                // FMNMX/FADD showed up as fixed-latency stalls in the profile).
+                float part[Cfg::NT_S];
 #pragma unroll
                 for (int nt = 0; nt < Cfg::NT_S; ++nt)
-                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                    part[nt] = fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+#pragma unroll
+                for (int w = Cfg::NT_S; w > 1; w = (w + 1) / 2)  // any NT_S, halving each step
+#pragma unroll
+                    for (int nt = 0; nt < w / 2; ++nt) part[nt] = fmaxf(part[nt], part[nt + (w + 1) / 2]);
+                float mx = fmaxf(m_run[mt][h], part[0]);
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 // grow is true on the first visible key (m = -inf, mx finite) and false while
@@ -224,14 +231,17 @@ cuflash_fwd_mma(const AttnParams p) {
                 alpha[h] = grow ? fast_exp2((m_run[mt][h] - mx) * scale_log2) : 1.f;
                 if (grow) m_run[mt][h] = mx;
                 const float m_c = (m_run[mt][h] == neg_inf<float>()) ? 0.f : m_run[mt][h] * scale_log2;
-                float sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < Cfg::NT_S; ++nt) {
                     s[mt][nt][2 * h] = fast_exp2(fmaf(s[mt][nt][2 * h], scale_log2, -m_c));
                     s[mt][nt][2 * h + 1] = fast_exp2(fmaf(s[mt][nt][2 * h + 1], scale_log2, -m_c));
-                    sum += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
+                    part[nt] = s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
                 }
-                l_run[mt][h] = l_run[mt][h] * alpha[h] + sum;
+#pragma unroll
+                for (int w = Cfg::NT_S; w > 1; w = (w + 1) / 2)
+#pragma unroll
+                    for (int nt = 0; nt < w / 2; ++nt) part[nt] += part[nt + (w + 1) / 2];
+                l_run[mt][h] = l_run[mt][h] * alpha[h] + part[0];
             }
             if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -283,7 +293,9 @@ cuflash_fwd_mma(const AttnParams p) {
     cp_async_wait<0>();  // nothing in flight when the block exits
 
     // Epilogue: finish the row sums over the quad, divide once, write O (pairs of 16-bit values)
-    // and lse (natural log; -inf for a row that saw no key).
+    // and lse (natural log; -inf for a row that saw no key). O's base is formed only now, so it
+    // holds no registers through the main loop.
+    T* o = static_cast<T*>(p.o) + batch_offsets(p, bc.b).o;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -291,7 +303,7 @@ cuflash_fwd_mma(const AttnParams p) {
             float l = l_run[mt][h];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const int row = my_row[mt][h];
+            const int row = row_of(mt, h);
             if (row >= sq) continue;
             const bool empty = (l == 0.f);
             const float inv = empty ? 0.f : 1.f / l;

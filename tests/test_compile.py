@@ -11,8 +11,8 @@ from conftest import COMPILE_REPORTS
 ARCHS = ("sm_80", "sm_90")
 
 
-def _specs():
-    specs = [plan.spec for plan in _dispatch.all_specialisations()]
+def _specs(cc):
+    specs = [plan.spec for plan in _dispatch.all_specialisations(cc)]
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))
@@ -37,8 +37,11 @@ def nvrtc_present():
                     f"extra (pip install -e '.[test]'). Import failed with {err}")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("spec", _specs(), ids=lambda s: s.name.replace("cuflash::", ""))
+CASES = [(spec, arch) for arch in ARCHS for spec in _specs(int(arch[3:]))]
+
+
+@pytest.mark.parametrize("spec,arch", CASES,
+                         ids=[f"{s.name.replace('cuflash::', '')}-{a}" for s, a in CASES])
 def test_compiles_without_spills(spec, arch):
     rep = _compile.compile_report(spec, arch)
     COMPILE_REPORTS.append(rep)
