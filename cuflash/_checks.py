@@ -65,11 +65,13 @@ def dtype_name(dtype) -> str:
 
 
 def _check_array_dtype(name, x):
-    if x.dtype.kind == "V" and x.dtype.itemsize == 2:
-        raise TypeError(f"{name} has an opaque 2-byte dtype ({x.dtype}): a bfloat16 tensor received "
-                        "without ml_dtypes, which gives NumPy and CuPy their bfloat16 dtype; "
-                        "pip install ml_dtypes")
     n = dtype_name(x.dtype)
+    if n not in SUPPORTED_DTYPES and x.dtype.kind == "V" and x.dtype.itemsize == 2:
+        # ml_dtypes' bfloat16 is itself kind "V" but is named "bfloat16" and passed above.
+        raise TypeError(f"{name} has an opaque 2-byte dtype ({x.dtype}), as a bfloat16 tensor gets "
+                        "when it arrives without ml_dtypes (which gives NumPy and CuPy their "
+                        "bfloat16 dtype) or through __cuda_array_interface__, which has no "
+                        "bfloat16 type code; install ml_dtypes, or pass the tensor through DLPack")
     if n not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{name} has dtype {n}; expected one of {', '.join(SUPPORTED_DTYPES)}")

@@ -28,18 +28,16 @@ def cupy_or_none():
 
 
 def backend_of(x, name):
-    """Return ("cpu", None) or ("gpu", device_id) for an array argument; TypeError otherwise."""
+    """Return ("cpu", None) or ("gpu", device_id) for an array argument; TypeError otherwise.
+
+    DLPack is preferred to ``__cuda_array_interface__`` when an object has both (PyTorch): only
+    DLPack carries a bfloat16 type code.
+    """
     if isinstance(x, np.ndarray):
         return "cpu", None
     cp = cupy_or_none()
     if cp is not None and isinstance(x, cp.ndarray):
         return "gpu", x.device.id
-    cai = getattr(x, "__cuda_array_interface__", None)
-    if cai is not None:
-        if cp is None:
-            raise TypeError(f"{name} is a GPU array, but CuPy is not installed: "
-                            "install cuflash[cuda13] or cuflash[cuda12]")
-        return "gpu", cp.asarray(x).device.id
     dev = getattr(x, "__dlpack_device__", None)
     if dev is not None and hasattr(x, "__dlpack__"):
         kind, dev_id = dev()
@@ -52,6 +50,11 @@ def backend_of(x, name):
             return "gpu", int(dev_id)
         raise TypeError(f"{name} lives on DLPack device type {int(kind)}; only CPU and CUDA "
                         "arrays are supported")
+    if getattr(x, "__cuda_array_interface__", None) is not None:
+        if cp is None:
+            raise TypeError(f"{name} is a GPU array, but CuPy is not installed: "
+                            "install cuflash[cuda13] or cuflash[cuda12]")
+        return "gpu", cp.asarray(x).device.id
     raise TypeError(f"{name} must be a NumPy or CuPy array, or a GPU array exposing DLPack or "
                     f"__cuda_array_interface__; got {type(x).__module__}.{type(x).__name__}")
 
@@ -73,9 +76,9 @@ def as_backend_array(x, backend):
     cp = cupy_or_none()
     if isinstance(x, cp.ndarray):
         return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return cp.asarray(x)
-    return cp.from_dlpack(x)
+    if hasattr(x, "__dlpack__"):
+        return cp.from_dlpack(x)
+    return cp.asarray(x)  # __cuda_array_interface__
 
 
 def describe(backend, device_id):

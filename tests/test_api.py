@@ -87,3 +87,22 @@ def test_default_scale_is_inverse_sqrt_d():
     o1 = cuflash.attention(Q, K, V)
     o2 = cuflash.attention(Q, K, V, scale=1 / 4.0)
     np.testing.assert_array_equal(o1, o2)
+
+
+def test_opaque_two_byte_dtype_is_explained():
+    """A bfloat16 tensor that arrived without its dtype (no ml_dtypes, or through
+    __cuda_array_interface__) shows up as 'V2': say what it probably is."""
+    x = RNG.standard_normal((4, 8)).astype(np.float16).view("V2")
+    with pytest.raises(TypeError, match="opaque 2-byte dtype"):
+        cuflash.attention(x, x, x)
+
+
+def test_bfloat16_on_the_cpu_path():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    q, k, v = (reference.round_to(RNG.standard_normal((2, 33, 16)), "bfloat16") for _ in range(3))
+    o = cuflash.attention(q.astype(bf16), k.astype(bf16), v.astype(bf16), causal=True)
+    assert o.dtype == bf16
+    o_ref, _ = reference.attention_ref(q, k, v, causal=True)
+    tol, _ = reference.pass_threshold(q, k, v, causal=True, dtype="bfloat16", o_ref=o_ref)
+    assert np.max(np.abs(o.astype(np.float64) - o_ref)) <= tol
