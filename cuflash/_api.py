@@ -111,7 +111,7 @@ def _attention_gpu(prob):
     return (o, lse) if prob.return_lse else o
 
 
-def merge_states(o_a, lse_a, o_b, lse_b):
+def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):
     """Combine two partial attention results over disjoint key sets.
 
     The reduction operator of the online-softmax recurrence, on normalised outputs::
@@ -129,6 +129,8 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         Partial outputs (as returned by `attention`), same dtype and device.
     lse_a, lse_b : array, shape (..., Sq), float32
         Their log-sum-exps (``attention(..., return_lse=True)``).
+    stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
+        GPU only: the stream to launch on (default: CuPy's current stream).
 
     Returns
     -------
@@ -138,6 +140,8 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         float32 (float64 for float64 outputs). GPU inputs that are not C-contiguous are copied once.
     """
     backend, device_id, (o_a, lse_a, o_b, lse_b), dt = _checks.check_merge(o_a, lse_a, o_b, lse_b)
+    if stream is not None and backend == "cpu":
+        raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
     if backend == "cpu":
         from ._cpu import merge_states_numpy
 
@@ -150,7 +154,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         o_a, lse_a, o_b, lse_b = (cupy.ascontiguousarray(x) for x in (o_a, lse_a, o_b, lse_b))
         o = cupy.empty_like(o_a)
         lse = cupy.empty_like(lse_a)
-        _launch.launch_merge(o_a, lse_a, o_b, lse_b, o, lse, dt, device_id)
+        _launch.launch_merge(o_a, lse_a, o_b, lse_b, o, lse, dt, device_id, stream)
     return o, lse
 
 

@@ -178,6 +178,8 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel) 
     out_o = _check_out("out", out_o, o_shape, dt, backend, device_id)
     out_lse = _check_out("out[1] (lse)", out_lse, batch + (sq,), dt, backend, device_id,
                          check_dtype_name="float32")
+    if out_lse is not None and not out_lse.flags.c_contiguous:
+        raise ValueError("out[1] (lse) must be C-contiguous")
 
     if stream is not None and backend == "cpu":
         raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")

@@ -82,8 +82,6 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     import cupy
 
     q, k, v = prob.q, prob.k, prob.v
-    if lse is not None and not lse.flags.c_contiguous:
-        raise ValueError("the lse buffer must be C-contiguous")
     sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
     if len(sizes) > 3:
         # More than three batch axes that no stride pattern merges: materialise the inputs once

@@ -106,3 +106,16 @@ def test_bfloat16_on_the_cpu_path():
     o_ref, _ = reference.attention_ref(q, k, v, causal=True)
     tol, _ = reference.pass_threshold(q, k, v, causal=True, dtype="bfloat16", o_ref=o_ref)
     assert np.max(np.abs(o.astype(np.float64) - o_ref)) <= tol
+
+
+def test_out_lse_must_be_c_contiguous():
+    o = np.empty((2, 3, 10, 8), np.float32)
+    lse = np.empty((3, 2, 10), np.float32).transpose(1, 0, 2)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cuflash.attention(Q, K, V, return_lse=True, out=(o, lse))
+
+
+def test_merge_states_stream_is_gpu_only():
+    o, lse = arr(3, 4), arr(3)
+    with pytest.raises(ValueError, match="stream= applies to GPU inputs only"):
+        cuflash.merge_states(o, lse, o, lse, stream=0)
