@@ -66,27 +66,28 @@ def generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Plan:
 
 
 #: Tensor-core tile shapes per padded head dim: (BN keys per tile, warps per block, m16 tiles per
-#: warp MT, min blocks per SM for __launch_bounds__). BM = 16 * MT * warps query rows per block.
-#: See kernels_cu/attn_mma.cu.
+#: warp MT, min blocks per SM for __launch_bounds__, stage O through shared memory).
+#: BM = 16 * MT * warps query rows per block. See kernels_cu/attn_mma.cu and notes/PERF.md (the
+#: staged epilogue is built and tested but not yet measured on a GPU, so it is off).
 TC_CONFIGS = {
-    64: (64, 4, 2, 2),
-    96: (64, 4, 2, 2),
-    128: (64, 4, 2, 2),
-    192: (64, 4, 1, 2),
-    256: (64, 4, 1, 2),
+    64: (64, 4, 2, 2, False),
+    96: (64, 4, 2, 2, False),
+    128: (64, 4, 2, 2, False),
+    192: (64, 4, 1, 2, False),
+    256: (64, 4, 1, 2, False),
 }
 #: Per-architecture exceptions, {first compute capability: {dpad: config}}, applied when the
 #: device's compute capability is below the next key: on sm_8x the 64-key tiles of D = 96/128
 #: leave no register headroom (NVRTC 13.0 spills 8 bytes for sm_80), so they take 48-key tiles.
 TC_ARCH_CONFIGS = {
-    80: {96: (48, 4, 2, 2), 128: (48, 4, 2, 2)},
+    80: {96: (48, 4, 2, 2, False), 128: (48, 4, 2, 2, False)},
     90: {},
 }
 TC_DTYPES = ("float16", "bfloat16")
 
 
 def tensorcore_config(dpad: int, compute_capability: int):
-    """(BN, warps, MT, min blocks per SM) for a padded head dim on a device."""
+    """(BN, warps, MT, min blocks per SM, staged O) for a padded head dim on a device."""
     arch = max((a for a in TC_ARCH_CONFIGS if a <= compute_capability), default=None)
     if arch is not None and dpad in TC_ARCH_CONFIGS[arch]:
         return TC_ARCH_CONFIGS[arch][dpad]
@@ -103,12 +104,14 @@ def tensorcore_dpad(d: int) -> int:
 
 def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: int) -> Plan:
     dpad = tensorcore_dpad(d)
-    bn, nwarps, mt, minb = tensorcore_config(dpad, compute_capability)
+    bn, nwarps, mt, minb, stage_o = tensorcore_config(dpad, compute_capability)
     bm = 16 * mt * nwarps
     smem = (bm + 2 * bn) * (dpad + 8) * 2
+    cxx_bool = {True: "true", False: "false"}
     name = (f"cuflash::cuflash_fwd_mma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {nwarps}, {mt}, "
-            f"{minb}, {'true' if causal else 'false'}>")
-    label = f"tensorcore<{dtype_name},D{dpad},BM{bm},BN{bn},{'causal' if causal else 'full'}>"
+            f"{minb}, {cxx_bool[bool(stage_o)]}, {cxx_bool[bool(causal)]}>")
+    label = (f"tensorcore<{dtype_name},D{dpad},BM{bm},BN{bn},{'stagedO,' if stage_o else ''}"
+             f"{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_mma", name), block_m=bm,
                 threads=32 * nwarps, smem_bytes=smem)
 

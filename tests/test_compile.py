@@ -37,7 +37,22 @@ def nvrtc_present():
                     f"extra (pip install -e '.[test]'). Import failed with {err}")
 
 
-CASES = [(spec, arch) for arch in ARCHS for spec in _specs(int(arch[3:]))]
+def _staged_epilogue_specs(cc):
+    """The staged-O epilogue variant of every tensor-core config (built, not yet the default)."""
+    from unittest import mock
+
+    staged = {k: v[:4] + (True,) for k, v in _dispatch.TC_CONFIGS.items()}
+    arch_staged = {a: {k: v[:4] + (True,) for k, v in c.items()}
+                   for a, c in _dispatch.TC_ARCH_CONFIGS.items()}
+    with mock.patch.dict(_dispatch.TC_CONFIGS, staged), \
+            mock.patch.dict(_dispatch.TC_ARCH_CONFIGS, arch_staged):
+        return [_dispatch.tensorcore_plan(dt, dpad, causal, cc).spec
+                for dt in _dispatch.TC_DTYPES for dpad in _dispatch.TC_CONFIGS
+                for causal in (False, True)]
+
+
+CASES = [(spec, arch) for arch in ARCHS
+         for spec in _specs(int(arch[3:])) + _staged_epilogue_specs(int(arch[3:]))]
 
 
 @pytest.mark.parametrize("spec,arch", CASES,

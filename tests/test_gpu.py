@@ -234,3 +234,25 @@ def test_errors_on_gpu():
                           kernel="tensorcore")
     with pytest.raises(ValueError, match="out is on"):
         cuflash.attention(q, q, q, out=np.empty((2, 8, 64), np.float16))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sq,sk,d", [(1, 1, 64), (300, 30, 128), (257, 1000, 256), (1000, 257, 96),
+                                     (113, 113, 40)])
+def test_staged_output_epilogue(sq, sk, d, dtype, causal, monkeypatch):
+    """The tensor-core kernel's shared-memory staged epilogue (a tuning option, off by default):
+    same results, every element written, blocks with no key tile included (Sq > Sk, causal)."""
+    _skip_unsupported(dtype)
+    from cuflash import _dispatch
+
+    staged = {k: v[:4] + (True,) for k, v in _dispatch.TC_CONFIGS.items()}
+    arch_staged = {a: {k: v[:4] + (True,) for k, v in c.items()}
+                   for a, c in _dispatch.TC_ARCH_CONFIGS.items()}
+    monkeypatch.setattr(_dispatch, "TC_CONFIGS", staged)
+    monkeypatch.setattr(_dispatch, "TC_ARCH_CONFIGS", arch_staged)
+    rng = _rng("staged", sq, sk, d, dtype, causal)
+    q, k, v = random_inputs(rng, (2,), (2,), sq, sk, d, d, dtype)
+    o, lse, label = _run(q, k, v, dtype, causal=causal)
+    assert "stagedO" in label, label
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
