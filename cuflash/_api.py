@@ -137,7 +137,9 @@ def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):
     o : array, shape (..., Sq, Dv), the dtype of ``o_a``
     lse : array, shape (..., Sq), float32
         NumPy arrays for CPU inputs, CuPy arrays for GPU inputs. The weights are computed in
-        float32 (float64 for float64 outputs). GPU inputs that are not C-contiguous are copied once.
+        float32 (float64 for float64 outputs) from the float32 lse values, so merged float64
+        outputs are accurate to about 1e-7 relative, not to float64 precision. GPU inputs that
+        are not C-contiguous are copied once.
     """
     backend, device_id, (o_a, lse_a, o_b, lse_b), dt = _checks.check_merge(o_a, lse_a, o_b, lse_b)
     if stream is not None and backend == "cpu":
