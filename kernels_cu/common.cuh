@@ -21,7 +21,6 @@ __device__ __forceinline__ float to_float(bf16_t x) {
     return __uint_as_float(static_cast<unsigned int>(x.bits) << 16);
 }
 __device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ double to_double(double x) { return x; }
 
 // Convert an accumulator value to the storage type, rounding to nearest even.
 template <typename T> __device__ __forceinline__ T from_acc(float x);
