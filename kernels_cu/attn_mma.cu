@@ -295,35 +295,42 @@ cuflash_fwd_mma(const AttnParams p) {
     // Epilogue: finish the row sums over the quad, divide once, write O and lse (natural log;
     // -inf for a row that saw no key). O's base is formed only now, so it holds no registers
     // through the main loop.
+    //
+    // STAGE_O: each warp parks its 16-bit O tile in its own Q rows of shared memory (only this
+    // warp ever reads them), then writes whole rows with 16-byte coalesced stores instead of
+    // 4-byte stores scattered over 8 rows. The barrier first makes sure no thread's Q copy is
+    // still in flight (a block with no key tile never waited for Q).
     T* o = static_cast<T*>(p.o) + batch_offsets(p, bc.b).o;
-    if constexpr (STAGE_O) {
-        // Through shared memory: each warp parks its 16-bit O tile in its own Q rows (only this
-        // warp ever reads them), then writes whole rows with 16-byte coalesced stores instead of
-        // 4-byte stores scattered over 8 rows. The barrier makes sure no thread's Q copy is
-        // still in flight (a block with no key tile never waited for Q).
-        __syncthreads();
-        T* o_s = q_s + warp * MT * 16 * STRIDE;
+    T* o_s = q_s + warp * MT * 16 * STRIDE;
+    if constexpr (STAGE_O) __syncthreads();
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float l = l_run[mt][h];
-                l += __shfl_xor_sync(0xffffffffu, l, 1);
-                l += __shfl_xor_sync(0xffffffffu, l, 2);
-                const bool empty = (l == 0.f);
-                const float inv = empty ? 0.f : 1.f / l;
-                T* srow = o_s + (mt * 16 + g + 8 * h) * STRIDE;
+        for (int h = 0; h < 2; ++h) {
+            float l = l_run[mt][h];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int row = row_of(mt, h);
+            const bool empty = (l == 0.f);
+            const float inv = empty ? 0.f : 1.f / l;
+            if (p.lse != nullptr && t4 == 0 && row < sq) {
+                p.lse[bc.b * p.sq + row] =
+                    empty ? neg_inf<float>()
+                          : (m_run[mt][h] * scale_log2 + __log2f(l)) * 0.6931471805599453f;
+            }
+            if (!STAGE_O && row >= sq) continue;
+            T* dst = STAGE_O ? o_s + (mt * 16 + g + 8 * h) * STRIDE
+                             : o + static_cast<long long>(row) * p.o_sr;
 #pragma unroll
-                for (int nt = 0; nt < Cfg::NT_O; ++nt)
-                    *reinterpret_cast<unsigned int*>(srow + nt * 8 + 2 * t4) =
+            for (int nt = 0; nt < Cfg::NT_O; ++nt) {
+                const int col = nt * 8 + 2 * t4;
+                if (STAGE_O || col < d) {
+                    *reinterpret_cast<unsigned int*>(dst + col) =
                         pack2<T>(acc_o[mt][nt][2 * h] * inv, acc_o[mt][nt][2 * h + 1] * inv);
-                const int row = row_of(mt, h);
-                if (p.lse != nullptr && t4 == 0 && row < sq) {
-                    p.lse[bc.b * p.sq + row] =
-                        empty ? neg_inf<float>()
-                              : (m_run[mt][h] * scale_log2 + __log2f(l)) * 0.6931471805599453f;
                 }
             }
+        }
+    if constexpr (STAGE_O) {
         __syncwarp();
         const int wrow0 = row0 + warp * MT * 16;
 #pragma unroll
@@ -334,33 +341,6 @@ cuflash_fwd_mma(const AttnParams p) {
                     *reinterpret_cast<const uint4*>(o_s + r * STRIDE + c * 8);
             }
         }
-    } else {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float l = l_run[mt][h];
-                l += __shfl_xor_sync(0xffffffffu, l, 1);
-                l += __shfl_xor_sync(0xffffffffu, l, 2);
-                const int row = row_of(mt, h);
-                if (row >= sq) continue;
-                const bool empty = (l == 0.f);
-                const float inv = empty ? 0.f : 1.f / l;
-                T* orow = o + static_cast<long long>(row) * p.o_sr;
-#pragma unroll
-                for (int nt = 0; nt < Cfg::NT_O; ++nt) {
-                    const int col = nt * 8 + 2 * t4;
-                    if (col < d) {
-                        *reinterpret_cast<unsigned int*>(orow + col) =
-                            pack2<T>(acc_o[mt][nt][2 * h] * inv, acc_o[mt][nt][2 * h + 1] * inv);
-                    }
-                }
-                if (p.lse != nullptr && t4 == 0) {
-                    p.lse[bc.b * p.sq + row] =
-                        empty ? neg_inf<float>()
-                              : (m_run[mt][h] * scale_log2 + __log2f(l)) * 0.6931471805599453f;
-                }
-            }
     }
 }
 
