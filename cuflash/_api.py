@@ -50,10 +50,13 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on. Default: CuPy's current stream. The call never
         synchronises the device.
-    kernel : {"auto", "generic", "tensorcore"}, optional
+    kernel : {"auto", "generic", "tensorcore", "hopper"}, optional
         GPU only. ``"auto"`` lets the dispatcher pick the fastest correct kernel; ``"generic"``
         forces the scalar audit kernel (float32/float64 arithmetic, accurate exp2);
-        ``"tensorcore"`` demands the tensor-core kernel and raises if the inputs do not qualify.
+        ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+) and
+        ``"hopper"`` the TMA/wgmma kernel (compute capability 9.0, 64 <= D <= 256); both take
+        float16/bfloat16 with D == Dv, D % 8 == 0 and 16-byte aligned rows, and raise
+        ValueError, saying why, if the inputs do not qualify.
 
     Returns
     -------

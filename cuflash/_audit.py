@@ -195,11 +195,15 @@ class GpuDevice(Device):
         return dtype != "bfloat16" or _bf16_on_gpu()
 
     def kernels(self, q, k, v, causal):
-        auto = dispatch_info(q, k, v, causal=causal, kernel="auto")
-        generic = dispatch_info(q, k, v, causal=causal, kernel="generic")
-        pairs = [("auto", auto)]
-        if generic != auto:
-            pairs.append(("generic", generic))
+        """auto (the dispatcher's choice), then every other kernel that can run these inputs."""
+        pairs = [("auto", dispatch_info(q, k, v, causal=causal, kernel="auto"))]
+        for arg in ("tensorcore", "generic"):
+            try:
+                name = dispatch_info(q, k, v, causal=causal, kernel=arg)
+            except ValueError:  # these inputs do not qualify for that kernel
+                continue
+            if all(name != n for _, n in pairs):
+                pairs.append((arg, name))
         return pairs
 
     def info(self):

@@ -23,7 +23,7 @@ MAX_HEAD_DIM = 256
 #: dtypes accepted by `attention`, by NumPy/CuPy dtype name.
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-KERNEL_CHOICES = ("auto", "generic", "tensorcore")
+KERNEL_CHOICES = ("auto", "generic", "tensorcore", "hopper")
 
 
 @dataclass

@@ -13,19 +13,29 @@ first use:
    specialisation is compiled at most once per process and device (and usually read from CuPy's
    disk cache after the first process).
 
-`compile_report` compiles a specialisation for a named architecture without a GPU (through CuPy's
-NVRTC binding directly) and returns ptxas's resource report; the tests use it to compile every
-specialisation for sm_80 and sm_90 and to reject local-memory spills.
+A specialisation with a fixed ``arch`` (the Hopper kernel: ``sm_90a``, whose wgmma and setmaxnreg
+exist only on compute capability 9.0 exactly) cannot go through ``cupy.RawModule``, which always
+appends its own ``-arch=sm_<major><minor>``. Those are compiled here through NVRTC's C API (ctypes,
+on the library CuPy already loaded), cached on disk as cubins under ``$CUFLASH_CACHE_DIR``
+(default ``~/.cache/cuflash``) keyed on the same things CuPy's cache uses (source, name, options,
+architecture, NVRTC version), and loaded with ``cupy.cuda.function.Module``.
+
+`compile_report` compiles a specialisation for a named architecture without a GPU (through
+NVRTC directly) and returns ptxas's resource report; the tests use it to compile every
+specialisation for sm_80 and sm_90 (and the sm_90a ones for sm_90a) and to reject local-memory
+spills.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
+import os
 import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from kernels_cu import SOURCE_DIR
 
@@ -67,6 +77,7 @@ class Specialisation:
     family: str
     name: str
     options: Tuple[str, ...] = ()
+    arch: Optional[str] = None  # a fixed target such as "sm_90a"; None: the device's own
 
     def all_options(self):
         return NVRTC_OPTIONS + self.options
@@ -94,17 +105,139 @@ def get_kernel(spec: Specialisation, device_id: int, dynamic_smem: int = 0):
         if kern is None:
             src, _ = family_source(spec.family)
             with cupy.cuda.Device(device_id):
-                mod = cupy.RawModule(code=src, options=spec.all_options(),
-                                     name_expressions=(spec.name,))
-                kern = mod.get_function(spec.name)
-                kern.compile()  # compile and load now, not inside the first launch
+                if spec.arch is None:
+                    mod = cupy.RawModule(code=src, options=spec.all_options(),
+                                         name_expressions=(spec.name,))
+                    kern = mod.get_function(spec.name)
+                    kern.compile()  # compile and load now, not inside the first launch
+                else:
+                    kern = _load_fixed_arch(spec)
             _kernels[key] = kern
             _smem_limit[key] = 48 * 1024
         if dynamic_smem > _smem_limit[key]:
             with cupy.cuda.Device(device_id):
-                kern.max_dynamic_shared_size_bytes = int(dynamic_smem)
+                if spec.arch is None:
+                    kern.max_dynamic_shared_size_bytes = int(dynamic_smem)
+                else:
+                    cupy.cuda.driver.funcSetAttribute(
+                        kern.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        int(dynamic_smem))
             _smem_limit[key] = int(dynamic_smem)
     return kern
+
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CUFLASH_CACHE_DIR") or Path.home() / ".cache" / "cuflash")
+
+
+def _load_fixed_arch(spec: Specialisation):
+    """Compile (or read from the disk cache) the cubin of a fixed-arch spec and load it on the
+    current device. Returns a `cupy.cuda.function.Function` (called like a RawKernel)."""
+    from cupy.cuda import function
+
+    src, src_hash = family_source(spec.family)
+    opts = list(spec.all_options()) + [f"-arch={spec.arch}"]
+    major, minor = nvrtc_version()
+    key = hashlib.sha256("\0".join([src_hash, spec.name, *opts, f"nvrtc{major}.{minor}"])
+                         .encode()).hexdigest()
+    path = cache_dir() / f"{spec.family}-{key[:32]}.cubin"
+    name_path = path.with_suffix(".name")
+    cubin = mangled = None
+    try:
+        cubin, mangled = path.read_bytes(), name_path.read_text()
+    except OSError:
+        pass
+    if not cubin or not mangled:
+        cubin, _, mangled = nvrtc_compile(src, f"{spec.family}.cu", spec.name, opts)
+        try:  # the cache is an optimisation: a read-only home directory must not break a call
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for p, data in ((path, cubin), (name_path, mangled.encode())):
+                tmp = p.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_bytes(data)
+                os.replace(tmp, p)
+        except OSError:
+            pass
+    mod = function.Module()
+    mod.load(cubin)
+    return mod.get_function(mangled)  # the Function holds a reference to its Module
+
+
+# ---- NVRTC's C API through ctypes (CuPy's binding returns the cubin one byte short in 14.2).
+
+_NVRTC = None
+
+
+def _nvrtc():
+    global _NVRTC
+    if _NVRTC is None:
+        try:  # make CuPy load the library it uses; dlopen then finds it by its soname
+            from cupy_backends.cuda.libs import nvrtc as _cupy_nvrtc
+
+            _cupy_nvrtc.getVersion()
+        except Exception:
+            pass
+        errors = []
+        for soname in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"):
+            try:
+                lib = ctypes.CDLL(soname)
+                break
+            except OSError as exc:
+                errors.append(str(exc))
+        else:
+            raise RuntimeError("cannot load the NVRTC library (install cupy and the NVRTC wheel, "
+                               "e.g. pip install 'cuflash[cuda13]'): " + "; ".join(errors))
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
+                                            ctypes.POINTER(ctypes.c_char_p)]
+        _NVRTC = lib
+    return _NVRTC
+
+
+def _check_nvrtc(lib, status, what):
+    if status != 0:
+        raise RuntimeError(f"NVRTC {what} failed: {lib.nvrtcGetErrorString(status).decode()}")
+
+
+def nvrtc_version() -> Tuple[int, int]:
+    lib = _nvrtc()
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check_nvrtc(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "version")
+    return major.value, minor.value
+
+
+def nvrtc_compile(src: str, filename: str, name: str, options) -> Tuple[bytes, str, str]:
+    """Compile `src` and instantiate the name expression `name`: (cubin, log, mangled name).
+
+    Raises RuntimeError with NVRTC's log on a compile error.
+    """
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), filename.encode(),
+                                             0, None, None), "createProgram")
+    try:
+        _check_nvrtc(lib, lib.nvrtcAddNameExpression(prog, name.encode()), "addNameExpression")
+        opts = [o.encode() for o in options]
+        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        _check_nvrtc(lib, lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "getProgramLog")
+        buf = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(lib, lib.nvrtcGetProgramLog(prog, buf), "getProgramLog")
+        log = buf.value.decode(errors="replace")
+        if status != 0:
+            raise RuntimeError(f"NVRTC failed on {name} with {' '.join(options)}:\n{log}")
+        lowered = ctypes.c_char_p()
+        _check_nvrtc(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)),
+                     "getLoweredName")
+        mangled = lowered.value.decode()
+        _check_nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "getCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "getCUBIN")
+        return cubin.raw, log, mangled
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 @dataclass
@@ -120,38 +253,29 @@ class CompileReport:
     spill_loads: int
     cubin_size: int
     log: str
+    cubin: bytes = b""
 
     def summary(self) -> str:
         return (f"{self.arch} {self.name}: {self.registers} registers, {self.shared_bytes} B static "
                 f"smem, {self.stack_bytes} B stack, spills {self.spill_stores}/{self.spill_loads} B")
 
 
-def compile_report(spec: Specialisation, arch: str) -> CompileReport:
-    """Compile `spec` for `arch` (e.g. "sm_90") without a GPU and parse ptxas's report.
+def compile_report(spec: Specialisation, arch: Optional[str] = None) -> CompileReport:
+    """Compile `spec` for `arch` (e.g. "sm_90"; default: the spec's fixed arch) without a GPU and
+    parse ptxas's report.
 
     Raises RuntimeError with the NVRTC log on a compile error.
     """
-    from cupy_backends.cuda.libs import nvrtc
-
+    arch = arch or spec.arch
+    if arch is None:
+        raise ValueError(f"{spec.name} has no fixed architecture; name one")
     src, _ = family_source(spec.family)
-    prog = nvrtc.createProgram(src, f"{spec.family}.cu", [], [])
-    try:
-        nvrtc.addNameExpression(prog, spec.name)
-        opts = list(spec.all_options()) + [f"-arch={arch}", "-Xptxas=-v"]
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except Exception as exc:
-            raise RuntimeError(f"NVRTC failed on {spec.name} for {arch}:\n"
-                               f"{nvrtc.getProgramLog(prog)}") from exc
-        log = nvrtc.getProgramLog(prog)
-        mangled = nvrtc.getLoweredName(prog, spec.name)
-        cubin = nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    return _parse_ptxas(log, mangled, spec.name, arch, len(cubin))
+    opts = list(spec.all_options()) + [f"-arch={arch}", "-Xptxas=-v"]
+    cubin, log, mangled = nvrtc_compile(src, f"{spec.family}.cu", spec.name, opts)
+    return _parse_ptxas(log, mangled, spec.name, arch, cubin)
 
 
-def _parse_ptxas(log: str, mangled: str, name: str, arch: str, cubin_size: int) -> CompileReport:
+def _parse_ptxas(log: str, mangled: str, name: str, arch: str, cubin: bytes) -> CompileReport:
     # ptxas prints a block per entry: "Compiling entry function '<mangled>'", then the stack/spill
     # line and the registers/smem line. Take the block of our entry.
     start = log.find(f"'{mangled}'")
@@ -173,4 +297,4 @@ def _parse_ptxas(log: str, mangled: str, name: str, arch: str, cubin_size: int) 
         stack_bytes=num(r"(\d+) bytes stack frame"),
         spill_stores=num(r"(\d+) bytes spill stores"),
         spill_loads=num(r"(\d+) bytes spill loads"),
-        cubin_size=cubin_size, log=log)
+        cubin_size=len(cubin), log=log, cubin=cubin)

@@ -5,12 +5,14 @@ The rule, in order:
 1. ``kernel="generic"`` forces the generic kernel (``kernels_cu/attn_generic.cu``): scalar
    float32 (float64 for float64 inputs) arithmetic with the accurate exp2, every dtype, head dims
    1..256. It is the audit path.
-2. ``kernel="tensorcore"`` asks for the tensor-core kernel (``kernels_cu/attn_mma.cu``, mma.sync,
-   sm_80+, float16/bfloat16) and raises if the inputs do not qualify.
-3. ``kernel="auto"`` takes the tensor-core kernel when the inputs qualify (see
-   `tensorcore_reason`: compute capability >= 8.0, float16/bfloat16, D == Dv, D % 8 == 0, rows
-   16-byte aligned), the generic kernel otherwise. Head dims between the fast paths (64, 96, 128,
-   192, 256) are zero-padded to the next one.
+2. ``kernel="tensorcore"`` asks for the mma.sync tensor-core kernel (``kernels_cu/attn_mma.cu``,
+   sm_80+, float16/bfloat16) and raises if the inputs do not qualify; ``kernel="hopper"`` does the
+   same for the Hopper kernel (``kernels_cu/attn_wgmma.cu``: TMA, wgmma, warp specialisation).
+3. ``kernel="auto"`` takes the Hopper kernel when the inputs qualify (see `hopper_reason`:
+   compute capability exactly 9.0, float16/bfloat16, D == Dv, D % 8 == 0, 64 <= D <= 256, rows
+   and batch strides 16-byte aligned), else the tensor-core kernel when they qualify (see
+   `tensorcore_reason`: compute capability >= 8.0, the same dtypes and alignment, any D % 8 == 0),
+   else the generic kernel. Head dims between the fast paths are zero-padded to the next one.
 
 Kernel sources mirror the tile constants below (`GenericConfig` and friends); a mismatch leaves
 rows unwritten, which the GPU tests catch by poisoning every output with NaN.
@@ -67,20 +69,21 @@ def generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Plan:
 
 #: Tensor-core tile shapes per padded head dim: (BN keys per tile, warps per block, m16 tiles per
 #: warp MT, min blocks per SM for __launch_bounds__, stage O through shared memory).
-#: BM = 16 * MT * warps query rows per block. See kernels_cu/attn_mma.cu and notes/PERF.md (the
-#: staged epilogue is built and tested but not yet measured on a GPU, so it is off).
+#: BM = 16 * MT * warps query rows per block. See kernels_cu/attn_mma.cu and notes/PERF.md: on an
+#: H200 the staged epilogue gained 1-6% at S = 512-2048, and at D = 64 one m-tile per warp with
+#: 4 blocks per SM another 2-13% (benchmarks/tune_tensorcore.py, 2026-11-30).
 TC_CONFIGS = {
-    64: (64, 4, 2, 2, False),
-    96: (64, 4, 2, 2, False),
-    128: (64, 4, 2, 2, False),
-    192: (64, 4, 1, 2, False),
-    256: (64, 4, 1, 2, False),
+    64: (64, 4, 1, 4, True),
+    96: (64, 4, 2, 2, True),
+    128: (64, 4, 2, 2, True),
+    192: (64, 4, 1, 2, True),
+    256: (64, 4, 1, 2, True),
 }
 #: Per-architecture exceptions, {first compute capability: {dpad: config}}, applied when the
 #: device's compute capability is below the next key: on sm_8x the 64-key tiles of D = 96/128
 #: leave no register headroom (NVRTC 13.0 spills 8 bytes for sm_80), so they take 48-key tiles.
 TC_ARCH_CONFIGS = {
-    80: {96: (48, 4, 2, 2, False), 128: (48, 4, 2, 2, False)},
+    80: {96: (48, 4, 2, 2, True), 128: (48, 4, 2, 2, True)},
     90: {},
 }
 TC_DTYPES = ("float16", "bfloat16")
@@ -143,10 +146,69 @@ def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     return None
 
 
+#: Hopper kernel tiles per padded head dim: (BN keys per tile, pipeline stages, overlap the
+#: softmax of tile j with P_{j-1} V_{j-1} inside a warpgroup). BM is 128 (two consumer warpgroups
+#: of 64 rows). Shared memory: Q 128 x DPAD, K and V STAGES x BN x DPAD each, 16-bit: 80 KiB at
+#: D = 64, 160 KiB at D = 128, 192 KiB at D = 256 (of 227 KiB per block).
+HOPPER_CONFIGS = {
+    64: (128, 2, True),
+    128: (128, 2, True),
+    256: (64, 2, True),
+}
+HOPPER_BM = 128
+HOPPER_THREADS = 384
+
+
+def hopper_dpad(d: int) -> int:
+    for b in sorted(HOPPER_CONFIGS):
+        if d <= b:
+            return b
+    raise ValueError(f"head dim {d} exceeds 256")
+
+
+def hopper_plan(dtype_name: str, d: int, causal: bool) -> Plan:
+    dpad = hopper_dpad(d)
+    bn, stages, overlap = HOPPER_CONFIGS[dpad]
+    smem = 1024 + HOPPER_BM * dpad * 2 + 2 * stages * bn * dpad * 2 + 8 * (1 + 4 * stages)
+    cxx_bool = {True: "true", False: "false"}
+    name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {stages}, "
+            f"{cxx_bool[bool(overlap)]}, {cxx_bool[bool(causal)]}>")
+    label = (f"hopper<{dtype_name},D{dpad},BM{HOPPER_BM},BN{bn},S{stages},"
+             f"{'overlap,' if overlap else ''}{'causal' if causal else 'full'}>")
+    return Plan(label=label, spec=Specialisation("attn_wgmma", name, arch="sm_90a"),
+                block_m=HOPPER_BM, threads=HOPPER_THREADS, smem_bytes=smem)
+
+
+def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
+    """Why the Hopper kernel cannot run these inputs, or None if it can."""
+    if compute_capability != 90:
+        return ("it is built for sm_90a and runs on compute capability 9.0 only "
+                f"(this GPU: {compute_capability})")
+    why = tensorcore_reason(prob, compute_capability)
+    if why is not None:
+        return why
+    if prob.d < 64:
+        return f"it takes head dims from 64 to 256 (got {prob.d})"
+    for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
+        if x.shape[-2] > 1 and x.strides[-2] <= 0:
+            return f"the rows of {name} must not overlap (row stride {x.strides[-2]})"
+    from . import _tma
+
+    if not _tma.available():
+        return f"the CUDA driver's tensor-map API is unavailable ({_tma.unavailable_reason()})"
+    return None
+
+
 def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     """The plan for a validated `Problem` on a device of the given compute capability (e.g. 90)."""
     if prob.kernel == "generic":
         return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
+    if prob.kernel in ("auto", "hopper"):
+        why_not = hopper_reason(prob, compute_capability)
+        if why_not is None:
+            return hopper_plan(prob.dtype_name, prob.d, prob.causal)
+        if prob.kernel == "hopper":
+            raise ValueError(f"kernel='hopper' cannot run these inputs: {why_not}")
     why_not = tensorcore_reason(prob, compute_capability)
     if why_not is None:
         return tensorcore_plan(prob.dtype_name, prob.d, prob.causal, compute_capability)
@@ -167,4 +229,9 @@ def all_specialisations(compute_capability: int = 90):
         for dpad in TC_CONFIGS:
             for causal in (False, True):
                 plans.append(tensorcore_plan(dt, dpad, causal, compute_capability))
+    if compute_capability == 90:
+        for dt in TC_DTYPES:
+            for dpad in HOPPER_CONFIGS:
+                for causal in (False, True):
+                    plans.append(hopper_plan(dt, dpad, causal))
     return plans

@@ -16,9 +16,19 @@ _PTR_FIELDS = ("q", "k", "v", "o", "lse")
 _INT_FIELDS = ("sq", "sk", "d", "dv", "nb0", "nb1", "nb2",
                "q_s0", "q_s1", "q_s2", "q_sr", "k_s0", "k_s1", "k_s2", "k_sr",
                "v_s0", "v_s1", "v_s2", "v_sr", "o_s0", "o_s1", "o_s2", "o_sr", "n_mblocks")
-PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _PTR_FIELDS] +
-                        [(f, np.int64) for f in _INT_FIELDS] +
-                        [("scale_log2", np.float64), ("scale", np.float64)])
+_PARAMS_FIELDS = ([(f, np.uint64) for f in _PTR_FIELDS] + [(f, np.int64) for f in _INT_FIELDS] +
+                  [("scale_log2", np.float64), ("scale", np.float64)])
+PARAMS_DTYPE = np.dtype(_PARAMS_FIELDS)
+#: The Hopper kernel's `HopperParams` (kernels_cu/attn_wgmma.cu): three 128-byte tensor maps
+#: (64-byte aligned, so the struct's size rounds up to a multiple of 64), `AttnParams`, and the
+#: batch-coordinate mask.
+HOPPER_PARAMS_DTYPE = np.dtype({
+    "names": ["tm_q", "tm_k", "tm_v"] + [f for f, _ in _PARAMS_FIELDS] + ["coord_mask"],
+    "formats": [(np.uint8, 128)] * 3 + [t for _, t in _PARAMS_FIELDS] + [np.int64],
+    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(len(_PARAMS_FIELDS))]
+               + [384 + 8 * len(_PARAMS_FIELDS)],
+    "itemsize": -(-(384 + 8 * len(_PARAMS_FIELDS) + 8) // 64) * 64,
+})
 
 MAX_GRID_X = 2**31 - 1
 _LOG2E = 1.4426950408889634
@@ -113,7 +123,8 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     if plan.threads > 1024:
         raise ValueError(f"{plan.label}: {plan.threads} threads per block > 1024")
 
-    p = np.zeros((), dtype=PARAMS_DTYPE)
+    hopper = plan.spec.family == "attn_wgmma"
+    p = np.zeros((), dtype=HOPPER_PARAMS_DTYPE if hopper else PARAMS_DTYPE)
     p["q"], p["k"], p["v"], p["o"] = q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr
     p["lse"] = 0 if lse is None else lse.data.ptr
     p["sq"], p["sk"], p["d"], p["dv"] = prob.sq, prob.sk, prob.d, prob.dv
@@ -124,10 +135,41 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     p["n_mblocks"] = n_mblocks
     p["scale_log2"] = prob.scale * _LOG2E
     p["scale"] = prob.scale
+    if hopper:
+        _fill_tensor_maps(p, plan, prob, (q, k, v), sizes, bstr, rstr)
 
     kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
     kern((grid,), (plan.threads,), (p[()],), shared_mem=plan.smem_bytes,
          stream=_stream_ptr(prob.stream))
+
+
+def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):
+    """The Hopper kernel's tensor maps: one per input, 5-D (D, rows, batch axes 2, 1, 0), boxes of
+    64 columns x BM (q) or BN (k, v) rows. A batch axis the tensor broadcasts over (stride 0)
+    becomes a size-1 dim with coordinate 0 in the kernel (coord_mask bit clear)."""
+    from . import _tma
+    from ._dispatch import HOPPER_CONFIGS, hopper_dpad
+
+    bn = HOPPER_CONFIGS[hopper_dpad(prob.d)][0]
+    mask = 0
+    for t, (x, rows, box_rows) in enumerate(zip(tensors, (prob.sq, prob.sk, prob.sk),
+                                                (plan.block_m, bn, bn))):
+        item = x.itemsize
+        row_bytes = rstr[t] * item if rows > 1 else -(-prob.d * item // 16) * 16
+        dims, strides = [prob.d, rows], [row_bytes]
+        span = row_bytes * rows  # any valid stride for a size-1 dim (its coordinate is always 0)
+        for ax in (2, 1, 0):
+            if bstr[t][ax] != 0:
+                mask |= 1 << (3 * t + ax)
+                dims.append(sizes[ax])
+                strides.append(bstr[t][ax] * item)
+            else:
+                dims.append(1)
+                strides.append(span)
+        p[("tm_q", "tm_k", "tm_v")[t]] = np.frombuffer(
+            _tma.encode_tiled(prob.dtype_name, x.data.ptr, dims, strides, [64, box_rows, 1, 1, 1]),
+            dtype=np.uint8)
+    p["coord_mask"] = mask
 
 
 def launch_merge(o_a, lse_a, o_b, lse_b, o, lse, dtype_name, device_id, stream=None):

@@ -77,9 +77,6 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, long long ld, int
     }
 }
 
-// Lazy-rescale threshold in exp2 units (see the softmax step).
-constexpr float RESCALE_LOG2 = 8.f;
-
 template <typename T, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O, bool CAUSAL>
 __global__ void __launch_bounds__(32 * NWARPS, MINB)
 cuflash_fwd_mma(const AttnParams p) {
@@ -186,86 +183,20 @@ cuflash_fwd_mma(const AttnParams p) {
             }
         }
 
-        // Mask, then the online softmax for the thread's rows, on raw scores: the scale (> 0,
-        // checked on the host) is folded into one FFMA per score, p = exp2(s * c - m * c) with
-        // c = scale * log2(e). s[mt][nt][e]: row row_of(mt, e / 2), key key0 + nt*8 + 2*t4 + e%2.
-        //
-        // Lazy rescaling: the reference max m only moves when the tile's max exceeds it by more
-        // than 2^RESCALE_LOG2 in exp2 units. Otherwise p <= 2^RESCALE_LOG2 (256: exact in fp32,
-        // and in range for fp16/bf16 P) and l, O need no rescale, which saves D/2 multiplies per
-        // row and tile after the first few tiles. The state stays consistent (l and O are sums
-        // relative to the same m), so the result is exact up to rounding, as in the plain form.
+        // Mask (on tiles from masked_from on), then the online softmax of the thread's rows and
+        // the lazy rescale of O (common.cuh: softmax_step). P then goes to 16 bits right away, in
+        // the A-operand layout of the P.V product: it halves the registers P occupies while V_j
+        // is awaited.
         const bool need_mask = j >= masked_from;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            if (need_mask) {
-#pragma unroll
-                for (int nt = 0; nt < Cfg::NT_S; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = key0 + nt * 8 + 2 * t4 + (e % 2);
-                        bool ok = key < sk;
-                        if (CAUSAL) ok = ok && key <= row_of(mt, e / 2) + diag;
-                        s[mt][nt][e] = ok ? s[mt][nt][e] : neg_inf<float>();
-                    }
-            }
-            float alpha[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                // Tree reductions: short dependency chains (a serial chain of NT_S dependent
-                // FMNMX/FADD showed up as fixed-latency stalls in the profile).
-                float part[Cfg::NT_S];
-#pragma unroll
-                for (int nt = 0; nt < Cfg::NT_S; ++nt)
-                    part[nt] = fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
-#pragma unroll
-                for (int w = Cfg::NT_S; w > 1; w = (w + 1) / 2)  // any NT_S, halving each step
-#pragma unroll
-                    for (int nt = 0; nt < w / 2; ++nt) part[nt] = fmaxf(part[nt], part[nt + (w + 1) / 2]);
-                float mx = fmaxf(m_run[mt][h], part[0]);
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                // grow is true on the first visible key (m = -inf, mx finite) and false while
-                // nothing is visible (-inf - -inf is NaN): then m stays -inf and every p is 0.
-                const bool grow = (mx - m_run[mt][h]) * scale_log2 > RESCALE_LOG2;
-                alpha[h] = grow ? fast_exp2((m_run[mt][h] - mx) * scale_log2) : 1.f;
-                if (grow) m_run[mt][h] = mx;
-                const float m_c = (m_run[mt][h] == neg_inf<float>()) ? 0.f : m_run[mt][h] * scale_log2;
-#pragma unroll
-                for (int nt = 0; nt < Cfg::NT_S; ++nt) {
-                    s[mt][nt][2 * h] = fast_exp2(fmaf(s[mt][nt][2 * h], scale_log2, -m_c));
-                    s[mt][nt][2 * h + 1] = fast_exp2(fmaf(s[mt][nt][2 * h + 1], scale_log2, -m_c));
-                    part[nt] = s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
-                }
-#pragma unroll
-                for (int w = Cfg::NT_S; w > 1; w = (w + 1) / 2)
-#pragma unroll
-                    for (int nt = 0; nt < w / 2; ++nt) part[nt] += part[nt + (w + 1) / 2];
-                l_run[mt][h] = l_run[mt][h] * alpha[h] + part[0];
-            }
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-                for (int i = 0; i < Cfg::NT_O; ++i) {
-                    acc_o[mt][i][0] *= alpha[0];
-                    acc_o[mt][i][1] *= alpha[0];
-                    acc_o[mt][i][2] *= alpha[1];
-                    acc_o[mt][i][3] *= alpha[1];
-                }
-            }
-        }
-
-        // P to 16 bits now, in the A-operand layout of the P.V product: two adjacent n8 score
-        // tiles form one k16 slice. Halves the registers P occupies while V_j is awaited.
         unsigned int pk[MT][BN / 16][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                pk[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pk[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pk[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pk[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
+        for (int mt = 0; mt < MT; ++mt) {
+            float alpha[2];
+            softmax_step<Cfg::NT_S, CAUSAL>(s[mt], m_run[mt], l_run[mt], alpha, need_mask, key0,
+                                            t4, sk, row_of(mt, 0), diag, scale_log2);
+            rescale_rows<Cfg::NT_O>(acc_o[mt], alpha);
+            pack_p<T, Cfg::NT_S>(s[mt], pk[mt]);
+        }
 
         cp_async_wait<0>();
         __syncthreads();  // V_j landed; every warp is done with K_j
@@ -314,9 +245,7 @@ cuflash_fwd_mma(const AttnParams p) {
             const bool empty = (l == 0.f);
             const float inv = empty ? 0.f : 1.f / l;
             if (p.lse != nullptr && t4 == 0 && row < sq) {
-                p.lse[bc.b * p.sq + row] =
-                    empty ? neg_inf<float>()
-                          : (m_run[mt][h] * scale_log2 + __log2f(l)) * 0.6931471805599453f;
+                p.lse[bc.b * p.sq + row] = row_lse(m_run[mt][h], l, scale_log2);
             }
             if (!STAGE_O && row >= sq) continue;
             T* dst = STAGE_O ? o_s + (mt * 16 + g + 8 * h) * STRIDE

@@ -222,3 +222,196 @@ template <> struct Mma<bf16_t> {
 };
 
 }  // namespace cuflash
+
+namespace cuflash {
+
+// ---------------------------------------------------------------------------------------------
+// The online-softmax step of the tensor-core kernels (attn_mma.cu, attn_wgmma.cu), on one 16-row
+// slab of scores in the m16n8 accumulator layout that mma.sync and wgmma share: s[nt][e] is row
+// row_lo + 8 * (e / 2), key key0 + nt * 8 + 2 * t4 + e % 2, and each row is spread over the 4
+// threads of a quad. Scores are raw (unscaled): the scale (> 0, checked on the host) is folded
+// into one FFMA per score, p = exp2(s * c - m * c) with c = scale * log2(e).
+//
+// Lazy rescaling: the reference max m only moves when the tile's max exceeds it by more than
+// 2^RESCALE_LOG2 in exp2 units. Otherwise p <= 2^RESCALE_LOG2 (256: exact in fp32, and in range for
+// fp16/bf16 P) and l, O need no rescale, which saves D/2 multiplies per row and tile after the
+// first few tiles. The state stays consistent (l and O are sums relative to the same m), so the
+// result is exact up to rounding, as in the plain form.
+constexpr float RESCALE_LOG2 = 8.f;
+
+// Tree reduction of the first W values of part into part[0]: short dependency chains (a serial
+// chain of dependent FMNMX/FADD showed up as fixed-latency stalls in the profile). Recursion on
+// the width keeps every loop's trip count a constant, so the values stay in registers (a loop on
+// the width itself did not unroll for 16 values and put them in local memory).
+template <int W, int N, typename Op>
+__device__ __forceinline__ void tree_reduce(float (&part)[N], Op op) {
+    if constexpr (W > 1) {
+#pragma unroll
+        for (int i = 0; i < W / 2; ++i) part[i] = op(part[i], part[i + (W + 1) / 2]);
+        tree_reduce<(W + 1) / 2>(part, op);
+    }
+}
+
+// Masks (when need_mask), turns s into p in place, updates m_run and l_run (the thread's partial
+// row sums), and returns the factors O must be multiplied by (1 when m did not move).
+template <int NT, bool CAUSAL>
+__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m_run)[2],
+                                             float (&l_run)[2], float (&alpha)[2], bool need_mask,
+                                             int key0, int t4, int sk, int row_lo, int diag,
+                                             float scale_log2) {
+    if (need_mask) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + nt * 8 + 2 * t4 + (e % 2);
+                bool ok = key < sk;
+                if (CAUSAL) ok = ok && key <= row_lo + 8 * (e / 2) + diag;
+                s[nt][e] = ok ? s[nt][e] : neg_inf<float>();
+            }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float part[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) part[nt] = fmaxf(s[nt][2 * h], s[nt][2 * h + 1]);
+        tree_reduce<NT>(part, [](float x, float y) { return fmaxf(x, y); });
+        float mx = fmaxf(m_run[h], part[0]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // grow is true on the first visible key (m = -inf, mx finite) and false while nothing is
+        // visible (-inf - -inf is NaN): then m stays -inf and every p is 0.
+        const bool grow = (mx - m_run[h]) * scale_log2 > RESCALE_LOG2;
+        alpha[h] = grow ? fast_exp2((m_run[h] - mx) * scale_log2) : 1.f;
+        if (grow) m_run[h] = mx;
+        const float m_c = (m_run[h] == neg_inf<float>()) ? 0.f : m_run[h] * scale_log2;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_c));
+            s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_c));
+            part[nt] = s[nt][2 * h] + s[nt][2 * h + 1];
+        }
+        tree_reduce<NT>(part, [](float x, float y) { return x + y; });
+        l_run[h] = l_run[h] * alpha[h] + part[0];
+    }
+}
+
+// O *= alpha per row, skipped when no row of the warp moved its max (the common case).
+template <int NT>
+__device__ __forceinline__ void rescale_rows(float (&o)[NT][4], const float (&alpha)[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+            o[i][0] *= alpha[0];
+            o[i][1] *= alpha[0];
+            o[i][2] *= alpha[1];
+            o[i][3] *= alpha[1];
+        }
+    }
+}
+
+// P to 16 bits in the A-operand layout of the P.V product: two adjacent n8 score tiles form one
+// k16 slice (for mma.sync m16n8k16 and for wgmma with A from registers alike).
+template <typename T, int NT>
+__device__ __forceinline__ void pack_p(const float (&s)[NT][4], unsigned int (&pk)[NT / 2][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        pk[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        pk[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        pk[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pk[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+}
+
+// The row's lse (natural log) from its final (quad-reduced) sum l and reference max m in raw
+// score units; -inf for a row that saw no key.
+__device__ __forceinline__ float row_lse(float m, float l, float scale_log2) {
+    return l == 0.f ? neg_inf<float>() : (m * scale_log2 + __log2f(l)) * 0.6931471805599453f;
+}
+
+}  // namespace cuflash
+
+// ---------------------------------------------------------------------------------------------
+// Hopper building blocks (sm_90a only; nothing here is emitted unless a kernel calls it): mbarrier,
+// the tensor memory accelerator (TMA), warpgroup MMA fences and shared-memory descriptors, and
+// register reallocation between warpgroups.
+namespace cuflash {
+
+// A CUtensorMap: 128 opaque bytes made by cuTensorMapEncodeTiled on the host, passed by value
+// inside a __grid_constant__ parameter (TMA reads it through its generic address).
+struct alignas(64) TmaDesc { unsigned long long bits[16]; };
+
+__device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+// Make the initialised barriers visible to the async proxy (TMA) before any thread uses them.
+__device__ __forceinline__ void mbar_fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also announces `bytes` of TMA traffic the phase must wait for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned int bar, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned int bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// Wait until the barrier's phase with this parity (0 for the first completion, then 1, 0, ...)
+// has completed.
+__device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity) {
+    unsigned int done;
+    do {
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// TMA: one box of a 5-D tensor map (coordinates innermost first) into shared memory; completion
+// is counted in bytes on the mbarrier. Out-of-range elements of the box arrive as zeros.
+__device__ __forceinline__ void tma_load_5d(unsigned int dst, const TmaDesc* map, int c0, int c1,
+                                            int c2, int c3, int c4, unsigned int bar) {
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
+                    "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+                 : "memory");
+}
+
+// Shared-memory matrix descriptor of wgmma for a tile stored with the 128-byte swizzle (what TMA
+// writes with CU_TENSOR_MAP_SWIZZLE_128B): start address, leading and stride byte offsets (all
+// in 16-byte units), swizzle mode 1 in bits 62-63. The 8-row x 128-byte swizzle atoms must start
+// on 1024-byte boundaries. K-major operands: sbo = 1024 (the next 8 rows), lbo unused; moving
+// along K inside the 128-byte row is a plain start-address offset. N-major operands: sbo = 1024
+// (the next 8 rows of K), lbo = the distance to the next 64-element block of N.
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned int addr, unsigned int lbo,
+                                                         unsigned int sbo) {
+    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
+           (static_cast<unsigned long long>(lbo >> 4) << 16) |
+           (static_cast<unsigned long long>(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// Tell the compiler that an accumulator array is read and written here, so that no copy of it is
+// scheduled between an asynchronous wgmma and the wait that completes it.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+template <int N> __device__ __forceinline__ void regs_dealloc() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+template <int N> __device__ __forceinline__ void regs_alloc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+
+}  // namespace cuflash

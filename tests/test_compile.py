@@ -2,6 +2,8 @@
 with no local-memory spills. Needs CuPy's NVRTC binding and the NVRTC library (the `test` extra
 installs both), not a GPU. The registers and shared memory of each specialisation are printed in
 the session summary."""
+from pathlib import Path
+
 import pytest
 
 from cuflash import _compile, _dispatch
@@ -37,12 +39,13 @@ def nvrtc_present():
                     f"extra (pip install -e '.[test]'). Import failed with {err}")
 
 
-def _staged_epilogue_specs(cc):
-    """The staged-O epilogue variant of every tensor-core config (built, not yet the default)."""
+def _other_epilogue_specs(cc):
+    """The other epilogue of every tensor-core config (direct stores, where staging is the
+    default): tests/test_gpu.py runs both."""
     from unittest import mock
 
-    staged = {k: v[:4] + (True,) for k, v in _dispatch.TC_CONFIGS.items()}
-    arch_staged = {a: {k: v[:4] + (True,) for k, v in c.items()}
+    staged = {k: v[:4] + (not v[4],) for k, v in _dispatch.TC_CONFIGS.items()}
+    arch_staged = {a: {k: v[:4] + (not v[4],) for k, v in c.items()}
                    for a, c in _dispatch.TC_ARCH_CONFIGS.items()}
     with mock.patch.dict(_dispatch.TC_CONFIGS, staged), \
             mock.patch.dict(_dispatch.TC_ARCH_CONFIGS, arch_staged):
@@ -52,13 +55,16 @@ def _staged_epilogue_specs(cc):
 
 
 CASES = [(spec, arch) for arch in ARCHS
-         for spec in _specs(int(arch[3:])) + _staged_epilogue_specs(int(arch[3:]))]
+         for spec in _specs(int(arch[3:])) + _other_epilogue_specs(int(arch[3:]))]
+# Every plan the dispatcher can return on sm_80 and sm_90 devices is in CASES (the Hopper kernel's
+# with arch sm_90a).
+assert any(s.arch == "sm_90a" for s, _ in CASES)
 
 
 @pytest.mark.parametrize("spec,arch", CASES,
                          ids=[f"{s.name.replace('cuflash::', '')}-{a}" for s, a in CASES])
 def test_compiles_without_spills(spec, arch):
-    rep = _compile.compile_report(spec, arch)
+    rep = _compile.compile_report(spec, spec.arch or arch)  # sm_90a kernels: only for sm_90a
     COMPILE_REPORTS.append(rep)
     assert rep.spill_stores == 0 and rep.spill_loads == 0, rep.summary()
     assert rep.stack_bytes == 0, f"local memory in use: {rep.summary()}"
@@ -87,3 +93,47 @@ def test_source_hash_covers_headers(tmp_path, monkeypatch):
 def test_missing_family_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="no kernel family"):
         _compile.family_source("does_not_exist")
+
+
+def test_hopper_kernel_uses_tma_and_wgmma():
+    """The sm_90a cubin really holds the Hopper instructions (HGMMA: warpgroup MMA, UTMALDG: TMA
+    loads) and no mma.sync (HMMA), checked on the disassembly when nvdisasm is available."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    import sys
+
+    nvdisasm = shutil.which("nvdisasm")
+    for entry in ([] if nvdisasm else sys.path):  # the nvidia-cuda-nvdisasm wheel (test extra)
+        found = sorted(Path(entry).glob("nvidia/*/bin/nvdisasm"))
+        if found:
+            nvdisasm = str(found[-1])
+            break
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm, in the test extra)")
+    plan = _dispatch.hopper_plan("float16", 128, True)
+    rep = _compile.compile_report(plan.spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(rep.cubin)
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+    assert "HGMMA" in sass and "UTMALDG" in sass
+    assert "HMMA" not in sass.replace("HGMMA", "")
+
+
+def test_wgmma_header_is_current():
+    """kernels_cu/wgmma_ops.cuh is what kernels_cu/gen_wgmma.py writes (run it after editing)."""
+    import importlib.util
+
+    import kernels_cu
+
+    path = kernels_cu.SOURCE_DIR / "gen_wgmma.py"
+    spec = importlib.util.spec_from_file_location("gen_wgmma", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (kernels_cu.SOURCE_DIR / "wgmma_ops.cuh").read_text() == gen.main(), \
+        "wgmma_ops.cuh is stale: run python kernels_cu/gen_wgmma.py"

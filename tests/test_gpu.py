@@ -54,8 +54,48 @@ def test_matches_reference(sq, sk, dtype, causal, kernel):
     q, k, v = random_inputs(rng, batch, batch, sq, sk, d, d, dtype)
     o, lse, label = _run(q, k, v, dtype, causal=causal, kernel=kernel)
     if kernel == "auto" and dtype in ("float16", "bfloat16"):
-        assert label.startswith("tensorcore"), label  # the fast path is what these tests exercise
+        # the fast path is what these tests exercise
+        assert label.startswith(("tensorcore", "hopper")), label
     check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+
+
+def _fast_kernels():
+    """The 16-bit kernels this GPU runs: the mma.sync kernel from sm_80, the Hopper one on 9.0."""
+    if not cuflash.gpu_available():
+        return ["tensorcore", "hopper"]  # skipped anyway
+    cc = int(cupy().cuda.Device().compute_capability)
+    return (["tensorcore"] if cc >= 80 else []) + (["hopper"] if cc == 90 else [])
+
+
+@pytest.mark.parametrize("kernel", ["tensorcore", "hopper"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sq,sk", SHAPES)
+def test_fast_kernels_match_reference(sq, sk, dtype, causal, kernel):
+    """Each 16-bit kernel forced explicitly (auto picks only one of them per device)."""
+    _skip_unsupported(dtype)
+    if kernel not in _fast_kernels():
+        pytest.skip(f"kernel={kernel!r} does not run on this GPU")
+    d = [128, 64, 96, 256][(sq + sk) % 4]
+    batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
+    rng = _rng("fast", sq, sk, dtype, causal, kernel)
+    q, k, v = random_inputs(rng, batch, batch, sq, sk, d, d, dtype)
+    o, lse, label = _run(q, k, v, dtype, causal=causal, kernel=kernel)
+    assert label.startswith(kernel), label
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,d", [(4096, 4096, 128), (2048, 2048, 64), (1500, 3000, 256),
+                                     (3000, 1500, 128)])
+def test_fast_kernels_long_sequences(sq, sk, d, causal):
+    """Many K/V tiles: the producer/consumer ring of the Hopper kernel wraps around many times."""
+    for kernel in _fast_kernels():
+        rng = _rng("long", sq, sk, d, causal, kernel)
+        q, k, v = random_inputs(rng, (1, 2), (1, 2), sq, sk, d, d, "float16")
+        o, lse, label = _run(q, k, v, "float16", causal=causal, kernel=kernel)
+        check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                                dtype="float16")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -232,27 +272,56 @@ def test_errors_on_gpu():
     with pytest.raises(ValueError, match="tensorcore"):
         cuflash.attention(q.astype(cp.float32), q.astype(cp.float32), q.astype(cp.float32),
                           kernel="tensorcore")
+    with pytest.raises(ValueError, match="kernel='hopper' cannot run these inputs"):
+        cuflash.attention(q.astype(cp.float32), q.astype(cp.float32), q.astype(cp.float32),
+                          kernel="hopper")
+    q32 = cp.ones((2, 8, 32), dtype=cp.float16)
+    with pytest.raises(ValueError, match="kernel='hopper' cannot run these inputs"):
+        cuflash.attention(q32, q32, q32, kernel="hopper")  # D < 64 (or not a 9.0 GPU)
     with pytest.raises(ValueError, match="out is on"):
         cuflash.attention(q, q, q, out=np.empty((2, 8, 64), np.float16))
 
 
+@pytest.mark.parametrize("stage_o", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("sq,sk,d", [(1, 1, 64), (300, 30, 128), (257, 1000, 256), (1000, 257, 96),
                                      (113, 113, 40)])
-def test_staged_output_epilogue(sq, sk, d, dtype, causal, monkeypatch):
-    """The tensor-core kernel's shared-memory staged epilogue (a tuning option, off by default):
-    same results, every element written, blocks with no key tile included (Sq > Sk, causal)."""
+def test_tensorcore_epilogues(sq, sk, d, dtype, causal, stage_o, monkeypatch):
+    """Both epilogues of the mma.sync kernel (O staged through shared memory, the default, and
+    direct stores from registers): same results, every element written, blocks with no key tile
+    included (Sq > Sk, causal)."""
     _skip_unsupported(dtype)
     from cuflash import _dispatch
 
-    staged = {k: v[:4] + (True,) for k, v in _dispatch.TC_CONFIGS.items()}
-    arch_staged = {a: {k: v[:4] + (True,) for k, v in c.items()}
-                   for a, c in _dispatch.TC_ARCH_CONFIGS.items()}
-    monkeypatch.setattr(_dispatch, "TC_CONFIGS", staged)
-    monkeypatch.setattr(_dispatch, "TC_ARCH_CONFIGS", arch_staged)
-    rng = _rng("staged", sq, sk, d, dtype, causal)
+    cfg = {k: v[:4] + (stage_o,) for k, v in _dispatch.TC_CONFIGS.items()}
+    arch_cfg = {a: {k: v[:4] + (stage_o,) for k, v in c.items()}
+                for a, c in _dispatch.TC_ARCH_CONFIGS.items()}
+    monkeypatch.setattr(_dispatch, "TC_CONFIGS", cfg)
+    monkeypatch.setattr(_dispatch, "TC_ARCH_CONFIGS", arch_cfg)
+    rng = _rng("staged", sq, sk, d, dtype, causal, stage_o)
     q, k, v = random_inputs(rng, (2,), (2,), sq, sk, d, d, dtype)
-    o, lse, label = _run(q, k, v, dtype, causal=causal)
-    assert "stagedO" in label, label
+    o, lse, label = _run(q, k, v, dtype, causal=causal, kernel="tensorcore")
+    assert ("stagedO" in label) == stage_o, label
     check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,d", [(1, 1, 64), (300, 30, 128), (257, 1000, 256), (1000, 257, 96),
+                                     (513, 2000, 128)])
+def test_hopper_schedules(sq, sk, d, causal, overlap, monkeypatch):
+    """Both consumer schedules of the Hopper kernel (softmax of tile j overlapped with
+    P_{j-1} V_{j-1}, and strictly in sequence) against the reference, every element written."""
+    if "hopper" not in _fast_kernels():
+        pytest.skip("the Hopper kernel needs a compute capability 9.0 GPU")
+    from cuflash import _dispatch
+
+    cfg = {k: v[:2] + (overlap,) for k, v in _dispatch.HOPPER_CONFIGS.items()}
+    monkeypatch.setattr(_dispatch, "HOPPER_CONFIGS", cfg)
+    rng = _rng("hopper", sq, sk, d, causal, overlap)
+    q, k, v = random_inputs(rng, (2,), (2,), sq, sk, d, d, "float16")
+    o, lse, label = _run(q, k, v, "float16", causal=causal, kernel="hopper")
+    assert ("overlap" in label) == overlap, label
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                            dtype="float16")

@@ -1,0 +1,300 @@
+// attn_wgmma.cu: Hopper forward kernel for float16 / bfloat16 (sm_90a only).
+//
+// Version 1: TMA loads, warpgroup MMA (wgmma) for both products, one producer warpgroup and two
+// consumer warpgroups. What it changes against attn_mma.cu (mma.sync, ~360 TFLOP/s peak on an
+// H200): wgmma keeps the whole 64 x N product in the tensor cores without a per-fragment
+// ldmatrix, and operands come straight from shared memory; loads cost the consumers nothing.
+//
+// Block = 3 warpgroups (384 threads), BM = 128 query rows:
+//   - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
+//     issues TMA copies: Q once, then K_j and V_j into a ring of STAGES buffers, each with its
+//     own "full" mbarrier (TMA completes it by byte count) and an "empty" mbarrier that the
+//     consumers' warps arrive on when they are done with the stage;
+//   - warpgroups 1 and 2, the consumers, own 64 query rows each. Per K/V tile:
+//     S = Q K_j^T with wgmma m64nBNk16 (A = Q and B = K_j, both K-major in shared memory),
+//     the online softmax in registers (common.cuh: softmax_step, shared with attn_mma.cu),
+//     P converted to 16 bits in registers, O += P V_j with wgmma m64nDk16 (A = P from
+//     registers, B = V_j N-major in shared memory).
+// The two consumers run independently, so one's softmax overlaps the other's MMAs, and the
+// producer keeps STAGES tiles in flight.
+//
+// Shared memory: Q, K and V tiles are stored as 64-column panels (128 bytes per row) with the
+// 128-byte swizzle, which is what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what the wgmma
+// descriptors (common.cuh: wgmma_desc) read; every panel starts on a 1024-byte boundary.
+// Head dims below DPAD, and rows past Sq or Sk, arrive as zeros from the tensor maps' bounds.
+//
+// FLOPs per tile and consumer: 2 * 64 * BN * DPAD for each product. Causal: tiles past the
+// block's last visible key are never loaded; the mask is applied only from masked_from on.
+//
+// Requirements checked on the host (cuflash/_dispatch.py: hopper_reason): compute capability 9.0,
+// D == Dv, D % 8 == 0, 64 <= D <= DPAD, rows and batch strides multiples of 16 bytes.
+#include "common.cuh"
+#include "wgmma_ops.cuh"
+
+namespace cuflash {
+
+// The kernel parameter: the three tensor maps (made per call on the host: cuflash/_launch.py),
+// then the parameters every forward kernel takes. coord_mask bit 3 * t + i is set when tensor t
+// (0 = q, 1 = k, 2 = v) has batch axis i of the collapsed batch (nb0, nb1, nb2); where it is
+// clear the tensor broadcasts over that axis and its tensor-map coordinate is 0.
+struct HopperParams {
+    TmaDesc tm_q, tm_k, tm_v;
+    AttnParams a;
+    long long coord_mask;
+};
+
+template <typename T, int DPAD, int BN, int STAGES>
+struct WgmmaConfig {
+    static constexpr int CONSUMERS = 2;                 // consumer warpgroups, 64 rows each
+    static constexpr int BM = 64 * CONSUMERS;           // query rows per block
+    static constexpr int THREADS = 128 * (CONSUMERS + 1);
+    static constexpr int PANELS = DPAD / 64;            // 64-column, 128-byte swizzled panels
+    static constexpr int Q_PANEL = BM * 128;            // bytes per panel
+    static constexpr int KV_PANEL = BN * 128;
+    static constexpr int Q_BYTES = PANELS * Q_PANEL;
+    static constexpr int KV_BYTES = PANELS * KV_PANEL;  // one K or one V tile
+    static constexpr int BAR_BYTES = 8 * (1 + 4 * STAGES);
+    // + 1024: the dynamic shared memory base is only 16-byte aligned; we round it up.
+    static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + BAR_BYTES;
+    static constexpr int NT_S = BN / 8;                 // n8 tiles of scores per 16-row slab
+    static constexpr int NT_O = DPAD / 8;
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = 240;
+    static_assert(DPAD % 64 == 0 && DPAD <= 256, "DPAD must be 64, 128, 192 or 256");
+    static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16, <= 256");
+    static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536,
+                  "register budget of one SM");
+};
+
+template <typename T, int DPAD, int BN, int STAGES, bool OVERLAP, bool CAUSAL>
+__global__ void __launch_bounds__(WgmmaConfig<T, DPAD, BN, STAGES>::THREADS, 1)
+cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
+    using Cfg = WgmmaConfig<T, DPAD, BN, STAGES>;
+    const AttnParams& p = hp.a;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned int q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const unsigned int k_s = q_s + Cfg::Q_BYTES;                 // + stage * KV_BYTES
+    const unsigned int v_s = k_s + STAGES * Cfg::KV_BYTES;
+    const unsigned int bars = v_s + STAGES * Cfg::KV_BYTES;
+    const unsigned int q_full = bars;
+    const auto k_full = [bars](int st) { return bars + 8u * (1 + st); };
+    const auto v_full = [bars](int st) { return bars + 8u * (1 + STAGES + st); };
+    const auto k_empty = [bars](int st) { return bars + 8u * (1 + 2 * STAGES + st); };
+    const auto v_empty = [bars](int st) { return bars + 8u * (1 + 3 * STAGES + st); };
+
+    const int tid = threadIdx.x;
+    const BlockCoord bc = block_coord(p);
+    const int sq = static_cast<int>(p.sq), sk = static_cast<int>(p.sk);
+    const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
+    const int diag = sk - sq;  // row i sees keys j <= i + diag
+    int n_keys = sk;
+    if (CAUSAL) {
+        const int last_row = min(row0 + Cfg::BM, sq) - 1;
+        n_keys = max(0, min(sk, last_row + diag + 1));
+    }
+    const int n_tiles = (n_keys + BN - 1) / BN;
+
+    if (tid == 0) {
+        mbar_init(q_full, 1);
+        for (int st = 0; st < STAGES; ++st) {
+            mbar_init(k_full(st), 1);
+            mbar_init(v_full(st), 1);
+            mbar_init(k_empty(st), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+            mbar_init(v_empty(st), 4 * Cfg::CONSUMERS);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    if (tid < 128) {
+        // ---- producer warpgroup
+        regs_dealloc<Cfg::PRODUCER_REGS>();
+        if (tid == 0) {
+            const unsigned int ub = static_cast<unsigned int>(bc.b);
+            const unsigned int n2 = static_cast<unsigned int>(p.nb2);
+            const unsigned int n1 = static_cast<unsigned int>(p.nb1);
+            const int i2 = static_cast<int>(ub % n2), i1 = static_cast<int>(ub / n2 % n1);
+            const int i0 = static_cast<int>(ub / n2 / n1);
+            const unsigned int cm = static_cast<unsigned int>(hp.coord_mask);
+            // Tensor t's coordinate on batch axis ax: the batch index, or 0 where t broadcasts.
+            const auto bco = [cm](int t, int ax, int idx) {
+                return (cm >> (3 * t + ax)) & 1u ? idx : 0;
+            };
+            mbar_arrive_expect_tx(q_full, Cfg::Q_BYTES);
+#pragma unroll
+            for (int pn = 0; pn < Cfg::PANELS; ++pn)
+                tma_load_5d(q_s + pn * Cfg::Q_PANEL, &hp.tm_q, pn * 64, row0, bco(0, 2, i2),
+                            bco(0, 1, i1), bco(0, 0, i0), q_full);
+            for (int j = 0; j < n_tiles; ++j) {
+                // Stage st held tile j - STAGES; K and V are released separately (K as soon as
+                // its scores are computed), so K_j may come in while V_{j-STAGES} is in use.
+                const int st = j % STAGES;
+                if (j >= STAGES) mbar_wait(k_empty(st), (j / STAGES - 1) & 1);
+                mbar_arrive_expect_tx(k_full(st), Cfg::KV_BYTES);
+#pragma unroll
+                for (int pn = 0; pn < Cfg::PANELS; ++pn)
+                    tma_load_5d(k_s + st * Cfg::KV_BYTES + pn * Cfg::KV_PANEL, &hp.tm_k, pn * 64,
+                                j * BN, bco(1, 2, i2), bco(1, 1, i1), bco(1, 0, i0), k_full(st));
+                if (j >= STAGES) mbar_wait(v_empty(st), (j / STAGES - 1) & 1);
+                mbar_arrive_expect_tx(v_full(st), Cfg::KV_BYTES);
+#pragma unroll
+                for (int pn = 0; pn < Cfg::PANELS; ++pn)
+                    tma_load_5d(v_s + st * Cfg::KV_BYTES + pn * Cfg::KV_PANEL, &hp.tm_v, pn * 64,
+                                j * BN, bco(2, 2, i2), bco(2, 1, i1), bco(2, 0, i0), v_full(st));
+            }
+        }
+        return;
+    }
+
+    // ---- consumer warpgroups
+    regs_alloc<Cfg::CONSUMER_REGS>();
+    const int cw = tid / 128 - 1;       // consumer index: rows row0 + 64 * cw ...
+    const int warp = (tid / 32) % 4;    // warp within the warpgroup: 16 rows each
+    const int lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const int row_lo = row0 + 64 * cw + 16 * warp + g;  // the thread's rows: row_lo, row_lo + 8
+    int mask_key = (sk % BN) ? (sk / BN) * BN : sk;
+    if (CAUSAL) mask_key = min(mask_key, row0 + 64 * cw + diag + 1);
+    const int masked_from = mask_key < 0 ? 0 : mask_key / BN;
+    const float scale_log2 = static_cast<float>(p.scale_log2);
+
+    float acc_o[Cfg::NT_O][4];
+    float m_run[2] = {neg_inf<float>(), neg_inf<float>()};
+    float l_run[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < Cfg::NT_O; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[i][e] = 0.f;
+    // wgmma's accumulator fragment of m64nN is the m16n8 layout of each warp's 16 rows, n8 tile
+    // after n8 tile: the same registers viewed as [N / 8][4] or flat [N / 2].
+    float(&o_flat)[DPAD / 2] = reinterpret_cast<float(&)[DPAD / 2]>(acc_o);
+
+    const unsigned int q_wg = q_s + 64 * cw * 128;  // this consumer's 64 rows in each Q panel
+    float s[Cfg::NT_S][4];
+    float(&s_flat)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(s);
+    unsigned int pk[BN / 16][4];
+    // S = Q K^T from stage st, DPAD / 16 wgmmas of k16; the k offset inside a 128-byte swizzled
+    // row is a plain start-address offset of 32 bytes per step. Issued, not committed.
+    const auto issue_s = [&](int st) {
+#pragma unroll
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+            const unsigned int koff = (kk % 4) * 32;
+            const unsigned long long da =
+                wgmma_desc(q_wg + (kk / 4) * Cfg::Q_PANEL + koff, 16, 1024);
+            const unsigned long long db =
+                wgmma_desc(k_s + st * Cfg::KV_BYTES + (kk / 4) * Cfg::KV_PANEL + koff, 16, 1024);
+            Wgmma<T, BN>::ss(s_flat, da, db, kk > 0 ? 1 : 0);
+        }
+    };
+    // O += P V from stage st, BN / 16 wgmmas of k16 (16 keys = 16 rows of 128 bytes per panel).
+    const auto issue_pv = [&](int st) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const unsigned long long db =
+                wgmma_desc(v_s + st * Cfg::KV_BYTES + kk * 16 * 128, Cfg::KV_PANEL, 1024);
+            Wgmma<T, DPAD>::rs(o_flat, pk[kk], db, 1);
+        }
+    };
+    // Every warp of the consumer arrives once per stage it is done with.
+    const auto release = [lane](unsigned int bar) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar);
+    };
+
+    mbar_wait(q_full, 0);
+    if constexpr (!OVERLAP) {
+        // Version 1a: each tile's products and softmax in sequence; the other consumer
+        // warpgroup fills the tensor cores meanwhile.
+        for (int j = 0; j < n_tiles; ++j) {
+            const int st = j % STAGES;
+            const unsigned int par = (j / STAGES) & 1;
+            mbar_wait(k_full(st), par);
+            wgmma_fence();
+            issue_s(st);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(s_flat);
+            release(k_empty(st));
+            float alpha[2];
+            softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, j >= masked_from, j * BN, t4,
+                                            sk, row_lo, diag, scale_log2);
+            rescale_rows<Cfg::NT_O>(acc_o, alpha);
+            pack_p<T, Cfg::NT_S>(s, pk);
+            mbar_wait(v_full(st), par);
+            wgmma_fence();
+            issue_pv(st);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(o_flat);
+            release(v_empty(st));
+        }
+    } else if (n_tiles > 0) {
+        // Version 1b: the softmax of tile j runs while the tensor cores do P_{j-1} V_{j-1}. S_j
+        // and P_{j-1} V_{j-1} go out as two commit groups; waiting for all but the newest group
+        // returns S_j, then O is rescaled by alpha_j once P_{j-1} V_{j-1} has landed in it.
+        mbar_wait(k_full(0), 0);
+        wgmma_fence();
+        issue_s(0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s_flat);
+        release(k_empty(0));
+        float alpha[2];
+        softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, 0 >= masked_from, 0, t4, sk,
+                                        row_lo, diag, scale_log2);  // O is still 0: no rescale
+        pack_p<T, Cfg::NT_S>(s, pk);
+        for (int j = 1; j < n_tiles; ++j) {
+            const int st = j % STAGES, pst = (j - 1) % STAGES;
+            mbar_wait(k_full(st), (j / STAGES) & 1);
+            wgmma_fence();
+            issue_s(st);
+            wgmma_commit();
+            mbar_wait(v_full(pst), ((j - 1) / STAGES) & 1);
+            issue_pv(pst);
+            wgmma_commit();
+            wgmma_wait<1>();  // S_j is in
+            fence_regs(s_flat);
+            release(k_empty(st));
+            softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, j >= masked_from, j * BN, t4,
+                                            sk, row_lo, diag, scale_log2);
+            wgmma_wait<0>();  // P_{j-1} V_{j-1} is in O
+            fence_regs(o_flat);
+            release(v_empty(pst));
+            rescale_rows<Cfg::NT_O>(acc_o, alpha);
+            pack_p<T, Cfg::NT_S>(s, pk);
+        }
+        const int lst = (n_tiles - 1) % STAGES;
+        mbar_wait(v_full(lst), ((n_tiles - 1) / STAGES) & 1);
+        wgmma_fence();
+        issue_pv(lst);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(o_flat);
+        release(v_empty(lst));
+    }
+
+    // Epilogue: finish the row sums over the quad, divide once, write O and lse.
+    T* o = static_cast<T*>(p.o) + batch_offsets(p, bc.b).o;
+    const int d = static_cast<int>(p.d);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = l_run[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int row = row_lo + 8 * h;
+        if (row >= sq) continue;
+        const float inv = (l == 0.f) ? 0.f : 1.f / l;
+        if (p.lse != nullptr && t4 == 0) p.lse[bc.b * p.sq + row] = row_lse(m_run[h], l, scale_log2);
+        T* dst = o + static_cast<long long>(row) * p.o_sr;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT_O; ++nt) {
+            const int col = nt * 8 + 2 * t4;
+            if (col < d) {
+                *reinterpret_cast<unsigned int*>(dst + col) =
+                    pack2<T>(acc_o[nt][2 * h] * inv, acc_o[nt][2 * h + 1] * inv);
+            }
+        }
+    }
+}
+
+}  // namespace cuflash
