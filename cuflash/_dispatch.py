@@ -39,6 +39,7 @@ class Plan:
     block_m: int           # query rows per block
     threads: int           # threads per block
     smem_bytes: int        # dynamic shared memory per block
+    persistent: bool = False  # launch at most one block per SM; each loops over work items
 
 
 def head_dim_bucket(n: int) -> int:
@@ -71,7 +72,7 @@ def generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Plan:
 #: warp MT, min blocks per SM for __launch_bounds__, stage O through shared memory).
 #: BM = 16 * MT * warps query rows per block. See kernels_cu/attn_mma.cu and notes/PERF.md: on an
 #: H200 the staged epilogue gained 1-6% at S = 512-2048, and at D = 64 one m-tile per warp with
-#: 4 blocks per SM another 2-13% (benchmarks/tune_tensorcore.py, 2026-11-30).
+#: 4 blocks per SM another 2-13% (benchmarks/tune.py --kernel tensorcore, 2026-11-30).
 TC_CONFIGS = {
     64: (64, 4, 1, 4, True),
     96: (64, 4, 2, 2, True),
@@ -157,6 +158,9 @@ HOPPER_CONFIGS = {
 }
 HOPPER_BM = 128
 HOPPER_THREADS = 384
+#: Launch one block per SM that loops over (batch, query block) items, so that the producer loads
+#: the next item while the consumers finish the current one (instead of one block per item).
+HOPPER_PERSISTENT = True
 
 
 def hopper_dpad(d: int) -> int:
@@ -169,14 +173,16 @@ def hopper_dpad(d: int) -> int:
 def hopper_plan(dtype_name: str, d: int, causal: bool) -> Plan:
     dpad = hopper_dpad(d)
     bn, stages, overlap = HOPPER_CONFIGS[dpad]
-    smem = 1024 + HOPPER_BM * dpad * 2 + 2 * stages * bn * dpad * 2 + 8 * (1 + 4 * stages)
+    smem = 1024 + HOPPER_BM * dpad * 2 + 2 * stages * bn * dpad * 2 + 8 * (2 + 4 * stages)
     cxx_bool = {True: "true", False: "false"}
     name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {stages}, "
             f"{cxx_bool[bool(overlap)]}, {cxx_bool[bool(causal)]}>")
     label = (f"hopper<{dtype_name},D{dpad},BM{HOPPER_BM},BN{bn},S{stages},"
-             f"{'overlap,' if overlap else ''}{'causal' if causal else 'full'}>")
+             f"{'overlap,' if overlap else ''}{'persistent,' if HOPPER_PERSISTENT else ''}"
+             f"{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_wgmma", name, arch="sm_90a"),
-                block_m=HOPPER_BM, threads=HOPPER_THREADS, smem_bytes=smem)
+                block_m=HOPPER_BM, threads=HOPPER_THREADS, smem_bytes=smem,
+                persistent=HOPPER_PERSISTENT)
 
 
 def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:

@@ -138,6 +138,8 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     if hopper:
         _fill_tensor_maps(p, plan, prob, (q, k, v), sizes, bstr, rstr)
 
+    if plan.persistent:  # one block per SM, each looping over work items (attn_wgmma.cu)
+        grid = min(grid, device_attrs["sm_count"])
     kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
     kern((grid,), (plan.threads,), (p[()],), shared_mem=plan.smem_bytes,
          stream=_stream_ptr(prob.stream))

@@ -102,17 +102,8 @@ cuflash_fwd_mma(const AttnParams p) {
     const int d = static_cast<int>(p.d);
     const int diag = sk - sq;  // row i sees keys j <= i + diag
 
-    int n_keys = sk;
-    if (CAUSAL) {
-        const int last_row = min(row0 + Cfg::BM, sq) - 1;
-        n_keys = max(0, min(sk, last_row + diag + 1));
-    }
-    const int n_tiles = (n_keys + BN - 1) / BN;
-    // Tiles from masked_from on need the mask: the partial tail tile (if Sk % BN != 0) and, under
-    // the causal mask, every tile holding a key that the block's first row cannot see.
-    int mask_key = (sk % BN) ? (sk / BN) * BN : sk;
-    if (CAUSAL) mask_key = min(mask_key, row0 + diag + 1);
-    const int masked_from = mask_key < 0 ? 0 : mask_key / BN;
+    const int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
+    const int masked_from = first_masked_tile<CAUSAL>(row0, BN, sq, sk);
 
     load_tile<Cfg::BM, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(q_s, q, p.q_sr, row0, sq, d, tid);
     if (n_tiles > 0)

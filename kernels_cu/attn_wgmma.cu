@@ -53,7 +53,7 @@ struct WgmmaConfig {
     static constexpr int KV_PANEL = BN * 128;
     static constexpr int Q_BYTES = PANELS * Q_PANEL;
     static constexpr int KV_BYTES = PANELS * KV_PANEL;  // one K or one V tile
-    static constexpr int BAR_BYTES = 8 * (1 + 4 * STAGES);
+    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
     // + 1024: the dynamic shared memory base is only 16-byte aligned; we round it up.
     static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + BAR_BYTES;
     static constexpr int NT_S = BN / 8;                 // n8 tiles of scores per 16-row slab
@@ -76,30 +76,28 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     const unsigned int k_s = q_s + Cfg::Q_BYTES;                 // + stage * KV_BYTES
     const unsigned int v_s = k_s + STAGES * Cfg::KV_BYTES;
     const unsigned int bars = v_s + STAGES * Cfg::KV_BYTES;
-    const unsigned int q_full = bars;
-    const auto k_full = [bars](int st) { return bars + 8u * (1 + st); };
-    const auto v_full = [bars](int st) { return bars + 8u * (1 + STAGES + st); };
-    const auto k_empty = [bars](int st) { return bars + 8u * (1 + 2 * STAGES + st); };
-    const auto v_empty = [bars](int st) { return bars + 8u * (1 + 3 * STAGES + st); };
+    const unsigned int q_full = bars, q_empty = bars + 8;
+    const auto k_full = [bars](int st) { return bars + 8u * (2 + st); };
+    const auto v_full = [bars](int st) { return bars + 8u * (2 + STAGES + st); };
+    const auto k_empty = [bars](int st) { return bars + 8u * (2 + 2 * STAGES + st); };
+    const auto v_empty = [bars](int st) { return bars + 8u * (2 + 3 * STAGES + st); };
 
     const int tid = threadIdx.x;
-    const BlockCoord bc = block_coord(p);
     const int sq = static_cast<int>(p.sq), sk = static_cast<int>(p.sk);
-    const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
     const int diag = sk - sq;  // row i sees keys j <= i + diag
-    int n_keys = sk;
-    if (CAUSAL) {
-        const int last_row = min(row0 + Cfg::BM, sq) - 1;
-        n_keys = max(0, min(sk, last_row + diag + 1));
-    }
-    const int n_tiles = (n_keys + BN - 1) / BN;
+    // Work items: (batch entry, query block), numbered as in block_coord. The grid may be smaller
+    // than the number of items (persistent launch): block b takes items b, b + grid, ...; the
+    // producer then loads the next item's Q and first K/V tiles while the consumers finish the
+    // current one.
+    const unsigned int n_work = static_cast<unsigned int>(p.n_mblocks * p.nb0 * p.nb1 * p.nb2);
 
     if (tid == 0) {
         mbar_init(q_full, 1);
+        mbar_init(q_empty, 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
         for (int st = 0; st < STAGES; ++st) {
             mbar_init(k_full(st), 1);
             mbar_init(v_full(st), 1);
-            mbar_init(k_empty(st), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+            mbar_init(k_empty(st), 4 * Cfg::CONSUMERS);
             mbar_init(v_empty(st), 4 * Cfg::CONSUMERS);
         }
         mbar_fence_init();
@@ -107,40 +105,55 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     __syncthreads();
 
     if (tid < 128) {
-        // ---- producer warpgroup
+        // ---- producer warpgroup: one thread issues every copy.
         regs_dealloc<Cfg::PRODUCER_REGS>();
-        if (tid == 0) {
+        if (tid != 0) return;
+        const unsigned int n2 = static_cast<unsigned int>(p.nb2);
+        const unsigned int n1 = static_cast<unsigned int>(p.nb1);
+        const unsigned int cm = static_cast<unsigned int>(hp.coord_mask);
+        unsigned int it = 0;  // K/V tiles loaded so far: stage it % STAGES, its use it / STAGES
+        unsigned int wi = 0;  // work items so far
+        for (unsigned int w = blockIdx.x; w < n_work; w += gridDim.x, ++wi) {
+            const BlockCoord bc = block_coord(p, w);
+            const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
+            const int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
             const unsigned int ub = static_cast<unsigned int>(bc.b);
-            const unsigned int n2 = static_cast<unsigned int>(p.nb2);
-            const unsigned int n1 = static_cast<unsigned int>(p.nb1);
-            const int i2 = static_cast<int>(ub % n2), i1 = static_cast<int>(ub / n2 % n1);
-            const int i0 = static_cast<int>(ub / n2 / n1);
-            const unsigned int cm = static_cast<unsigned int>(hp.coord_mask);
-            // Tensor t's coordinate on batch axis ax: the batch index, or 0 where t broadcasts.
-            const auto bco = [cm](int t, int ax, int idx) {
-                return (cm >> (3 * t + ax)) & 1u ? idx : 0;
+            const int ix[3] = {static_cast<int>(ub / n2 / n1), static_cast<int>(ub / n2 % n1),
+                               static_cast<int>(ub % n2)};
+            // Tensor t's coordinates on batch axes 2, 1, 0 (innermost first): the batch index,
+            // or 0 where t broadcasts over the axis.
+            int c[3][3];
+#pragma unroll
+            for (int t = 0; t < 3; ++t)
+#pragma unroll
+                for (int ax = 0; ax < 3; ++ax) c[t][2 - ax] = (cm >> (3 * t + ax)) & 1u ? ix[ax] : 0;
+            const auto load = [&](unsigned int dst, const TmaDesc* map, int t, int panel_bytes,
+                                  int row, unsigned int bar, unsigned int bytes) {
+                mbar_arrive_expect_tx(bar, bytes);
+#pragma unroll
+                for (int pn = 0; pn < Cfg::PANELS; ++pn)
+                    tma_load_5d(dst + pn * panel_bytes, map, pn * 64, row, c[t][0], c[t][1],
+                                c[t][2], bar);
             };
-            mbar_arrive_expect_tx(q_full, Cfg::Q_BYTES);
-#pragma unroll
-            for (int pn = 0; pn < Cfg::PANELS; ++pn)
-                tma_load_5d(q_s + pn * Cfg::Q_PANEL, &hp.tm_q, pn * 64, row0, bco(0, 2, i2),
-                            bco(0, 1, i1), bco(0, 0, i0), q_full);
-            for (int j = 0; j < n_tiles; ++j) {
-                // Stage st held tile j - STAGES; K and V are released separately (K as soon as
-                // its scores are computed), so K_j may come in while V_{j-STAGES} is in use.
-                const int st = j % STAGES;
-                if (j >= STAGES) mbar_wait(k_empty(st), (j / STAGES - 1) & 1);
-                mbar_arrive_expect_tx(k_full(st), Cfg::KV_BYTES);
-#pragma unroll
-                for (int pn = 0; pn < Cfg::PANELS; ++pn)
-                    tma_load_5d(k_s + st * Cfg::KV_BYTES + pn * Cfg::KV_PANEL, &hp.tm_k, pn * 64,
-                                j * BN, bco(1, 2, i2), bco(1, 1, i1), bco(1, 0, i0), k_full(st));
-                if (j >= STAGES) mbar_wait(v_empty(st), (j / STAGES - 1) & 1);
-                mbar_arrive_expect_tx(v_full(st), Cfg::KV_BYTES);
-#pragma unroll
-                for (int pn = 0; pn < Cfg::PANELS; ++pn)
-                    tma_load_5d(v_s + st * Cfg::KV_BYTES + pn * Cfg::KV_PANEL, &hp.tm_v, pn * 64,
-                                j * BN, bco(2, 2, i2), bco(2, 1, i1), bco(2, 0, i0), v_full(st));
+            // Q goes in once the consumers have computed the previous item's last scores; the
+            // item's first K tile is requested before that wait, so it is in flight meanwhile.
+            const auto load_q = [&]() {
+                if (wi > 0) mbar_wait(q_empty, (wi - 1) & 1);
+                load(q_s, &hp.tm_q, 0, Cfg::Q_PANEL, row0, q_full, Cfg::Q_BYTES);
+            };
+            if (n_tiles == 0) load_q();
+            for (int j = 0; j < n_tiles; ++j, ++it) {
+                // Stage st held tile it - STAGES; K and V are released separately (K as soon as
+                // its scores are computed), so K may come in while the old V is in use.
+                const int st = it % STAGES;
+                const unsigned int use = it / STAGES;
+                if (it >= STAGES) mbar_wait(k_empty(st), (use - 1) & 1);
+                load(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, Cfg::KV_PANEL, j * BN, k_full(st),
+                     Cfg::KV_BYTES);
+                if (j == 0) load_q();
+                if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
+                load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN, v_full(st),
+                     Cfg::KV_BYTES);
             }
         }
         return;
@@ -152,24 +165,14 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     const int warp = (tid / 32) % 4;    // warp within the warpgroup: 16 rows each
     const int lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const int row_lo = row0 + 64 * cw + 16 * warp + g;  // the thread's rows: row_lo, row_lo + 8
-    int mask_key = (sk % BN) ? (sk / BN) * BN : sk;
-    if (CAUSAL) mask_key = min(mask_key, row0 + 64 * cw + diag + 1);
-    const int masked_from = mask_key < 0 ? 0 : mask_key / BN;
     const float scale_log2 = static_cast<float>(p.scale_log2);
+    const unsigned int q_wg = q_s + 64 * cw * 128;  // this consumer's 64 rows in each Q panel
+    const int d = static_cast<int>(p.d);
 
     float acc_o[Cfg::NT_O][4];
-    float m_run[2] = {neg_inf<float>(), neg_inf<float>()};
-    float l_run[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < Cfg::NT_O; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[i][e] = 0.f;
     // wgmma's accumulator fragment of m64nN is the m16n8 layout of each warp's 16 rows, n8 tile
     // after n8 tile: the same registers viewed as [N / 8][4] or flat [N / 2].
     float(&o_flat)[DPAD / 2] = reinterpret_cast<float(&)[DPAD / 2]>(acc_o);
-
-    const unsigned int q_wg = q_s + 64 * cw * 128;  // this consumer's 64 rows in each Q panel
     float s[Cfg::NT_S][4];
     float(&s_flat)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(s);
     unsigned int pk[BN / 16][4];
@@ -195,103 +198,126 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             Wgmma<T, DPAD>::rs(o_flat, pk[kk], db, 1);
         }
     };
-    // Every warp of the consumer arrives once per stage it is done with.
+    // Every warp of the consumer arrives once on a barrier it is done with.
     const auto release = [lane](unsigned int bar) {
         __syncwarp();
         if (lane == 0) mbar_arrive(bar);
     };
+    // S_j has landed in registers: K_j's stage is free, and after the item's last tile Q is too
+    // (the producer loads the next item's Q while this one's last P V and epilogue run).
+    const auto scores_done = [&](int st, bool last) {
+        release(k_empty(st));
+        if (last) release(q_empty);
+    };
 
-    mbar_wait(q_full, 0);
-    if constexpr (!OVERLAP) {
-        // Version 1a: each tile's products and softmax in sequence; the other consumer
-        // warpgroup fills the tensor cores meanwhile.
-        for (int j = 0; j < n_tiles; ++j) {
-            const int st = j % STAGES;
-            const unsigned int par = (j / STAGES) & 1;
-            mbar_wait(k_full(st), par);
-            wgmma_fence();
-            issue_s(st);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(s_flat);
-            release(k_empty(st));
-            float alpha[2];
-            softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, j >= masked_from, j * BN, t4,
-                                            sk, row_lo, diag, scale_log2);
-            rescale_rows<Cfg::NT_O>(acc_o, alpha);
-            pack_p<T, Cfg::NT_S>(s, pk);
-            mbar_wait(v_full(st), par);
-            wgmma_fence();
-            issue_pv(st);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(o_flat);
-            release(v_empty(st));
-        }
-    } else if (n_tiles > 0) {
-        // Version 1b: the softmax of tile j runs while the tensor cores do P_{j-1} V_{j-1}. S_j
-        // and P_{j-1} V_{j-1} go out as two commit groups; waiting for all but the newest group
-        // returns S_j, then O is rescaled by alpha_j once P_{j-1} V_{j-1} has landed in it.
-        mbar_wait(k_full(0), 0);
-        wgmma_fence();
-        issue_s(0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s_flat);
-        release(k_empty(0));
+    unsigned int it = 0;  // K/V tiles consumed so far, over all work items (as the producer)
+    unsigned int wi = 0;
+    for (unsigned int w = blockIdx.x; w < n_work; w += gridDim.x, ++wi) {
+        const BlockCoord bc = block_coord(p, w);
+        const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
+        const int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
+        const int row_lo = row0 + 64 * cw + 16 * warp + g;  // the thread's rows: +0 and +8
+        const int masked_from = first_masked_tile<CAUSAL>(row0 + 64 * cw, BN, sq, sk);
+        const auto stage = [it](int j) { return static_cast<int>((it + j) % STAGES); };
+        const auto parity = [it](int j) { return ((it + j) / STAGES) & 1u; };
+
+        float m_run[2] = {neg_inf<float>(), neg_inf<float>()};
+        float l_run[2] = {0.f, 0.f};
         float alpha[2];
-        softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, 0 >= masked_from, 0, t4, sk,
-                                        row_lo, diag, scale_log2);  // O is still 0: no rescale
-        pack_p<T, Cfg::NT_S>(s, pk);
-        for (int j = 1; j < n_tiles; ++j) {
-            const int st = j % STAGES, pst = (j - 1) % STAGES;
-            mbar_wait(k_full(st), (j / STAGES) & 1);
-            wgmma_fence();
-            issue_s(st);
-            wgmma_commit();
-            mbar_wait(v_full(pst), ((j - 1) / STAGES) & 1);
-            issue_pv(pst);
-            wgmma_commit();
-            wgmma_wait<1>();  // S_j is in
-            fence_regs(s_flat);
-            release(k_empty(st));
-            softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, j >= masked_from, j * BN, t4,
-                                            sk, row_lo, diag, scale_log2);
-            wgmma_wait<0>();  // P_{j-1} V_{j-1} is in O
-            fence_regs(o_flat);
-            release(v_empty(pst));
-            rescale_rows<Cfg::NT_O>(acc_o, alpha);
-            pack_p<T, Cfg::NT_S>(s, pk);
-        }
-        const int lst = (n_tiles - 1) % STAGES;
-        mbar_wait(v_full(lst), ((n_tiles - 1) / STAGES) & 1);
-        wgmma_fence();
-        issue_pv(lst);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(o_flat);
-        release(v_empty(lst));
-    }
+#pragma unroll
+        for (int i = 0; i < Cfg::NT_O; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[i][e] = 0.f;
 
-    // Epilogue: finish the row sums over the quad, divide once, write O and lse.
-    T* o = static_cast<T*>(p.o) + batch_offsets(p, bc.b).o;
-    const int d = static_cast<int>(p.d);
+        mbar_wait(q_full, wi & 1u);
+        if constexpr (!OVERLAP) {
+            // Version 1a: each tile's products and softmax in sequence; the other consumer
+            // warpgroup fills the tensor cores meanwhile.
+            for (int j = 0; j < n_tiles; ++j) {
+                mbar_wait(k_full(stage(j)), parity(j));
+                wgmma_fence();
+                issue_s(stage(j));
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(s_flat);
+                scores_done(stage(j), j == n_tiles - 1);
+                softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, j >= masked_from, j * BN,
+                                                t4, sk, row_lo, diag, scale_log2);
+                rescale_rows<Cfg::NT_O>(acc_o, alpha);
+                pack_p<T, Cfg::NT_S>(s, pk);
+                mbar_wait(v_full(stage(j)), parity(j));
+                wgmma_fence();
+                issue_pv(stage(j));
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(o_flat);
+                release(v_empty(stage(j)));
+            }
+        } else if (n_tiles > 0) {
+            // Version 1b: the softmax of tile j runs while the tensor cores do P_{j-1} V_{j-1}.
+            // S_j and P_{j-1} V_{j-1} go out as two commit groups; waiting for all but the newest
+            // group returns S_j, then O is rescaled by alpha_j once P_{j-1} V_{j-1} is in it.
+            mbar_wait(k_full(stage(0)), parity(0));
+            wgmma_fence();
+            issue_s(stage(0));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(s_flat);
+            scores_done(stage(0), n_tiles == 1);
+            softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, 0 >= masked_from, 0, t4, sk,
+                                            row_lo, diag, scale_log2);  // O is 0: no rescale
+            pack_p<T, Cfg::NT_S>(s, pk);
+            for (int j = 1; j < n_tiles; ++j) {
+                mbar_wait(k_full(stage(j)), parity(j));
+                wgmma_fence();
+                issue_s(stage(j));
+                wgmma_commit();
+                mbar_wait(v_full(stage(j - 1)), parity(j - 1));
+                issue_pv(stage(j - 1));
+                wgmma_commit();
+                wgmma_wait<1>();  // S_j is in
+                fence_regs(s_flat);
+                scores_done(stage(j), j == n_tiles - 1);
+                softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, j >= masked_from, j * BN,
+                                                t4, sk, row_lo, diag, scale_log2);
+                wgmma_wait<0>();  // P_{j-1} V_{j-1} is in O
+                fence_regs(o_flat);
+                release(v_empty(stage(j - 1)));
+                rescale_rows<Cfg::NT_O>(acc_o, alpha);
+                pack_p<T, Cfg::NT_S>(s, pk);
+            }
+            mbar_wait(v_full(stage(n_tiles - 1)), parity(n_tiles - 1));
+            wgmma_fence();
+            issue_pv(stage(n_tiles - 1));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(o_flat);
+            release(v_empty(stage(n_tiles - 1)));
+        }
+        if (n_tiles == 0) release(q_empty);  // (otherwise released with the last scores)
+        it += n_tiles;
+
+        // Epilogue: finish the row sums over the quad, divide once, write O and lse. It runs
+        // while the producer already loads the next work item.
+        T* o = static_cast<T*>(p.o) + batch_offsets(p, bc.b).o;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float l = l_run[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const int row = row_lo + 8 * h;
-        if (row >= sq) continue;
-        const float inv = (l == 0.f) ? 0.f : 1.f / l;
-        if (p.lse != nullptr && t4 == 0) p.lse[bc.b * p.sq + row] = row_lse(m_run[h], l, scale_log2);
-        T* dst = o + static_cast<long long>(row) * p.o_sr;
+        for (int h = 0; h < 2; ++h) {
+            float l = l_run[h];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int row = row_lo + 8 * h;
+            if (row >= sq) continue;
+            const float inv = (l == 0.f) ? 0.f : 1.f / l;
+            if (p.lse != nullptr && t4 == 0)
+                p.lse[bc.b * p.sq + row] = row_lse(m_run[h], l, scale_log2);
+            T* dst = o + static_cast<long long>(row) * p.o_sr;
 #pragma unroll
-        for (int nt = 0; nt < Cfg::NT_O; ++nt) {
-            const int col = nt * 8 + 2 * t4;
-            if (col < d) {
-                *reinterpret_cast<unsigned int*>(dst + col) =
-                    pack2<T>(acc_o[nt][2 * h] * inv, acc_o[nt][2 * h + 1] * inv);
+            for (int nt = 0; nt < Cfg::NT_O; ++nt) {
+                const int col = nt * 8 + 2 * t4;
+                if (col < d) {
+                    *reinterpret_cast<unsigned int*>(dst + col) =
+                        pack2<T>(acc_o[nt][2 * h] * inv, acc_o[nt][2 * h + 1] * inv);
+                }
             }
         }
     }

@@ -149,13 +149,33 @@ __device__ __forceinline__ BatchOffsets batch_offsets(const AttnParams& p, long 
 // traffic). Query blocks go in reverse order, so under a causal mask each head's blocks with the
 // longest key ranges (the last query rows) start first.
 struct BlockCoord { long long b; long long mblock; };
-__device__ __forceinline__ BlockCoord block_coord(const AttnParams& p) {
+__device__ __forceinline__ BlockCoord block_coord(const AttnParams& p, unsigned int flat) {
     const unsigned int nm = static_cast<unsigned int>(p.n_mblocks);
-    const unsigned int flat = blockIdx.x;
     BlockCoord c;
     c.b = flat / nm;
     c.mblock = static_cast<long long>(nm - 1 - flat % nm);
     return c;
+}
+__device__ __forceinline__ BlockCoord block_coord(const AttnParams& p) {
+    return block_coord(p, blockIdx.x);
+}
+
+// Keys a block of query rows [row0, row0 + rows) needs: all of them, or under the causal mask up
+// to the last row's last visible key. Tiles past it are never loaded.
+template <bool CAUSAL>
+__device__ __forceinline__ int keys_needed(int row0, int rows, int sq, int sk) {
+    if (!CAUSAL) return sk;
+    const int last_row = min(row0 + rows, sq) - 1;
+    return max(0, min(sk, last_row + (sk - sq) + 1));
+}
+// The first key tile (of BN keys) that needs the mask for rows from first_row on: the partial tail
+// tile (if Sk % BN != 0) and, under the causal mask, every tile holding a key that first_row cannot
+// see. Tiles before it skip the mask.
+template <bool CAUSAL>
+__device__ __forceinline__ int first_masked_tile(int first_row, int bn, int sq, int sk) {
+    int mask_key = (sk % bn) ? (sk / bn) * bn : sk;
+    if (CAUSAL) mask_key = min(mask_key, first_row + (sk - sq) + 1);
+    return mask_key < 0 ? 0 : mask_key / bn;
 }
 
 // Causal mask, bottom-right aligned (as FlashAttention >= 2.1 and cuDNN): query row i sees key j

@@ -306,22 +306,27 @@ def test_tensorcore_epilogues(sq, sk, d, dtype, causal, stage_o, monkeypatch):
     check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap,persistent", [(False, False), (True, False), (False, True),
+                                                (True, True)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("sq,sk,d", [(1, 1, 64), (300, 30, 128), (257, 1000, 256), (1000, 257, 96),
-                                     (513, 2000, 128)])
-def test_hopper_schedules(sq, sk, d, causal, overlap, monkeypatch):
-    """Both consumer schedules of the Hopper kernel (softmax of tile j overlapped with
-    P_{j-1} V_{j-1}, and strictly in sequence) against the reference, every element written."""
+@pytest.mark.parametrize("batch,sq,sk,d", [((2,), 1, 1, 64), ((2,), 300, 30, 128),
+                                           ((2,), 257, 1000, 256), ((2,), 1000, 257, 96),
+                                           ((4, 40), 200, 300, 64), ((3, 50), 300, 517, 128),
+                                           ((2, 70), 130, 200, 256)])
+def test_hopper_schedules(batch, sq, sk, d, causal, overlap, persistent, monkeypatch):
+    """The Hopper kernel's consumer schedules (softmax of tile j overlapped with P_{j-1} V_{j-1},
+    or strictly in sequence) and launches (one block per work item, or one per SM looping over
+    items: the cases with more items than SMs) against the reference, every element written."""
     if "hopper" not in _fast_kernels():
         pytest.skip("the Hopper kernel needs a compute capability 9.0 GPU")
     from cuflash import _dispatch
 
     cfg = {k: v[:2] + (overlap,) for k, v in _dispatch.HOPPER_CONFIGS.items()}
     monkeypatch.setattr(_dispatch, "HOPPER_CONFIGS", cfg)
-    rng = _rng("hopper", sq, sk, d, causal, overlap)
-    q, k, v = random_inputs(rng, (2,), (2,), sq, sk, d, d, "float16")
+    monkeypatch.setattr(_dispatch, "HOPPER_PERSISTENT", persistent)
+    rng = _rng("hopper", batch, sq, sk, d, causal, overlap, persistent)
+    q, k, v = random_inputs(rng, batch, batch, sq, sk, d, d, "float16")
     o, lse, label = _run(q, k, v, "float16", causal=causal, kernel="hopper")
-    assert ("overlap" in label) == overlap, label
+    assert ("overlap" in label) == overlap and ("persistent" in label) == persistent, label
     check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d),
                             dtype="float16")

@@ -1,0 +1,134 @@
+"""Compare tile configurations of cuflash's fast kernels against PyTorch's FLASH and CUDNN backends.
+
+For performance work (notes/PERF.md), not the published table (benchmarks/bench.py). For each point
+of a small grid and each candidate configuration of the chosen kernel, it checks the output of one
+(batch, head) slice against the float64 reference with the project's pass rule, then times 10
+back-to-back calls between two CUDA events (so Python's launch time hides behind the GPU's queue),
+median of --repeats such timings. Candidates:
+
+- ``--kernel tensorcore`` (mma.sync): `cuflash._dispatch.TC_CONFIGS` entries (BN, warps, MT, min
+  blocks per SM, staged epilogue);
+- ``--kernel hopper`` (TMA/wgmma): (BN, stages, overlapped softmax, persistent launch), the
+  entries of `cuflash._dispatch.HOPPER_CONFIGS` plus `HOPPER_PERSISTENT`.
+
+    PYTHONPATH=. python benchmarks/tune.py --kernel hopper [--d 64,128,256] [--s 512,2048,8192]
+
+Needs a GPU, CuPy and PyTorch (for the peers and the random inputs).
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+CANDIDATES = {
+    "tensorcore": {
+        64: [(64, 4, 2, 2, True), (64, 4, 1, 4, True)],
+        128: [(64, 4, 2, 2, True), (48, 4, 2, 2, True)],
+        256: [(64, 4, 1, 2, True), (32, 4, 1, 2, True)],
+    },
+    "hopper": {
+        64: [(128, 2, True, True), (128, 2, True, False), (128, 2, False, True)],
+        128: [(128, 2, True, True), (128, 2, True, False), (128, 2, False, True)],
+        256: [(64, 2, True, True), (64, 2, True, False), (64, 2, False, True)],
+    },
+}
+BURST = 10
+
+
+def _apply(dispatch, kernel, d, cfg):
+    """Make `cfg` the dispatcher's choice for head dim d; returns a function that undoes it."""
+    if kernel == "tensorcore":
+        saved = dict(dispatch.TC_CONFIGS)
+        dispatch.TC_CONFIGS[d] = cfg
+
+        def undo():
+            dispatch.TC_CONFIGS.clear()
+            dispatch.TC_CONFIGS.update(saved)
+    else:
+        saved, saved_p = dict(dispatch.HOPPER_CONFIGS), dispatch.HOPPER_PERSISTENT
+        dispatch.HOPPER_CONFIGS[d] = cfg[:3]
+        dispatch.HOPPER_PERSISTENT = cfg[3]
+
+        def undo():
+            dispatch.HOPPER_CONFIGS.clear()
+            dispatch.HOPPER_CONFIGS.update(saved)
+            dispatch.HOPPER_PERSISTENT = saved_p
+    return undo
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=sorted(CANDIDATES), default="hopper")
+    ap.add_argument("--d", default="64,128,256")
+    ap.add_argument("--s", default="512,2048,8192")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args(argv)
+
+    import cupy as cp
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cuflash
+    from cuflash import _dispatch, reference
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(args.repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(BURST):
+                fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / BURST)
+        return float(np.median(ts))
+
+    for d in (int(x) for x in args.d.split(",")):
+        for s in (int(x) for x in args.s.split(",")):
+            for causal in (False, True):
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
+                           for _ in range(3))
+                qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
+                out = cp.empty_like(qc)
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)  # 4*B*H*Sq*Sk*D, halved causal
+                q64, k64, v64 = (x[0, 0].double().cpu().numpy() for x in (q, k, v))
+                o_ref, _ = reference.attention_ref(q64, k64, v64, causal=causal)
+                tol, _ = reference.pass_threshold(q64, k64, v64, causal=causal, dtype="float16",
+                                                  o_ref=o_ref)
+                row = {"D": d, "S": s, "causal": causal}
+                for peer, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                                      ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    try:
+                        with sdpa_kernel(backend):
+                            row[peer] = round(flops / timed(
+                                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                                / 1e9, 1)
+                    except RuntimeError as exc:  # backend unavailable for this shape or GPU
+                        row[peer] = f"n/a: {exc}"[:60]
+                for cfg in CANDIDATES[args.kernel][d]:
+                    undo = _apply(_dispatch, args.kernel, d, cfg)
+                    try:
+                        kw = {"causal": causal, "out": out, "kernel": args.kernel}
+                        cuflash.attention(qc, kc, vc, **kw)
+                        err = float(np.max(np.abs(cp.asnumpy(out[0, 0]).astype(np.float64) - o_ref)))
+                        if not err <= tol:
+                            row[str(cfg)] = f"FAIL err {err:.2e} > {tol:.2e}"
+                            continue
+                        ms = timed(lambda: cuflash.attention(qc, kc, vc, **kw))
+                        row[str(cfg)] = round(flops / ms / 1e9, 1)
+                    except Exception as exc:  # a config that does not fit this GPU
+                        row[str(cfg)] = f"n/a: {type(exc).__name__}: {exc}"[:100]
+                    finally:
+                        undo()
+                print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
