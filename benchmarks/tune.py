@@ -9,7 +9,8 @@ median of --repeats such timings. Candidates:
 - ``--kernel tensorcore`` (mma.sync): `cuflash._dispatch.TC_CONFIGS` entries (BN, warps, MT, min
   blocks per SM, staged epilogue);
 - ``--kernel hopper`` (TMA/wgmma): (BN, stages, overlapped softmax, persistent launch), the
-  entries of `cuflash._dispatch.HOPPER_CONFIGS` plus `HOPPER_PERSISTENT`.
+  entries of `cuflash._dispatch.HOPPER_CONFIGS` plus persistence (forced on or off
+  through `HOPPER_PERSISTENT_MAX_SK`).
 
     PYTHONPATH=. python benchmarks/tune.py --kernel hopper [--d 64,128,256] [--s 512,2048,8192]
 
@@ -28,7 +29,7 @@ CANDIDATES = {
         256: [(64, 4, 1, 2, True), (32, 4, 1, 2, True)],
     },
     "hopper": {
-        64: [(128, 2, True, True), (128, 2, True, False), (128, 2, False, True)],
+        64: [(128, 2, False, True), (128, 2, False, False), (128, 2, True, True)],
         128: [(128, 2, True, True), (128, 2, True, False), (128, 2, False, True)],
         256: [(64, 2, True, True), (64, 2, True, False), (64, 2, False, True)],
     },
@@ -46,14 +47,14 @@ def _apply(dispatch, kernel, d, cfg):
             dispatch.TC_CONFIGS.clear()
             dispatch.TC_CONFIGS.update(saved)
     else:
-        saved, saved_p = dict(dispatch.HOPPER_CONFIGS), dispatch.HOPPER_PERSISTENT
+        saved, saved_p = dict(dispatch.HOPPER_CONFIGS), dispatch.HOPPER_PERSISTENT_MAX_SK
         dispatch.HOPPER_CONFIGS[d] = cfg[:3]
-        dispatch.HOPPER_PERSISTENT = cfg[3]
+        dispatch.HOPPER_PERSISTENT_MAX_SK = 2**31 if cfg[3] else 0
 
         def undo():
             dispatch.HOPPER_CONFIGS.clear()
             dispatch.HOPPER_CONFIGS.update(saved)
-            dispatch.HOPPER_PERSISTENT = saved_p
+            dispatch.HOPPER_PERSISTENT_MAX_SK = saved_p
     return undo
 
 

@@ -150,17 +150,22 @@ def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
 #: Hopper kernel tiles per padded head dim: (BN keys per tile, pipeline stages, overlap the
 #: softmax of tile j with P_{j-1} V_{j-1} inside a warpgroup). BM is 128 (two consumer warpgroups
 #: of 64 rows). Shared memory: Q 128 x DPAD, K and V STAGES x BN x DPAD each, 16-bit: 80 KiB at
-#: D = 64, 160 KiB at D = 128, 192 KiB at D = 256 (of 227 KiB per block).
+#: D = 64, 160 KiB at D = 128, 192 KiB at D = 256 (of 227 KiB per block). On an H200
+#: (benchmarks/tune.py --kernel hopper, 2026-11-30) the overlap gained up to 8% at D = 128 and 256
+#: and lost 2-13% at D = 64, whose small products leave the softmax nothing to hide behind.
 HOPPER_CONFIGS = {
-    64: (128, 2, True),
+    64: (128, 2, False),
     128: (128, 2, True),
     256: (64, 2, True),
 }
 HOPPER_BM = 128
 HOPPER_THREADS = 384
-#: Launch one block per SM that loops over (batch, query block) items, so that the producer loads
-#: the next item while the consumers finish the current one (instead of one block per item).
-HOPPER_PERSISTENT = True
+#: Up to this many keys, launch one block per SM that loops over (batch, query block) items, so
+#: that the producer loads the next item while the consumers finish the current one; above it,
+#: one block per item. Short items are dominated by such fixed costs (+1-15% at Sk <= 2048 on an
+#: H200); at Sk = 8192 the static round-robin over items of unequal causal length lost 5-22% to
+#: the hardware's own block scheduling (benchmarks/tune.py --kernel hopper, 2026-11-30).
+HOPPER_PERSISTENT_MAX_SK = 2048
 
 
 def hopper_dpad(d: int) -> int:
@@ -170,19 +175,20 @@ def hopper_dpad(d: int) -> int:
     raise ValueError(f"head dim {d} exceeds 256")
 
 
-def hopper_plan(dtype_name: str, d: int, causal: bool) -> Plan:
+def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int) -> Plan:
     dpad = hopper_dpad(d)
+    persistent = sk <= HOPPER_PERSISTENT_MAX_SK
     bn, stages, overlap = HOPPER_CONFIGS[dpad]
     smem = 1024 + HOPPER_BM * dpad * 2 + 2 * stages * bn * dpad * 2 + 8 * (2 + 4 * stages)
     cxx_bool = {True: "true", False: "false"}
     name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {stages}, "
             f"{cxx_bool[bool(overlap)]}, {cxx_bool[bool(causal)]}>")
     label = (f"hopper<{dtype_name},D{dpad},BM{HOPPER_BM},BN{bn},S{stages},"
-             f"{'overlap,' if overlap else ''}{'persistent,' if HOPPER_PERSISTENT else ''}"
+             f"{'overlap,' if overlap else ''}{'persistent,' if persistent else ''}"
              f"{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_wgmma", name, arch="sm_90a"),
                 block_m=HOPPER_BM, threads=HOPPER_THREADS, smem_bytes=smem,
-                persistent=HOPPER_PERSISTENT)
+                persistent=persistent)
 
 
 def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
@@ -212,7 +218,7 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     if prob.kernel in ("auto", "hopper"):
         why_not = hopper_reason(prob, compute_capability)
         if why_not is None:
-            return hopper_plan(prob.dtype_name, prob.d, prob.causal)
+            return hopper_plan(prob.dtype_name, prob.d, prob.causal, prob.sk)
         if prob.kernel == "hopper":
             raise ValueError(f"kernel='hopper' cannot run these inputs: {why_not}")
     why_not = tensorcore_reason(prob, compute_capability)
@@ -239,5 +245,5 @@ def all_specialisations(compute_capability: int = 90):
         for dt in TC_DTYPES:
             for dpad in HOPPER_CONFIGS:
                 for causal in (False, True):
-                    plans.append(hopper_plan(dt, dpad, causal))
+                    plans.append(hopper_plan(dt, dpad, causal, 1))  # the launch is host-side
     return plans

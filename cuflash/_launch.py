@@ -6,6 +6,7 @@ here and nothing synchronises: a launch is capturable in a CUDA graph.
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -92,6 +93,17 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     import cupy
 
     q, k, v = prob.q, prob.k, prob.v
+    key = (plan, prob.device_id, prob.sq, prob.sk, prob.d, prob.dv, prob.scale, prob.batch_shape,
+           *((x.data.ptr, x.shape, x.strides) for x in (q, k, v, o)),
+           0 if lse is None else lse.data.ptr)
+    cached = _PARAM_CACHE.get(key)
+    if cached is not None:  # the same call as a recent one: reuse its parameter block
+        _PARAM_CACHE.move_to_end(key)
+        params, grid = cached
+        kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
+        kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
+             stream=_stream_ptr(prob.stream))
+        return
     sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
     if len(sizes) > 3:
         # More than three batch axes that no stride pattern merges: materialise the inputs once
@@ -140,9 +152,22 @@ def launch_forward(plan, prob, o, lse, device_attrs):
 
     if plan.persistent:  # one block per SM, each looping over work items (attn_wgmma.cu)
         grid = min(grid, device_attrs["sm_count"])
+    params = p[()]
+    if q is prob.q and k is prob.k and v is prob.v:  # no copies were made for this call
+        _PARAM_CACHE[key] = (params, grid)
+        if len(_PARAM_CACHE) > _PARAM_CACHE_SIZE:
+            _PARAM_CACHE.popitem(last=False)
     kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
-    kern((grid,), (plan.threads,), (p[()],), shared_mem=plan.smem_bytes,
+    kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
          stream=_stream_ptr(prob.stream))
+
+
+#: Parameter blocks of recent launches, keyed on everything they are made from (plan, pointers,
+#: shapes, strides, scale): a repeated call skips the batch-axis collapse and the three tensor-map
+#: encodes, which are most of its host time. Raw pointers are only compared, never dereferenced,
+#: so a freed and reused address with the same layout yields the same (correct) parameters.
+_PARAM_CACHE = collections.OrderedDict()
+_PARAM_CACHE_SIZE = 64
 
 
 def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):

@@ -113,7 +113,7 @@ def test_hopper_kernel_uses_tma_and_wgmma():
             break
     if nvdisasm is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm, in the test extra)")
-    plan = _dispatch.hopper_plan("float16", 128, True)
+    plan = _dispatch.hopper_plan("float16", 128, True, 1024)
     rep = _compile.compile_report(plan.spec)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
