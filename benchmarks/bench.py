@@ -60,13 +60,15 @@ QUICK_WARMUP = 2
 DEFAULT_REPEATS = 30
 DEFAULT_WARMUP = 5
 
-# Implementations in table order. cuflash-generic is the scalar audit kernel: off by default.
-IMPLS = ("cuflash", "cuflash-generic", "torch-flash", "torch-cudnn", "torch-efficient",
-         "cupy-naive")
+# Implementations in table order. cuflash-tensorcore forces the mma.sync kernel (what "auto" runs
+# before Hopper), cuflash-generic the scalar audit kernel: both off by default.
+IMPLS = ("cuflash", "cuflash-tensorcore", "cuflash-generic", "torch-flash", "torch-cudnn",
+         "torch-efficient", "cupy-naive")
 DEFAULT_IMPLS = ("cuflash", "torch-flash", "torch-cudnn", "torch-efficient", "cupy-naive")
 IMPL_ALIASES = {
     "flash": "torch-flash", "cudnn": "torch-cudnn", "efficient": "torch-efficient",
     "mem-efficient": "torch-efficient", "naive": "cupy-naive", "generic": "cuflash-generic",
+    "tensorcore": "cuflash-tensorcore",
 }
 # The peers the speed ratios are taken against, with the column title of each ratio.
 RATIO_PEERS = (("torch-flash", "cuflash/FLASH"), ("torch-cudnn", "cuflash/CUDNN"))
@@ -842,8 +844,8 @@ def make_impls(env, args):
     for name in args.impl:
         if name == "cuflash":
             impls.append(CuflashImpl(env, args, "auto"))
-        elif name == "cuflash-generic":
-            impls.append(CuflashImpl(env, args, "generic"))
+        elif name in ("cuflash-generic", "cuflash-tensorcore"):
+            impls.append(CuflashImpl(env, args, name.split("-", 1)[1]))
         elif name in TorchSDPAImpl.BACKENDS:
             impls.append(TorchSDPAImpl(env, args, name))
         elif name == "cupy-naive":

@@ -47,14 +47,16 @@ def _apply(dispatch, kernel, d, cfg):
             dispatch.TC_CONFIGS.clear()
             dispatch.TC_CONFIGS.update(saved)
     else:
-        saved, saved_p = dict(dispatch.HOPPER_CONFIGS), dispatch.HOPPER_PERSISTENT_MAX_SK
+        saved = dict(dispatch.HOPPER_CONFIGS)
+        saved_p = dispatch.HOPPER_PERSISTENT_MAX_SK, dispatch.HOPPER_PERSISTENT_CAUSAL_MAX_D
         dispatch.HOPPER_CONFIGS[d] = cfg[:3]
         dispatch.HOPPER_PERSISTENT_MAX_SK = 2**31 if cfg[3] else 0
+        dispatch.HOPPER_PERSISTENT_CAUSAL_MAX_D = 256
 
         def undo():
             dispatch.HOPPER_CONFIGS.clear()
             dispatch.HOPPER_CONFIGS.update(saved)
-            dispatch.HOPPER_PERSISTENT_MAX_SK = saved_p
+            dispatch.HOPPER_PERSISTENT_MAX_SK, dispatch.HOPPER_PERSISTENT_CAUSAL_MAX_D = saved_p
     return undo
 
 

@@ -254,10 +254,13 @@ class CompileReport:
     cubin_size: int
     log: str
     cubin: bytes = b""
+    notes: Tuple[str, ...] = ()  # other ptxas messages about this function
 
     def summary(self) -> str:
-        return (f"{self.arch} {self.name}: {self.registers} registers, {self.shared_bytes} B static "
+        text = (f"{self.arch} {self.name}: {self.registers} registers, {self.shared_bytes} B static "
                 f"smem, {self.stack_bytes} B stack, spills {self.spill_stores}/{self.spill_loads} B")
+        codes = sorted({m.group(0) for n in self.notes for m in [re.search(r"\(C\d+\)", n)] if m})
+        return text + (f" (ptxas notes: {' '.join(codes)})" if codes else "")
 
 
 def compile_report(spec: Specialisation, arch: Optional[str] = None) -> CompileReport:
@@ -277,8 +280,10 @@ def compile_report(spec: Specialisation, arch: Optional[str] = None) -> CompileR
 
 def _parse_ptxas(log: str, mangled: str, name: str, arch: str, cubin: bytes) -> CompileReport:
     # ptxas prints a block per entry: "Compiling entry function '<mangled>'", then the stack/spill
-    # line and the registers/smem line. Take the block of our entry.
-    start = log.find(f"'{mangled}'")
+    # line and the registers/smem line. Take the block of our entry. (Other messages can name the
+    # function before that line, e.g. NVRTC 13.0's "(C7519) warpgroup.arrive is injected ...";
+    # they are kept as notes.)
+    start = log.find(f"Compiling entry function '{mangled}'")
     if start < 0:
         raise RuntimeError(f"no ptxas report for {name} in the NVRTC log:\n{log}")
     block = log[start:]
@@ -290,8 +295,11 @@ def _parse_ptxas(log: str, mangled: str, name: str, arch: str, cubin: bytes) -> 
         m = re.search(pattern, block)
         return int(m.group(1)) if m else default
 
+    notes = tuple(line.strip() for line in log.splitlines()
+                  if mangled in line and "Compiling entry" not in line
+                  and "Function properties" not in line)
     return CompileReport(
-        name=name, arch=arch,
+        name=name, arch=arch, notes=notes,
         registers=num(r"Used (\d+) registers"),
         shared_bytes=num(r"(\d+) bytes smem"),
         stack_bytes=num(r"(\d+) bytes stack frame"),

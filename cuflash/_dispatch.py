@@ -162,10 +162,12 @@ HOPPER_BM = 128
 HOPPER_THREADS = 384
 #: Up to this many keys, launch one block per SM that loops over (batch, query block) items, so
 #: that the producer loads the next item while the consumers finish the current one; above it,
-#: one block per item. Short items are dominated by such fixed costs (+1-15% at Sk <= 2048 on an
-#: H200); at Sk = 8192 the static round-robin over items of unequal causal length lost 5-22% to
-#: the hardware's own block scheduling (benchmarks/tune.py --kernel hopper, 2026-11-30).
+#: one block per item. Short items are dominated by such fixed costs: on an H200 (bench.py,
+#: 2026-11-30) persistence gained 1-29% at Sk <= 2048 except under the causal mask at D >= 128,
+#: where the static round-robin over items of unequal length lost 2-15% to the hardware's own
+#: block scheduling (and at Sk = 8192 up to 22%, benchmarks/tune.py).
 HOPPER_PERSISTENT_MAX_SK = 2048
+HOPPER_PERSISTENT_CAUSAL_MAX_D = 64
 
 
 def hopper_dpad(d: int) -> int:
@@ -177,7 +179,8 @@ def hopper_dpad(d: int) -> int:
 
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int) -> Plan:
     dpad = hopper_dpad(d)
-    persistent = sk <= HOPPER_PERSISTENT_MAX_SK
+    persistent = (sk <= HOPPER_PERSISTENT_MAX_SK
+                  and (not causal or dpad <= HOPPER_PERSISTENT_CAUSAL_MAX_D))
     bn, stages, overlap = HOPPER_CONFIGS[dpad]
     smem = 1024 + HOPPER_BM * dpad * 2 + 2 * stages * bn * dpad * 2 + 8 * (2 + 4 * stages)
     cxx_bool = {True: "true", False: "false"}

@@ -324,6 +324,7 @@ def test_hopper_schedules(batch, sq, sk, d, causal, overlap, persistent, monkeyp
     cfg = {k: v[:2] + (overlap,) for k, v in _dispatch.HOPPER_CONFIGS.items()}
     monkeypatch.setattr(_dispatch, "HOPPER_CONFIGS", cfg)
     monkeypatch.setattr(_dispatch, "HOPPER_PERSISTENT_MAX_SK", 2**31 if persistent else 0)
+    monkeypatch.setattr(_dispatch, "HOPPER_PERSISTENT_CAUSAL_MAX_D", 256)
     rng = _rng("hopper", batch, sq, sk, d, causal, overlap, persistent)
     q, k, v = random_inputs(rng, batch, batch, sq, sk, d, d, "float16")
     o, lse, label = _run(q, k, v, "float16", causal=causal, kernel="hopper")
