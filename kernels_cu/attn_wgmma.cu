@@ -49,6 +49,11 @@ struct HopperParams {
     AttnParams a;
     long long coord_mask;
 };
+// The host mirrors this layout byte for byte (cuflash/_launch.py: HOPPER_PARAMS_DTYPE).
+static_assert(__builtin_offsetof(HopperParams, a) == 384, "HopperParams layout");
+static_assert(__builtin_offsetof(HopperParams, coord_mask) == 384 + sizeof(AttnParams),
+              "HopperParams layout");
+static_assert(sizeof(HopperParams) == 640, "HopperParams layout");
 
 template <typename T, int DPAD, int BN, int STAGES>
 struct WgmmaConfig {

@@ -123,6 +123,7 @@ struct AttnParams {
     double scale_log2;     // softmax scale * log2(e): scores go straight to exp2 (fast kernels)
     double scale;          // the softmax scale itself (the generic kernel uses natural exp)
 };
+static_assert(sizeof(AttnParams) == 31 * 8, "AttnParams must match cuflash/_launch.py");
 
 // Split a flat batch index into the three collapsed batch axes and return each tensor's offset.
 struct BatchOffsets { long long q, k, v, o; };

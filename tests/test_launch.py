@@ -1,0 +1,98 @@
+"""Host-side launch logic without a GPU: the parameter blocks mirror the kernels' structs, the
+Hopper kernel's tensor maps describe each input's layout (broadcast batch axes included), and a
+repeated call reuses its parameter block. Arrays and the driver are stand-ins."""
+import types
+
+import numpy as np
+import pytest
+
+from cuflash import _compile, _dispatch, _launch, _tma
+
+
+class FakeArray:
+    """What launch_forward reads from a CuPy array: shape, strides, itemsize, data.ptr."""
+
+    def __init__(self, shape, elem_strides, ptr, itemsize=2):
+        self.shape, self.itemsize, self.ndim = tuple(shape), itemsize, len(shape)
+        self.strides = tuple(s * itemsize for s in elem_strides)
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Record tensor-map requests and launches instead of calling the driver."""
+    record = {"maps": [], "launches": []}
+
+    def encode(dtype_name, address, dims, strides, box):
+        record["maps"].append((address, list(dims), list(strides), list(box)))
+        return bytes([len(record["maps"])]) * _tma.MAP_BYTES
+
+    def kernel(grid, block, args, shared_mem=0, stream=None):
+        record["launches"].append((grid, block, args[0], shared_mem))
+
+    monkeypatch.setattr(_tma, "encode_tiled", encode)
+    monkeypatch.setattr(_compile, "get_kernel", lambda spec, dev, smem: kernel)
+    monkeypatch.setattr(_launch, "_stream_ptr", lambda s: None)
+    monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
+    return record
+
+
+def _problem(q, k, v, batch, sq, sk, d):
+    return types.SimpleNamespace(q=q, k=k, v=v, batch_shape=batch, sq=sq, sk=sk, d=d, dv=d,
+                                 dtype_name="float16", scale=0.125, stream=None, device_id=0)
+
+
+ATTRS = {"max_smem_optin": 232448, "sm_count": 132}
+
+
+def test_param_dtypes_match_the_structs():
+    """The sizes the kernels static_assert (common.cuh, attn_wgmma.cu)."""
+    assert _launch.PARAMS_DTYPE.itemsize == 31 * 8
+    hp = _launch.HOPPER_PARAMS_DTYPE
+    assert hp.itemsize == 640
+    assert hp.fields["q"][1] == 384 and hp.fields["coord_mask"][1] == 384 + 31 * 8
+    assert [hp.fields[f"tm_{t}"][1] for t in "qkv"] == [0, 128, 256]
+
+
+def test_hopper_maps_bshd_view_and_broadcast_kv(launches):
+    """q: a (B, S, H, D) buffer seen as (B, H, S, D); k, v: one head shared by all (MQA)."""
+    B, H, S, D = 2, 4, 300, 128
+    q = FakeArray((B, H, S, D), (S * H * D, D, H * D, 1), 1 << 20)
+    k = FakeArray((B, 1, S, D), (S * D, 0, D, 1), 2 << 20)
+    v = FakeArray((B, 1, S, D), (S * D, 0, D, 1), 3 << 20)
+    o = FakeArray((B, H, S, D), (H * S * D, S * D, D, 1), 4 << 20)
+    plan = _dispatch.hopper_plan("float16", D, True, S)
+    _launch.launch_forward(plan, _problem(q, k, v, (B, H), S, S, D), o, None, ATTRS)
+    (qm, km, vm) = launches["maps"]
+    # dims (D, rows, batch axis 2 = H, axis 1 = B, axis 0 = 1), byte strides of dims 1..4
+    assert qm[:2] == (1 << 20, [D, S, H, B, 1])
+    assert qm[2][:3] == [H * D * 2, D * 2, S * H * D * 2]
+    assert km[1] == [D, S, 1, B, 1] and km[2][0] == D * 2 and km[2][2] == S * D * 2
+    assert qm[3] == [64, plan.block_m, 1, 1, 1]
+    bn = _dispatch.HOPPER_CONFIGS[128][0]
+    assert km[3] == vm[3] == [64, bn, 1, 1, 1]
+    grid, block, params, smem = launches["launches"][0]
+    # q has batch axes 1 and 2 (bits 1, 2); k and v only axis 1 (bits 4 and 7)
+    assert int(params["coord_mask"]) == (1 << 1) | (1 << 2) | (1 << 4) | (1 << 7)
+    assert (int(params["nb0"]), int(params["nb1"]), int(params["nb2"])) == (1, B, H)
+    assert bytes(params["tm_k"]) == bytes([2]) * 128
+    n_items = -(-S // plan.block_m) * B * H
+    assert grid == ((min(n_items, 132) if plan.persistent else n_items),)
+    assert block == (384,) and smem == plan.smem_bytes
+
+
+def test_repeated_call_reuses_parameters(launches):
+    B, H, S, D = 2, 3, 100, 64
+    st = (H * S * D, S * D, D, 1)
+    q, k, v, o = (FakeArray((B, H, S, D), st, (i + 1) << 20) for i in range(4))
+    plan = _dispatch.hopper_plan("float16", D, False, S)
+    prob = _problem(q, k, v, (B, H), S, S, D)
+    _launch.launch_forward(plan, prob, o, None, ATTRS)
+    _launch.launch_forward(plan, prob, o, None, ATTRS)
+    assert len(launches["maps"]) == 3, "the second call reused the tensor maps"
+    first, second = launches["launches"]
+    assert first[0] == second[0] and bytes(first[2]) == bytes(second[2])
+    o2 = FakeArray((B, H, S, D), st, 9 << 20)  # another output buffer: new parameters
+    _launch.launch_forward(plan, prob, o2, None, ATTRS)
+    assert len(launches["maps"]) == 6
+    assert int(launches["launches"][2][2]["o"]) == 9 << 20
