@@ -37,17 +37,18 @@ class Plan:
     label: str             # human-readable, e.g. "generic<float16,D64,Dv64,causal>"
     spec: Specialisation
     block_m: int           # query rows per block
+    block_n: int           # keys per K/V tile (the Hopper kernel's tensor-map boxes use it)
     threads: int           # threads per block
     smem_bytes: int        # dynamic shared memory per block
     persistent: bool = False  # launch at most one block per SM; each loops over work items
 
 
-def head_dim_bucket(n: int) -> int:
-    """Smallest of 32, 64, 128, 256 that holds a head dim of n."""
-    for b in (32, 64, 128, 256):
+def head_dim_bucket(n: int, buckets=(32, 64, 128, 256)) -> int:
+    """Smallest of `buckets` that holds a head dim of n (smaller head dims are zero-padded)."""
+    for b in sorted(buckets):
         if n <= b:
             return b
-    raise ValueError(f"head dim {n} exceeds 256")
+    raise ValueError(f"head dim {n} exceeds {max(buckets)}")
 
 
 def generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Plan:
@@ -65,7 +66,7 @@ def generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Plan:
             f"{'true' if causal else 'false'}>")
     label = f"generic<{dtype_name},D{db},{'causal' if causal else 'full'}>"
     return Plan(label=label, spec=Specialisation("attn_generic", name), block_m=block_m,
-                threads=nwarps * 32, smem_bytes=smem_elems * _ACC_BYTES[acc])
+                block_n=bc, threads=nwarps * 32, smem_bytes=smem_elems * _ACC_BYTES[acc])
 
 
 #: Tensor-core tile shapes per padded head dim: (BN keys per tile, warps per block, m16 tiles per
@@ -98,16 +99,8 @@ def tensorcore_config(dpad: int, compute_capability: int):
     return TC_CONFIGS[dpad]
 
 
-def tensorcore_dpad(d: int) -> int:
-    """The fast-path head dim that holds d (smaller head dims are zero-padded)."""
-    for b in sorted(TC_CONFIGS):
-        if d <= b:
-            return b
-    raise ValueError(f"head dim {d} exceeds 256")
-
-
 def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: int) -> Plan:
-    dpad = tensorcore_dpad(d)
+    dpad = head_dim_bucket(d, TC_CONFIGS)
     bn, nwarps, mt, minb, stage_o = tensorcore_config(dpad, compute_capability)
     bm = 16 * mt * nwarps
     smem = (bm + 2 * bn) * (dpad + 8) * 2
@@ -116,7 +109,7 @@ def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: i
             f"{minb}, {cxx_bool[bool(stage_o)]}, {cxx_bool[bool(causal)]}>")
     label = (f"tensorcore<{dtype_name},D{dpad},BM{bm},BN{bn},{'stagedO,' if stage_o else ''}"
              f"{'causal' if causal else 'full'}>")
-    return Plan(label=label, spec=Specialisation("attn_mma", name), block_m=bm,
+    return Plan(label=label, spec=Specialisation("attn_mma", name), block_m=bm, block_n=bn,
                 threads=32 * nwarps, smem_bytes=smem)
 
 
@@ -170,15 +163,8 @@ HOPPER_PERSISTENT_MAX_SK = 2048
 HOPPER_PERSISTENT_CAUSAL_MAX_D = 64
 
 
-def hopper_dpad(d: int) -> int:
-    for b in sorted(HOPPER_CONFIGS):
-        if d <= b:
-            return b
-    raise ValueError(f"head dim {d} exceeds 256")
-
-
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int) -> Plan:
-    dpad = hopper_dpad(d)
+    dpad = head_dim_bucket(d, HOPPER_CONFIGS)
     persistent = (sk <= HOPPER_PERSISTENT_MAX_SK
                   and (not causal or dpad <= HOPPER_PERSISTENT_CAUSAL_MAX_D))
     bn, stages, overlap = HOPPER_CONFIGS[dpad]
@@ -190,7 +176,7 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int) -> Plan:
              f"{'overlap,' if overlap else ''}{'persistent,' if persistent else ''}"
              f"{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_wgmma", name, arch="sm_90a"),
-                block_m=HOPPER_BM, threads=HOPPER_THREADS, smem_bytes=smem,
+                block_m=HOPPER_BM, block_n=bn, threads=HOPPER_THREADS, smem_bytes=smem,
                 persistent=persistent)
 
 

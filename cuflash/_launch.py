@@ -175,9 +175,8 @@ def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):
     64 columns x BM (q) or BN (k, v) rows. A batch axis the tensor broadcasts over (stride 0)
     becomes a size-1 dim with coordinate 0 in the kernel (coord_mask bit clear)."""
     from . import _tma
-    from ._dispatch import HOPPER_CONFIGS, hopper_dpad
 
-    bn = HOPPER_CONFIGS[hopper_dpad(prob.d)][0]
+    bn = plan.block_n
     mask = 0
     for t, (x, rows, box_rows) in enumerate(zip(tensors, (prob.sq, prob.sk, prob.sk),
                                                 (plan.block_m, bn, bn))):
