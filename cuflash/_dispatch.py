@@ -72,8 +72,9 @@ def generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Plan:
 #: Tensor-core tile shapes per padded head dim: (BN keys per tile, warps per block, m16 tiles per
 #: warp MT, min blocks per SM for __launch_bounds__, stage O through shared memory).
 #: BM = 16 * MT * warps query rows per block. See kernels_cu/attn_mma.cu and notes/PERF.md: on an
-#: H200 the staged epilogue gained 1-6% at S = 512-2048, and at D = 64 one m-tile per warp with
-#: 4 blocks per SM another 2-13% (benchmarks/tune.py --kernel tensorcore, 2026-11-30).
+#: H200 the staged epilogue changed speed by -1% to +6% at S = 512-2048 (gains mostly at S = 512),
+#: and at D = 64 one m-tile per warp with 4 blocks per SM gained another 1-13%
+#: (benchmarks/tune.py --kernel tensorcore, 2026-11-30).
 TC_CONFIGS = {
     64: (64, 4, 1, 4, True),
     96: (64, 4, 2, 2, True),
@@ -144,8 +145,9 @@ def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
 #: softmax of tile j with P_{j-1} V_{j-1} inside a warpgroup). BM is 128 (two consumer warpgroups
 #: of 64 rows). Shared memory: Q 128 x DPAD, K and V STAGES x BN x DPAD each, 16-bit: 80 KiB at
 #: D = 64, 160 KiB at D = 128, 192 KiB at D = 256 (of 227 KiB per block). On an H200
-#: (benchmarks/tune.py --kernel hopper, 2026-11-30) the overlap gained up to 8% at D = 128 and 256
-#: and lost 2-13% at D = 64, whose small products leave the softmax nothing to hide behind.
+#: (benchmarks/tune.py --kernel hopper, 2026-11-30) the overlap gained 2-11% at D = 128 and 256
+#: (S >= 2048) and lost up to 11% at D = 64, whose small products leave the softmax little to
+#: hide behind.
 HOPPER_CONFIGS = {
     64: (128, 2, False),
     128: (128, 2, True),

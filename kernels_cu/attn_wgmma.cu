@@ -4,13 +4,14 @@
 //   1a  TMA loads, warpgroup MMA (wgmma) for both products, one producer warpgroup and two
 //       consumer warpgroups. Against attn_mma.cu (mma.sync, ~360 TFLOP/s peak): wgmma keeps the
 //       whole 64 x N product in the tensor cores without a per-fragment ldmatrix, operands come
-//       straight from shared memory, and loads cost the consumers nothing. 1.40x FA2 geomean on
-//       a 12-point grid, 626 TFLOP/s at D = 128, S = 4096.
-//   1b  OVERLAP: the softmax of tile j runs while the tensor cores do P_{j-1} V_{j-1}. Up to +8%
-//       at D = 128/256, a loss at D = 64 (the dispatcher enables it per head dim).
+//       straight from shared memory, and loads cost the consumers nothing.
+//   1b  OVERLAP: the softmax of tile j runs while the tensor cores do P_{j-1} V_{j-1}. 1a + 1b:
+//       1.40x FA2 geomean on a 12-point grid, 626 TFLOP/s at D = 128, S = 4096. Against 1a:
+//       +2-11% at D = 128/256 and S >= 2048, up to -11% at D = 64 (enabled per head dim).
 //   2   Persistent launches: a block loops over work items; the next item's first K tile and Q
-//       are requested while the current one finishes. +1-29% at Sk <= 2048, a loss on long causal
-//       sequences (the dispatcher chooses per call). With 1b: 1.61x FA2, 0.89x cuDNN, 740 TFLOP/s.
+//       are requested while the current one finishes. +1-29% at Sk <= 2048, but -2 to -15% there
+//       under the causal mask at D >= 128 and up to -22% at Sk = 8192 (the dispatcher chooses
+//       per call). With 1b: 1.61x FA2, 0.89x cuDNN, 740 TFLOP/s.
 //
 // Block = 3 warpgroups (384 threads), BM = 128 query rows:
 //   - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
