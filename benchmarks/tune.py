@@ -3,14 +3,14 @@
 For performance work (notes/PERF.md), not the published table (benchmarks/bench.py). For each point
 of a small grid and each candidate configuration of the chosen kernel, it checks the output of one
 (batch, head) slice against the float64 reference with the project's pass rule, then times 10
-back-to-back calls between two CUDA events (so Python's launch time hides behind the GPU's queue),
-median of --repeats such timings. Candidates:
+back-to-back calls between two CUDA events, queued behind a spinning kernel (bench.py's) so that
+Python's launch time is not timed, median of --repeats such timings. Candidates:
 
 - ``--kernel tensorcore`` (mma.sync): `cuflash._dispatch.TC_CONFIGS` entries (BN, warps, MT, min
   blocks per SM, staged epilogue);
-- ``--kernel hopper`` (TMA/wgmma): (BN, stages, overlapped softmax, persistent launch), the
-  entries of `cuflash._dispatch.HOPPER_CONFIGS` plus persistence (forced on or off
-  through `HOPPER_PERSISTENT_MAX_SK`).
+- ``--kernel hopper`` (TMA/wgmma): (`cuflash._dispatch.HopperTiles`, persistent launch), the
+  values of `cuflash._dispatch.HOPPER_TABLE`, printed as "BN<keys> S<stages> Q<Q buffers>
+  C<consumer warpgroups> [ov: overlapped softmax] [pp: ping-pong] [P: persistent]".
 
     PYTHONPATH=. python benchmarks/tune.py --kernel hopper [--d 64,128,256] [--s 512,2048,8192]
 
@@ -22,19 +22,36 @@ import sys
 
 import numpy as np
 
+from cuflash._dispatch import HopperTiles as H
+
 CANDIDATES = {
     "tensorcore": {
         64: [(64, 4, 2, 2, True), (64, 4, 1, 4, True)],
         128: [(64, 4, 2, 2, True), (48, 4, 2, 2, True)],
         256: [(64, 4, 1, 2, True), (32, 4, 1, 2, True)],
     },
+    # (HopperTiles(BN, stages, consumers, overlap, pingpong), persistent launch)
     "hopper": {
-        64: [(128, 2, False, True), (128, 2, False, False), (128, 2, True, True)],
-        128: [(128, 2, True, True), (128, 2, True, False), (128, 2, False, True)],
-        256: [(64, 2, True, True), (64, 2, True, False), (64, 2, False, True)],
+        64: [(H(128, 2, 1, 2, False, True), True), (H(128, 2, 2, 2, False, True), True),
+             (H(128, 2, 2, 2, True, True), True), (H(128, 2, 1, 3, True, True), True),
+             (H(128, 2, 2, 3, True, True), True), (H(128, 2, 2, 3, True, True), False)],
+        128: [(H(128, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), True),
+              (H(176, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), False),
+              (H(176, 2, 1, 2, True, True), False)],
+        256: [(H(80, 2, 1, 2, True, True), True), (H(64, 2, 1, 2, True, True), True),
+              (H(80, 2, 1, 2, True, True), False)],
     },
 }
 BURST = 10
+SPIN_S = 0.003  # GPU busy time queued ahead of each burst
+
+
+def label(kernel, cfg):
+    if kernel == "tensorcore":
+        return str(cfg)
+    t, persistent = cfg
+    return (f"BN{t.bn} S{t.stages} Q{t.q_stages} C{t.consumers}{' ov' if t.overlap else ''}"
+            f"{' pp' if t.pingpong else ''}{' P' if persistent else ''}")
 
 
 def _apply(dispatch, kernel, d, cfg):
@@ -47,16 +64,14 @@ def _apply(dispatch, kernel, d, cfg):
             dispatch.TC_CONFIGS.clear()
             dispatch.TC_CONFIGS.update(saved)
     else:
-        saved = dict(dispatch.HOPPER_CONFIGS)
-        saved_p = dispatch.HOPPER_PERSISTENT_MAX_SK, dispatch.HOPPER_PERSISTENT_CAUSAL_MAX_D
-        dispatch.HOPPER_CONFIGS[d] = cfg[:3]
-        dispatch.HOPPER_PERSISTENT_MAX_SK = 2**31 if cfg[3] else 0
-        dispatch.HOPPER_PERSISTENT_CAUSAL_MAX_D = 256
+        saved = dict(dispatch.HOPPER_TABLE)
+        for key in saved:
+            if key[0] == d:
+                dispatch.HOPPER_TABLE[key] = cfg
 
         def undo():
-            dispatch.HOPPER_CONFIGS.clear()
-            dispatch.HOPPER_CONFIGS.update(saved)
-            dispatch.HOPPER_PERSISTENT_MAX_SK, dispatch.HOPPER_PERSISTENT_CAUSAL_MAX_D = saved_p
+            dispatch.HOPPER_TABLE.clear()
+            dispatch.HOPPER_TABLE.update(saved)
     return undo
 
 
@@ -75,6 +90,11 @@ def main(argv=None):
 
     import cuflash
     from cuflash import _dispatch, reference
+    from bench import Spinner  # benchmarks/bench.py, next to this file
+
+    spinner = Spinner(cp)
+    if spinner.err:
+        print(f"spin kernel unavailable ({spinner.err}): host time may leak into the timings")
 
     def timed(fn):
         for _ in range(3):
@@ -83,6 +103,9 @@ def main(argv=None):
         ts = []
         for _ in range(args.repeats):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # Keep the GPU busy while the burst is enqueued, so that host time is not timed
+            # (both libraries launch on the legacy default stream here).
+            spinner(cp.cuda.Stream.null, SPIN_S)
             a.record()
             for _ in range(BURST):
                 fn()
@@ -121,12 +144,12 @@ def main(argv=None):
                         cuflash.attention(qc, kc, vc, **kw)
                         err = float(np.max(np.abs(cp.asnumpy(out[0, 0]).astype(np.float64) - o_ref)))
                         if not err <= tol:
-                            row[str(cfg)] = f"FAIL err {err:.2e} > {tol:.2e}"
+                            row[label(args.kernel, cfg)] = f"FAIL err {err:.2e} > {tol:.2e}"
                             continue
                         ms = timed(lambda: cuflash.attention(qc, kc, vc, **kw))
-                        row[str(cfg)] = round(flops / ms / 1e9, 1)
+                        row[label(args.kernel, cfg)] = round(flops / ms / 1e9, 1)
                     except Exception as exc:  # a config that does not fit this GPU
-                        row[str(cfg)] = f"n/a: {type(exc).__name__}: {exc}"[:100]
+                        row[label(args.kernel, cfg)] = f"n/a: {type(exc).__name__}: {exc}"[:100]
                     finally:
                         undo()
                 print(json.dumps(row), flush=True)

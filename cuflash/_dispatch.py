@@ -20,7 +20,7 @@ rows unwritten, which the GPU tests catch by poisoning every output with NaN.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ._compile import Specialisation
 
@@ -41,6 +41,7 @@ class Plan:
     threads: int           # threads per block
     smem_bytes: int        # dynamic shared memory per block
     persistent: bool = False  # launch at most one block per SM; each loops over work items
+    pairs: bool = False    # a block's work item is a pair of query blocks (attn_wgmma.cu: WorkWalk)
 
 
 def head_dim_bucket(n: int, buckets=(32, 64, 128, 256)) -> int:
@@ -141,45 +142,83 @@ def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     return None
 
 
-#: Hopper kernel tiles per padded head dim: (BN keys per tile, pipeline stages, overlap the
-#: softmax of tile j with P_{j-1} V_{j-1} inside a warpgroup). BM is 128 (two consumer warpgroups
-#: of 64 rows). Shared memory: Q 128 x DPAD, K and V STAGES x BN x DPAD each, 16-bit: 80 KiB at
-#: D = 64, 160 KiB at D = 128, 192 KiB at D = 256 (of 227 KiB per block). On an H200
-#: (benchmarks/tune.py --kernel hopper, 2026-11-30) the overlap gained 2-11% at D = 128 and 256
-#: (S >= 2048) and lost up to 11% at D = 64, whose small products leave the softmax little to
-#: hide behind.
-HOPPER_CONFIGS = {
-    64: (128, 2, False),
-    128: (128, 2, True),
-    256: (64, 2, True),
+class HopperTiles(NamedTuple):
+    """Template arguments of the Hopper kernel for one padded head dim (attn_wgmma.cu)."""
+
+    bn: int          # keys per K/V tile
+    stages: int      # K/V pipeline stages in shared memory
+    q_stages: int    # Q buffers: 2 lets the producer load the next item's Q during this one
+    consumers: int   # consumer warpgroups of 64 query rows each: BM = 64 * consumers
+    overlap: bool    # the softmax of tile j runs under P_{j-1} V_{j-1} inside a warpgroup
+    pingpong: bool   # the consumers take turns to issue their products (named barriers)
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.consumers
+
+    def smem_bytes(self, dpad: int) -> int:
+        return (1024 + self.q_stages * self.bm * dpad * 2 + 2 * self.stages * self.bn * dpad * 2
+                + 8 * (2 * self.q_stages + 4 * self.stages))
+
+
+#: Hopper kernel launch choices, {(padded head dim, causal, long keys): (tiles, persistent)},
+#: where "long keys" is Sk > HOPPER_LONG_SK. Persistent: one block per SM loops over the work
+#: items, so the producer loads the next item while the consumers finish the current one (causal
+#: items are pairs of query blocks of equal total length, attn_wgmma.cu: WorkWalk, so the static
+#: round-robin stays balanced). Shared memory (16-bit Q, K, V): D = 64 BM = 192 89 KiB,
+#: D = 128 BN = 128 161 KiB, BN = 176 209 KiB, D = 256 BN = 80 225 KiB (of 227 KiB per block).
+#:
+#: Chosen on an H200 (benchmarks/tune.py --kernel hopper --s 512,1024,2048,8192, float16,
+#: 2026-11-30, two runs; TFLOP/s with cuDNN's in the same run in brackets):
+#: - ping-pong between the consumers gained 1-12% at D = 128 (S = 1024: 516 -> 566 [603],
+#:   S = 2048: 560 -> 615 [640]; causal S = 2048: 479 -> 537 [514]), ~0-2% at D = 64 and 256;
+#: - D = 64: three consumers (BM = 192) with the overlapped softmax gained 8-19% without the mask
+#:   (S = 2048: 428 -> 501 [471]); under the causal mask BM = 192 wastes more of the diagonal
+#:   tiles and lost 12-29% up to S = 2048 (S = 1024: 316 -> 283 [345]) but gained 13% at 8192;
+#: - D = 128, long keys: BN = 176 one block per item 655 [646] against BN = 128 persistent 629;
+#: - D = 256: BN = 80 beat BN = 64 by 4-10% from S = 1024 on (S = 2048: 681 vs 646 [684]);
+#: - two Q buffers (the next item's Q loaded during this one) changed nothing or lost 1-3%.
+HOPPER_LONG_SK = 2048
+_D64_C3 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=3, overlap=True, pingpong=True)
+_D64_C2 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=False, pingpong=True)
+_D128 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
+_D128_N176 = _D128._replace(bn=176)
+_D256 = HopperTiles(bn=80, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
+HOPPER_TABLE = {
+    (64, False, False): (_D64_C3, True),
+    (64, False, True): (_D64_C3, True),
+    (64, True, False): (_D64_C2, True),
+    (64, True, True): (_D64_C3, True),
+    (128, False, False): (_D128, True),
+    (128, False, True): (_D128_N176, False),
+    (128, True, False): (_D128, True),
+    (128, True, True): (_D128, True),
+    (256, False, False): (_D256, True),
+    (256, False, True): (_D256, False),
+    (256, True, False): (_D256, True),
+    (256, True, True): (_D256, True),
 }
-HOPPER_BM = 128
-HOPPER_THREADS = 384
-#: Up to this many keys, launch one block per SM that loops over (batch, query block) items, so
-#: that the producer loads the next item while the consumers finish the current one; above it,
-#: one block per item. Short items are dominated by such fixed costs: on an H200 (bench.py,
-#: 2026-11-30) persistence gained 1-29% at Sk <= 2048 except under the causal mask at D >= 128,
-#: where the static round-robin over items of unequal length lost 2-15% to the hardware's own
-#: block scheduling (and at Sk = 8192 up to 22%, benchmarks/tune.py).
-HOPPER_PERSISTENT_MAX_SK = 2048
-HOPPER_PERSISTENT_CAUSAL_MAX_D = 64
+HOPPER_HEAD_DIMS = (64, 128, 256)
+
+
+def hopper_choice(dpad: int, causal: bool, sk: int):
+    """(HopperTiles, persistent) for a padded head dim, mask and key count."""
+    return HOPPER_TABLE[(dpad, bool(causal), sk > HOPPER_LONG_SK)]
 
 
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int) -> Plan:
-    dpad = head_dim_bucket(d, HOPPER_CONFIGS)
-    persistent = (sk <= HOPPER_PERSISTENT_MAX_SK
-                  and (not causal or dpad <= HOPPER_PERSISTENT_CAUSAL_MAX_D))
-    bn, stages, overlap = HOPPER_CONFIGS[dpad]
-    smem = 1024 + HOPPER_BM * dpad * 2 + 2 * stages * bn * dpad * 2 + 8 * (2 + 4 * stages)
+    dpad = head_dim_bucket(d, HOPPER_HEAD_DIMS)
+    cfg, persistent = hopper_choice(dpad, causal, sk)
     cxx_bool = {True: "true", False: "false"}
-    name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {stages}, "
-            f"{cxx_bool[bool(overlap)]}, {cxx_bool[bool(causal)]}>")
-    label = (f"hopper<{dtype_name},D{dpad},BM{HOPPER_BM},BN{bn},S{stages},"
-             f"{'overlap,' if overlap else ''}{'persistent,' if persistent else ''}"
-             f"{'causal' if causal else 'full'}>")
+    name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {cfg.bn}, "
+            f"{cfg.stages}, {cfg.q_stages}, {cfg.consumers}, {cxx_bool[bool(cfg.overlap)]}, "
+            f"{cxx_bool[bool(cfg.pingpong)]}, {cxx_bool[bool(causal)]}>")
+    label = (f"hopper<{dtype_name},D{dpad},BM{cfg.bm},BN{cfg.bn},S{cfg.stages},Q{cfg.q_stages},"
+             f"{'overlap,' if cfg.overlap else ''}{'pingpong,' if cfg.pingpong else ''}"
+             f"{'persistent,' if persistent else ''}{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_wgmma", name, arch="sm_90a"),
-                block_m=HOPPER_BM, block_n=bn, threads=HOPPER_THREADS, smem_bytes=smem,
-                persistent=persistent)
+                block_m=cfg.bm, block_n=cfg.bn, threads=128 * (cfg.consumers + 1),
+                smem_bytes=cfg.smem_bytes(dpad), persistent=persistent, pairs=bool(causal))
 
 
 def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
@@ -234,7 +273,6 @@ def all_specialisations(compute_capability: int = 90):
                 plans.append(tensorcore_plan(dt, dpad, causal, compute_capability))
     if compute_capability == 90:
         for dt in TC_DTYPES:
-            for dpad in HOPPER_CONFIGS:
-                for causal in (False, True):
-                    plans.append(hopper_plan(dt, dpad, causal, 1))  # the launch is host-side
+            for dpad, causal, long_keys in HOPPER_TABLE:
+                plans.append(hopper_plan(dt, dpad, causal, HOPPER_LONG_SK + long_keys))
     return plans

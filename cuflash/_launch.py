@@ -150,6 +150,8 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     if hopper:
         _fill_tensor_maps(p, plan, prob, (q, k, v), sizes, bstr, rstr)
 
+    if plan.pairs:  # query blocks nm - 1 - r and r go to one block (attn_wgmma.cu: WorkWalk)
+        grid = -(-n_mblocks // 2) * nbatch
     if plan.persistent:  # one block per SM, each looping over work items (attn_wgmma.cu)
         grid = min(grid, device_attrs["sm_count"])
     params = p[()]

@@ -12,19 +12,29 @@
 //       are requested while the current one finishes. +1-29% at Sk <= 2048, but -2 to -15% there
 //       under the causal mask at D >= 128 and up to -22% at Sk = 8192 (the dispatcher chooses
 //       per call). With 1b: 1.61x FA2, 0.89x cuDNN, 740 TFLOP/s.
+//   3   (benchmarks/tune.py, same-run TFLOP/s; cuflash/_dispatch.py: HOPPER_TABLE picks per call)
+//       a. Causal work items are pairs of query blocks (WorkWalk): the round-robin of version 2
+//          gave every block the same query block in each round. D = 128, S = 1024, causal:
+//          404 TFLOP/s persistent with pairs (tune.py) where version 2 had 345 (bench.py, one
+//          block per item; cuDNN 437 in both runs), and persistence now pays under the mask.
+//       b. PINGPONG: the consumers take turns to issue their products (named barriers), so one's
+//          softmax runs under the other's MMAs: +1-12% at D = 128 (S = 2048: 560 -> 615).
+//       c. CONSUMERS = 3 (BM = 192, 160 registers each) at D = 64: +8-19% without the mask.
+//       d. BN = 176 (D = 128, long keys) and BN = 80 (D = 256): +4-10% from S = 1024 on.
+//       e. QSTAGES = 2 (the next item's Q loaded during this one): no gain, not dispatched.
 //
-// Block = 3 warpgroups (384 threads), BM = 128 query rows:
+// Block = 1 + CONSUMERS warpgroups (384 or 512 threads), BM = 64 * CONSUMERS query rows:
 //   - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
-//     issues TMA copies: Q once, then K_j and V_j into a ring of STAGES buffers, each with its
-//     own "full" mbarrier (TMA completes it by byte count) and an "empty" mbarrier that the
-//     consumers' warps arrive on when they are done with the stage;
-//   - warpgroups 1 and 2, the consumers, own 64 query rows each. Per K/V tile:
+//     issues TMA copies: Q into one of QSTAGES buffers per work item, then K_j and V_j into a ring
+//     of STAGES buffers, each with its own "full" mbarrier (TMA completes it by byte count) and
+//     an "empty" mbarrier that the consumers' warps arrive on when they are done with the stage;
+//   - warpgroups 1.., the consumers, own 64 query rows each. Per K/V tile:
 //     S = Q K_j^T with wgmma m64nBNk16 (A = Q and B = K_j, both K-major in shared memory),
 //     the online softmax in registers (common.cuh: softmax_step, shared with attn_mma.cu),
 //     P converted to 16 bits in registers, O += P V_j with wgmma m64nDk16 (A = P from
 //     registers, B = V_j N-major in shared memory).
-// The two consumers run independently, so one's softmax overlaps the other's MMAs, and the
-// producer keeps STAGES tiles in flight.
+// Without PINGPONG the consumers run independently and the warp schedulers interleave them; with
+// it they issue their products in turn. The producer keeps STAGES tiles in flight.
 //
 // Shared memory: Q, K and V tiles are stored as 64-column panels (128 bytes per row) with the
 // 128-byte swizzle, which is what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what the wgmma
@@ -50,63 +60,105 @@ struct HopperParams {
     AttnParams a;
     long long coord_mask;
 };
-// The host mirrors this layout byte for byte (cuflash/_launch.py: HOPPER_PARAMS_DTYPE).
-static_assert(__builtin_offsetof(HopperParams, a) == 384, "HopperParams layout");
-static_assert(__builtin_offsetof(HopperParams, coord_mask) == 384 + sizeof(AttnParams),
+// The host mirrors this layout byte for byte (cuflash/_launch.py: HOPPER_PARAMS_DTYPE): a at 384,
+// coord_mask right after it. (Checked through sizes: NVRTC 13.0 has no __builtin_offsetof.)
+static_assert(sizeof(TmaDesc) == 128 && alignof(AttnParams) <= 64 && sizeof(AttnParams) % 8 == 0,
+              "HopperParams layout");
+static_assert(3 * sizeof(TmaDesc) + sizeof(AttnParams) + sizeof(long long) == 640,
               "HopperParams layout");
 static_assert(sizeof(HopperParams) == 640, "HopperParams layout");
 
-template <typename T, int DPAD, int BN, int STAGES>
+template <typename T, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS_>
 struct WgmmaConfig {
-    static constexpr int CONSUMERS = 2;                 // consumer warpgroups, 64 rows each
+    static constexpr int CONSUMERS = CONSUMERS_;        // consumer warpgroups, 64 rows each
     static constexpr int BM = 64 * CONSUMERS;           // query rows per block
     static constexpr int THREADS = 128 * (CONSUMERS + 1);
     static constexpr int PANELS = DPAD / 64;            // 64-column, 128-byte swizzled panels
     static constexpr int Q_PANEL = BM * 128;            // bytes per panel
     static constexpr int KV_PANEL = BN * 128;
-    static constexpr int Q_BYTES = PANELS * Q_PANEL;
+    static constexpr int Q_BYTES = PANELS * Q_PANEL;     // one Q buffer (of QSTAGES)
     static constexpr int KV_BYTES = PANELS * KV_PANEL;  // one K or one V tile
-    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
+    static constexpr int BAR_BYTES = 8 * (2 * QSTAGES + 4 * STAGES);
     // + 1024: the dynamic shared memory base is only 16-byte aligned; we round it up.
-    static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + BAR_BYTES;
+    static constexpr int SMEM = 1024 + QSTAGES * Q_BYTES + 2 * STAGES * KV_BYTES + BAR_BYTES;
     static constexpr int NT_S = BN / 8;                 // n8 tiles of scores per 16-row slab
     static constexpr int NT_O = DPAD / 8;
+    // setmaxnreg: the producer keeps 24 registers, the consumers share the rest of the SM's
+    // 64 K (a multiple of 8, at most 240): 240 with two consumers, 160 with three.
     static constexpr int PRODUCER_REGS = 24;
-    static constexpr int CONSUMER_REGS = 240;
+    static constexpr int CONSUMER_REGS_RAW = (65536 - PRODUCER_REGS * 128) / (128 * CONSUMERS);
+    static constexpr int CONSUMER_REGS =
+        (CONSUMER_REGS_RAW > 240 ? 240 : CONSUMER_REGS_RAW) / 8 * 8;
+    static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
+    static_assert(QSTAGES == 1 || QSTAGES == 2, "one or two Q buffers");
     static_assert(DPAD % 64 == 0 && DPAD <= 256, "DPAD must be 64, 128, 192 or 256");
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16, <= 256");
     static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536,
                   "register budget of one SM");
 };
 
-template <typename T, int DPAD, int BN, int STAGES, bool OVERLAP, bool CAUSAL>
-__global__ void __launch_bounds__(WgmmaConfig<T, DPAD, BN, STAGES>::THREADS, 1)
+// The work items (batch entry, query block) of one block, in order. Items are grouped into slots;
+// block b takes slots b, b + gridDim.x, ... (the grid may be smaller than the number of slots:
+// persistent launch). Without PAIRS a slot is one query block, heaviest first within a batch
+// entry. With PAIRS (the causal mask, where query block m needs m + 1 key tiles) a slot is the
+// pair of query blocks nm - 1 - r and r, so every slot holds nm + 1 tiles of work (the middle
+// block of an odd nm comes alone): a static round-robin over slots is then balanced, where one
+// over single blocks gave each block of a persistent launch the same query block in every round
+// when gridDim.x % nm == 0 (up to 22% slower on the H200 than one block per item).
+template <bool PAIRS>
+struct WorkWalk {
+    unsigned int nm, per_b, n_slots, slot, half;
+    __device__ __forceinline__ explicit WorkWalk(const AttnParams& p)
+        : nm(static_cast<unsigned int>(p.n_mblocks)),
+          per_b(PAIRS ? (nm + 1) / 2 : nm),
+          n_slots(per_b * static_cast<unsigned int>(p.nb0 * p.nb1 * p.nb2)),
+          slot(blockIdx.x), half(0) {}
+    __device__ __forceinline__ bool next(BlockCoord& c) {
+        if (slot >= n_slots) return false;
+        const unsigned int r = slot % per_b;
+        c.b = slot / per_b;
+        c.mblock = half ? r : nm - 1 - r;
+        if (PAIRS && half == 0 && r != nm - 1 - r) {
+            half = 1;
+        } else {
+            half = 0;
+            slot += gridDim.x;
+        }
+        return true;
+    }
+};
+
+template <typename T, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS, bool OVERLAP,
+          bool PINGPONG, bool CAUSAL>
+__global__ void __launch_bounds__(WgmmaConfig<T, DPAD, BN, STAGES, QSTAGES, CONSUMERS>::THREADS, 1)
 cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
-    using Cfg = WgmmaConfig<T, DPAD, BN, STAGES>;
+    using Cfg = WgmmaConfig<T, DPAD, BN, STAGES, QSTAGES, CONSUMERS>;
     const AttnParams& p = hp.a;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned int q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;
-    const unsigned int k_s = q_s + Cfg::Q_BYTES;                 // + stage * KV_BYTES
+    const unsigned int k_s = q_s + QSTAGES * Cfg::Q_BYTES;       // + stage * KV_BYTES
     const unsigned int v_s = k_s + STAGES * Cfg::KV_BYTES;
     const unsigned int bars = v_s + STAGES * Cfg::KV_BYTES;
-    const unsigned int q_full = bars, q_empty = bars + 8;
-    const auto k_full = [bars](int st) { return bars + 8u * (2 + st); };
-    const auto v_full = [bars](int st) { return bars + 8u * (2 + STAGES + st); };
-    const auto k_empty = [bars](int st) { return bars + 8u * (2 + 2 * STAGES + st); };
-    const auto v_empty = [bars](int st) { return bars + 8u * (2 + 3 * STAGES + st); };
+    // Q buffer qb holds the Q of work items wi with wi % QSTAGES == qb.
+    const auto q_full = [bars](unsigned int qb) { return bars + 8u * qb; };
+    const auto q_empty = [bars](unsigned int qb) { return bars + 8u * (QSTAGES + qb); };
+    constexpr int KV_BAR0 = 2 * QSTAGES;
+    const auto k_full = [bars](int st) { return bars + 8u * (KV_BAR0 + st); };
+    const auto v_full = [bars](int st) { return bars + 8u * (KV_BAR0 + STAGES + st); };
+    const auto k_empty = [bars](int st) { return bars + 8u * (KV_BAR0 + 2 * STAGES + st); };
+    const auto v_empty = [bars](int st) { return bars + 8u * (KV_BAR0 + 3 * STAGES + st); };
 
     const int tid = threadIdx.x;
     const int sq = static_cast<int>(p.sq), sk = static_cast<int>(p.sk);
     const int diag = sk - sq;  // row i sees keys j <= i + diag
-    // Work items: (batch entry, query block), numbered as in block_coord. The grid may be smaller
-    // than the number of items (persistent launch): block b takes items b, b + grid, ...; the
-    // producer then loads the next item's Q and first K/V tiles while the consumers finish the
-    // current one.
-    const unsigned int n_work = static_cast<unsigned int>(p.n_mblocks * p.nb0 * p.nb1 * p.nb2);
+    // Producer and consumers walk the same items (WorkWalk); in a persistent launch the producer
+    // loads the next item's Q and first K/V tiles while the consumers finish the current one.
 
     if (tid == 0) {
-        mbar_init(q_full, 1);
-        mbar_init(q_empty, 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+        for (int qb = 0; qb < QSTAGES; ++qb) {
+            mbar_init(q_full(qb), 1);
+            mbar_init(q_empty(qb), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+        }
         for (int st = 0; st < STAGES; ++st) {
             mbar_init(k_full(st), 1);
             mbar_init(v_full(st), 1);
@@ -126,8 +178,8 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         const unsigned int cm = static_cast<unsigned int>(hp.coord_mask);
         unsigned int it = 0;  // K/V tiles loaded so far: stage it % STAGES, its use it / STAGES
         unsigned int wi = 0;  // work items so far
-        for (unsigned int w = blockIdx.x; w < n_work; w += gridDim.x, ++wi) {
-            const BlockCoord bc = block_coord(p, w);
+        WorkWalk<CAUSAL> walk(p);
+        for (BlockCoord bc; walk.next(bc); ++wi) {
             const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
             const int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
             const unsigned int ub = static_cast<unsigned int>(bc.b);
@@ -148,11 +200,16 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                     tma_load_5d(dst + pn * panel_bytes, map, pn * 64, row, c[t][0], c[t][1],
                                 c[t][2], bar);
             };
-            // Q goes in once the consumers have computed the previous item's last scores; the
-            // item's first K tile is requested before that wait, so it is in flight meanwhile.
+            // Q goes into its buffer once the consumers have computed the last scores of the item
+            // that used it before (QSTAGES items back); the item's first K tile is requested
+            // before that wait, so it is in flight meanwhile. With one buffer that wait holds up
+            // every later load until the current item's last scores are in; with two, the
+            // producer runs ahead by its K/V stages across item boundaries.
             const auto load_q = [&]() {
-                if (wi > 0) mbar_wait(q_empty, (wi - 1) & 1);
-                load(q_s, &hp.tm_q, 0, Cfg::Q_PANEL, row0, q_full, Cfg::Q_BYTES);
+                const unsigned int qb = wi % QSTAGES;
+                if (wi >= QSTAGES) mbar_wait(q_empty(qb), (wi / QSTAGES - 1) & 1);
+                load(q_s + qb * Cfg::Q_BYTES, &hp.tm_q, 0, Cfg::Q_PANEL, row0, q_full(qb),
+                     Cfg::Q_BYTES);
             };
             if (n_tiles == 0) load_q();
             for (int j = 0; j < n_tiles; ++j, ++it) {
@@ -179,8 +236,23 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     const int lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
     const float scale_log2 = static_cast<float>(p.scale_log2);
-    const unsigned int q_wg = q_s + 64 * cw * 128;  // this consumer's 64 rows in each Q panel
+    unsigned int q_wg = q_s + 64 * cw * 128;  // this consumer's 64 rows in each Q panel (per item)
     const int d = static_cast<int>(p.d);
+
+    // PINGPONG: the consumers take turns to issue their matrix products, in the order 0, 1, ...,
+    // so that while one warpgroup runs its softmax the tensor cores work for another, rather than
+    // all consumers computing scores at once and then all running the softmax at once. Named
+    // barrier 1 + c is "consumer c's turn": c waits on it (bar.sync) after the previous consumer
+    // has arrived on it (bar.arrive) having issued its own products. Every consumer has the same
+    // sequence of turns (the same tiles), so the counts match; the last consumer opens the first
+    // turn and consumer 0 absorbs the last arrival before it exits.
+    const auto turn_take = [cw]() {
+        if constexpr (PINGPONG) named_bar_sync(1 + cw, 256);
+    };
+    const auto turn_pass = [cw]() {
+        if constexpr (PINGPONG) named_bar_arrive(1 + (cw + 1) % CONSUMERS, 256);
+    };
+    if (cw == CONSUMERS - 1) turn_pass();
 
     float acc_o[Cfg::NT_O][4];
     // wgmma's accumulator fragment of m64nN is the m16n8 layout of each warp's 16 rows, n8 tile
@@ -216,17 +288,17 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         __syncwarp();
         if (lane == 0) mbar_arrive(bar);
     };
+    unsigned int it = 0;  // K/V tiles consumed so far, over all work items (as the producer)
+    unsigned int wi = 0;
     // S_j has landed in registers: K_j's stage is free, and after the item's last tile Q is too
     // (the producer loads the next item's Q while this one's last P V and epilogue run).
     const auto scores_done = [&](int st, bool last) {
         release(k_empty(st));
-        if (last) release(q_empty);
+        if (last) release(q_empty(wi % QSTAGES));
     };
 
-    unsigned int it = 0;  // K/V tiles consumed so far, over all work items (as the producer)
-    unsigned int wi = 0;
-    for (unsigned int w = blockIdx.x; w < n_work; w += gridDim.x, ++wi) {
-        const BlockCoord bc = block_coord(p, w);
+    WorkWalk<CAUSAL> walk(p);
+    for (BlockCoord bc; walk.next(bc); ++wi) {
         const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
         const int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
         const int row_lo = row0 + 64 * cw + 16 * warp + g;  // the thread's rows: +0 and +8
@@ -242,15 +314,18 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[i][e] = 0.f;
 
-        mbar_wait(q_full, wi & 1u);
+        q_wg = q_s + (wi % QSTAGES) * Cfg::Q_BYTES + 64 * cw * 128;
+        mbar_wait(q_full(wi % QSTAGES), (wi / QSTAGES) & 1u);
         if constexpr (!OVERLAP) {
-            // Version 1a: each tile's products and softmax in sequence; the other consumer
-            // warpgroup fills the tensor cores meanwhile.
+            // Version 1a: each tile's products and softmax in sequence; other consumer
+            // warpgroups fill the tensor cores meanwhile.
             for (int j = 0; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
+                turn_take();
                 wgmma_fence();
                 issue_s(stage(j));
                 wgmma_commit();
+                turn_pass();
                 wgmma_wait<0>();
                 fence_regs(s_flat);
                 scores_done(stage(j), j == n_tiles - 1);
@@ -271,9 +346,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             // S_j and P_{j-1} V_{j-1} go out as two commit groups; waiting for all but the newest
             // group returns S_j, then O is rescaled by alpha_j once P_{j-1} V_{j-1} is in it.
             mbar_wait(k_full(stage(0)), parity(0));
+            turn_take();
             wgmma_fence();
             issue_s(stage(0));
             wgmma_commit();
+            turn_pass();
             wgmma_wait<0>();
             fence_regs(s_flat);
             scores_done(stage(0), n_tiles == 1);
@@ -282,12 +359,14 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             pack_p<T, Cfg::NT_S>(s, pk);
             for (int j = 1; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
+                mbar_wait(v_full(stage(j - 1)), parity(j - 1));
+                turn_take();
                 wgmma_fence();
                 issue_s(stage(j));
                 wgmma_commit();
-                mbar_wait(v_full(stage(j - 1)), parity(j - 1));
                 issue_pv(stage(j - 1));
                 wgmma_commit();
+                turn_pass();
                 wgmma_wait<1>();  // S_j is in
                 fence_regs(s_flat);
                 scores_done(stage(j), j == n_tiles - 1);
@@ -307,7 +386,7 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             fence_regs(o_flat);
             release(v_empty(stage(n_tiles - 1)));
         }
-        if (n_tiles == 0) release(q_empty);  // (otherwise released with the last scores)
+        if (n_tiles == 0) release(q_empty(wi % QSTAGES));  // (else released with the last S)
         it += n_tiles;
 
         // Epilogue: finish the row sums over the quad, divide once, write O and lse. It runs
@@ -334,6 +413,7 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             }
         }
     }
+    if (cw == 0) turn_take();  // the last consumer's final pass (see turn_take above)
 }
 
 }  // namespace cuflash

@@ -428,6 +428,15 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
 
+// Named barriers (ids 1..15; 0 is __syncthreads) between groups of warps: bar.sync waits until
+// `threads` threads have arrived, counting those that only announce themselves with bar.arrive.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
 template <int N> __device__ __forceinline__ void regs_dealloc() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
 }

@@ -9,7 +9,7 @@ that the header is current):
 """
 from pathlib import Path
 
-N_VALUES = (64, 128, 256)
+N_VALUES = (64, 80, 128, 176, 256)  # BN choices for S = Q K^T, and padded head dims for P V
 TYPES = {"fp16_t": "f16", "bf16_t": "bf16"}
 OUT = Path(__file__).with_name("wgmma_ops.cuh")
 

@@ -13,6 +13,28 @@ NO_GPU_REASON = "no CUDA GPU visible to CuPy (or CuPy not installed): GPU tests 
 #: ptxas reports collected by tests/test_compile.py, printed at the end of the session.
 COMPILE_REPORTS = []
 
+#: Schedules of the Hopper kernel that tests/test_gpu.py forces (and tests/test_compile.py
+#: compiles): (overlapped softmax, ping-pong between consumers, consumer warpgroups, Q buffers).
+#: Three consumers (BM = 192) only fit the registers at head dim 64, so larger head dims keep
+#: two; two Q buffers are used where they fit in shared memory.
+HOPPER_SCHEDULES = [(False, False, 2, 1), (True, False, 2, 1), (False, True, 2, 1),
+                    (True, True, 2, 1), (True, True, 3, 1), (False, True, 3, 2)]
+SMEM_LIMIT = 227 * 1024  # shared memory per block on compute capability 9.0
+
+
+def hopper_schedule_table(table, overlap, pingpong, consumers, q_stages, persistent):
+    """`_dispatch.HOPPER_TABLE` with one schedule and launch applied to every entry (each keeps
+    its BN)."""
+    out = {}
+    for key, (t, _) in table.items():
+        dpad = key[0]
+        t = t._replace(overlap=overlap, pingpong=pingpong,
+                       consumers=consumers if dpad <= 64 else 2, q_stages=q_stages)
+        if t.smem_bytes(dpad) > SMEM_LIMIT:
+            t = t._replace(q_stages=1)
+        out[key] = (t, persistent)
+    return out
+
 
 def pytest_collection_modifyitems(config, items):
     if GPU:

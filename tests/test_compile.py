@@ -8,7 +8,7 @@ import pytest
 
 from cuflash import _compile, _dispatch
 
-from conftest import COMPILE_REPORTS
+from conftest import COMPILE_REPORTS, HOPPER_SCHEDULES, hopper_schedule_table
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -54,8 +54,24 @@ def _other_epilogue_specs(cc):
                 for causal in (False, True)]
 
 
+def _hopper_schedule_specs():
+    """Every Hopper schedule tests/test_gpu.py forces, for every head dim and mask."""
+    specs = set()
+    for sched in HOPPER_SCHEDULES:
+        table = hopper_schedule_table(_dispatch.HOPPER_TABLE, *sched, True)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_dispatch, "HOPPER_TABLE", table)
+            for dpad, causal, long_keys in table:
+                plan = _dispatch.hopper_plan("float16", dpad, causal,
+                                             _dispatch.HOPPER_LONG_SK + long_keys)
+                specs.add(plan.spec)
+    return sorted(specs, key=lambda s: s.name)
+
+
 CASES = [(spec, arch) for arch in ARCHS
          for spec in _specs(int(arch[3:])) + _other_epilogue_specs(int(arch[3:]))]
+CASES += [(spec, "sm_90a") for spec in _hopper_schedule_specs()
+          if (spec, "sm_90a") not in CASES and (spec, "sm_90") not in CASES]
 # Every plan the dispatcher can return on sm_80 and sm_90 devices is in CASES (the Hopper kernel's
 # with arch sm_90a).
 assert any(s.arch == "sm_90a" for s, _ in CASES)

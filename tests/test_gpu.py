@@ -8,8 +8,10 @@ import pytest
 import cuflash
 from cuflash import reference
 
-from gpu_util import (bf16_dtype, check_against_reference, cupy, poisoned, random_inputs, to_gpu,
-                      to_host64)
+from conftest import HOPPER_SCHEDULES, hopper_schedule_table
+
+from gpu_util import (bf16_dtype, check_against_reference, cupy, poisoned, random_inputs,
+                      reference_result, to_gpu, to_host64)
 
 pytestmark = pytest.mark.gpu
 
@@ -86,10 +88,11 @@ def test_fast_kernels_match_reference(sq, sk, dtype, causal, kernel):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("sq,sk,d", [(4096, 4096, 128), (2048, 2048, 64), (1500, 3000, 256),
-                                     (3000, 1500, 128)])
+@pytest.mark.parametrize("sq,sk,d", [(4096, 4096, 128), (2048, 2048, 64), (2500, 2100, 64),
+                                     (1500, 3000, 256), (3000, 1500, 128)])
 def test_fast_kernels_long_sequences(sq, sk, d, causal):
-    """Many K/V tiles: the producer/consumer ring of the Hopper kernel wraps around many times."""
+    """Many K/V tiles: the producer/consumer ring of the Hopper kernel wraps around many times;
+    Sk > 2048 takes the dispatcher's long-key choices (_dispatch.HOPPER_TABLE)."""
     for kernel in _fast_kernels():
         rng = _rng("long", sq, sk, d, causal, kernel)
         q, k, v = random_inputs(rng, (1, 2), (1, 2), sq, sk, d, d, "float16")
@@ -306,28 +309,42 @@ def test_tensorcore_epilogues(sq, sk, d, dtype, causal, stage_o, monkeypatch):
     check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
 
 
-@pytest.mark.parametrize("overlap,persistent", [(False, False), (True, False), (False, True),
-                                                (True, True)])
+_HOPPER_CASES = {}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("overlap,pingpong,consumers,q_stages", HOPPER_SCHEDULES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("batch,sq,sk,d", [((2,), 1, 1, 64), ((2,), 300, 30, 128),
                                            ((2,), 257, 1000, 256), ((2,), 1000, 257, 96),
                                            ((4, 40), 200, 300, 64), ((3, 50), 300, 517, 128),
-                                           ((2, 70), 130, 200, 256)])
-def test_hopper_schedules(batch, sq, sk, d, causal, overlap, persistent, monkeypatch):
-    """The Hopper kernel's consumer schedules (softmax of tile j overlapped with P_{j-1} V_{j-1},
-    or strictly in sequence) and launches (one block per work item, or one per SM looping over
-    items: the cases with more items than SMs) against the reference, every element written."""
+                                           ((2, 70), 130, 200, 256), ((5,), 517, 700, 64),
+                                           ((3,), 1000, 1000, 64)])
+def test_hopper_schedules(batch, sq, sk, d, causal, overlap, pingpong, consumers, q_stages,
+                          persistent, monkeypatch):
+    """The Hopper kernel's consumer schedules (softmax of tile j overlapped with P_{j-1} V_{j-1}
+    or strictly in sequence; consumers taking turns or not; two or three consumers; one or two
+    Q buffers) and its launches (one block per work item, or one per SM looping over items: the
+    cases with more items than SMs; causal items in pairs of query blocks, odd counts included)
+    against the reference, every element written."""
     if "hopper" not in _fast_kernels():
         pytest.skip("the Hopper kernel needs a compute capability 9.0 GPU")
     from cuflash import _dispatch
 
-    cfg = {k: v[:2] + (overlap,) for k, v in _dispatch.HOPPER_CONFIGS.items()}
-    monkeypatch.setattr(_dispatch, "HOPPER_CONFIGS", cfg)
-    monkeypatch.setattr(_dispatch, "HOPPER_PERSISTENT_MAX_SK", 2**31 if persistent else 0)
-    monkeypatch.setattr(_dispatch, "HOPPER_PERSISTENT_CAUSAL_MAX_D", 256)
-    rng = _rng("hopper", batch, sq, sk, d, causal, overlap, persistent)
-    q, k, v = random_inputs(rng, batch, batch, sq, sk, d, d, "float16")
+    table = hopper_schedule_table(_dispatch.HOPPER_TABLE, overlap, pingpong, consumers, q_stages,
+                                  persistent)
+    monkeypatch.setattr(_dispatch, "HOPPER_TABLE", table)
+    # One set of random inputs (and its float64 reference) per shape, shared by the schedules.
+    case = (batch, sq, sk, d, causal)
+    if case not in _HOPPER_CASES:
+        q, k, v = random_inputs(_rng("hopper", *case), batch, batch, sq, sk, d, d, "float16")
+        _HOPPER_CASES[case] = (q, k, v, reference_result(q, k, v, causal=causal,
+                                                         scale=1 / math.sqrt(d), dtype="float16"))
+    q, k, v, ref = _HOPPER_CASES[case]
     o, lse, label = _run(q, k, v, "float16", causal=causal, kernel="hopper")
     assert ("overlap" in label) == overlap and ("persistent" in label) == persistent, label
+    assert ("pingpong" in label) == pingpong, label
+    if d <= 64:
+        assert f"BM{64 * consumers}" in label, label
     check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d),
-                            dtype="float16")
+                            dtype="float16", ref=ref)

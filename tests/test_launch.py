@@ -69,16 +69,18 @@ def test_hopper_maps_bshd_view_and_broadcast_kv(launches):
     assert qm[2][:3] == [H * D * 2, D * 2, S * H * D * 2]
     assert km[1] == [D, S, 1, B, 1] and km[2][0] == D * 2 and km[2][2] == S * D * 2
     assert qm[3] == [64, plan.block_m, 1, 1, 1]
-    bn = _dispatch.HOPPER_CONFIGS[128][0]
+    bn = plan.block_n
     assert km[3] == vm[3] == [64, bn, 1, 1, 1]
     grid, block, params, smem = launches["launches"][0]
     # q has batch axes 1 and 2 (bits 1, 2); k and v only axis 1 (bits 4 and 7)
     assert int(params["coord_mask"]) == (1 << 1) | (1 << 2) | (1 << 4) | (1 << 7)
     assert (int(params["nb0"]), int(params["nb1"]), int(params["nb2"])) == (1, B, H)
     assert bytes(params["tm_k"]) == bytes([2]) * 128
-    n_items = -(-S // plan.block_m) * B * H
+    # causal: a block's work item is a pair of query blocks (attn_wgmma.cu: WorkWalk)
+    assert plan.pairs
+    n_items = -(-(-(-S // plan.block_m)) // 2) * B * H
     assert grid == ((min(n_items, 132) if plan.persistent else n_items),)
-    assert block == (384,) and smem == plan.smem_bytes
+    assert block == (plan.threads,) and smem == plan.smem_bytes
 
 
 def test_repeated_call_reuses_parameters(launches):
