@@ -170,14 +170,14 @@ class HopperTiles(NamedTuple):
 #:
 #: Chosen on an H200 (benchmarks/tune.py --kernel hopper --s 512,1024,2048,8192, float16,
 #: 2026-11-30, two runs; TFLOP/s with cuDNN's in the same run in brackets):
-#: - ping-pong between the consumers gained 1-12% at D = 128 (S = 1024: 516 -> 566 [603],
+#: - ping-pong between the consumers gained 4-12% at D = 128 (S = 1024: 516 -> 566 [603],
 #:   S = 2048: 560 -> 615 [640]; causal S = 2048: 479 -> 537 [514]), ~0-2% at D = 64 and 256;
 #: - D = 64: three consumers (BM = 192) with the overlapped softmax gained 8-19% without the mask
 #:   (S = 2048: 428 -> 501 [471]); under the causal mask BM = 192 wastes more of the diagonal
-#:   tiles and lost 12-29% up to S = 2048 (S = 1024: 316 -> 283 [345]) but gained 13% at 8192;
+#:   tiles and lost 4-29% up to S = 2048 (S = 1024: 316 -> 283 [345]) but gained 13% at 8192;
 #: - D = 128, long keys: BN = 176 one block per item 655 [646] against BN = 128 persistent 629;
-#: - D = 256: BN = 80 beat BN = 64 by 4-10% from S = 1024 on (S = 2048: 681 vs 646 [684]);
-#: - two Q buffers (the next item's Q loaded during this one) changed nothing or lost 1-3%.
+#: - D = 256: BN = 80 beat BN = 64 by 0-14% from S = 1024 on (S = 2048: 681 vs 646 [684]);
+#: - two Q buffers (the next item's Q loaded during this one) gained nothing (+0.3% to -4%).
 HOPPER_LONG_SK = 2048
 _D64_C3 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=3, overlap=True, pingpong=True)
 _D64_C2 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=False, pingpong=True)

@@ -18,10 +18,10 @@
 //          404 TFLOP/s persistent with pairs (tune.py) where version 2 had 345 (bench.py, one
 //          block per item; cuDNN 437 in both runs), and persistence now pays under the mask.
 //       b. PINGPONG: the consumers take turns to issue their products (named barriers), so one's
-//          softmax runs under the other's MMAs: +1-12% at D = 128 (S = 2048: 560 -> 615).
+//          softmax runs under the other's MMAs: +4-12% at D = 128 (S = 2048: 560 -> 615).
 //       c. CONSUMERS = 3 (BM = 192, 160 registers each) at D = 64: +8-19% without the mask.
-//       d. BN = 176 (D = 128, long keys) and BN = 80 (D = 256): +4-10% from S = 1024 on.
-//       e. QSTAGES = 2 (the next item's Q loaded during this one): no gain, not dispatched.
+//       d. BN = 176 (D = 128, long keys) and BN = 80 (D = 256): 0 to +14% from S = 1024 on.
+//       e. QSTAGES = 2 (the next item's Q loaded during this one): +0.3% to -4%, not dispatched.
 //
 // Block = 1 + CONSUMERS warpgroups (384 or 512 threads), BM = 64 * CONSUMERS query rows:
 //   - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
