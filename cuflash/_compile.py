@@ -18,7 +18,9 @@ exist only on compute capability 9.0 exactly) cannot go through ``cupy.RawModule
 appends its own ``-arch=sm_<major><minor>``. Those are compiled here through NVRTC's C API (ctypes,
 on the library CuPy already loaded), cached on disk as cubins under ``$CUFLASH_CACHE_DIR``
 (default ``~/.cache/cuflash``) keyed on the same things CuPy's cache uses (source, name, options,
-architecture, NVRTC version), and loaded with ``cupy.cuda.function.Module``.
+architecture, NVRTC version), and loaded with ``cupy.cuda.function.Module``. The environment
+variable ``CUFLASH_NVRTC_LIBRARY`` (a path to ``libnvrtc.so.*``) picks another NVRTC for these
+and for `compile_report`; CI uses it to compile every kernel with the oldest supported NVRTC too.
 
 `compile_report` compiles a specialisation for a named architecture without a GPU (through
 NVRTC directly) and returns ptxas's resource report; the tests use it to compile every
@@ -172,6 +174,15 @@ _NVRTC = None
 
 def _nvrtc():
     global _NVRTC
+    if _NVRTC is None and os.environ.get("CUFLASH_NVRTC_LIBRARY"):
+        # An explicit NVRTC (e.g. the oldest one the project supports, in CI); the directory of
+        # its libnvrtc-builtins must be on LD_LIBRARY_PATH.
+        path = os.environ["CUFLASH_NVRTC_LIBRARY"]
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as exc:
+            raise RuntimeError(f"CUFLASH_NVRTC_LIBRARY={path!r} cannot be loaded: {exc}") from exc
+        _NVRTC = _declare(lib)
     if _NVRTC is None:
         try:  # make CuPy load the library it uses; dlopen then finds it by its soname
             from cupy_backends.cuda.libs import nvrtc as _cupy_nvrtc
@@ -189,11 +200,15 @@ def _nvrtc():
         else:
             raise RuntimeError("cannot load the NVRTC library (install cupy and the NVRTC wheel, "
                                "e.g. pip install 'cuflash[cuda13]'): " + "; ".join(errors))
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
-                                            ctypes.POINTER(ctypes.c_char_p)]
-        _NVRTC = lib
+        _NVRTC = _declare(lib)
     return _NVRTC
+
+
+def _declare(lib):
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
+                                        ctypes.POINTER(ctypes.c_char_p)]
+    return lib
 
 
 def _check_nvrtc(lib, status, what):

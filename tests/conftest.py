@@ -48,6 +48,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter):
     if not COMPILE_REPORTS:
         return
-    terminalreporter.section("kernel specialisations (ptxas resource report)")
+    from cuflash import _compile
+
+    major, minor = _compile.nvrtc_version()
+    terminalreporter.section(f"kernel specialisations (ptxas resource report, NVRTC {major}.{minor})")
     for rep in sorted(COMPILE_REPORTS, key=lambda r: (r.arch, r.name)):
         terminalreporter.write_line(rep.summary())
