@@ -198,7 +198,6 @@ HOPPER_TABLE = {
     (256, True, False): (_D256, True),
     (256, True, True): (_D256, True),
 }
-HOPPER_HEAD_DIMS = (64, 128, 256)
 
 
 def hopper_choice(dpad: int, causal: bool, sk: int):
@@ -207,7 +206,7 @@ def hopper_choice(dpad: int, causal: bool, sk: int):
 
 
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int) -> Plan:
-    dpad = head_dim_bucket(d, HOPPER_HEAD_DIMS)
+    dpad = head_dim_bucket(d, {key[0] for key in HOPPER_TABLE})
     cfg, persistent = hopper_choice(dpad, causal, sk)
     cxx_bool = {True: "true", False: "false"}
     name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {cfg.bn}, "
