@@ -22,6 +22,18 @@
 //       c. CONSUMERS = 3 (BM = 192, 160 registers each) at D = 64: +8-19% without the mask.
 //       d. BN = 176 (D = 128, long keys) and BN = 80 (D = 256): 0 to +14% from S = 1024 on.
 //       e. QSTAGES = 2 (the next item's Q loaded during this one): +0.3% to -4%, not dispatched.
+//   4   (benchmarks/ab.py: the old and new sources timed interleaved in one process)
+//       a. Per-warpgroup tile counts (tiles_needed): under the causal mask each consumer computes
+//          only the key tiles its own 64 rows see, and rows past Sq compute none. D = 256,
+//          S = 512, causal: +3-5% (tune.py, same run).
+//       b. O leaves in 16-byte stores (common.cuh: quad_transpose). ncu's source counters at
+//          D = 256, S = 512 put about a quarter of the warps' stall samples in the epilogue,
+//          behind 4-byte stores throttled by the memory pipeline. With a and b: D = 256, S = 512
+//          466 -> 553 TFLOP/s, causal 283 -> 360 (cuDNN 541, 356); D = 128, S = 512 +8-9%;
+//          D = 64 within +-1.5%.
+//       c. The consumer index is broadcast from lane 0 so that the compiler treats it as
+//          warp-uniform (uniform registers); without that, a + b spilled 16-56 bytes at D = 256
+//          and at BM = 192 and ran 4-15% slower (ab.py, D = 64, 128 and 256, S = 512-1024).
 //
 // Block = 1 + CONSUMERS warpgroups (384 or 512 threads), BM = 64 * CONSUMERS query rows:
 //   - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
@@ -45,7 +57,8 @@
 // block's last visible key are never loaded; the mask is applied only from masked_from on.
 //
 // Requirements checked on the host (cuflash/_dispatch.py: hopper_reason): compute capability 9.0,
-// D == Dv, D % 8 == 0, 64 <= D <= DPAD, rows and batch strides multiples of 16 bytes.
+// D == Dv, D % 8 == 0, 64 <= D <= DPAD, pointers, rows and batch strides of q, k, v and out
+// multiples of 16 bytes (TMA loads, 16-byte stores of O).
 #include "common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -128,6 +141,16 @@ struct WorkWalk {
     }
 };
 
+// Key tiles of BN keys that query rows [row0, row0 + rows) need: none past Sq, and under the causal
+// mask only up to the last key the last of those rows sees. The producer loads a block's tiles
+// (rows = BM); each consumer computes only its own 64 rows' tiles, which under the mask is one
+// 64-key tile fewer per warpgroup above it on the diagonal (about a tenth of the tensor work at
+// S = 512 with two consumers), and nothing for rows past Sq in a block's tail.
+template <bool CAUSAL, int BN>
+__device__ __forceinline__ int tiles_needed(int row0, int rows, int sq, int sk) {
+    return row0 >= sq ? 0 : (keys_needed<CAUSAL>(row0, rows, sq, sk) + BN - 1) / BN;
+}
+
 template <typename T, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS, bool OVERLAP,
           bool PINGPONG, bool CAUSAL>
 __global__ void __launch_bounds__(WgmmaConfig<T, DPAD, BN, STAGES, QSTAGES, CONSUMERS>::THREADS, 1)
@@ -181,7 +204,7 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         WorkWalk<CAUSAL> walk(p);
         for (BlockCoord bc; walk.next(bc); ++wi) {
             const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
-            const int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
+            const int n_tiles = tiles_needed<CAUSAL, BN>(row0, Cfg::BM, sq, sk);
             const unsigned int ub = static_cast<unsigned int>(bc.b);
             const int ix[3] = {static_cast<int>(ub / n2 / n1), static_cast<int>(ub / n2 % n1),
                                static_cast<int>(ub % n2)};
@@ -231,8 +254,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
 
     // ---- consumer warpgroups
     regs_alloc<Cfg::CONSUMER_REGS>();
-    const int cw = tid / 128 - 1;       // consumer index: rows row0 + 64 * cw ...
-    const int warp = (tid / 32) % 4;    // warp within the warpgroup: 16 rows each
+    // Consumer index (rows row0 + 64 * cw ...) and warp within the warpgroup (16 rows each),
+    // broadcast from lane 0 so that the compiler knows them to be warp-uniform and keeps them,
+    // and the per-item values derived from them, in uniform registers.
+    const int cw = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
+    const int warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
     const int lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
     const float scale_log2 = static_cast<float>(p.scale_log2);
@@ -243,16 +269,17 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     // so that while one warpgroup runs its softmax the tensor cores work for another, rather than
     // all consumers computing scores at once and then all running the softmax at once. Named
     // barrier 1 + c is "consumer c's turn": c waits on it (bar.sync) after the previous consumer
-    // has arrived on it (bar.arrive) having issued its own products. Every consumer has the same
-    // sequence of turns (the same tiles), so the counts match; the last consumer opens the first
-    // turn and consumer 0 absorbs the last arrival before it exits.
-    const auto turn_take = [cw]() {
-        if constexpr (PINGPONG) named_bar_sync(1 + cw, 256);
+    // has arrived on it (bar.arrive) having issued its own products. The counts must match, so
+    // turns are taken only for the first n_turns tiles of an item, the tiles every consumer
+    // computes; a consumer's further tiles (its rows see more keys) go out without a turn. The
+    // last consumer opens the first turn and consumer 0 absorbs the last arrival before it exits.
+    const auto turn_take = [cw](bool turn) {
+        if constexpr (PINGPONG) if (turn) named_bar_sync(1 + cw, 256);
     };
-    const auto turn_pass = [cw]() {
-        if constexpr (PINGPONG) named_bar_arrive(1 + (cw + 1) % CONSUMERS, 256);
+    const auto turn_pass = [cw](bool turn) {
+        if constexpr (PINGPONG) if (turn) named_bar_arrive(1 + (cw + 1) % CONSUMERS, 256);
     };
-    if (cw == CONSUMERS - 1) turn_pass();
+    if (cw == CONSUMERS - 1) turn_pass(true);
 
     float acc_o[Cfg::NT_O][4];
     // wgmma's accumulator fragment of m64nN is the m16n8 layout of each warp's 16 rows, n8 tile
@@ -300,7 +327,12 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     WorkWalk<CAUSAL> walk(p);
     for (BlockCoord bc; walk.next(bc); ++wi) {
         const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
-        const int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
+        // This consumer's tiles and those every consumer computes (n_turns).
+        const int n_tiles = tiles_needed<CAUSAL, BN>(row0 + 64 * cw, 64, sq, sk);
+        int n_turns = n_tiles;
+#pragma unroll
+        for (int c = 0; c < CONSUMERS; ++c)
+            n_turns = min(n_turns, tiles_needed<CAUSAL, BN>(row0 + 64 * c, 64, sq, sk));
         const int row_lo = row0 + 64 * cw + 16 * warp + g;  // the thread's rows: +0 and +8
         const int masked_from = first_masked_tile<CAUSAL>(row0 + 64 * cw, BN, sq, sk);
         const auto stage = [it](int j) { return static_cast<int>((it + j) % STAGES); };
@@ -321,11 +353,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             // warpgroups fill the tensor cores meanwhile.
             for (int j = 0; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
-                turn_take();
+                turn_take(j < n_turns);
                 wgmma_fence();
                 issue_s(stage(j));
                 wgmma_commit();
-                turn_pass();
+                turn_pass(j < n_turns);
                 wgmma_wait<0>();
                 fence_regs(s_flat);
                 scores_done(stage(j), j == n_tiles - 1);
@@ -346,11 +378,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             // S_j and P_{j-1} V_{j-1} go out as two commit groups; waiting for all but the newest
             // group returns S_j, then O is rescaled by alpha_j once P_{j-1} V_{j-1} is in it.
             mbar_wait(k_full(stage(0)), parity(0));
-            turn_take();
+            turn_take(0 < n_turns);
             wgmma_fence();
             issue_s(stage(0));
             wgmma_commit();
-            turn_pass();
+            turn_pass(0 < n_turns);
             wgmma_wait<0>();
             fence_regs(s_flat);
             scores_done(stage(0), n_tiles == 1);
@@ -360,13 +392,13 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             for (int j = 1; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
                 mbar_wait(v_full(stage(j - 1)), parity(j - 1));
-                turn_take();
+                turn_take(j < n_turns);
                 wgmma_fence();
                 issue_s(stage(j));
                 wgmma_commit();
                 issue_pv(stage(j - 1));
                 wgmma_commit();
-                turn_pass();
+                turn_pass(j < n_turns);
                 wgmma_wait<1>();  // S_j is in
                 fence_regs(s_flat);
                 scores_done(stage(j), j == n_tiles - 1);
@@ -387,10 +419,22 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             release(v_empty(stage(n_tiles - 1)));
         }
         if (n_tiles == 0) release(q_empty(wi % QSTAGES));  // (else released with the last S)
-        it += n_tiles;
+        // The block's tiles past this consumer's: release their stages without using them, once
+        // loaded (waiting for "full" first keeps the arrivals in the stage's current phase).
+        const int n_block = tiles_needed<CAUSAL, BN>(row0, Cfg::BM, sq, sk);  // as loaded
+        for (int j = n_tiles; j < n_block; ++j) {
+            mbar_wait(k_full(stage(j)), parity(j));
+            release(k_empty(stage(j)));
+            mbar_wait(v_full(stage(j)), parity(j));
+            release(v_empty(stage(j)));
+        }
+        it += n_block;
 
         // Epilogue: finish the row sums over the quad, divide once, write O and lse. It runs
-        // while the producer already loads the next work item.
+        // while the producer already loads the next work item. O leaves in 16-byte stores (8
+        // columns of a row per lane, after quad_transpose): with one 4-byte store per lane and
+        // n8 tile the stores were throttled by the memory pipeline and took about a quarter of
+        // the warps' time at D = 256, S = 512 (ncu source counters, notes/PERF.md).
         T* o = static_cast<T*>(p.o) + batch_offsets(p, bc.b).o;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -398,22 +442,24 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const int row = row_lo + 8 * h;
-            if (row >= sq) continue;
             const float inv = (l == 0.f) ? 0.f : 1.f / l;
-            if (p.lse != nullptr && t4 == 0)
+            if (p.lse != nullptr && t4 == 0 && row < sq)
                 p.lse[bc.b * p.sq + row] = row_lse(m_run[h], l, scale_log2);
             T* dst = o + static_cast<long long>(row) * p.o_sr;
 #pragma unroll
-            for (int nt = 0; nt < Cfg::NT_O; ++nt) {
-                const int col = nt * 8 + 2 * t4;
-                if (col < d) {
-                    *reinterpret_cast<unsigned int*>(dst + col) =
-                        pack2<T>(acc_o[nt][2 * h] * inv, acc_o[nt][2 * h + 1] * inv);
-                }
+            for (int c = 0; c < Cfg::NT_O / 4; ++c) {
+                unsigned int w[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    w[j] = pack2<T>(acc_o[4 * c + j][2 * h] * inv, acc_o[4 * c + j][2 * h + 1] * inv);
+                quad_transpose(w, t4);  // (all lanes: the shuffles come before the row test)
+                const int col = (4 * c + t4) * 8;  // D % 8 == 0: a chunk is all in or all out
+                if (row < sq && col < d)
+                    *reinterpret_cast<uint4*>(dst + col) = make_uint4(w[0], w[1], w[2], w[3]);
             }
         }
     }
-    if (cw == 0) turn_take();  // the last consumer's final pass (see turn_take above)
+    if (cw == 0) turn_take(true);  // the last consumer's final pass (see turn_take above)
 }
 
 }  // namespace cuflash

@@ -102,6 +102,26 @@ template <typename Acc> __device__ __forceinline__ Acc warp_sum(Acc x) {
     return x;
 }
 
+// 4 x 4 transpose of 32-bit words across the four lanes of a quad (t4 = lane % 4): lane t4 holds
+// w[j] = a[t4][j] on entry and w[r] = a[r][t4] on exit. In an m16n8 accumulator fragment lane t4
+// holds columns 2 * t4, 2 * t4 + 1 of each n8 tile, so after packing four tiles to 16 bits and
+// transposing, a lane holds 8 consecutive columns of one tile: one 16-byte store instead of four
+// 4-byte ones. Two exchange rounds (lanes t4 ^ 2, then t4 ^ 1) of two shuffles each; every lane
+// of the warp must take part.
+__device__ __forceinline__ void quad_transpose(unsigned int (&w)[4], int t4) {
+    const bool hi = (t4 & 2) != 0, odd = (t4 & 1) != 0;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {  // with lane t4 ^ 2: words k (upper lanes) / k + 2 (lower)
+        const unsigned int got = __shfl_xor_sync(0xffffffffu, hi ? w[k] : w[k + 2], 2);
+        if (hi) w[k] = got; else w[k + 2] = got;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {  // with lane t4 ^ 1: words k (odd lanes) / k + 1 (even)
+        const unsigned int got = __shfl_xor_sync(0xffffffffu, odd ? w[k] : w[k + 1], 1);
+        if (odd) w[k] = got; else w[k + 1] = got;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Launch parameters. Every field is 8 bytes wide so that the host can mirror the layout with a
 // NumPy structured dtype without padding rules (cuflash/_launch.py: PARAMS_DTYPE).
