@@ -34,7 +34,8 @@ CANDIDATES = {
     "hopper": {
         64: [(H(128, 2, 1, 2, False, True), True), (H(128, 2, 2, 2, False, True), True),
              (H(128, 2, 2, 2, True, True), True), (H(128, 2, 1, 3, True, True), True),
-             (H(128, 2, 2, 3, True, True), True), (H(128, 2, 2, 3, True, True), False)],
+             (H(128, 2, 2, 3, True, True), True), (H(128, 2, 2, 3, True, True), False),
+             (H(128, 2, 1, 3, False, True), True), (H(128, 2, 1, 2, True, True), True)],
         128: [(H(128, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), True),
               (H(176, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), False),
               (H(176, 2, 1, 2, True, True), False)],
@@ -52,6 +53,52 @@ def label(kernel, cfg):
     t, persistent = cfg
     return (f"BN{t.bn} S{t.stages} Q{t.q_stages} C{t.consumers}{' ov' if t.overlap else ''}"
             f"{' pp' if t.pingpong else ''}{' P' if persistent else ''}")
+
+
+def burst_ms(fn, spinner):
+    """Milliseconds per call of BURST back-to-back calls of fn, between two CUDA events."""
+    import cupy as cp
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # Keep the GPU busy while the burst is enqueued, so that host time is not timed (cuflash
+    # and torch both launch on the legacy default stream here).
+    spinner(cp.cuda.Stream.null, SPIN_S)
+    a.record()
+    for _ in range(BURST):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / BURST
+
+
+class GridPoint:
+    """Inputs of one point of the standard grid (B = 16384 / S, H = 2048 / D, float16, random
+    normal from torch), the output buffer, the FLOP count and the float64 reference of slice
+    (0, 0) with the project's pass threshold."""
+
+    def __init__(self, d, s, causal):
+        import cupy as cp
+        import torch
+
+        from cuflash import reference
+
+        b, h = 16384 // s, 2048 // d
+        self.q, self.k, self.v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
+                                  for _ in range(3))
+        self.qc, self.kc, self.vc = (cp.from_dlpack(x) for x in (self.q, self.k, self.v))
+        self.out = cp.empty_like(self.qc)
+        self.flops = 4 * b * h * s * s * d / (2 if causal else 1)  # 4*B*H*Sq*Sk*D, halved causal
+        q64, k64, v64 = (x[0, 0].double().cpu().numpy() for x in (self.q, self.k, self.v))
+        self.o_ref, _ = reference.attention_ref(q64, k64, v64, causal=causal)
+        self.tol, _ = reference.pass_threshold(q64, k64, v64, causal=causal, dtype="float16",
+                                               o_ref=self.o_ref)
+
+    def error(self):
+        """Max abs error of slice (0, 0) of the output against the float64 reference."""
+        import cupy as cp
+
+        return float(np.max(np.abs(cp.asnumpy(self.out[0, 0]).astype(np.float64) - self.o_ref)))
 
 
 def _apply(dispatch, kernel, d, cfg):
@@ -89,7 +136,7 @@ def main(argv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import cuflash
-    from cuflash import _dispatch, reference
+    from cuflash import _dispatch
     from bench import Spinner  # benchmarks/bench.py, next to this file
 
     spinner = Spinner(cp)
@@ -100,33 +147,14 @@ def main(argv=None):
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        ts = []
-        for _ in range(args.repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            # Keep the GPU busy while the burst is enqueued, so that host time is not timed
-            # (both libraries launch on the legacy default stream here).
-            spinner(cp.cuda.Stream.null, SPIN_S)
-            a.record()
-            for _ in range(BURST):
-                fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) / BURST)
-        return float(np.median(ts))
+        return float(np.median([burst_ms(fn, spinner) for _ in range(args.repeats)]))
 
     for d in (int(x) for x in args.d.split(",")):
         for s in (int(x) for x in args.s.split(",")):
             for causal in (False, True):
-                b, h = 16384 // s, 2048 // d
-                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
-                           for _ in range(3))
-                qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
-                out = cp.empty_like(qc)
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)  # 4*B*H*Sq*Sk*D, halved causal
-                q64, k64, v64 = (x[0, 0].double().cpu().numpy() for x in (q, k, v))
-                o_ref, _ = reference.attention_ref(q64, k64, v64, causal=causal)
-                tol, _ = reference.pass_threshold(q64, k64, v64, causal=causal, dtype="float16",
-                                                  o_ref=o_ref)
+                pt = GridPoint(d, s, causal)
+                q, k, v, qc, kc, vc, out, flops = (pt.q, pt.k, pt.v, pt.qc, pt.kc, pt.vc, pt.out,
+                                                   pt.flops)
                 row = {"D": d, "S": s, "causal": causal}
                 for peer, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                                       ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -142,9 +170,9 @@ def main(argv=None):
                     try:
                         kw = {"causal": causal, "out": out, "kernel": args.kernel}
                         cuflash.attention(qc, kc, vc, **kw)
-                        err = float(np.max(np.abs(cp.asnumpy(out[0, 0]).astype(np.float64) - o_ref)))
-                        if not err <= tol:
-                            row[label(args.kernel, cfg)] = f"FAIL err {err:.2e} > {tol:.2e}"
+                        err = pt.error()
+                        if not err <= pt.tol:
+                            row[label(args.kernel, cfg)] = f"FAIL err {err:.2e} > {pt.tol:.2e}"
                             continue
                         ms = timed(lambda: cuflash.attention(qc, kc, vc, **kw))
                         row[label(args.kernel, cfg)] = round(flops / ms / 1e9, 1)

@@ -178,9 +178,13 @@ class HopperTiles(NamedTuple):
 #: - D = 128, long keys: BN = 176 one block per item 655 [646] against BN = 128 persistent 629;
 #: - D = 256: BN = 80 beat BN = 64 by 0-14% from S = 1024 on (S = 2048: 681 vs 646 [684]);
 #: - two Q buffers (the next item's Q loaded during this one) gained nothing (+0.3% to -4%).
+#: Revisited after the 16-byte epilogue stores and per-warpgroup causal tile counts (tune.py
+#: --d 64 --s 512,1024 --repeats 15, 2026-11-30 07:50 UTC): at D = 64 under the mask the
+#: overlapped softmax now edges out the plain one (S = 512: 248 vs 245 [267]; S = 1024: 321 vs
+#: 318 [343]), BN = 64 loses 10-13% and three consumers still lose 6-25% there.
 HOPPER_LONG_SK = 2048
 _D64_C3 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=3, overlap=True, pingpong=True)
-_D64_C2 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=False, pingpong=True)
+_D64_C2 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
 _D128 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
 _D128_N176 = _D128._replace(bn=176)
 _D256 = HopperTiles(bn=80, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
