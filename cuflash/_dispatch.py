@@ -179,7 +179,7 @@ class HopperTiles(NamedTuple):
 #: - D = 256: BN = 80 beat BN = 64 by 0-14% from S = 1024 on (S = 2048: 681 vs 646 [684]);
 #: - two Q buffers (the next item's Q loaded during this one) gained nothing (+0.3% to -4%).
 #: Revisited after the 16-byte epilogue stores and per-warpgroup causal tile counts (tune.py
-#: --d 64 --s 512,1024 --repeats 15, 2026-11-30 07:50 UTC): at D = 64 under the mask the
+#: --d 64 --s 512,1024 --repeats 15, 2026-11-30 07:06 UTC): at D = 64 under the mask the
 #: overlapped softmax now edges out the plain one (S = 512: 248 vs 245 [267]; S = 1024: 321 vs
 #: 318 [343]), BN = 64 loses 10-13% and three consumers still lose 6-25% there.
 HOPPER_LONG_SK = 2048
