@@ -29,7 +29,7 @@
 //       b. O leaves in 16-byte stores (common.cuh: quad_transpose). ncu's source counters at
 //          D = 256, S = 512 put about a quarter of the warps' stall samples in the epilogue,
 //          behind 4-byte stores throttled by the memory pipeline. With a and b: D = 256, S = 512
-//          466 -> 553 TFLOP/s, causal 283 -> 360 (cuDNN 541, 356); D = 128, S = 512 +8-9%;
+//          466 -> 553 TFLOP/s, causal 283 -> 360 (cuDNN 541, 356); D = 128, S = 512 +7-9%;
 //          D = 64 within +-1.5%.
 //       c. The consumer index is broadcast from lane 0 so that the compiler treats it as
 //          warp-uniform (uniform registers); without that, a + b spilled 16-56 bytes at D = 256
@@ -143,9 +143,10 @@ struct WorkWalk {
 
 // Key tiles of BN keys that query rows [row0, row0 + rows) need: none past Sq, and under the causal
 // mask only up to the last key the last of those rows sees. The producer loads a block's tiles
-// (rows = BM); each consumer computes only its own 64 rows' tiles, which under the mask is one
-// 64-key tile fewer per warpgroup above it on the diagonal (about a tenth of the tensor work at
-// S = 512 with two consumers), and nothing for rows past Sq in a block's tail.
+// (rows = BM); each consumer computes only its own 64 rows' tiles: under the mask the upper
+// warpgroups of a block skip a diagonal tile wherever a tile boundary falls between their rows'
+// last keys (D = 256, BN = 80, S = 512: 32 warpgroup-tiles instead of 36 per four query
+// blocks), and rows past Sq in a block's tail compute nothing.
 template <bool CAUSAL, int BN>
 __device__ __forceinline__ int tiles_needed(int row0, int rows, int sq, int sk) {
     return row0 >= sq ? 0 : (keys_needed<CAUSAL>(row0, rows, sq, sk) + BN - 1) / BN;
