@@ -60,9 +60,6 @@ def main(argv=None):
         _compile.family_source.cache_clear()
         _compile._kernels, _compile._smem_limit = caches[name]
 
-    def timed(fn):
-        return burst_ms(fn, spinner)
-
     for point in args.points.split(","):
         parts = point.split(":")
         d, s, causal = int(parts[0]), int(parts[1]), parts[2:] == ["causal"]
@@ -76,7 +73,7 @@ def main(argv=None):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             for _ in range(3):
                 sdpa()
-            row["cudnn"] = round(flops / np.median([timed(sdpa) for _ in range(args.rounds)])
+            row["cudnn"] = round(flops / np.median([burst_ms(sdpa, spinner) for _ in range(args.rounds)])
                                  / 1e9, 1)
 
         def ours():
@@ -98,7 +95,7 @@ def main(argv=None):
         for _ in range(args.rounds):
             for name in times:
                 use(name)
-                times[name].append(timed(ours))
+                times[name].append(burst_ms(ours, spinner))
         for name, ts in times.items():
             row[name] = round(flops / np.median(ts) / 1e9, 1)
         print(json.dumps(row), flush=True)

@@ -183,24 +183,24 @@ class HopperTiles(NamedTuple):
 #: overlapped softmax now edges out the plain one (S = 512: 248 vs 245 [267]; S = 1024: 321 vs
 #: 318 [343]), BN = 64 loses 10-13% and three consumers still lose 6-25% there.
 HOPPER_LONG_SK = 2048
-_D64_C3 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=3, overlap=True, pingpong=True)
-_D64_C2 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
-_D128 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
-_D128_N176 = _D128._replace(bn=176)
-_D256 = HopperTiles(bn=80, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
+# Every entry overlaps the softmax and takes turns; they differ in tile width and consumers.
+_C2 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
+_C3 = _C2._replace(consumers=3)  # BM = 192
+_N176 = _C2._replace(bn=176)
+_N80 = _C2._replace(bn=80)
 HOPPER_TABLE = {
-    (64, False, False): (_D64_C3, True),
-    (64, False, True): (_D64_C3, True),
-    (64, True, False): (_D64_C2, True),
-    (64, True, True): (_D64_C3, True),
-    (128, False, False): (_D128, True),
-    (128, False, True): (_D128_N176, False),
-    (128, True, False): (_D128, True),
-    (128, True, True): (_D128, True),
-    (256, False, False): (_D256, True),
-    (256, False, True): (_D256, False),
-    (256, True, False): (_D256, True),
-    (256, True, True): (_D256, True),
+    (64, False, False): (_C3, True),
+    (64, False, True): (_C3, True),
+    (64, True, False): (_C2, True),
+    (64, True, True): (_C3, True),
+    (128, False, False): (_C2, True),
+    (128, False, True): (_N176, False),
+    (128, True, False): (_C2, True),
+    (128, True, True): (_C2, True),
+    (256, False, False): (_N80, True),
+    (256, False, True): (_N80, False),
+    (256, True, False): (_N80, True),
+    (256, True, True): (_N80, True),
 }
 
 
