@@ -303,6 +303,8 @@ class BackwardPlan:
     ``dq_accum_row`` > 0: the plan accumulates dq in a float32 workspace with rows of that many
     elements (>= D), zeroed by the preprocess; 0: it writes dq directly.
     ``deterministic``: no pass uses order-dependent float atomics.
+    ``lse_acc``: the "rows" pass recomputes lse in the accumulator type into a workspace that
+    the "keys" pass reads (BwdParams.lse_acc), so it must come first.
     """
 
     label: str
@@ -310,6 +312,7 @@ class BackwardPlan:
     passes: tuple
     dq_accum_row: int = 0
     deterministic: bool = True
+    lse_acc: bool = False
 
     @property
     def block_m(self) -> int:
@@ -345,7 +348,8 @@ def bwd_generic_config(dtype_name: str, db: int, dvb: int):
 
 def bwd_generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> BackwardPlan:
     """The generic backward for (dtype, D, Dv, causal): a query-parallel dq pass and a
-    key-parallel dk/dv pass (attn_bwd_generic.cu), both free of atomics, so deterministic."""
+    key-parallel dk/dv pass (attn_bwd_generic.cu), both free of atomics, so deterministic. For
+    float64 the dq pass recomputes lse in float64 (the forward's is float32) for the dk/dv pass."""
     db = dvb = head_dim_bucket(max(d, dv))
     t, acc = _CXX_TYPE[dtype_name], _ACC_TYPE[dtype_name]
     nwarps, rows = bwd_generic_config(dtype_name, db, dvb)
@@ -363,7 +367,7 @@ def bwd_generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Backward
     return BackwardPlan(label=f"generic-bwd<{dtype_name},D{db},{mask}>",
                         preprocess=bwd_preprocess_plan(dtype_name),
                         passes=(("rows", dq), ("keys", dkdv)), dq_accum_row=0,
-                        deterministic=True)
+                        deterministic=True, lse_acc=dtype_name == "float64")
 
 
 def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:

@@ -238,13 +238,14 @@ def device_attributes(device_id):
 # ---------------------------------------------------------------------------------------------
 # Backward pass (notes/BACKWARD.md)
 
-_BWD_PTR_FIELDS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dq", "dk", "dv")
+_BWD_PTR_FIELDS = ("q", "k", "v", "o", "dout", "lse", "delta", "lse_acc", "dq_accum", "dq", "dk",
+                   "dv")
 #: Tensors with batch strides and a row stride, in BwdParams order ("do" is dout, "dqa" dq_accum).
 _BWD_STRIDED = ("q", "k", "v", "o", "do", "dq", "dk", "dv", "lse", "dqa")
 _BWD_INT_FIELDS = (("sq", "sk", "d", "dv_dim", "nb0", "nb1", "nb2")
                    + tuple(f"{t}_{s}" for t in _BWD_STRIDED for s in ("s0", "s1", "s2", "sr"))
                    + ("q_red", "kv_red", "n_mblocks", "n_nblocks", "deterministic"))
-#: The backward kernels' `BwdParams` (kernels_cu/common.cuh), 65 fields of 8 bytes.
+#: The backward kernels' `BwdParams` (kernels_cu/common.cuh), 66 fields of 8 bytes.
 BWD_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _BWD_PTR_FIELDS]
                             + [(f, np.int64) for f in _BWD_INT_FIELDS]
                             + [("scale_log2", np.float64), ("scale", np.float64)])
@@ -271,9 +272,12 @@ def _align(n):
 
 def backward_workspace_bytes(bplan, prob):
     """Bytes of workspace `launch_backward` needs: delta = rowsum(do * o), (batch, Sq) in the
-    accumulator type, then (plans that use one) the float32 dq accumulator, (batch, Sq, row)."""
+    accumulator type; (plans that recompute it) lse in the accumulator type, the same layout; then
+    (plans that use one) the float32 dq accumulator, (batch, Sq, row). Sections 256-byte aligned."""
     nbatch = int(math.prod(prob.batch_shape))
     n = _align(nbatch * prob.sq * _acc_bytes(prob.dtype_name))
+    if bplan.lse_acc:
+        n *= 2
     if bplan.dq_accum_row:
         n += _align(nbatch * prob.sq * bplan.dq_accum_row * 4)
     return n
@@ -346,10 +350,12 @@ def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
     for name, x in zip(("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv"),
                        (q, k, v, o, do, lse, *bufs)):
         p[name] = x.data.ptr
+    section = _align(nbatch * prob.sq * _acc_bytes(prob.dtype_name))
     p["delta"] = base
+    p["lse_acc"] = base + section if bplan.lse_acc else 0
     p["dq_accum"] = 0
     if bplan.dq_accum_row:
-        p["dq_accum"] = base + _align(nbatch * prob.sq * _acc_bytes(prob.dtype_name))
+        p["dq_accum"] = base + section * (2 if bplan.lse_acc else 1)
         # (owners of q, Sq, row) contiguous; stride 0 along the axes dq sums over.
         st, acc = [0, 0, 0], prob.sq * bplan.dq_accum_row
         for a in (2, 1, 0):

@@ -18,7 +18,9 @@
 //                            key head) and over the query tiles that see its keys (causal: from
 //                            the first row that sees its first key), writes dk and dv once.
 // Each pass recomputes p and dp: twice the score work of a fused single pass, for an audit kernel
-// that must be exact and reproducible rather than fast.
+// that must be exact and reproducible rather than fast. When the plan gives an lse_acc workspace
+// (float64 inputs, whose forward lse is only float32), the dq pass first recomputes each row's lse
+// in the accumulator type (one more sweep of scores) and the dk/dv pass reads it from there.
 //
 // Work split, the same in both passes (the forward's, attn_generic.cu): a warp owns ROWS rows of
 // the block's side (query rows in the dq pass, keys in the dk/dv pass); for the dot products lane
@@ -130,6 +132,41 @@ cuflash_bwd_dq_generic(const BwdParams p) {
             lse[r] = in ? static_cast<Acc>(p.lse[off.lse + row * p.lse_sr]) : neg_inf<Acc>();
             delta[r] = in ? static_cast<const Acc*>(p.delta)[off.delta + row] : Acc(0);
         }
+        if (p.lse_acc != nullptr) {
+            // Recompute lse in the accumulator type (the forward's recurrence, without O) and
+            // leave it for the key-parallel pass. Rows past Sq stay at -inf.
+            Acc m[Cfg::ROWS], l[Cfg::ROWS];
+#pragma unroll
+            for (int r = 0; r < Cfg::ROWS; ++r) { m[r] = neg_inf<Acc>(); l[r] = Acc(0); }
+            for (long long t = 0; t < n_tiles; ++t) {
+                const long long key0 = t * Cfg::BC;
+                __syncthreads();  // the previous K tile is no longer read (and q is written)
+                bwd_load_tile<T, Acc, Cfg::QK_STRIDE, Cfg::THREADS>(k_s, Cfg::BC, k, key0, p.sk, p.k_sr, d, tid);
+                __syncthreads();
+                const long long key = key0 + lane;
+#pragma unroll
+                for (int r = 0; r < Cfg::ROWS; ++r) {
+                    const int rr = warp * Cfg::ROWS + r;
+                    const long long row = row0 + rr;
+                    Acc s = bwd_dot(q_s + rr * Cfg::QK_STRIDE, k_s + lane * Cfg::QK_STRIDE, d4);
+                    bool valid = key < p.sk && row < p.sq;
+                    if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
+                    s = valid ? s * scale : neg_inf<Acc>();
+                    const Acc m_new = fmax(m[r], warp_max(s));
+                    const Acc alpha = rescale_factor(m[r], m_new);
+                    const Acc pj = (m_new == neg_inf<Acc>()) ? (s != s ? s : Acc(0)) : acc_exp(s - m_new);
+                    l[r] = l[r] * alpha + pj;
+                    m[r] = m_new;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < Cfg::ROWS; ++r) {
+                const long long row = row0 + warp * Cfg::ROWS + r;
+                const Acc lsum = warp_sum(l[r]);
+                lse[r] = (lsum == Acc(0) || row >= p.sq) ? neg_inf<Acc>() : m[r] + acc_log(lsum);
+                if (lane == 0 && row < p.sq) static_cast<Acc*>(p.lse_acc)[off.delta + row] = lse[r];
+            }
+        }
 
         for (long long t = 0; t < n_tiles; ++t) {
             const long long key0 = t * Cfg::BC;
@@ -223,6 +260,8 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
         const T* dout = static_cast<const T*>(p.dout) + off.dout;
         const float* lse = p.lse + off.lse;
         const Acc* delta = static_cast<const Acc*>(p.delta) + off.delta;
+        const Acc* lse_acc = p.lse_acc == nullptr ? nullptr
+                                                  : static_cast<const Acc*>(p.lse_acc) + off.delta;
         __syncthreads();  // the previous batch entry's k/v tiles are no longer read
         // (k and v have stride 0 along the reduced axes: the same rows each step; reloading keeps
         // the loop simple and costs two tiles per batch entry.)
@@ -236,7 +275,9 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
             for (int idx = tid; idx < Cfg::BC; idx += Cfg::THREADS) {
                 const long long row = i0 + idx;
                 const bool in = row < p.sq;
-                lse_s[idx] = in ? static_cast<Acc>(lse[row * p.lse_sr]) : neg_inf<Acc>();
+                lse_s[idx] = !in ? neg_inf<Acc>()
+                                 : (lse_acc != nullptr ? lse_acc[row]
+                                                       : static_cast<Acc>(lse[row * p.lse_sr]));
                 delta_s[idx] = in ? delta[row] : Acc(0);
             }
             __syncthreads();

@@ -482,6 +482,9 @@ namespace cuflash {
 //   delta: workspace of the accumulator type (float; double for float64 inputs), (nbatch, Sq)
 //     contiguous over the full batch, flat index b = (i0 * nb1 + i1) * nb2 + i2:
 //     delta = rowsum(dout * o), written by cuflash_bwd_preprocess.
+//   lse_acc: null, or workspace of the accumulator type laid out as delta: lse recomputed in the
+//     accumulator type by the "rows" pass, which the "keys" pass then reads instead of lse (the
+//     generic float64 plan: the forward's lse is float32, which would limit P to ~1e-7 relative).
 //   dq_accum: float32 workspace for kernels that accumulate dq with atomics (null otherwise), laid
 //     out by dqa_* strides (0 on the axes in q_red, so atomics from every batch entry of a
 //     broadcast q land in one row); holds sum_j dS_ij k_j WITHOUT the softmax scale. The
@@ -501,6 +504,7 @@ struct BwdParams {
     const void* dout;
     const float* lse;
     void* delta;
+    void* lse_acc;
     float* dq_accum;
     void* dq;
     void* dk;
@@ -523,7 +527,7 @@ struct BwdParams {
     double scale_log2;     // softmax scale * log2(e)
     double scale;
 };
-static_assert(sizeof(BwdParams) == 65 * 8, "BwdParams must match cuflash/_launch.py");
+static_assert(sizeof(BwdParams) == 66 * 8, "BwdParams must match cuflash/_launch.py");
 
 // A batch entry as its three collapsed coordinates.
 struct BwdIndex { unsigned int i0, i1, i2; };
