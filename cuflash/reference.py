@@ -852,10 +852,12 @@ def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Option
 def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
     """``(A_dq, A_dk, A_dv)``: the size of the terms each element of dq, dk, dv sums.
 
-    The backward run on magnitudes: ``A_dv = max (P^T |do|)``, ``A_dq = |scale| max (|dS| |k|)``,
-    ``A_dk = |scale| max (|dS|^T |q|)``, summed over broadcast axes as the gradients are (they
-    bound ``max|dv|``, ``max|dq|``, ``max|dk|``). As :func:`output_scale` for the forward, it is
-    the scale at which the few roundings any same-precision backward makes act.
+    The backward run on magnitudes: ``A_dv = max (P^T |do|)``, ``A_dq = |scale| max (G |k|)``,
+    ``A_dk = |scale| max (G^T |q|)`` with ``G = P * (|dP| + |delta|)``, the two terms of
+    ``dS = P * (dP - delta)`` before they cancel (a single visible key gives dS = 0 from two equal
+    rounded terms), summed over broadcast axes as the gradients are (they bound ``max|dv|``,
+    ``max|dq|``, ``max|dk|``). As :func:`output_scale` for the forward, it is the scale at which
+    the few roundings any same-precision backward makes act.
     """
     q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     scale = _scale_or_default(scale, q64.shape[-1])
@@ -865,7 +867,7 @@ def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float]
     do_ = np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:])
     dp = np.matmul(do_, np.swapaxes(v64, -1, -2))
     delta = np.sum(do_ * o, axis=-1, keepdims=True)
-    dsm = np.where(p > 0, p * np.abs(dp - delta), 0.0)
+    dsm = np.where(p > 0, p * (np.abs(dp) + np.abs(delta)), 0.0)
     dq = abs(scale) * np.matmul(dsm, np.abs(k64))
     dk = abs(scale) * np.matmul(np.swapaxes(dsm, -1, -2), np.abs(q64))
     return tuple(float(np.max(_sum_to_shape(g, x.shape))) if g.size else 0.0
