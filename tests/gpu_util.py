@@ -86,3 +86,64 @@ def check_against_reference(o_gpu, lse_gpu, q, k, v, *, causal, scale, dtype, ex
             lerr = np.abs(lse[fin] - lse_ref[fin])
             assert np.all(lerr <= 1e-4 + 1e-5 * np.abs(lse_ref[fin])), f"lse error {lerr.max():.3e}"
     return err, naive_err
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward pass
+
+def random_backward_inputs(rng, batch_q, batch_k, sq, sk, d, dv, dtype, batch_v=None):
+    """Fresh random q, k, v and an upstream gradient do (float64 arrays representable in dtype).
+    `batch_v` defaults to `batch_k`; do has the broadcast batch shape."""
+    batch_v = batch_k if batch_v is None else batch_v
+    q = reference.round_to(rng.standard_normal(batch_q + (sq, d)), dtype)
+    k = reference.round_to(rng.standard_normal(batch_k + (sk, d)), dtype)
+    v = reference.round_to(rng.standard_normal(batch_v + (sk, dv)), dtype)
+    batch = np.broadcast_shapes(batch_q, batch_k, batch_v)
+    do = reference.round_to(rng.standard_normal(batch + (sq, dv)), dtype)
+    return q, k, v, do
+
+
+def grad_reference(do, q, k, v, *, causal, scale, dtype):
+    """(float64 gradients, thresholds, naive errors), each a (dq, dk, dv) triple: what
+    `check_grads_against_reference` compares with, reusable across kernels on the same inputs."""
+    g_ref = reference.attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
+    tols, naive = reference.grad_pass_threshold(do, q, k, v, causal=causal, scale=scale,
+                                                dtype=dtype, ref=g_ref)
+    return g_ref, tols, naive
+
+
+def check_grads_against_reference(grads, do, q, k, v, *, causal, scale, dtype, ref=None,
+                                  label=""):
+    """Assert, for each of the GPU gradients (dq, dk, dv): the shape and dtype of q, k, v, no
+    NaN (outputs are poisoned with NaN, so NaN means unwritten), and the gradient pass rule.
+    Failure messages say which gradient, where, by how much, and which kernel (`label`)."""
+    if ref is None:
+        ref = grad_reference(do, q, k, v, causal=causal, scale=scale, dtype=dtype)
+    g_ref, tols, naive = ref
+    where = (f"[{label}, {dtype}, q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}, "
+             f"causal={causal}]")
+    errs = []
+    for name, g, r, tol, ne in zip(("dq", "dk", "dv"), grads, g_ref, tols, naive):
+        assert tuple(g.shape) == tuple(r.shape), f"{where} {name} shape {g.shape} != {r.shape}"
+        want = "bfloat16" if dtype == "bfloat16" else np.dtype(dtype).name
+        assert g.dtype.name == want, f"{where} {name} dtype {g.dtype} != {want}"
+        h = to_host64(g)
+        nan = np.isnan(h)
+        if nan.any():
+            idx = tuple(int(i) for i in np.argwhere(nan)[0])
+            rows = np.unique(np.argwhere(nan)[:, -2])
+            raise AssertionError(f"{where} {name}: {int(nan.sum())} of {h.size} elements NaN "
+                                 f"(unwritten?), first at {idx}; rows {rows[:10].tolist()}"
+                                 f"{'...' if rows.size > 10 else ''}")
+        diff = np.abs(h - r)
+        err = float(diff.max())
+        if not err <= tol:
+            idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(diff)), diff.shape))
+            bad_rows = np.unique(np.argwhere(diff > tol)[:, -2])
+            raise AssertionError(
+                f"{where} {name}: max abs error {err:.3e} > threshold {tol:.3e} (naive "
+                f"{dtype} backward {ne:.3e}) at {idx}: got {h[idx]:.6g}, expected {r[idx]:.6g}; "
+                f"{int((diff > tol).sum())} elements over, rows {bad_rows[:10].tolist()}"
+                f"{'...' if bad_rows.size > 10 else ''}")
+        errs.append(err)
+    return errs
