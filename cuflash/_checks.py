@@ -64,6 +64,24 @@ class Problem:
         return self.batch_shape + (self.sq,)
 
 
+@dataclass
+class BackwardProblem(Problem):
+    """A validated `attention_backward` call: the forward's `Problem` (q, k, v, shapes, mask,
+    scale, kernel, stream; ``return_lse``, ``out`` and ``out_lse`` unused) plus o, do (..., Sq, Dv)
+    and lse (..., Sq) with ``...`` = ``batch_shape``, and the gradient buffers."""
+
+    o: Any = None
+    do: Any = None
+    lse: Any = None                # float32
+    deterministic: bool = False
+    out_grads: Any = None          # None or (dq, dk, dv) buffers with q's, k's, v's shapes
+    workspace: Any = None          # None or a GPU byte buffer (see attention_backward)
+
+    @property
+    def grad_shapes(self):
+        return tuple(tuple(x.shape) for x in (self.q, self.k, self.v))
+
+
 def dtype_name(dtype) -> str:
     """Canonical name of a NumPy/CuPy dtype ('float16', 'bfloat16', ...)."""
     return np.dtype(dtype).name
@@ -142,9 +160,13 @@ def _check_out(name, buf, shape, dtype, backend, device_id, check_dtype_name=Non
     return buf
 
 
-def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
-                    precision=None) -> Problem:
-    """Validate the arguments of `cuflash.attention` and return a `Problem`."""
+def _check_qkv(q, k, v):
+    """The checks `attention` and `attention_backward` share on q, k, v: one backend and device,
+    at least 2 dimensions, no zero-length axis, one supported dtype, matching D and Sk, head dims
+    at most MAX_HEAD_DIM, broadcastable batch axes.
+
+    Returns (backend, device_id, q, k, v as backend arrays, dtype name, batch shape, sq, sk, d, dv).
+    """
     backends = [_interop.backend_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     if len(set(backends)) != 1:
         desc = ", ".join(f"{n} on {_interop.describe(*b)}" for n, b in zip("qkv", backends))
@@ -179,6 +201,13 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
         raise ValueError(
             f"the batch axes of q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])} and "
             f"v {tuple(v.shape[:-2])} do not broadcast") from None
+    return backend, device_id, q, k, v, dt, batch, int(sq), int(sk), int(d), int(dv)
+
+
+def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
+                    precision=None) -> Problem:
+    """Validate the arguments of `cuflash.attention` and return a `Problem`."""
+    backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
 
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -215,6 +244,83 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
                    sk=int(sk), d=int(d), dv=int(dv), causal=bool(causal), scale=scale,
                    return_lse=bool(return_lse), out=out_o, out_lse=out_lse, stream=stream,
                    kernel=kernel, device_id=device_id, precision=precision)
+
+
+def _no_self_overlap(name, buf):
+    """A gradient buffer must not be a broadcast view (stride 0 on an axis of size > 1): each of
+    its elements is written once."""
+    if buf is not None and any(n > 1 and st == 0 for n, st in zip(buf.shape, buf.strides)):
+        raise ValueError(f"{name} has stride 0 on an axis of size > 1 (a broadcast view); pass "
+                         "a buffer whose elements do not overlap")
+    return buf
+
+
+def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, workspace, stream,
+                   kernel) -> BackwardProblem:
+    """Validate the arguments of `cuflash.attention_backward` and return a `BackwardProblem`.
+
+    q, k, v go through the forward's checks (`_check_qkv`); o, do, lse must be what the forward
+    returned for them: o and do of shape (..., Sq, Dv) and the inputs' dtype, lse float32 of
+    shape (..., Sq), ``...`` the broadcast batch shape, all on the inputs' device.
+    """
+    backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
+    o_shape, lse_shape = batch + (sq, dv), batch + (sq,)
+    arrays = {}
+    for name, x, shape, want in (("o", o, o_shape, dt), ("do", do, o_shape, dt),
+                                 ("lse", lse, lse_shape, "float32")):
+        b = _interop.backend_of(x, name)
+        if b != (backend, device_id):
+            raise ValueError(f"{name} is on {_interop.describe(*b)} but q, k and v are on "
+                             f"{_interop.describe(backend, device_id)}")
+        x = _interop.as_backend_array(x, backend)
+        if tuple(x.shape) != tuple(shape):
+            what = "o's shape" if name == "do" else "the shape attention returned"
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {tuple(shape)} "
+                             f"({what} for these q, k, v)")
+        got = _check_array_dtype(name, x) if name != "lse" else dtype_name(x.dtype)
+        if got != want:
+            raise TypeError(f"{name} has dtype {got}; expected {want}")
+        arrays[name] = x
+
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    scale = check_scale(scale, d)
+    _check_kernel(kernel, backend)
+
+    grads = None
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise ValueError("out must be a tuple (dq, dk, dv) of three buffers")
+        grads = tuple(
+            _no_self_overlap(n, _check_out(n, buf, tuple(x.shape), dt, backend, device_id))
+            for n, buf, x in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out, (q, k, v)))
+
+    if stream is not None and backend == "cpu":
+        raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
+    if workspace is not None:
+        if backend == "cpu":
+            raise ValueError("workspace= applies to GPU inputs only; the inputs are NumPy arrays")
+        wb = _interop.backend_of(workspace, "workspace")
+        if wb != (backend, device_id):
+            raise ValueError(f"workspace is on {_interop.describe(*wb)} but the inputs are on "
+                             f"{_interop.describe(backend, device_id)}")
+        workspace = _interop.as_backend_array(workspace, backend)
+        if not workspace.flags.c_contiguous:
+            raise ValueError("workspace must be C-contiguous")
+        workspace = workspace.reshape(-1).view("uint8")
+
+    o, do, lse = arrays["o"], arrays["do"], arrays["lse"]
+    if backend == "gpu":
+        # lse is read through its strides (BwdParams.lse_sr); the others need a contiguous last axis.
+        q, k, v, o, do = (_interop.last_axis_contiguous(x) for x in (q, k, v, o, do))
+
+    return BackwardProblem(
+        backend=backend, q=q, k=k, v=v, dtype_name=dt, batch_shape=batch, sq=sq, sk=sk, d=d,
+        dv=dv, causal=bool(causal), scale=scale, return_lse=False, out=None, out_lse=None,
+        stream=stream, kernel=kernel, device_id=device_id, o=o, do=do, lse=lse,
+        deterministic=bool(deterministic), out_grads=grads, workspace=workspace)
 
 
 def check_merge(o_a, lse_a, o_b, lse_b):

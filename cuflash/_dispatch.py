@@ -337,3 +337,130 @@ def all_specialisations(compute_capability: int = 90):
             for dpad, causal, long_keys in HOPPER_TABLE:
                 plans.append(hopper_plan(dt, dpad, causal, HOPPER_LONG_SK + long_keys))
     return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward pass (notes/BACKWARD.md). A backward call runs a short sequence of kernels sharing one
+# parameter block (kernels_cu/common.cuh: BwdParams): the preprocess (delta = rowsum(do * o), and
+# zeroing the float32 dq accumulator when one is used), then the plan's passes in order.
+
+#: Grid mappings of the backward passes (cuflash/_launch.py: launch_backward):
+#: "rows": ceil(Sq / block_m) query blocks x the q owners (batch entries over the axes q does not
+#: broadcast along), the query block fastest; "keys": ceil(Sk / block_n) key blocks x the k/v
+#: owners; "dq_convert": ceil(Sq / 8) row blocks x the q owners.
+BWD_GRIDS = ("rows", "keys", "dq_convert")
+#: Rows per block of cuflash_bwd_preprocess and cuflash_bwd_convert_dq (attn_bwd_prep.cu).
+BWD_PREP_ROWS = 8
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The kernels of one backward call: the preprocess, then `passes` in order.
+
+    ``passes`` is a tuple of (grid mapping, Plan) with the grid mapping one of `BWD_GRIDS`.
+    ``dq_accum_row`` > 0: the plan accumulates dq in a float32 workspace with rows of that many
+    elements (>= D), zeroed by the preprocess; 0: it writes dq directly.
+    ``deterministic``: no pass uses order-dependent float atomics.
+    ``lse_acc``: the "rows" pass recomputes lse in the accumulator type into a workspace that
+    the "keys" pass reads (BwdParams.lse_acc), so it must come first.
+    """
+
+    label: str
+    preprocess: Plan
+    passes: tuple
+    dq_accum_row: int = 0
+    deterministic: bool = True
+    lse_acc: bool = False
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per block of the query-parallel pass (BwdParams.n_mblocks), 1 if none."""
+        return next((p.block_m for g, p in self.passes if g == "rows"), 1)
+
+    @property
+    def block_n(self) -> int:
+        """Keys per block of the key-parallel pass (BwdParams.n_nblocks), 1 if none."""
+        return next((p.block_n for g, p in self.passes if g == "keys"), 1)
+
+
+def bwd_preprocess_plan(dtype_name: str) -> Plan:
+    t, acc = _CXX_TYPE[dtype_name], _ACC_TYPE[dtype_name]
+    return Plan(label=f"bwd_preprocess<{dtype_name}>",
+                spec=Specialisation("attn_bwd_prep", f"cuflash::cuflash_bwd_preprocess<{t}, {acc}>"),
+                block_m=BWD_PREP_ROWS, block_n=1, threads=32 * BWD_PREP_ROWS, smem_bytes=0)
+
+
+def bwd_convert_dq_plan(dtype_name: str) -> Plan:
+    """dq = scale * dq_accum (float32) for plans that accumulate dq with atomics."""
+    return Plan(label=f"bwd_convert_dq<{dtype_name}>",
+                spec=Specialisation("attn_bwd_prep",
+                                    f"cuflash::cuflash_bwd_convert_dq<{_CXX_TYPE[dtype_name]}>"),
+                block_m=BWD_PREP_ROWS, block_n=1, threads=32 * BWD_PREP_ROWS, smem_bytes=0)
+
+
+def bwd_generic_config(dtype_name: str, db: int, dvb: int):
+    """(warps, rows per warp) of BwdGenericConfig (attn_bwd_generic.cu)."""
+    wide = _ACC_BYTES[_ACC_TYPE[dtype_name]] == 8 and max(db, dvb) > 128
+    return (2, 2) if wide else (4, 4)
+
+
+def bwd_generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> BackwardPlan:
+    """The generic backward for (dtype, D, Dv, causal): a query-parallel dq pass and a
+    key-parallel dk/dv pass (attn_bwd_generic.cu), both free of atomics, so deterministic. For
+    float64 the dq pass recomputes lse in float64 (the forward's is float32) for the dk/dv pass."""
+    db = dvb = head_dim_bucket(max(d, dv))
+    t, acc = _CXX_TYPE[dtype_name], _ACC_TYPE[dtype_name]
+    nwarps, rows = bwd_generic_config(dtype_name, db, dvb)
+    block, bc = nwarps * rows, 32
+    smem = ((block + bc) * ((db + 1) + (dvb + 1)) + 2 * bc) * _ACC_BYTES[acc]
+    targs = f"{t}, {acc}, {db}, {dvb}, {'true' if causal else 'false'}"
+    mask = "causal" if causal else "full"
+    dq = Plan(label=f"bwd_dq_generic<{dtype_name},D{db},{mask}>",
+              spec=Specialisation("attn_bwd_generic", f"cuflash::cuflash_bwd_dq_generic<{targs}>"),
+              block_m=block, block_n=bc, threads=nwarps * 32, smem_bytes=smem)
+    dkdv = Plan(label=f"bwd_dkdv_generic<{dtype_name},D{db},{mask}>",
+                spec=Specialisation("attn_bwd_generic",
+                                    f"cuflash::cuflash_bwd_dkdv_generic<{targs}>"),
+                block_m=bc, block_n=block, threads=nwarps * 32, smem_bytes=smem)
+    return BackwardPlan(label=f"generic-bwd<{dtype_name},D{db},{mask}>",
+                        preprocess=bwd_preprocess_plan(dtype_name),
+                        passes=(("rows", dq), ("keys", dkdv)), dq_accum_row=0,
+                        deterministic=True, lse_acc=dtype_name == "float64")
+
+
+def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
+    """The backward plan for a validated `BackwardProblem` on a device of this compute capability.
+
+    ``kernel="generic"`` (and, until a faster backward exists for the inputs, ``"auto"``) gives
+    the generic backward; ``"tensorcore"`` and ``"hopper"`` raise ValueError saying why.
+    """
+    if prob.kernel in ("tensorcore", "hopper"):
+        raise ValueError(f"kernel={prob.kernel!r} has no backward kernel yet; "
+                         "use kernel='auto' or 'generic'")
+    return bwd_generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
+
+
+def all_backward_specialisations(compute_capability: int = 90):
+    """Every backward plan the dispatcher can return on a device of this compute capability
+    (tests/test_compile.py builds each plan's kernels for sm_80 and sm_90)."""
+    plans = []
+    for dt in _CXX_TYPE:
+        for db in (32, 64, 128, 256):
+            for causal in (False, True):
+                plans.append(bwd_generic_plan(dt, db, db, causal))
+    return plans
+
+
+def backward_kernel_specs(compute_capability: int = 90):
+    """The distinct kernel specialisations of `all_backward_specialisations` (preprocess and
+    dq conversion included)."""
+    specs = []
+    for bp in all_backward_specialisations(compute_capability):
+        for plan in (bp.preprocess,) + tuple(p for _, p in bp.passes):
+            if plan.spec not in specs:
+                specs.append(plan.spec)
+    for dt in TC_DTYPES + ("float32",):
+        spec = bwd_convert_dq_plan(dt).spec
+        if spec not in specs:
+            specs.append(spec)
+    return specs

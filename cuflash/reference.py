@@ -690,3 +690,279 @@ def unstable_softmax(s, dtype) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         e = np.exp(s)
         return e / np.sum(e, axis=-1, keepdims=True, dtype=e.dtype)
+
+
+# =============================================================================================
+# Backward pass (issue 11): float64 gradients, finite differences, a naive same-precision
+# backward and the gradient version of the pass rule. Kept in its own section.
+# =============================================================================================
+#
+# For one batch entry with P = softmax(S), S = scale * q k^T (masked: -inf), o = P v and an
+# upstream gradient do = dL/do:
+#
+#     dv = P^T do,   dP = do v^T,   delta_i = sum_c do_ic o_ic  (= sum_j P_ij dP_ij),
+#     dS = P * (dP - delta),   dq = scale dS k,   dk = scale dS^T q.
+#
+# Rows that see no key have P = 0 and contribute nothing. Batch axes along which an input
+# broadcasts give its gradient summed over them (with the input's own shape).
+
+__all__ += [
+    "attention_backward_ref",
+    "attention_backward_fd",
+    "naive_attention_backward",
+    "gradient_scales",
+    "naive_gradient_error_bound_f64",
+    "naive_gradient_errors",
+    "grad_pass_threshold",
+]
+
+
+def _sum_to_shape(x, shape):
+    """Sum ``x`` (shape broadcast batch + last two) over the axes along which ``shape`` was
+    broadcast, returning an array of ``shape``."""
+    shape = tuple(shape)
+    lead = x.ndim - len(shape)
+    if lead:
+        x = x.sum(axis=tuple(range(lead)))
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    if axes:
+        x = x.sum(axis=axes, keepdims=True)
+    return x.reshape(shape)
+
+
+def _probabilities_f64(q, k, v, causal, scale):
+    """float64 (P, o, batch) with P = softmax of the masked scores, 0 on rows that see no key."""
+    v = np.asarray(v, dtype=np.float64)
+    s = _scores_f64(q, k, scale, causal)
+    batch = np.broadcast_shapes(s.shape[:-2], v.shape[:-2])
+    s = np.broadcast_to(s, batch + s.shape[-2:])
+    empty = np.all(s == -np.inf, axis=-1)
+    p = softmax(np.where(empty[..., None], 0.0, s), axis=-1)
+    p = np.where(empty[..., None], 0.0, p)
+    return p, np.matmul(p, v), batch
+
+
+def _scale_or_default(scale, d):
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+def attention_backward_ref(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
+    """Gradients of ``L = sum(do * attention(q, k, v))`` in float64, from SciPy's softmax.
+
+    Parameters
+    ----------
+    do : array_like, shape (broadcast batch..., Sq, Dv)
+        The upstream gradient dL/do.
+    q : array_like, shape (..., Sq, D)
+    k : array_like, shape (..., Sk, D)
+    v : array_like, shape (..., Sk, Dv)
+        Any real dtype (converted to float64); batch axes broadcast as in :func:`attention_ref`.
+    causal, scale
+        As in :func:`attention_ref`.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray, float64, the shapes of q, k and v
+        Summed over the batch axes along which each input was broadcast. Rows that see no key
+        contribute zero (never NaN).
+    """
+    q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    scale = _scale_or_default(scale, q64.shape[-1])
+    p, o, batch = _probabilities_f64(q64, k64, v64, causal, scale)
+    do = np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:])
+    dv = np.matmul(np.swapaxes(p, -1, -2), do)
+    dp = np.matmul(do, np.swapaxes(v64, -1, -2))
+    delta = np.sum(do * o, axis=-1, keepdims=True)
+    ds = np.where(p > 0, p * (dp - delta), 0.0)
+    dq = scale * np.matmul(ds, k64)
+    dk = scale * np.matmul(np.swapaxes(ds, -1, -2), q64)
+    return (_sum_to_shape(dq, q64.shape), _sum_to_shape(dk, k64.shape),
+            _sum_to_shape(dv, v64.shape))
+
+
+def attention_backward_fd(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                          eps: Optional[float] = None):
+    """Gradients of ``L = sum(do * attention_ref(q, k, v)[0])`` by central finite differences.
+
+    ``dL/dx = (L(x + h) - L(x - h)) / (2 h)`` for every element x of q, k and v, with
+    ``h = eps * max(1, |x|)`` (default eps = 2^-18, near the cube root of float64's unit roundoff,
+    where truncation and rounding errors balance). Two forward passes per element: for small
+    cases only (a check of :func:`attention_backward_ref`).
+
+    Returns
+    -------
+    dq, dk, dv : ndarray, float64, the shapes of q, k and v
+    """
+    q64, k64, v64 = (np.array(x, dtype=np.float64) for x in (q, k, v))
+    scale = _scale_or_default(scale, q64.shape[-1])
+    do = np.asarray(do, dtype=np.float64)
+    eps = 2.0 ** -18 if eps is None else float(eps)
+    arrays = [q64, k64, v64]
+
+    def loss():
+        o, _ = attention_ref(*arrays, causal=causal, scale=scale)
+        return float(np.sum(do * o))
+
+    grads = []
+    for x in arrays:
+        g = np.zeros_like(x)
+        flat, gflat = x.reshape(-1), g.reshape(-1)
+        for i in range(flat.size):
+            x0 = flat[i]
+            h = eps * max(1.0, abs(x0))
+            flat[i] = x0 + h
+            lp = loss()
+            flat[i] = x0 - h
+            lm = loss()
+            flat[i] = x0
+            gflat[i] = (lp - lm) / (2.0 * h)
+        grads.append(g)
+    return tuple(grads)
+
+
+def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                             dtype):
+    """The backward a user gets from the unfused attention written by hand in ``dtype``.
+
+    The forward of :func:`naive_attention` (S -> P -> o, each stage rounded to ``dtype``), then
+    the backward of each stage as automatic differentiation runs it, products accumulating in
+    float32 (float64 for float64) and each stage's result rounded to ``dtype``::
+
+        dv = rnd(P^T do),  dP = rnd(do v^T),  dS = rnd(P * (dP - rowsum(P * dP))),
+        dq = rnd(scale dS k),  dk = rnd(scale dS^T q)
+
+    and per-entry gradients of broadcast inputs summed (in the working precision) and rounded.
+
+    Parameters
+    ----------
+    do, q, k, v : array_like
+        float64 arrays holding values representable in ``dtype``; shapes as in
+        :func:`attention_backward_ref`.
+    causal, scale
+        As in :func:`attention_ref`.
+    dtype : {"float16", "bfloat16", "float32", "float64"}
+
+    Returns
+    -------
+    dq, dk, dv : ndarray, float64, the shapes of q, k and v; values representable in ``dtype``.
+    """
+    name = _dtype_name(dtype)
+    wd = np.float64 if name == "float64" else np.float32
+
+    def rnd(x):
+        if name in ("float32", "float64"):
+            return np.asarray(x, dtype=wd)
+        return round_to(np.asarray(x, dtype=np.float64), name).astype(wd)
+
+    qw, kw, vw = (np.asarray(x, dtype=np.float64).astype(wd) for x in (q, k, v))
+    scale = _scale_or_default(scale, qw.shape[-1])
+    s = rnd(np.matmul(qw, np.swapaxes(kw, -1, -2)) * wd(scale))
+    if causal:
+        s = np.where(_causal_mask(s.shape[-2], s.shape[-1]), s, wd(-np.inf))
+    batch = np.broadcast_shapes(s.shape[:-2], vw.shape[:-2])
+    s = np.broadcast_to(s, batch + s.shape[-2:])
+    m = np.max(s, axis=-1, keepdims=True)
+    empty = m == -np.inf
+    e = np.exp(s - np.where(empty, wd(0), m))
+    den = np.where(empty, wd(1), np.sum(e, axis=-1, keepdims=True, dtype=wd))
+    p = rnd(e / den)
+    dow = np.broadcast_to(np.asarray(do, dtype=np.float64).astype(wd), batch + (s.shape[-2], vw.shape[-1]))
+    dv = rnd(np.matmul(np.swapaxes(p, -1, -2), dow))
+    dp = rnd(np.matmul(dow, np.swapaxes(vw, -1, -2)))
+    ds = rnd(p * (dp - np.sum(p * dp, axis=-1, keepdims=True, dtype=wd)))
+    dq = rnd(np.matmul(ds, kw) * wd(scale))
+    dk = rnd(np.matmul(np.swapaxes(ds, -1, -2), qw) * wd(scale))
+    out = []
+    for g, x in ((dq, qw), (dk, kw), (dv, vw)):
+        summed = _sum_to_shape(g, x.shape)
+        out.append(np.asarray(rnd(summed) if summed.shape != g.shape else g, dtype=np.float64))
+    return tuple(out)
+
+
+def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
+    """``(A_dq, A_dk, A_dv)``: the size of the terms each element of dq, dk, dv sums.
+
+    The backward run on magnitudes: ``A_dv = max (P^T |do|)``, ``A_dq = |scale| max (G |k|)``,
+    ``A_dk = |scale| max (G^T |q|)`` with ``G = P * (|dP| + |delta|)``, the two terms of
+    ``dS = P * (dP - delta)`` before they cancel (a single visible key gives dS = 0 from two equal
+    rounded terms), summed over broadcast axes as the gradients are (they bound ``max|dv|``,
+    ``max|dq|``, ``max|dk|``). As :func:`output_scale` for the forward, it is the scale at which
+    the few roundings any same-precision backward makes act.
+    """
+    q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    scale = _scale_or_default(scale, q64.shape[-1])
+    p, o, batch = _probabilities_f64(q64, k64, v64, causal, scale)
+    ado = np.abs(np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:]))
+    dv = np.matmul(np.swapaxes(p, -1, -2), ado)
+    do_ = np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:])
+    dp = np.matmul(do_, np.swapaxes(v64, -1, -2))
+    delta = np.sum(do_ * o, axis=-1, keepdims=True)
+    dsm = np.where(p > 0, p * (np.abs(dp) + np.abs(delta)), 0.0)
+    dq = abs(scale) * np.matmul(dsm, np.abs(k64))
+    dk = abs(scale) * np.matmul(np.swapaxes(dsm, -1, -2), np.abs(q64))
+    return tuple(float(np.max(_sum_to_shape(g, x.shape))) if g.size else 0.0
+                 for g, x in ((dq, q64), (dk, k64), (dv, v64)))
+
+
+def naive_gradient_error_bound_f64(do, q, k, v, *, causal: bool = False,
+                                   scale: Optional[float] = None, scales=None):
+    """A priori bounds on the max abs errors of a float64 backward, ``(dq, dk, dv)``.
+
+    The gradient counterpart of :func:`naive_error_bound_f64`: the scores carry at most
+    ``(D + 1) u |scale| |q| |k|`` absolute error, which moves each P by twice that relative
+    amount; dP and delta are dot products of Dv terms; the sums over Sq or Sk rows add their
+    length in roundings. With ``A_X`` from :func:`gradient_scales` (the terms' magnitudes)::
+
+        bound_X = u * A_X * (2 (D + 1) |scale| max|q_i| max|k_j| + 2 (Dv + Sq + Sk) + 8)
+
+    with u = 2^-53 and |q_i|, |k_j| the Euclidean norms of the rows.
+    """
+    q64, k64 = (np.asarray(x, dtype=np.float64) for x in (q, k))
+    d, sq, sk = q64.shape[-1], q64.shape[-2], k64.shape[-2]
+    dv_dim = np.shape(v)[-1]
+    scale = _scale_or_default(scale, d)
+    if scales is None:
+        scales = gradient_scales(do, q, k, v, causal=causal, scale=scale)
+    qn = float(np.max(np.sqrt(np.sum(q64 * q64, axis=-1))))
+    kn = float(np.max(np.sqrt(np.sum(k64 * k64, axis=-1))))
+    factor = 2.0 * (d + 1) * abs(scale) * qn * kn + 2.0 * (dv_dim + sq + sk) + 8.0
+    u = unit_roundoff("float64")
+    return tuple(u * a * factor for a in scales)
+
+
+def _max_abs_diff(a, b):
+    diff = np.abs(np.asarray(a, dtype=np.float64) - b)
+    diff = diff[np.isfinite(diff)]
+    return float(diff.max()) if diff.size else 0.0
+
+
+def naive_gradient_errors(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                          dtype, ref=None, scales=None):
+    """Max abs errors of :func:`naive_attention_backward` in ``dtype`` against the float64
+    gradients, ``(dq, dk, dv)``; for float64 the bounds of
+    :func:`naive_gradient_error_bound_f64`. ``ref``: :func:`attention_backward_ref`'s result."""
+    if _dtype_name(dtype) == "float64":
+        return naive_gradient_error_bound_f64(do, q, k, v, causal=causal, scale=scale,
+                                              scales=scales)
+    if ref is None:
+        ref = attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
+    naive = naive_attention_backward(do, q, k, v, causal=causal, scale=scale, dtype=dtype)
+    return tuple(_max_abs_diff(n, r) for n, r in zip(naive, ref))
+
+
+def grad_pass_threshold(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                        dtype, ref=None):
+    """The pass rule for gradients, one call: ``((tol_dq, tol_dk, tol_dv), (naive errors))``.
+
+    Each gradient X gets the forward's rule (:func:`tolerance`): ``2 * naive_err_X +
+    4 * u(dtype) * A_X``, with the naive same-precision backward's error
+    (:func:`naive_gradient_errors`) and the terms' size ``A_X`` (:func:`gradient_scales`).
+    ``ref``: :func:`attention_backward_ref`'s result for these inputs, if already computed.
+    """
+    if ref is None:
+        ref = attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
+    scales = gradient_scales(do, q, k, v, causal=causal, scale=scale)
+    errs = naive_gradient_errors(do, q, k, v, causal=causal, scale=scale, dtype=dtype, ref=ref,
+                                 scales=scales)
+    tols = tuple(tolerance(dtype, r, e, out_scale=a) for r, e, a in zip(ref, errs, scales))
+    return tols, errs

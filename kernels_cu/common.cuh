@@ -545,3 +545,138 @@ template <int N> __device__ __forceinline__ void regs_alloc() {
 }
 
 }  // namespace cuflash
+
+// =============================================================================================
+// Backward pass (notes/BACKWARD.md): the parameter block every backward kernel family takes, and
+// the batch-index helpers that turn a block index into an "owner" batch entry plus a loop over
+// the batch entries whose gradients it sums (broadcast batch axes).
+namespace cuflash {
+
+// Every field is 8 bytes wide (cuflash/_launch.py: BWD_PARAMS_DTYPE mirrors it). Element strides,
+// the last axis contiguous. Batch axes are collapsed on the host to three, (nb0, nb1, nb2), the
+// full (broadcast) batch; a tensor's batch stride is 0 on an axis it does not have (size 1).
+//   q (.., Sq, D), k (.., Sk, D), v (.., Sk, Dv), o and dout (.., Sq, Dv), lse (.., Sq) float32:
+//     the inputs (o and lse as the forward returned them).
+//   dq, dk, dv: the outputs, with q's, k's and v's shapes: on an axis where q (k, v) broadcasts
+//     dq (dk, dv) has batch stride 0 and holds the sum over that axis.
+//   delta: workspace of the accumulator type (float; double for float64 inputs), (nbatch, Sq)
+//     contiguous over the full batch, flat index b = (i0 * nb1 + i1) * nb2 + i2:
+//     delta = rowsum(dout * o), written by cuflash_bwd_preprocess.
+//   lse_acc: null, or workspace of the accumulator type laid out as delta: lse recomputed in the
+//     accumulator type by the "rows" pass, which the "keys" pass then reads instead of lse (the
+//     generic float64 plan: the forward's lse is float32, which would limit P to ~1e-7 relative).
+//   dq_accum: float32 workspace for kernels that accumulate dq with atomics (null otherwise), laid
+//     out by dqa_* strides (0 on the axes in q_red, so atomics from every batch entry of a
+//     broadcast q land in one row); holds sum_j dS_ij k_j WITHOUT the softmax scale. The
+//     preprocess kernel zeroes its columns 0..d-1, cuflash_bwd_convert_dq writes dq = scale * it.
+//   q_red: bit a set when dq sums over collapsed batch axis a (q broadcasts there);
+//   kv_red: bit a set when dk and dv both sum over axis a. (The host never launches with k and v
+//     broadcasting differently; it falls back to full-batch temporaries for that rare case.)
+//   n_mblocks: ceil(Sq / BLOCK_M) of the query-parallel pass; n_nblocks: ceil(Sk / BLOCK_N) of the
+//     key-parallel pass (each kernel derives its grid from them, see bwd_owner_count).
+//   deterministic: 1 when the caller asked for bitwise-reproducible results (kernels that use
+//     float atomics must not be launched then; the flag is for kernels that adapt).
+struct BwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* o;
+    const void* dout;
+    const float* lse;
+    void* delta;
+    void* lse_acc;
+    float* dq_accum;
+    void* dq;
+    void* dk;
+    void* dv;
+    long long sq, sk, d, dv_dim;
+    long long nb0, nb1, nb2;
+    long long q_s0, q_s1, q_s2, q_sr;
+    long long k_s0, k_s1, k_s2, k_sr;
+    long long v_s0, v_s1, v_s2, v_sr;
+    long long o_s0, o_s1, o_s2, o_sr;
+    long long do_s0, do_s1, do_s2, do_sr;
+    long long dq_s0, dq_s1, dq_s2, dq_sr;
+    long long dk_s0, dk_s1, dk_s2, dk_sr;
+    long long dv_s0, dv_s1, dv_s2, dv_sr;
+    long long lse_s0, lse_s1, lse_s2, lse_sr;
+    long long dqa_s0, dqa_s1, dqa_s2, dqa_sr;
+    long long q_red, kv_red;
+    long long n_mblocks, n_nblocks;
+    long long deterministic;
+    double scale_log2;     // softmax scale * log2(e)
+    double scale;
+};
+static_assert(sizeof(BwdParams) == 66 * 8, "BwdParams must match cuflash/_launch.py");
+
+// A batch entry as its three collapsed coordinates.
+struct BwdIndex { unsigned int i0, i1, i2; };
+
+// Batch entries a block owns / loops over, for the reduction mask `red` (q_red or kv_red): the
+// grid enumerates the owners (every axis not in `red`), the block sums over the axes in `red`.
+// The host checks that both counts, and every grid, are below 2^31.
+__device__ __forceinline__ unsigned int bwd_axis_size(const BwdParams& p, int a) {
+    return static_cast<unsigned int>(a == 0 ? p.nb0 : (a == 1 ? p.nb1 : p.nb2));
+}
+__device__ __forceinline__ unsigned int bwd_owner_count(const BwdParams& p, long long red) {
+    unsigned int n = 1;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) n *= ((red >> a) & 1) ? 1u : bwd_axis_size(p, a);
+    return n;
+}
+__device__ __forceinline__ unsigned int bwd_reduce_count(const BwdParams& p, long long red) {
+    unsigned int n = 1;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) n *= ((red >> a) & 1) ? bwd_axis_size(p, a) : 1u;
+    return n;
+}
+// Owner `owner` (< bwd_owner_count) and reduction step `r` (< bwd_reduce_count) -> coordinates.
+// Axis 2 varies fastest in both, as in the flat index.
+__device__ __forceinline__ BwdIndex bwd_index(const BwdParams& p, long long red,
+                                              unsigned int owner, unsigned int r) {
+    unsigned int c[3];
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const unsigned int n = bwd_axis_size(p, a);
+        if ((red >> a) & 1) { c[a] = r % n; r /= n; }
+        else { c[a] = owner % n; owner /= n; }
+    }
+    BwdIndex ix;
+    ix.i0 = c[0]; ix.i1 = c[1]; ix.i2 = c[2];
+    return ix;
+}
+__device__ __forceinline__ long long bwd_offset(const BwdIndex& ix, long long s0, long long s1,
+                                                long long s2) {
+    return static_cast<long long>(ix.i0) * s0 + static_cast<long long>(ix.i1) * s1 +
+           static_cast<long long>(ix.i2) * s2;
+}
+// The flat full-batch index (delta's layout).
+__device__ __forceinline__ long long bwd_flat(const BwdParams& p, const BwdIndex& ix) {
+    return (static_cast<long long>(ix.i0) * p.nb1 + ix.i1) * p.nb2 + ix.i2;
+}
+
+// Offsets of every tensor for one batch entry.
+struct BwdOffsets { long long q, k, v, o, dout, lse, delta, dq, dk, dv, dqa; };
+__device__ __forceinline__ BwdOffsets bwd_offsets(const BwdParams& p, const BwdIndex& ix) {
+    BwdOffsets r;
+    r.q = bwd_offset(ix, p.q_s0, p.q_s1, p.q_s2);
+    r.k = bwd_offset(ix, p.k_s0, p.k_s1, p.k_s2);
+    r.v = bwd_offset(ix, p.v_s0, p.v_s1, p.v_s2);
+    r.o = bwd_offset(ix, p.o_s0, p.o_s1, p.o_s2);
+    r.dout = bwd_offset(ix, p.do_s0, p.do_s1, p.do_s2);
+    r.lse = bwd_offset(ix, p.lse_s0, p.lse_s1, p.lse_s2);
+    r.delta = bwd_flat(p, ix) * p.sq;
+    r.dq = bwd_offset(ix, p.dq_s0, p.dq_s1, p.dq_s2);
+    r.dk = bwd_offset(ix, p.dk_s0, p.dk_s1, p.dk_s2);
+    r.dv = bwd_offset(ix, p.dv_s0, p.dv_s1, p.dv_s2);
+    r.dqa = bwd_offset(ix, p.dqa_s0, p.dqa_s1, p.dqa_s2);
+    return r;
+}
+
+// The first query row that sees key j under the bottom-right causal mask (j <= i + Sk - Sq).
+__device__ __forceinline__ long long causal_first_row(long long j, long long sq, long long sk) {
+    const long long r = j - (sk - sq);
+    return r > 0 ? r : 0;
+}
+
+}  // namespace cuflash

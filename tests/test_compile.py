@@ -15,6 +15,7 @@ ARCHS = ("sm_80", "sm_90")
 
 def _specs(cc):
     specs = [plan.spec for plan in _dispatch.all_specialisations(cc)]
+    specs += _dispatch.backward_kernel_specs(cc)  # the backward's kernels (notes/BACKWARD.md)
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))
