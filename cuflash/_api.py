@@ -6,7 +6,7 @@ from . import _checks, _interop
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, stream=None,
-              kernel="auto"):
+              kernel="auto", precision=None):
     """Exact scaled-dot-product attention, ``softmax(scale * q @ k^T [+ mask]) @ v``.
 
     Computed with the tiled online-softmax recurrence: no ``Sq x Sk`` matrix is formed and the
@@ -53,11 +53,27 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         synchronises the device.
     kernel : {"auto", "generic", "tensorcore", "hopper"}, optional
         GPU only. ``"auto"`` lets the dispatcher pick the fastest correct kernel; ``"generic"``
-        forces the scalar audit kernel (float32/float64 arithmetic, accurate exp2);
-        ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+) and
-        ``"hopper"`` the TMA/wgmma kernel (compute capability 9.0, 64 <= D <= 256); both take
-        float16/bfloat16 with D == Dv, D % 8 == 0 and 16-byte aligned rows, and raise
-        ValueError, saying why, if the inputs do not qualify.
+        forces the scalar audit kernel (float32/float64 arithmetic, accurate exp);
+        ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
+        float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0) and ``"hopper"`` the TMA/wgmma
+        kernel (compute capability 9.0, float16/bfloat16, 64 <= D <= 256); both need D == Dv and
+        16-byte aligned rows, and raise ValueError, saying why, if the inputs do not qualify.
+    precision : {None, "default", "highest", "high"}, optional
+        How accurate the products of float32 inputs must be (the names of JAX's
+        ``jax.lax.Precision`` and PyTorch's float32 matmul precision; JAX's enum members are
+        accepted). ``None``, ``"default"`` and ``"highest"``: float32-accurate. On the tensor
+        cores this is the split-precision form: each operand is split into two TF32 parts and
+        three products are summed (``x = hi + lo``, ``a_lo b_hi + a_hi b_lo + a_hi b_hi``),
+        about 3 * 2^-22 relative error per product against float32's 2^-24, with the P.V
+        product of each key tile accumulated apart and added in IEEE float32; expect an error
+        near that of a plain float32 matmul -> softmax -> matmul (the audit's pass rule holds it
+        to 2x that). ``"high"``: one TF32 product (operands rounded to 10 mantissa bits, about
+        2^-11 relative), about three times faster, with errors of order 1e-3 relative to the
+        output's size. Paths without a TF32 form (the generic kernel, the CPU path) compute in
+        full float32 whatever is asked: precision is the least accuracy the call may deliver.
+        float16/bfloat16 products are exact in float32 on every path, so precision changes
+        nothing for them; float64 is always computed in float64. `dispatch_info` names the
+        mode that runs.
 
     Returns
     -------
@@ -82,7 +98,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     NaN; a score of +inf makes its row NaN (inf - inf), as ``scipy.special.softmax`` does.
     """
     prob = _checks.check_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
-                                   out=out, stream=stream, kernel=kernel)
+                                   out=out, stream=stream, kernel=kernel, precision=precision)
     if prob.backend == "cpu":
         from ._cpu import attention_numpy
 
@@ -164,11 +180,14 @@ def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):
     return o, lse
 
 
-def dispatch_info(q, k, v, *, causal=False, kernel="auto"):
+def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None):
     """The name of the kernel `attention` would run for these arguments, e.g.
-    ``"cpu-numpy"`` or ``"generic<float16,D64,full>"``. Validates like `attention`; launches nothing."""
+    ``"cpu-numpy"``, ``"generic<float16,D64,full>"`` or
+    ``"tensorcore<float32,3xtf32,D128,BM64,BN64,stagedO,full>"`` (float32 on the tensor cores names
+    its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"). Validates like
+    `attention`; launches nothing."""
     prob = _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=False,
-                                   out=None, stream=None, kernel=kernel)
+                                   out=None, stream=None, kernel=kernel, precision=precision)
     if prob.backend == "cpu":
         return "cpu-numpy"
     from . import _dispatch, _launch

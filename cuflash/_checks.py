@@ -25,6 +25,10 @@ SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 KERNEL_CHOICES = ("auto", "generic", "tensorcore", "hopper")
 
+#: Values of `precision=` (case-insensitive; JAX's `jax.lax.Precision` members are accepted by name).
+#: "default" is "highest": float32 inputs get float32-accurate products unless "high" is asked for.
+PRECISION_CHOICES = ("default", "highest", "high")
+
 
 @dataclass
 class Problem:
@@ -49,6 +53,7 @@ class Problem:
     stream: Any                  # None (current stream) or a cupy.cuda.Stream-like object
     kernel: str
     device_id: Optional[int] = None
+    precision: str = "highest"   # "highest" or "high" (see check_precision)
 
     @property
     def o_shape(self):
@@ -106,6 +111,22 @@ def check_scale(scale, d):
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return scale
+
+
+def check_precision(precision) -> str:
+    """The float32 product mode of `precision=`: "highest" (also for None and "default") or "high".
+
+    Accepts the strings of PRECISION_CHOICES in any case and objects with such a ``name``
+    (``jax.lax.Precision.HIGHEST``); anything else raises, naming what is accepted.
+    """
+    if precision is None:
+        return "highest"
+    name = precision if isinstance(precision, str) else getattr(precision, "name", None)
+    if not isinstance(name, str) or name.lower() not in PRECISION_CHOICES:
+        raise ValueError(f"precision must be one of {PRECISION_CHOICES} (or None), got "
+                         f"{precision!r}")
+    name = name.lower()
+    return "highest" if name == "default" else name
 
 
 def _check_kernel(kernel, backend):
@@ -183,7 +204,8 @@ def _check_qkv(q, k, v):
     return backend, device_id, q, k, v, dt, batch, int(sq), int(sk), int(d), int(dv)
 
 
-def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel) -> Problem:
+def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
+                    precision=None) -> Problem:
     """Validate the arguments of `cuflash.attention` and return a `Problem`."""
     backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
 
@@ -193,6 +215,7 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel) 
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = check_scale(scale, d)
     _check_kernel(kernel, backend)
+    precision = check_precision(precision)
 
     out_o = out_lse = None
     if out is not None:
@@ -220,7 +243,7 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel) 
     return Problem(backend=backend, q=q, k=k, v=v, dtype_name=dt, batch_shape=batch, sq=int(sq),
                    sk=int(sk), d=int(d), dv=int(dv), causal=bool(causal), scale=scale,
                    return_lse=bool(return_lse), out=out_o, out_lse=out_lse, stream=stream,
-                   kernel=kernel, device_id=device_id)
+                   kernel=kernel, device_id=device_id, precision=precision)
 
 
 def _no_self_overlap(name, buf):

@@ -63,6 +63,7 @@ __all__ = [
     "attention_ref",
     "naive_attention",
     "round_to",
+    "round_to_tf32",
     "tolerance",
     "naive_error",
     "output_scale",
@@ -248,7 +249,20 @@ def round_to(x, dtype) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype):
+def round_to_tf32(x) -> np.ndarray:
+    """Round float64 values to TF32 (10 explicit mantissa bits, float32's exponent range), ties
+    away from zero, as ``cvt.rna.tf32.f32`` does on float32 values: float64 -> float32 (nearest)
+    first, then to 11 significant bits."""
+    x32 = np.asarray(x, dtype=np.float64).astype(np.float32)
+    bits = x32.view(np.uint32).astype(np.uint64)
+    finite = np.isfinite(x32)
+    r = ((bits + np.uint64(0x1000)) & np.uint64(0xFFFFE000)).astype(np.uint32)
+    out = np.where(finite, r.view(np.float32), x32)
+    return out.astype(np.float64)
+
+
+def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
+                    precision: Optional[str] = None):
     """Unfused attention computed the way a user would write it by hand in ``dtype``.
 
     ``S = scale * q @ k^T`` -> ``P = softmax(S)`` -> ``O = P @ V``, with every product
@@ -268,6 +282,10 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
         As in :func:`attention_ref`.  Masked scores are ``-inf``; rows with no visible key
         give 0.
     dtype : {"float16", "bfloat16", "float32", "float64"}
+    precision : {None, "highest", "high"}, optional
+        float32 only: ``"high"`` rounds the operands of both products to TF32 (what a one-pass
+        TF32 matmul does: :func:`round_to_tf32`), the naive counterpart of
+        ``cuflash.attention(..., precision="high")``; None and "highest" leave them in float32.
 
     Returns
     -------
@@ -275,6 +293,9 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
         Values representable in ``dtype``.
     """
     name = _dtype_name(dtype)
+    tf32 = precision == "high" and name == "float32"
+    if precision not in (None, "default", "highest", "high"):
+        raise ValueError(f"precision must be None, 'highest' or 'high', got {precision!r}")
     # Working precision of every stage: float32 for the narrow types, float64 for float64.
     wd = np.float64 if name == "float64" else np.float32
 
@@ -291,7 +312,11 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
 
-    s = rnd(np.matmul(qw, np.swapaxes(kw, -1, -2)) * wd(scale))
+    def op(x):
+        """An operand of a product: rounded to TF32 in the "high" mode."""
+        return round_to_tf32(x).astype(wd) if tf32 else x
+
+    s = rnd(np.matmul(op(qw), np.swapaxes(op(kw), -1, -2)) * wd(scale))
     if causal:
         s = np.where(_causal_mask(s.shape[-2], s.shape[-1]), s, wd(-np.inf))
     if s.shape[-1] == 0:
@@ -307,7 +332,7 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     den = np.where(empty, wd(1), den)
     p = rnd(e / den)
 
-    o = rnd(np.matmul(p, vw))
+    o = rnd(np.matmul(op(p), op(vw)))
     return np.asarray(o, dtype=np.float64)
 
 
@@ -335,7 +360,8 @@ def naive_error_bound_f64(q, k, v, *, scale=None) -> float:
     return u * vmax * (2.0 * (d + 1) * abs(float(scale)) * qn * kn + 2.0 * sk + 4.0)
 
 
-def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None) -> float:
+def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None,
+                precision=None) -> float:
     """The max abs error, against the float64 reference, of the naive implementation in `dtype`.
 
     Measured (``naive_attention`` vs ``attention_ref``) for float16, bfloat16 and float32; for
@@ -346,7 +372,8 @@ def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None) -> floa
         return naive_error_bound_f64(q, k, v, scale=scale)
     if o_ref is None:
         o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale)
-    diff = np.abs(naive_attention(q, k, v, causal=causal, scale=scale, dtype=dtype) - o_ref)
+    diff = np.abs(naive_attention(q, k, v, causal=causal, scale=scale, dtype=dtype,
+                                  precision=precision) - o_ref)
     diff = diff[np.isfinite(diff)]
     return float(diff.max()) if diff.size else 0.0
 
@@ -394,14 +421,17 @@ def tolerance(dtype, o_ref, naive_err, out_scale: Optional[float] = None) -> flo
 
 
 def pass_threshold(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
-                   o_ref=None):
+                   o_ref=None, precision=None):
     """The rule in one call: ``(threshold, naive_err)`` for inputs q, k, v audited in `dtype`.
 
     ``threshold = 2 * naive_error + 4 * u(dtype) * output_scale``; see :func:`tolerance`.
+    ``precision="high"`` (float32): the naive implementation is the one-pass TF32 one
+    (:func:`naive_attention`), the counterpart of ``attention(..., precision="high")``.
     """
     if o_ref is None:
         o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale)
-    ne = naive_error(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref)
+    ne = naive_error(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref,
+                     precision=precision)
     a = output_scale(q, k, v, causal=causal, scale=scale)
     return tolerance(dtype, o_ref, ne, out_scale=a), ne
 

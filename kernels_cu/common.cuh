@@ -8,6 +8,11 @@
 namespace cuflash {
 
 // ---------------------------------------------------------------------------------------------
+// Select<B, X, Y>::type is X when B, else Y (std::conditional; NVRTC has no standard headers).
+template <bool B, typename X, typename Y> struct Select { using type = X; };
+template <typename X, typename Y> struct Select<false, X, Y> { using type = Y; };
+
+// ---------------------------------------------------------------------------------------------
 // Storage types. Plain 16-bit containers: arithmetic always happens after conversion to float.
 struct alignas(2) fp16_t { unsigned short bits; };
 struct alignas(2) bf16_t { unsigned short bits; };
@@ -55,6 +60,15 @@ template <> __device__ __forceinline__ unsigned int pack2<bf16_t>(float a, float
     unsigned int r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
     return r;
+}
+
+// Store two accumulator values as two consecutive elements of the storage type (one 4-byte store
+// for 16-bit types, one 8-byte store for float32).
+template <typename T> __device__ __forceinline__ void store2(T* dst, float a, float b) {
+    *reinterpret_cast<unsigned int*>(dst) = pack2<T>(a, b);
+}
+template <> __device__ __forceinline__ void store2<float>(float* dst, float a, float b) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -261,6 +275,72 @@ template <> struct Mma<bf16_t> {
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 };
+
+
+// ---------------------------------------------------------------------------------------------
+// float32 operands on the tensor cores: TF32 (10 explicit mantissa bits, float32's exponent range)
+// with mma.sync m16n8k8 and float32 accumulators. One pass rounds each operand to TF32 (relative
+// error 2^-11 per operand). The split-precision form writes x = hi + lo with hi = tf32(x) and
+// lo = tf32(x - hi) (x - hi is exact in float32; |x - (hi + lo)| <= 2^-22 |x|) and sums the three
+// significant cross products a_lo b_hi + a_hi b_lo + a_hi b_hi, dropping a_lo b_lo (<= 2^-22 |ab|):
+// products good to about 3 * 2^-22 relative, against float32's 2^-24, at three times the MMAs.
+__device__ __forceinline__ unsigned int to_tf32(float x) {
+    unsigned int r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+// One operand value in the form the products need: hi always, lo only for TERMS == 3.
+template <int TERMS> struct Tf32Split {
+    unsigned int hi = 0u, lo = 0u;
+    Tf32Split() = default;
+    __device__ __forceinline__ explicit Tf32Split(float x) : hi(to_tf32(x)) {
+        if constexpr (TERMS == 3) lo = to_tf32(x - __uint_as_float(hi));
+    }
+};
+
+// Shared-memory loads of the float32 kernel's fragment values. volatile, like the MMAs: each load
+// stays next to the products that use it, which bounds how many fragments are live at once (with
+// ordinary loads ptxas hoisted whole tiles of them and spilled at D >= 128).
+__device__ __forceinline__ float4 lds128(const float* p) {
+    float4 r;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(smem_addr(p)));
+    return r;
+}
+__device__ __forceinline__ float lds32(const float* p) {
+    float r;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(r) : "r"(smem_addr(p)));
+    return r;
+}
+
+// D = A * B + D for a 16x8 (row) by 8x8 (col) product of TF32 operands, fp32 accumulators.
+// Fragments: a0 = A[g][t4], a1 = A[g + 8][t4], a2 = A[g][t4 + 4], a3 = A[g + 8][t4 + 4];
+// b0 = B[t4][g], b1 = B[t4 + 4][g]; d in the m16n8 accumulator layout (g = lane / 4, t4 = lane % 4).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], unsigned int a0, unsigned int a1,
+                                         unsigned int a2, unsigned int a3, unsigned int b0,
+                                         unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The products of one k8 step in the split form: the two small cross products go to `small`, the
+// large one to `big`. Kept apart, the large chain is not lengthened by the small products'
+// accumulation steps (the tensor cores' fp32 accumulation does not round to nearest), and the two
+// are added once, in IEEE float32, after the last step. TERMS == 1: the one-pass TF32 product.
+template <int TERMS>
+__device__ __forceinline__ void mma_f32(float (&big)[4], float (&small)[4],
+                                        const Tf32Split<TERMS> (&a)[4],
+                                        const Tf32Split<TERMS>& b0, const Tf32Split<TERMS>& b1) {
+    if constexpr (TERMS == 3) {
+        mma_tf32(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+        mma_tf32(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+    }
+    mma_tf32(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+}
+
 
 }  // namespace cuflash
 
