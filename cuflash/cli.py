@@ -20,9 +20,13 @@ followed by property audits of the online-softmax recurrence and of the merge op
 Inputs are random, from numpy.random.default_rng([SEED, shape index]); the seed is printed.
 
 With FILE (an .npz holding arrays q, k, v and optionally the scalars causal (bool) and scale
-(float)), audit that single problem in the file's dtype, or in each --dtype given.
+(float)), audit that single problem in the file's dtype, or in each --dtype given; when the file
+also holds do (the upstream gradient, o's shape), audit the gradients of attention_backward too.
+The standard audit has a gradient section of its own grid.
 
 Pass rule. {rule}
+
+{grad_rule}
 
 Exit status: 0 when everything passes, 1 when any case or property fails, 2 for usage errors
 (no GPU for --device gpu, unreadable FILE, missing array, shapes cuflash rejects).
@@ -38,7 +42,8 @@ class _InputError(click.ClickException):
 def _help() -> str:
     # click re-wraps each paragraph of the text, PASS_RULE's included.
     from cuflash._audit import PASS_RULE
-    return HELP.replace("{rule}", PASS_RULE)
+    from cuflash._audit_grad import GRAD_RULE
+    return HELP.replace("{rule}", PASS_RULE).replace("{grad_rule}", GRAD_RULE)
 
 
 def _parse_seed(text):
@@ -66,7 +71,7 @@ def _parse_seed(text):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Also write every result, the device, versions and the seed as JSON.")
 def main(file, device_name, dtypes, seed, quick, json_path):
-    from cuflash import _audit
+    from cuflash import _audit, _audit_grad
 
     t0 = time.perf_counter()
     try:
@@ -77,7 +82,7 @@ def main(file, device_name, dtypes, seed, quick, json_path):
         raise _InputError(str(exc)) from None
     click.echo(f"device: {device.name} ({reason})")
 
-    props = []
+    props, grads = [], []
     if file is None:
         mode = "standard"
         seed = _audit.new_seed() if seed == "random" else _parse_seed(seed)
@@ -88,6 +93,7 @@ def main(file, device_name, dtypes, seed, quick, json_path):
                                show_pos=True) as bar:
             cases = _audit.run_grid(device, shapes, dtypes, seed, progress=bar.update)
             props = _audit.property_audits(device, dtypes, seed)
+            grads = _audit_grad.run_grid(device, dtypes, seed, quick)
             bar.update(1)
     else:
         mode = "file"
@@ -100,6 +106,9 @@ def main(file, device_name, dtypes, seed, quick, json_path):
                        f"causal={inp.causal}   scale={'default' if inp.scale is None else inp.scale}"
                        f"   dtypes: {', '.join(dtypes)}")
             cases = _audit.run_inputs(device, inp, dtypes, raise_call_errors=True)
+            ginp, gdtypes = _audit_grad.inputs_from_npz(file, dtypes)
+            if ginp is not None:
+                grads = _audit_grad.run_inputs(device, ginp, gdtypes, raise_call_errors=True)
         except _audit.AuditError as exc:
             raise _InputError(str(exc)) from None
         except (ValueError, TypeError) as exc:
@@ -110,17 +119,25 @@ def main(file, device_name, dtypes, seed, quick, json_path):
     if props:
         click.echo("")
         click.echo(_audit.format_properties(props))
-    failures = _audit.format_failures(cases, props)
+    if grads:
+        click.echo("")
+        click.echo(_audit_grad.format_cases(grads))
+    failures = "\n".join(f for f in (_audit.format_failures(cases, props),
+                                     _audit_grad.format_failures(grads)) if f)
     if failures:
         click.echo("")
         click.echo(failures)
 
-    n_all = len(cases) + len(props)
-    n_pass = sum(r.passed for r in cases) + sum(p.passed for p in props)
+    n_all = len(cases) + len(props) + len(grads)
+    n_pass = sum(r.passed for r in cases) + sum(p.passed for p in props) + \
+        sum(g.passed for g in grads)
     elapsed = time.perf_counter() - t0
     if json_path:
         doc = _audit.to_json(device=device, reason=reason, seed=seed, mode=mode, cases=cases,
                              props=props, dtypes=dtypes, file=file, seconds=elapsed)
+        doc["gradients"] = _audit_grad.to_json(grads)
+        doc["summary"] = {**doc["summary"], "passed": n_pass, "failed": n_all - n_pass,
+                          "gradient_cases": len(grads)}
         with open(json_path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2, allow_nan=False)
             fh.write("\n")

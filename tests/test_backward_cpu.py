@@ -450,3 +450,70 @@ def test_backward_plans():
     specs = _dispatch.backward_kernel_specs(90)
     assert len(specs) == len(set(specs))
     assert any("cuflash_bwd_convert_dq" in s.name for s in specs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The gradient section of cuflash-check
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from cuflash.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_audit_has_a_gradient_section(tmp_path):
+    from cuflash import _audit_grad
+
+    path = tmp_path / "audit.json"
+    r = _cli("--quick", "--device", "cpu", "--seed", 4, "--json", path)
+    assert r.exit_code == 0, r.output
+    assert "gradients (cuflash.attention_backward vs float64)" in r.output
+    import json
+
+    doc = json.loads(path.read_text())
+    g = doc["gradients"]
+    assert len(g["cases"]) == len(_audit_grad.standard_grid(quick=True)) * 3  # 3 CPU dtypes
+    assert all(c["result"] == "PASS" for c in g["cases"])
+    assert set(g["cases"][0]["err"]) == {"dq", "dk", "dv"}
+    assert doc["summary"]["gradient_cases"] == len(g["cases"])
+
+
+def test_audit_gradient_failure_is_reported(monkeypatch):
+    """A backward that is wrong by a little more than the rule allows fails the audit."""
+    from cuflash import _audit_grad
+
+    real = _audit_grad.attention_backward
+
+    def off(*args, **kwargs):
+        dq, dk, dv = real(*args, **kwargs)
+        dk[..., 0, 0] += 0.5
+        return dq, dk, dv
+
+    monkeypatch.setattr(_audit_grad, "attention_backward", off)
+    r = _cli("--quick", "--device", "cpu", "--dtype", "float32")
+    assert r.exit_code == 1, r.output
+    assert "FAIL gradients float32" in r.output and "dk: max abs error" in r.output
+
+
+def test_audit_npz_with_do(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "qkv.npz"
+    np.savez(path, q=rng.standard_normal((2, 5, 16)).astype(np.float32),
+             k=rng.standard_normal((2, 9, 16)).astype(np.float32),
+             v=rng.standard_normal((2, 9, 8)).astype(np.float32),
+             do=rng.standard_normal((2, 5, 8)).astype(np.float32), causal=np.bool_(True))
+    r = _cli(path, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "gradients (cuflash.attention_backward" in r.output
+    assert "(2,5,9,16,8)" in r.output
+    np.savez(path, q=rng.standard_normal((2, 5, 16)).astype(np.float32),
+             k=rng.standard_normal((2, 9, 16)).astype(np.float32),
+             v=rng.standard_normal((2, 9, 8)).astype(np.float32))
+    r = _cli(path, "--device", "cpu")
+    assert r.exit_code == 0 and "gradients" not in r.output
+    np.savez(path, q=np.ones((2, 5, 16), np.float32), k=np.ones((2, 9, 16), np.float32),
+             v=np.ones((2, 9, 8), np.float32), do=np.ones((2, 5, 7), np.float32))
+    r = _cli(path, "--device", "cpu")
+    assert r.exit_code == 2 and "do has shape (2, 5, 7); expected (2, 5, 8)" in r.output
