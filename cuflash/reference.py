@@ -139,7 +139,8 @@ def _scores_f64(q, k, scale, causal):
     d = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * float(scale)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf inputs: 0 * inf, inf - inf
+        s = np.matmul(q, np.swapaxes(k, -1, -2)) * float(scale)
     if causal:
         s = np.where(_causal_mask(s.shape[-2], s.shape[-1]), s, -np.inf)
     return s
@@ -375,9 +376,14 @@ def naive_error_bound_f64(q, k, v, *, scale=None) -> float:
     d, sk = q.shape[-1], k.shape[-2]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    qn = float(np.max(np.sqrt(np.sum(q * q, axis=-1))))
-    kn = float(np.max(np.sqrt(np.sum(k * k, axis=-1))))
-    vmax = float(np.max(np.abs(v)))
+    def fmax(x):  # the largest finite value: NaN/inf inputs are judged by position instead
+        x = x[np.isfinite(x)]
+        return float(np.max(x)) if x.size else 0.0
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        qn = fmax(np.sqrt(np.sum(q * q, axis=-1)))
+        kn = fmax(np.sqrt(np.sum(k * k, axis=-1)))
+        vmax = fmax(np.abs(v))
     u = unit_roundoff("float64")
     return u * vmax * (2.0 * (d + 1) * abs(float(scale)) * qn * kn + 2.0 * sk + 4.0)
 
@@ -393,7 +399,8 @@ def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None) -> floa
         return naive_error_bound_f64(q, k, v, scale=scale)
     if o_ref is None:
         o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale)
-    diff = np.abs(naive_attention(q, k, v, causal=causal, scale=scale, dtype=dtype) - o_ref)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(naive_attention(q, k, v, causal=causal, scale=scale, dtype=dtype) - o_ref)
     diff = diff[np.isfinite(diff)]
     return float(diff.max()) if diff.size else 0.0
 
