@@ -403,7 +403,7 @@ def test_q_broadcast_and_float64_workspace(launches):
     bp = _dispatch.bwd_generic_plan("float64", 8, 8, False)
     assert bp.lse_acc
     need = _launch.backward_workspace_bytes(bp, prob)
-    assert need == 2 * _launch._align(6 * 17 * 8)
+    assert need == _launch._align(6 * 17 * 8) + _launch._align(2 * 6 * 17 * 8)  # delta; m, l
     ws = FakeArray((need,), 1 << 44, 1)
     _launch.launch_backward(bp, prob, dq, dk, dv, ws, ATTRS)
     p = launches[0][3]
