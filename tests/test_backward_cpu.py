@@ -517,3 +517,47 @@ def test_audit_npz_with_do(tmp_path):
              v=np.ones((2, 9, 8), np.float32), do=np.ones((2, 5, 7), np.float32))
     r = _cli(path, "--device", "cpu")
     assert r.exit_code == 2 and "do has shape (2, 5, 7); expected (2, 5, 8)" in r.output
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark's GPU twins of the reference gradients (run here with NumPy)
+
+def _bench():
+    import importlib.util
+
+    path = _compile.SOURCE_DIR.parent / "benchmarks" / "bench.py"
+    spec = importlib.util.spec_from_file_location("bench_for_tests", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_bench_gradient_twins_match_the_reference(dtype, causal):
+    bench = _bench()
+    rng = _rng("twins", dtype, causal)
+    q, k, v, do = (x[0] for x in _problem(rng, dtype, (1,), (1,), (1,), 40, 40, 16, 16))
+    scale = 0.25
+    (dq, dk, dv), scales = bench.grad_reference_xp(np, q, k, v, do, causal, scale)
+    want = ref.attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
+    for a, b in zip((dq, dk, dv), want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(scales, ref.gradient_scales(do, q, k, v, causal=causal,
+                                                           scale=scale), rtol=1e-12)
+    naive = bench.grad_naive_xp(np, q, k, v, do, causal, scale, dtype)
+    want = ref.naive_attention_backward(do, q, k, v, causal=causal, scale=scale, dtype=dtype)
+    for a, b in zip(naive, want):
+        # the same stages and roundings; float32 sums in another order may differ by an ulp of
+        # a stage, which rounding to the dtype can turn into one ulp of the dtype
+        u = ref.unit_roundoff(dtype)
+        assert float(np.max(np.abs(a - b))) <= 4 * u * max(1.0, float(np.max(np.abs(b))))
+
+
+def test_bench_backward_arguments():
+    bench = _bench()
+    args = bench.parse_args(["--pass", "backward"])
+    assert args.pass_ == "backward" and args.impl == bench.BACKWARD_IMPLS
+    args = bench.parse_args(["--pass", "backward", "--dtype", "float32"])
+    assert args.impl == bench.BACKWARD_FLOAT32_IMPLS
+    assert bench.parse_args([]).pass_ == "forward"
