@@ -14,9 +14,10 @@ so the work per point grows linearly with S. For each point and implementation t
 1. makes random normal inputs once (torch.randn on the GPU when PyTorch is present, shared with
    CuPy through DLPack; cupy.random otherwise) and uses the same q, k, v for every implementation;
 2. runs the implementation once and checks a few (batch, head) slices of its output against a
-   float64 CPU reference (cuflash.reference.attention_ref); the pass threshold is
-   cuflash.reference.tolerance, i.e. twice the error of a naive same-precision implementation on
-   the same slices plus a small absolute term. A failing implementation is not timed;
+   float64 CPU reference (cuflash.reference.attention_ref) by the project's pass rule,
+   cuflash.reference.pass_threshold: at most twice the error of a naive same-precision
+   implementation on the same slices plus a small absolute term, and within the a-priori
+   forward-error bound element by element. A failing implementation is not timed;
 3. runs --warmup untimed calls, then --repeats calls each bracketed by CUDA events on the stream
    the implementation runs on, and reports the median (min, max and all samples go to --json).
 
@@ -525,8 +526,8 @@ def naive_same_precision(env, q, k, v, causal, scale, dtype, precision=None):
 
 
 def pass_threshold(env, dtype, o_ref, naive_err):
-    if env.ref is not None:
-        return float(env.ref.tolerance(dtype, o_ref, naive_err))
+    """The fallback 2x-naive threshold, used only when cuflash.reference is not importable
+    (otherwise CheckSet takes the project's rule, cuflash.reference.pass_threshold)."""
     return 2.0 * naive_err + 2.0 * _UNIT[dtype] * float(np.max(np.abs(o_ref)))
 
 
@@ -571,33 +572,55 @@ class CheckSet:
             r1 = r0 + m
             k_end = r1 if pt["causal"] else s
             self.slices.append((b, h, r0, r1, k_end))
-        self.refs, self.tols, self.naive_errs = [], [], []
+        self.refs, self.tols, self.naive_errs, self.rules = [], [], [], []
         for (b, h, r0, r1, k_end) in self.slices:
             qs = to_host_f64(q[b, h, r0:r1], env)
             ks = to_host_f64(k[b, h, :k_end], env)
             vs = to_host_f64(v[b, h, :k_end], env)
             ref = reference_f64(env, qs, ks, vs, pt["causal"], scale)
-            naive = naive_same_precision(env, qs, ks, vs, pt["causal"], scale, self.dtype,
-                                         precision)
-            nerr = float(np.max(np.abs(naive - ref)))
+            if env.ref is not None:
+                # The project's one rule: the 2x-naive threshold and the a-priori bound.
+                rule = env.ref.pass_threshold(qs, ks, vs, causal=pt["causal"], scale=scale,
+                                              dtype=self.dtype, o_ref=ref, precision=precision)
+                nerr, tol = rule.naive_err, rule.threshold
+            else:
+                rule = None
+                naive = naive_same_precision(env, qs, ks, vs, pt["causal"], scale, self.dtype,
+                                             precision)
+                nerr = float(np.max(np.abs(naive - ref)))
+                tol = pass_threshold(env, self.dtype, ref, nerr)
             self.refs.append(ref)
+            self.rules.append(rule)
             self.naive_errs.append(nerr)
-            self.tols.append(pass_threshold(env, self.dtype, ref, nerr))
+            self.tols.append(tol)
+        self.last_bound_ratio = None
 
     def check(self, out):
-        """(passed, max_abs_err, worst err/threshold ratio) for an output of the full shape."""
-        worst_err, worst_ratio, ok = 0.0, 0.0, True
-        for (b, h, r0, r1, _), ref, tol in zip(self.slices, self.refs, self.tols):
+        """(passed, max_abs_err, worst err/threshold ratio) for an output of the full shape;
+        the worst fraction of the a-priori bound is left in `last_bound_ratio` (None without
+        cuflash.reference)."""
+        worst_err, worst_ratio, worst_bound, ok = 0.0, 0.0, 0.0, True
+        self.last_bound_ratio = None
+        for (b, h, r0, r1, _), ref, tol, rule in zip(self.slices, self.refs, self.tols,
+                                                      self.rules):
             got = to_host_f64(out[b, h, r0:r1], self.env)
             if got.shape != ref.shape:
                 raise ValueError(f"output slice has shape {got.shape}, expected {ref.shape}")
             if not np.all(np.isfinite(got)):
                 return False, float("nan"), float("inf")
-            err = float(np.max(np.abs(got - ref)))
+            if rule is not None:
+                verdict = rule.judge(got)
+                err, ratio = verdict.max_abs_err, verdict.frac_threshold
+                worst_bound = max(worst_bound, verdict.frac_bound)
+                ok = ok and verdict.passed
+            else:
+                err = float(np.max(np.abs(got - ref)))
+                ratio = err / tol if tol > 0 else (0.0 if err == 0 else float("inf"))
+                ok = ok and err <= tol
             worst_err = max(worst_err, err)
-            ratio = err / tol if tol > 0 else (0.0 if err == 0 else float("inf"))
             worst_ratio = max(worst_ratio, ratio)
-            ok = ok and err <= tol
+        if self.rules and self.rules[0] is not None:
+            self.last_bound_ratio = worst_bound
         return ok, worst_err, worst_ratio
 
     def summary(self):
@@ -1257,6 +1280,7 @@ def run_point(env, args, impls, spinner, pt, index, l2_bytes):
                 ok, err, ratio = check.check(out)
                 r["max_abs_err"] = err
                 r["err_over_threshold"] = ratio
+                r["err_over_bound"] = check.last_bound_ratio
                 del out
                 if not ok and impl.must_pass:
                     r["status"] = "FAIL"

@@ -94,8 +94,13 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
 
     Notes
     -----
-    NaN and inf in the inputs propagate as in the float64 reference: a NaN score makes its row
-    NaN; a score of +inf makes its row NaN (inf - inf), as ``scipy.special.softmax`` does.
+    NaN and inf in the inputs reach exactly the rows that see them. A key that a row cannot see
+    (masked by ``causal``) does not touch that row, whatever its values; a row that sees no key
+    gives 0 and ``lse = -inf`` even if its q holds NaN. In the rows that see them they propagate
+    as in the float64 reference (`cuflash.reference.attention_ref`): a NaN score makes its row
+    NaN, and so does a score of +inf (inf - inf, as ``scipy.special.softmax`` gives); a NaN in
+    ``v`` makes that column NaN in every row that sees the key; an inf in ``v`` makes it inf, or
+    NaN where it meets a weight that rounded to 0 or an inf of the other sign.
     """
     prob = _checks.check_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
                                    out=out, stream=stream, kernel=kernel, precision=precision)

@@ -1,21 +1,25 @@
 """The NumPy path of :func:`cuflash.attention`: the tiled online-softmax recurrence on the CPU.
 
-The keys are visited in tiles of ``block_k``; each tile updates a running state ``(m, l, O)`` for
-every (batch, query row) at once, exactly as a GPU thread block would for its rows (see
-:mod:`cuflash.reference` for the recurrence).  The only Python loop is over key tiles.
+The (broadcast) batch is walked in chunks of heads small enough that a chunk's score tile stays
+in the CPU caches (about 4 MiB); within a chunk the keys are visited in tiles of ``block_k``
+(512 by default) and each tile updates a running state ``(m, l, O)`` for every (head, query row)
+of the chunk at once, exactly as a GPU thread block would for its rows (see
+:mod:`cuflash.reference` for the recurrence).  Extra memory is one score tile, the chunk's
+working copies of q, k, v and the state: O(S), never ``Sq x Sk``.
 
 Precision follows the kernels: float16 / float32 (and bfloat16, when ml_dtypes provides it)
 inputs are upcast to float32 and the state is kept in float32; float64 inputs use float64
-throughout.  The output has the input dtype and the log-sum-exp is float32.
-
-Across tiles, ``l`` and ``O`` are summed with Kahan compensation, so the accumulated rounding
-does not grow with the number of tiles (small ``block_k``, long sequences).
+throughout; the matrix products go to BLAS in that precision.  The softmax scale is folded into
+the working copy of q (one rounding).  The output has the input dtype and the log-sum-exp is
+float32.  When a row's keys span more than a few tiles (small ``block_k``, long sequences),
+``l`` and ``O`` are summed across tiles with Kahan compensation, so the accumulated rounding does
+not grow with the number of tiles.
 
 Rows that see no key (causal with ``Sq > Sk``) give ``o = 0`` and ``lse = -inf`` without NaN.
-NaN and inf in the inputs are not sanitised: they propagate to the rows they reach (a NaN or
-``+inf`` score makes its row NaN; a NaN in ``v`` reaches every row whose tile holds that key,
-since a masked weight of 0 times NaN is NaN).  A row whose scores are all ``-inf`` is treated as
-fully masked.
+NaN and inf in the inputs are not sanitised; they reach exactly the rows that see them, as in
+the float64 reference: a NaN or ``+inf`` score makes its row NaN, a NaN in ``v`` makes its
+column NaN in every row that sees that key, and a key that a row cannot see (masked) does not
+touch that row.  A row whose scores are all ``-inf`` is treated as fully masked.
 """
 from __future__ import annotations
 
@@ -25,15 +29,40 @@ import numpy as np
 
 __all__ = ["attention_numpy", "merge_states_numpy"]
 
+#: Keys per tile by default.
+BLOCK_K = 512
+#: Score-tile elements a chunk of heads aims at (float32: 4 MiB, about an L2 or L3 slice).
+TILE_ELEMS = 1 << 20
+#: Kahan compensation across tiles pays only when a row's keys span more tiles than this.
+KAHAN_MIN_TILES = 8
+
 
 def _acc_dtype(dtype: np.dtype) -> np.dtype:
     """Accumulation dtype: float64 for float64 inputs, float32 for everything narrower."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+def _gather(x: np.ndarray, batch, n0: int, n1: int, acc: np.dtype, scale=None) -> np.ndarray:
+    """Heads ``n0..n1-1`` of the flattened broadcast batch of ``x`` (..., S, D) as a contiguous
+    (n1 - n0, S, D) array of ``acc``: a copy of that chunk only, also for broadcast inputs (a
+    read-only view of ``x`` itself where no copy is needed).  With ``scale``, a new array
+    holding ``scale * x``."""
+    tail = x.shape[-2:]
+    if not batch:
+        chunk = x[None]
+    elif x.shape[:-2] == tuple(batch):
+        chunk = x.reshape((-1,) + tail)[n0:n1]   # a view unless the batch axes do not merge
+    else:
+        xb = np.broadcast_to(x, tuple(batch) + tail)
+        chunk = xb[np.unravel_index(np.arange(n0, n1), batch)]
+    if scale is not None:
+        return np.multiply(chunk, scale, dtype=acc)
+    return np.ascontiguousarray(chunk, dtype=acc)
+
+
 def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool, scale: float,
                     out: Optional[np.ndarray], need_lse: bool,
-                    block_k: int = 128) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+                    block_k: int = BLOCK_K) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """Exact attention on NumPy arrays by the tiled online-softmax recurrence.
 
     Parameters
@@ -53,7 +82,7 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
     need_lse : bool
         Whether to compute and return the log-sum-exp.
     block_k : int
-        Keys per tile.
+        Keys per tile (default 512).
 
     Returns
     -------
@@ -61,86 +90,116 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
         ``out`` itself when it was given.
     lse : ndarray of float32, shape (broadcast batch..., Sq), or None
         Natural log.  Fully masked rows give ``o = 0`` and ``lse = -inf``.  NaN/inf in the
-        inputs propagate (nothing is sanitised).
+        inputs reach the rows that see them (nothing is sanitised; masked keys touch nothing).
 
     Notes
     -----
     For each key tile ``[j0, j1)`` only the query rows that see at least one of its keys are
     touched (with causal masking, rows ``i >= j0 - (Sk - Sq)``), and the element mask is
     applied only where the tile crosses the diagonal.  Rows skipped by every tile keep the
-    empty state ``(-inf, 0, 0)``.  The running sums ``l`` and ``O`` are accumulated across
-    tiles with Kahan compensation (still in the accumulation dtype), so the error does not grow
-    with the number of tiles.
+    empty state ``(-inf, 0, 0)``.  Extra memory: one score tile of about ``TILE_ELEMS``
+    elements (at least one head's ``Sq x block_k``), the chunk's working copies and the
+    float32 (float64) state and output.
     """
     dtype = q.dtype
     acc = _acc_dtype(dtype)
-    sq = q.shape[-2]
+    sq, d = q.shape[-2:]
     sk, dv = k.shape[-2], v.shape[-1]
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    block_k = max(1, int(block_k))
+    batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    n_heads = int(np.prod(batch)) if batch else 1
+    block_k = max(1, min(int(block_k), sk))
     off = sk - sq  # query i sees keys j <= i + off
-
-    q_acc = q.astype(acc)  # contiguous working copy (one pass over q)
+    n_tiles = -(-sk // block_k)
+    kahan = n_tiles > KAHAN_MIN_TILES
+    hb = max(1, min(n_heads, TILE_ELEMS // max(1, sq * block_k)))
     scale_acc = acc.type(scale)
     zero = acc.type(0)
 
-    # Running state per (batch, row), plus the compensation terms of l and O.
-    m = np.full(batch + (sq,), -np.inf, dtype=acc)
-    l = np.zeros(batch + (sq,), dtype=acc)
-    o_acc = np.zeros(batch + (sq, dv), dtype=acc)
-    l_comp = np.zeros_like(l)
-    o_comp = np.zeros_like(o_acc)
+    o_all = np.empty((n_heads, sq, dv), dtype=acc)
+    lse_all = np.empty((n_heads, sq), dtype=np.float32) if need_lse else None
+    buf = np.empty(hb * sq * block_k, dtype=acc)       # the score tile, reused
 
-    for j0 in range(0, sk, block_k):
-        j1 = min(j0 + block_k, sk)
-        # With causal masking, rows i < j0 - off see none of keys j0..j1-1: the tile lies
-        # wholly above the diagonal for them, so they are not touched at all.
-        r0 = max(0, j0 - off) if causal else 0
-        if r0 >= sq:
-            continue
-        kt = k[..., j0:j1, :].astype(acc, copy=False)
-        vt = v[..., j0:j1, :].astype(acc, copy=False)
-        s = np.matmul(q_acc[..., r0:, :], np.swapaxes(kt, -1, -2))
-        s *= scale_acc
-        if causal:
-            # Rows r0..r1-1 see only part of the tile (the tile crosses the diagonal there).
-            r1 = min(sq, j1 - 1 - off)
+    for n0 in range(0, n_heads, hb):
+        n1 = min(n_heads, n0 + hb)
+        qc = _gather(q, batch, n0, n1, acc, scale=scale_acc)   # the scale, folded in once
+        kc = _gather(k, batch, n0, n1, acc)
+        vc = _gather(v, batch, n0, n1, acc)
+        v_finite = bool(np.isfinite(vc).all()) if causal else True
+        h = n1 - n0
+        m = np.full((h, sq), -np.inf, dtype=acc)
+        l = np.zeros((h, sq), dtype=acc)
+        o_acc = np.zeros((h, sq, dv), dtype=acc)
+        l_comp = np.zeros_like(l) if kahan else None
+        o_comp = np.zeros_like(o_acc) if kahan else None
+
+        for j0 in range(0, sk, block_k):
+            j1 = min(j0 + block_k, sk)
+            # With causal masking, rows i < j0 - off see none of keys j0..j1-1: the tile lies
+            # wholly above the diagonal for them, so they are not touched at all.
+            r0 = max(0, j0 - off) if causal else 0
+            if r0 >= sq:
+                continue
+            rows = sq - r0
+            s = buf[: h * rows * (j1 - j0)].reshape(h, rows, j1 - j0)
+            np.matmul(qc[:, r0:, :], kc[:, j0:j1, :].swapaxes(-1, -2), out=s)
+            r1 = min(sq, j1 - 1 - off) if causal else r0
             if r1 > r0:
-                rows = np.arange(r0, r1)[:, None]
-                cols = np.arange(j0, j1)[None, :]
-                np.copyto(s[..., : r1 - r0, :], -np.inf, where=cols > rows + off)
+                # Rows r0..r1-1 see only part of the tile (the tile crosses the diagonal there).
+                band = np.arange(j0, j1)[None, :] > np.arange(r0, r1)[:, None] + off
+                np.copyto(s[:, : r1 - r0, :], -np.inf, where=band)
 
-        m_old = m[..., r0:]
-        m_new = np.maximum(m_old, s.max(axis=-1))
-        # Every touched row sees at least one key of the tile, so m_new is -inf only where the
-        # inputs themselves gave -inf scores; shift by 0 there so exp yields 0, not NaN.
-        shift = np.where(m_new == -np.inf, zero, m_new)
-        alpha = np.exp(m_old - shift)
-        p = np.exp(s - shift[..., None])
+            m_old = m[:, r0:]
+            m_new = np.maximum(m_old, s.max(axis=-1))
+            # Every touched row sees at least one key of the tile, so m_new is -inf only where
+            # the inputs themselves gave -inf scores; shift by 0 there so exp yields 0, not NaN.
+            shift = np.where(m_new == -np.inf, zero, m_new)
+            with np.errstate(invalid="ignore"):  # inf - inf where the inputs carried inf
+                s -= shift[..., None]
+                alpha = np.exp(m_old - shift)
+            np.exp(s, out=s)
+            m[:, r0:] = m_new
+            if r1 > r0 and not v_finite:
+                # 0 * NaN from a masked key's value must not reach the rows that cannot see it.
+                from .reference import masked_matmul
+                vis = np.ones((rows, j1 - j0), dtype=bool)
+                vis[: r1 - r0] = ~band
+                pv = masked_matmul(s, vc[:, j0:j1, :], vis).astype(acc, copy=False)
+            else:
+                pv = np.matmul(s, vc[:, j0:j1, :])
+            psum = s.sum(axis=-1)
 
-        l_rows, lc_rows = l[..., r0:], l_comp[..., r0:]
-        o_rows, oc_rows = o_acc[..., r0:, :], o_comp[..., r0:, :]
-        l_rows *= alpha
-        lc_rows *= alpha
-        o_rows *= alpha[..., None]
-        oc_rows *= alpha[..., None]
-        _compensated_add(l_rows, lc_rows, p.sum(axis=-1))
-        _compensated_add(o_rows, oc_rows, np.matmul(p, vt))
-        m[..., r0:] = m_new
+            l_rows, o_rows = l[:, r0:], o_acc[:, r0:, :]
+            rescale = not bool(np.all(alpha == 1))
+            if kahan:
+                lc_rows, oc_rows = l_comp[:, r0:], o_comp[:, r0:, :]
+                if rescale:
+                    l_rows *= alpha
+                    lc_rows *= alpha
+                    o_rows *= alpha[..., None]
+                    oc_rows *= alpha[..., None]
+                _compensated_add(l_rows, lc_rows, psum)
+                _compensated_add(o_rows, oc_rows, pv)
+            else:
+                if rescale:
+                    l_rows *= alpha
+                    o_rows *= alpha[..., None]
+                l_rows += psum
+                o_rows += pv
 
-    empty = m == -np.inf
-    l_safe = np.where(empty, acc.type(1), l)
-    o_acc /= l_safe[..., None]  # empty rows have O = 0, so they stay 0
+        empty = m == -np.inf
+        l_safe = np.where(empty, acc.type(1), l)
+        o_acc /= l_safe[..., None]  # empty rows have O = 0, so they stay 0
+        o_all[n0:n1] = o_acc
+        if need_lse:
+            lse_all[n0:n1] = np.where(empty, -np.inf, m + np.log(l_safe))
 
+    o_all = o_all.reshape(batch + (sq, dv))
     if out is not None:
-        out[...] = o_acc
+        out[...] = o_all
         o = out
     else:
-        o = o_acc.astype(dtype, copy=False)
-
-    lse = None
-    if need_lse:
-        lse = np.where(empty, -np.inf, m + np.log(l_safe)).astype(np.float32)
+        o = o_all.astype(dtype, copy=False)
+    lse = lse_all.reshape(batch + (sq,)) if need_lse else None
     return o, lse
 
 

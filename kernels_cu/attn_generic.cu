@@ -15,6 +15,8 @@
 //     O     = alpha * O + sum_j p_j v_j
 //   o = O / l, lse = m + log l                    (a row that saw no key: o = 0, lse = -inf)
 // The dot products accumulate in four interleaved partial sums (shorter rounding chains).
+// Under the causal mask a key a row cannot see contributes nothing to that row, not even
+// 0 * v (NaN or inf in a masked key's value never reaches the rows that cannot see it).
 //
 // Work split: a block of NWARPS warps owns BLOCK_M = NWARPS * ROWS query rows; each warp owns ROWS
 // rows. Within a warp, for the score step lane j owns key j of the tile (BC = 32); for the output
@@ -131,12 +133,16 @@ cuflash_fwd_generic(const AttnParams p) {
 #pragma unroll
         for (int r = 0; r < Cfg::ROWS; ++r) s[r] = (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
         const long long key = key0 + lane;
+        // Under the causal mask, bit j of vis[r] says whether row r sees key key0 + j: a masked
+        // key's value must not reach the row (its weight is 0, but 0 * NaN would be NaN).
+        unsigned vis[Cfg::ROWS];
 #pragma unroll
         for (int r = 0; r < Cfg::ROWS; ++r) {
             const long long row = row0 + warp * Cfg::ROWS + r;
             bool valid = key < p.sk;
             if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
             s[r] = valid ? s[r] * scale : neg_inf<Acc>();
+            vis[r] = CAUSAL ? __ballot_sync(0xffffffffu, valid) : 0xffffffffu;
         }
 
         // Online-softmax update and P.V, one row at a time.
@@ -158,8 +164,12 @@ cuflash_fwd_generic(const AttnParams p) {
 #pragma unroll Cfg::PV_UNROLL
             for (int j = 0; j < Cfg::BC; ++j) {
                 const Acc pb = __shfl_sync(0xffffffffu, pj, j);
+                const bool seen = !CAUSAL || ((vis[r] >> j) & 1u);
 #pragma unroll
-                for (int c = 0; c < Cfg::DVC; ++c) tile[c] += pb * v_s[j * Cfg::V_STRIDE + c * 32 + lane];
+                for (int c = 0; c < Cfg::DVC; ++c) {
+                    const Acc vj = v_s[j * Cfg::V_STRIDE + c * 32 + lane];
+                    tile[c] += pb * (seen ? vj : Acc(0));
+                }
             }
 #pragma unroll
             for (int c = 0; c < Cfg::DVC; ++c) acc[r][c] = acc[r][c] * alpha + tile[c];

@@ -1,6 +1,6 @@
 """Helpers for the GPU tests: inputs of any dtype (bfloat16 included) made from float64 values,
-NaN-poisoned output buffers, and the float64 comparison with the pass rule of
-`cuflash.reference.tolerance`."""
+NaN-poisoned output buffers, and the float64 comparison with the project's one pass rule,
+`cuflash.reference.pass_threshold` (the 2x-naive threshold and the a-priori bound)."""
 import numpy as np
 
 from cuflash import reference
@@ -56,29 +56,31 @@ def random_inputs(rng, batch_q, batch_kv, sq, sk, d, dv, dtype, scale_v=1.0):
 
 
 def reference_result(q, k, v, *, causal, scale, dtype, precision=None):
-    """(o_ref, lse_ref, pass threshold, naive error) for inputs q, k, v: what
-    `check_against_reference` compares with, for reuse across kernels run on the same inputs.
-    `precision`: the float32 product mode whose naive counterpart sets the bar."""
+    """(o_ref, lse_ref, rule) for inputs q, k, v, with `rule` the `cuflash.reference.PassRule`
+    that `check_against_reference` judges by, for reuse across kernels run on the same inputs.
+    `precision`: the float32 product mode (None or "highest", "high") whose rule applies."""
     o_ref, lse_ref = reference.attention_ref(q, k, v, causal=causal, scale=scale)
-    tol, naive_err = reference.pass_threshold(q, k, v, causal=causal, scale=scale, dtype=dtype,
-                                              o_ref=o_ref, precision=precision)
-    return o_ref, lse_ref, tol, naive_err
+    rule = reference.pass_threshold(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref,
+                                    precision=precision)
+    return o_ref, lse_ref, rule
 
 
 def check_against_reference(o_gpu, lse_gpu, q, k, v, *, causal, scale, dtype, extra_tol=0.0,
                             ref=None, precision=None, lse_tol=(1e-4, 1e-5)):
-    """Assert the pass rule for `o_gpu` (widened by `extra_tol`) and a tight match for `lse_gpu`
-    (|error| <= lse_tol[0] + lse_tol[1] |lse_ref|). `ref`: a `reference_result` for these
-    inputs, if already computed."""
+    """Assert the pass rule for `o_gpu` (both bars widened by `extra_tol`) and a tight match for
+    `lse_gpu` (|error| <= lse_tol[0] + lse_tol[1] |lse_ref|). `ref`: a `reference_result` for
+    these inputs, if already computed. Returns (max abs error, naive error)."""
     if ref is None:
         ref = reference_result(q, k, v, causal=causal, scale=scale, dtype=dtype,
                                precision=precision)
-    o_ref, lse_ref, tol, naive_err = ref
-    tol += extra_tol
+    o_ref, lse_ref, rule = ref
+    if extra_tol:
+        rule = rule.widened(extra_tol)
     o = to_host64(o_gpu)
     assert not np.isnan(o).any(), f"{int(np.isnan(o).sum())} output elements are NaN (unwritten?)"
-    err = float(np.max(np.abs(o - o_ref)))
-    assert err <= tol, f"max abs error {err:.3e} > threshold {tol:.3e} (naive {naive_err:.3e})"
+    verdict = rule.judge(o)
+    assert verdict.passed, "; ".join(verdict.reasons) + f" (naive {rule.naive_err:.3e})"
+    err = verdict.max_abs_err
     if lse_gpu is not None:
         lse = to_host64(lse_gpu)
         assert not np.isnan(lse).any(), "lse has NaN (unwritten?)"
@@ -89,7 +91,7 @@ def check_against_reference(o_gpu, lse_gpu, q, k, v, *, causal, scale, dtype, ex
             lerr = np.abs(lse[fin] - lse_ref[fin])
             bound = lse_tol[0] + lse_tol[1] * np.abs(lse_ref[fin])
             assert np.all(lerr <= bound), f"lse error {lerr.max():.3e}"
-    return err, naive_err
+    return err, rule.naive_err
 
 
 # ---------------------------------------------------------------------------------------------
