@@ -563,3 +563,79 @@ def test_bench_backward_arguments():
     args = bench.parse_args(["--pass", "backward", "--dtype", "float32"])
     assert args.impl == bench.BACKWARD_FLOAT32_IMPLS
     assert bench.parse_args([]).pass_ == "forward"
+
+
+# ---------------------------------------------------------------------------------------------
+# The generic GPU kernels' indexing, through a NumPy model (tests/bwd_generic_model.py) run on
+# the parameter block launch_backward builds
+
+MODEL_CASES = [  # (dtype, q batch, k batch, v batch, Sq, Sk, D, Dv, causal, layout)
+    ("float16", (2, 4), (2, 1), (2, 1), 37, 50, 40, 24, True, "contiguous"),   # MQA, summed
+    ("float32", (1, 3), (2, 3), (2, 3), 20, 33, 16, 16, False, "contiguous"),  # dq summed
+    ("float64", (2, 3), (2, 3), (2, 3), 40, 9, 64, 64, True, "bshd"),   # rows without keys
+    ("float64", (2,), (2,), (2,), 9, 45, 200, 136, True, "contiguous"),  # the WIDE config
+    ("bfloat16", (3, 2), (3, 2), (3, 2), 33, 33, 64, 64, True, "bshd"),
+    ("float16", (), (3,), (3,), 5, 70, 8, 8, False, "contiguous"),  # 2-D q, dq summed
+]
+
+
+@pytest.mark.parametrize("dtype,qb,kb,vb,sq,sk,d,dv,causal,layout", MODEL_CASES)
+def test_generic_kernels_model(dtype, qb, kb, vb, sq, sk, d, dv, causal, layout, monkeypatch):
+    import bwd_generic_model as model
+
+    rng = _rng("model", dtype, qb, kb, vb, sq, sk, d, dv, causal)
+    q, k, v, do = _problem(rng, dtype, qb, kb, vb, sq, sk, d, dv)
+    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal)
+    o = ref.round_to(o_ref, dtype)
+    lse = ref.round_to(lse_ref, "float32")
+    batch = tuple(np.broadcast_shapes(qb, kb, vb))
+    item = 8 if dtype == "float64" else (4 if dtype == "float32" else 2)
+    mem = model.Memory()
+
+    def arr(x, itemsize=item):
+        if layout == "bshd" and x.ndim == 4:  # (B, S, H, D) memory seen as (B, H, S, D)
+            b, h, s_, c = x.shape
+            return model.FakeArray(mem, x, itemsize, [s_ * h * c, c, h * c, 1])
+        return model.FakeArray(mem, x, itemsize)
+
+    fq, fk, fv, fo, fdo = (arr(x) for x in (q, k, v, o, do))
+    # lse through a strided view (every other float32), as a slice of a wider buffer gives
+    flse = model.FakeArray(mem, lse, 4, [int(np.prod(lse.shape[i + 1:])) * 2
+                                         for i in range(lse.ndim - 1)] + [2])
+    grads = [arr(np.zeros(x.shape)) for x in (q, k, v)]
+    for g in grads:  # poison: unwritten elements stay NaN
+        g.mem.write(g.data.ptr, np.arange(g.nbytes // item), np.full(g.nbytes // item, np.nan))
+    prob = types.SimpleNamespace(q=fq, k=fk, v=fv, o=fo, do=fdo, lse=flse, batch_shape=batch,
+                                 sq=sq, sk=sk, d=d, dv=dv, dtype_name=dtype, scale=d ** -0.5,
+                                 stream=None, device_id=0, deterministic=True, causal=causal,
+                                 kernel="generic")
+    bp = _dispatch.bwd_generic_plan(dtype, d, dv, causal)
+    acc = 8 if dtype == "float64" else 4
+    ws_bytes = _launch.backward_workspace_bytes(bp, prob)
+    ws = types.SimpleNamespace(nbytes=ws_bytes, data=types.SimpleNamespace(
+        ptr=mem.alloc(ws_bytes // acc, acc)))
+    assert ws.data.ptr % 256 == 0
+    launches = []
+
+    def get_kernel(spec, dev, smem=0):
+        return lambda grid, block, args, shared_mem=0, stream=None: launches.append(
+            (spec.name, grid[0], block[0], args[0]))
+
+    monkeypatch.setattr(_compile, "get_kernel", get_kernel)
+    monkeypatch.setattr(_launch, "_stream_ptr", lambda s: None)
+    _launch.launch_backward(bp, prob, *grads, ws, ATTRS)
+    model.run_plan_launches(mem, launches, causal, dtype)
+
+    g_ref = ref.attention_backward_ref(do, q, k, v, causal=causal)
+    u = ref.unit_roundoff(dtype)
+    lse_rel = 0.0 if dtype in ("float32", "float64") else 8 * 2.0 ** -24 * max(
+        1.0, float(np.max(np.abs(lse_ref[np.isfinite(lse_ref)]))))
+    for name, g, r in zip(("dq", "dk", "dv"), grads, g_ref):
+        got = g.values()
+        assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} elements unwritten"
+        scale_r = float(np.max(np.abs(r)))
+        # the model's only errors: inputs o (rounded to dtype) and lse (float32) for 16-bit,
+        # and one rounding of the output
+        tol = (2 * u + lse_rel + 64 * 2.0 ** -53) * max(scale_r, 1.0) * 8
+        err = float(np.max(np.abs(got - r)))
+        assert err <= tol, f"{name}: model error {err:.3e} > {tol:.3e}"
