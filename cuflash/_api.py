@@ -260,8 +260,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         ``attention_backward_workspace_size(...)`` bytes, 256-byte aligned (any freshly
         allocated CuPy array is). Without it the call allocates that workspace: ``delta``
         (batch x Sq, float32; float64 for float64 inputs), for float32 and float64 also the
-        recomputed row max and sum (twice that), and for kernels that accumulate dq with atomics a float32 dq
-        accumulator (batch x Sq x D). With ``out=`` and ``workspace=`` nothing is allocated and
+        recomputed row max and sum (twice that), and for kernels that accumulate dq with
+        atomics a float32 dq accumulator (batch x Sq x D). With ``out=`` and ``workspace=`` nothing is allocated and
         the call can be captured in a CUDA graph, except in two rare layouts that take
         temporaries: k and v broadcasting along different batch axes, and more than three batch
         axes that no stride pattern merges.
