@@ -24,6 +24,14 @@ so the work per point grows linearly with S. For each point and implementation t
 FLOPs per point: 4 * B * H * Sq * Sk * D (two matmuls of 2 * Sq * Sk * D each per head),
 halved when causal. TFLOP/s = FLOPs / median seconds / 1e12.
 
+``--pass backward`` times the backward pass instead (cuflash.attention_backward against torch's
+FLASH, CUDNN and EFFICIENT backward through torch.autograd.grad on a retained graph, so only the
+backward runs in the timed calls), with an upstream gradient do drawn like the inputs; every
+result's dq, dk and dv are first checked on whole (batch, head) slices against float64 gradients
+computed on the GPU, under cuflash.reference's gradient rule (twice the error of a naive
+same-precision backward plus the small absolute term; see BackwardCheckSet). FLOPs are 2.5x the
+forward's (five matmuls instead of two). ``cuflash-det`` is cuflash with deterministic=True.
+
 See benchmarks/README.md for the method in prose.
 """
 from __future__ import annotations
@@ -63,20 +71,28 @@ DEFAULT_WARMUP = 5
 
 # Implementations in table order. cuflash-tensorcore forces the mma.sync kernel (what "auto" runs
 # before Hopper), cuflash-generic the scalar audit kernel: both off by default.
-IMPLS = ("cuflash", "cuflash-high", "cuflash-tensorcore", "cuflash-generic", "torch-flash",
-         "torch-cudnn", "torch-efficient", "torch-math", "cupy-naive")
+IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-generic",
+         "torch-flash", "torch-cudnn", "torch-efficient", "torch-math", "cupy-naive")
 DEFAULT_IMPLS = ("cuflash", "torch-flash", "torch-cudnn", "torch-efficient", "cupy-naive")
 # float32 (--dtype float32): cuflash's float32-accurate default and its one-pass TF32 mode
 # (precision="high"), against torch's two float32 SDPA backends (FLASH and CUDNN refuse float32).
 FLOAT32_IMPLS = ("cuflash", "cuflash-high", "torch-efficient", "torch-math", "cupy-naive")
+#: --pass backward: cuflash (and deterministic=True) against torch's three fused backwards; for
+#: float32 against EFFICIENT, the one fused torch backward that takes float32.
+BACKWARD_IMPLS = ("cuflash", "cuflash-det", "torch-flash", "torch-cudnn", "torch-efficient")
+BACKWARD_FLOAT32_IMPLS = ("cuflash", "cuflash-det", "torch-efficient")
+#: Backward FLOPs per forward FLOP: dS = ..., dQ, dK, dV and the recomputed S: 5 matmuls vs 2.
+BACKWARD_FLOP_FACTOR = 2.5
 IMPL_ALIASES = {
+    "det": "cuflash-det",
     "flash": "torch-flash", "cudnn": "torch-cudnn", "efficient": "torch-efficient",
     "mem-efficient": "torch-efficient", "naive": "cupy-naive", "generic": "cuflash-generic",
     "tensorcore": "cuflash-tensorcore", "high": "cuflash-high", "math": "torch-math",
 }
 # The peers the speed ratios are taken against, with the column title of each ratio.
 RATIO_PEERS = (("torch-flash", "cuflash/FLASH"), ("torch-cudnn", "cuflash/CUDNN"),
-               ("torch-efficient", "cuflash/EFF"), ("torch-math", "cuflash/MATH"))
+               ("torch-efficient", "cuflash/EFF"), ("torch-math", "cuflash/MATH"),
+               ("cuflash-det", "cuflash/det"))  # the last: what deterministic=True costs
 
 FALLBACK_L2_BYTES = 50 * 1024 ** 2
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
@@ -203,6 +219,8 @@ def parse_args(argv=None):
                    help="B * S at every point (default %(default)s)")
     p.add_argument("--width", type=_pos_int, default=WIDTH,
                    help="H * D at every point (default %(default)s)")
+    p.add_argument("--pass", dest="pass_", choices=("forward", "backward"), default="forward",
+                   help="time the forward pass (default) or the backward pass (dq, dk, dv)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: D in {QUICK_D}, S in {QUICK_S}, causal 0/1, "
                         f"{QUICK_REPEATS} repeats (explicit options still win)")
@@ -231,6 +249,8 @@ def parse_args(argv=None):
     args.s = args.s or (QUICK_S if args.quick else DEFAULT_S)
     args.causal = args.causal or DEFAULT_CAUSAL
     args.dtype = args.dtype or DEFAULT_DTYPES
+    if args.impl is None and args.pass_ == "backward":
+        args.impl = BACKWARD_FLOAT32_IMPLS if args.dtype == ("float32",) else BACKWARD_IMPLS
     if args.impl is None:
         args.impl = FLOAT32_IMPLS if args.dtype == ("float32",) else DEFAULT_IMPLS
     if args.repeats is None:
@@ -451,6 +471,7 @@ def collect_header(env, args):
         "repeats": args.repeats, "warmup": args.warmup, "check_slices": args.check_slices,
         "check_rows": args.check_rows, "naive_max_gb": args.naive_max_gb,
         "time_cap_s": args.time_cap, "seed": args.seed, "impls": list(args.impl),
+        "pass": args.pass_,
     }
     return h
 
@@ -608,6 +629,132 @@ class CheckSet:
 
 
 # ---------------------------------------------------------------------------------------------
+# backward: float64 gradients and the naive same-precision backward, on the GPU
+# ---------------------------------------------------------------------------------------------
+# GPU twins (any array module xp: CuPy here, NumPy in tests/test_backward_cpu.py, which checks
+# them against cuflash.reference.attention_backward_ref, naive_attention_backward and
+# gradient_scales) for one (Sq, D) head: a whole head of the benchmark's sizes (S up to 16384)
+# is out of reach of the CPU reference in the time of a run.
+
+def _xp_round(xp, x, dtype):
+    """float32 values rounded to dtype (nearest even), kept in float32."""
+    if dtype == "float16":
+        return x.astype(xp.float16).astype(xp.float32)
+    if dtype == "bfloat16":
+        u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32).astype(xp.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.astype(xp.uint32).view(xp.float32)
+    return x
+
+
+def _xp_mask(xp, sq, sk):
+    return xp.arange(sk)[None, :] <= xp.arange(sq)[:, None] + (sk - sq)
+
+
+def grad_reference_xp(xp, q, k, v, do, causal, scale):
+    """float64 (dq, dk, dv) and the terms' sizes (A_dq, A_dk, A_dv) of one head, as
+    cuflash.reference.attention_backward_ref and gradient_scales define them."""
+    q, k, v, do = (x.astype(xp.float64) for x in (q, k, v, do))
+    s = (q @ k.T) * scale
+    if causal:
+        s = xp.where(_xp_mask(xp, *s.shape), s, -xp.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = xp.exp(s)
+    del s
+    p /= p.sum(axis=-1, keepdims=True)
+    o = p @ v
+    dv = p.T @ do
+    dp = do @ v.T
+    delta = (do * o).sum(axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    dq, dk = scale * (ds @ k), scale * (ds.T @ q)
+    del ds
+    g = p * (xp.abs(dp) + xp.abs(delta))
+    del dp
+    a = (abs(scale) * float((g @ xp.abs(k)).max()), abs(scale) * float((g.T @ xp.abs(q)).max()),
+         float((p.T @ xp.abs(do)).max()))
+    return (dq, dk, dv), a
+
+
+def grad_naive_xp(xp, q, k, v, do, causal, scale, dtype):
+    """The naive same-precision backward of one head (cuflash.reference.naive_attention_backward):
+    products in float32, every stage's result rounded to dtype."""
+    f32 = xp.float32
+    q, k, v, do = (x.astype(f32) for x in (q, k, v, do))
+    s = _xp_round(xp, (q @ k.T) * f32(scale), dtype)
+    if causal:
+        s = xp.where(_xp_mask(xp, *s.shape), s, f32(-np.inf))
+    e = xp.exp(s - s.max(axis=-1, keepdims=True))
+    del s
+    p = _xp_round(xp, e / e.sum(axis=-1, keepdims=True, dtype=f32), dtype)
+    del e
+    dv = _xp_round(xp, p.T @ do, dtype)
+    dp = _xp_round(xp, do @ v.T, dtype)
+    ds = _xp_round(xp, p * (dp - (p * dp).sum(axis=-1, keepdims=True, dtype=f32)), dtype)
+    del dp, p
+    dq = _xp_round(xp, (ds @ k) * f32(scale), dtype)
+    dk = _xp_round(xp, (ds.T @ q) * f32(scale), dtype)
+    return dq, dk, dv
+
+
+class BackwardCheckSet:
+    """--pass backward: whole (batch, head) slices with their float64 gradients and, per
+    gradient, the pass threshold of cuflash.reference.tolerance (2 x the naive same-precision
+    backward's error + 4 u A_X), computed on the GPU in float64 / float32."""
+
+    def __init__(self, env, pt, s, scale, n_slices, seed):
+        self.env, self.dtype = env, pt["dtype"]
+        cp = env.cupy
+        rng = np.random.default_rng(seed)
+        pairs = [(b, h) for b in range(pt["B"]) for h in range(pt["H"])]
+        pick = rng.choice(len(pairs), size=min(n_slices, len(pairs)), replace=False)
+        self.slices = [pairs[int(i)] for i in pick]
+        self.refs, self.tols, self.naive_errs = [], [], []
+        for b, h in self.slices:
+            x = [self._gpu_f32(t[b, h]) for t in (s.cq, s.ck, s.cv, s.cdo)]
+            ref, scales = grad_reference_xp(cp, *x, pt["causal"], scale)
+            naive = grad_naive_xp(cp, *x, pt["causal"], scale, self.dtype)
+            errs = [float(cp.abs(n.astype(cp.float64) - r).max()) for n, r in zip(naive, ref)]
+            del naive
+            self.refs.append(ref)
+            self.naive_errs.append(errs)
+            self.tols.append([float(env.ref.tolerance(self.dtype, None, e, out_scale=a))
+                              for e, a in zip(errs, scales)])
+            free_gpu_memory(env)
+
+    def _gpu_f32(self, x):
+        cp = self.env.cupy
+        if str(x.dtype) == "bfloat16":
+            bits = cp.ascontiguousarray(x).view(cp.uint16).astype(cp.uint32) << 16
+            return bits.view(cp.float32)
+        return x.astype(cp.float32)
+
+    def check(self, grads):
+        """(passed, max abs error, worst err / threshold) over the slices and dq, dk, dv."""
+        cp = self.env.cupy
+        worst_err, worst_ratio, ok = 0.0, 0.0, True
+        for (b, h), refs, tols in zip(self.slices, self.refs, self.tols):
+            for g, ref, tol in zip(grads, refs, tols):
+                got = cp.from_dlpack(g[b, h]) if not isinstance(g, cp.ndarray) else g[b, h]
+                got = self._gpu_f32(got).astype(cp.float64)
+                if got.shape != ref.shape:
+                    raise ValueError(f"gradient slice has shape {got.shape}, expected "
+                                     f"{ref.shape}")
+                if not bool(cp.all(cp.isfinite(got))):
+                    return False, float("nan"), float("inf")
+                err = float(cp.abs(got - ref).max())
+                worst_err = max(worst_err, err)
+                ratio = err / tol if tol > 0 else (0.0 if err == 0 else float("inf"))
+                worst_ratio = max(worst_ratio, ratio)
+                ok = ok and err <= tol
+        return ok, worst_err, worst_ratio
+
+    def summary(self):
+        return {"slices": [list(x) for x in self.slices], "naive_fp_err": self.naive_errs,
+                "threshold": self.tols, "gradients": ["dq", "dk", "dv"]}
+
+
+# ---------------------------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------------------------
 
@@ -617,6 +764,7 @@ class InputSet:
     def __init__(self, tq, tk, tv, cq, ck, cv):
         self.tq, self.tk, self.tv = tq, tk, tv
         self.cq, self.ck, self.cv = cq, ck, cv
+        self.tdo = self.cdo = None  # the upstream gradient, --pass backward only
         self.cupy_err = None
 
     def any(self):
@@ -626,7 +774,7 @@ class InputSet:
         return self.cq, self.ck, self.cv
 
 
-def make_inputs(env, pt, n_sets, seed):
+def make_inputs(env, pt, n_sets, seed, with_do=False):
     shape = (pt["B"], pt["H"], pt["S"], pt["D"])
     sets = []
     cp = env.cupy
@@ -638,9 +786,13 @@ def make_inputs(env, pt, n_sets, seed):
             g.manual_seed(seed * 1000 + i)
             tq, tk, tv = (t.randn(shape, device="cuda", dtype=dt, generator=g) for _ in range(3))
             s = InputSet(tq, tk, tv, None, None, None)
+            if with_do:
+                s.tdo = t.randn(shape, device="cuda", dtype=dt, generator=g)
             if cp is not None:
                 try:
                     s.cq, s.ck, s.cv = (cp.from_dlpack(x) for x in (tq, tk, tv))
+                    if with_do:
+                        s.cdo = cp.from_dlpack(s.tdo)
                 except Exception as e:  # noqa: BLE001 - e.g. a CuPy without bfloat16
                     s.cupy_err = f"CuPy cannot view {pt['dtype']} torch tensors: {short_reason(e)}"
             else:
@@ -655,6 +807,8 @@ def make_inputs(env, pt, n_sets, seed):
             cq, ck, cv = (rs.standard_normal(shape, dtype=cp.float32).astype(dt)
                           for _ in range(3))
             s = InputSet(None, None, None, cq, ck, cv)
+            if with_do:
+                s.cdo = rs.standard_normal(shape, dtype=cp.float32).astype(dt)
         sets.append(s)
     return sets
 
@@ -702,6 +856,11 @@ class Impl:
         """Returns run(i) -> output, launching one call on input set i; may raise Skip."""
         raise NotImplementedError
 
+    def prepare_backward(self, pt, sets, scale):
+        """--pass backward: run(i) -> (dq, dk, dv) for input set i (its forward done here,
+        untimed); may raise Skip."""
+        raise Skip("n/a: no backward pass")
+
     def explain(self, exc):
         """A short reason for an exception this implementation raised."""
         return short_reason(exc)
@@ -709,15 +868,20 @@ class Impl:
 
 class CuflashImpl(Impl):
 
-    def __init__(self, env, args, kernel, precision=None):
+    def __init__(self, env, args, kernel, precision=None, deterministic=False):
         super().__init__(env, args)
         self.kernel = kernel
         self.precision = precision
+        self.deterministic = deterministic
         self.name = ("cuflash" if kernel == "auto" else f"cuflash-{kernel}") if precision is None \
             else f"cuflash-{precision}"
+        if deterministic:
+            self.name = "cuflash-det"
         self.use_out = True
 
     def unavailable(self):
+        if self.deterministic and self.args.pass_ != "backward":
+            return "deterministic= is an option of the backward pass (--pass backward)"
         if self.env.cuflash is None:
             return f"cuflash not importable ({self.env.cuflash_err})"
         if self.env.cupy is None:
@@ -726,8 +890,38 @@ class CuflashImpl(Impl):
 
     def dispatch(self, pt, sets):
         s = sets[0]
+        if self.args.pass_ == "backward":
+            return getattr(self, "backward_label", "?")
         return str(self.env.cuflash.dispatch_info(s.cq, s.ck, s.cv, causal=pt["causal"],
                                                   kernel=self.kernel, precision=self.precision))
+
+    def prepare_backward(self, pt, sets, scale):
+        """The forward of every input set (o, lse) is run here, untimed; a timed call is one
+        attention_backward into preallocated dq, dk, dv with a preallocated workspace."""
+        cp, cf = self.env.cupy, self.env.cuflash
+        if sets[0].cq is None:
+            raise Skip(f"n/a: {sets[0].cupy_err}")
+        if self.precision is not None:
+            raise Skip("n/a: the backward has no precision= modes")
+        causal, kernel, det = pt["causal"], self.kernel, self.deterministic
+        stream = self.stream()
+        fwd = [cf.attention(s.cq, s.ck, s.cv, causal=causal, scale=scale, return_lse=True,
+                            stream=stream) for s in sets]
+        s0 = sets[0]
+        args0 = (s0.cdo, s0.cq, s0.ck, s0.cv) + fwd[0]
+        self.backward_label = str(cf.backward_dispatch_info(*args0, causal=causal,
+                                                            deterministic=det, kernel=kernel))
+        ws = cp.empty(cf.attention_backward_workspace_size(*args0, causal=causal,
+                                                           deterministic=det, kernel=kernel),
+                      dtype=cp.uint8)
+        outs = tuple(cp.empty_like(x) for x in (s0.cq, s0.ck, s0.cv))
+
+        def run(i):
+            s = sets[i]
+            return cf.attention_backward(s.cdo, s.cq, s.ck, s.cv, *fwd[i], causal=causal,
+                                         scale=scale, deterministic=det, out=outs, workspace=ws,
+                                         stream=stream, kernel=kernel)
+        return run
 
     def prepare(self, pt, sets, scale):
         cp, cf = self.env.cupy, self.env.cuflash
@@ -818,6 +1012,23 @@ class TorchSDPAImpl(Impl):
                                                   scale=scale)
         return run
 
+    def prepare_backward(self, pt, sets, scale):
+        """The forward of every set runs here (inside this backend's context, so autograd
+        records this backend's backward), untimed; a timed call is torch.autograd.grad of the
+        retained graph: the backward kernels alone."""
+        t = self.env.torch
+        F = t.nn.functional
+        graphs = []
+        for s in sets:
+            leaves = tuple(x.detach().requires_grad_() for x in (s.tq, s.tk, s.tv))
+            o = F.scaled_dot_product_attention(*leaves, is_causal=pt["causal"], scale=scale)
+            graphs.append((o, leaves, s.tdo))
+
+        def run(i):
+            o, leaves, do = graphs[i]
+            return t.autograd.grad(o, leaves, grad_outputs=do, retain_graph=True)
+        return run
+
 
 class CupyNaiveImpl(Impl):
     must_pass = False
@@ -886,6 +1097,8 @@ def make_impls(env, args):
     for name in args.impl:
         if name == "cuflash":
             impls.append(CuflashImpl(env, args, "auto"))
+        elif name == "cuflash-det":
+            impls.append(CuflashImpl(env, args, "auto", deterministic=True))
         elif name == "cuflash-high":
             impls.append(CuflashImpl(env, args, "auto", precision="high"))
         elif name in ("cuflash-generic", "cuflash-tensorcore"):
@@ -994,16 +1207,19 @@ def run_point(env, args, impls, spinner, pt, index, l2_bytes):
     cp = env.cupy
     rec = dict(pt)
     rec["flops"] = attention_flops(pt["B"], pt["H"], pt["S"], pt["S"], pt["D"], pt["causal"])
+    backward = args.pass_ == "backward"
+    if backward:
+        rec["flops"] *= BACKWARD_FLOP_FACTOR
     rec["scale"] = scale = 1.0 / math.sqrt(pt["D"])
     rec["impls"] = {}
     seed = args.seed * 100003 + index
 
     itemsize = ITEMSIZE[pt["dtype"]]
-    set_bytes = 3 * pt["B"] * pt["H"] * pt["S"] * pt["D"] * itemsize
+    set_bytes = (4 if backward else 3) * pt["B"] * pt["H"] * pt["S"] * pt["D"] * itemsize
     n_sets = input_sets_needed(set_bytes, l2_bytes)
     rec["input_sets"] = n_sets
     try:
-        sets = make_inputs(env, pt, n_sets, seed)
+        sets = make_inputs(env, pt, n_sets, seed, with_do=backward)
     except Exception as e:  # noqa: BLE001
         reason = f"n/a: inputs: {short_reason(e)}"
         for impl in impls:
@@ -1015,8 +1231,15 @@ def run_point(env, args, impls, spinner, pt, index, l2_bytes):
     def check_for(precision):
         if precision not in checks:
             try:
-                checks[precision] = CheckSet(env, pt, *sets[0].any(), scale, args.check_slices,
-                                             args.check_rows, seed, precision=precision)
+                if backward:
+                    if env.ref is None or sets[0].cdo is None:
+                        raise RuntimeError("the backward check needs cuflash.reference and CuPy")
+                    checks[precision] = BackwardCheckSet(env, pt, sets[0], scale,
+                                                         args.check_slices, seed)
+                else:
+                    checks[precision] = CheckSet(env, pt, *sets[0].any(), scale,
+                                                 args.check_slices, args.check_rows, seed,
+                                                 precision=precision)
                 rec["check" if precision is None else f"check_{precision}"] = \
                     checks[precision].summary()
             except Exception as e:  # noqa: BLE001
@@ -1033,7 +1256,7 @@ def run_point(env, args, impls, spinner, pt, index, l2_bytes):
         if why:
             r["status"] = f"n/a: {why}"
             continue
-        if isinstance(impl, CuflashImpl) and sets[0].cq is not None:
+        if isinstance(impl, CuflashImpl) and sets[0].cq is not None and not backward:
             try:
                 r["kernel"] = impl.dispatch(pt, sets)
             except Exception as e:  # noqa: BLE001
@@ -1042,12 +1265,14 @@ def run_point(env, args, impls, spinner, pt, index, l2_bytes):
         try:
             stream = impl.stream()
             with impl.context():
-                run = impl.prepare(pt, sets, scale)
+                run = (impl.prepare_backward if backward else impl.prepare)(pt, sets, scale)
                 # correctness first (this call also compiles / plans)
                 t0 = time.perf_counter()
                 out = run(0)
                 stream.synchronize()
                 r["first_call_s"] = round(time.perf_counter() - t0, 4)
+                if backward and isinstance(impl, CuflashImpl):
+                    r["kernel"] = impl.dispatch(pt, sets)
                 check = check_for(impl.precision if pt["dtype"] == "float32" else None)
                 if check is None:
                     r["status"] = "n/a: no reference"
@@ -1269,7 +1494,11 @@ def render_text(h, records, impl_names, summ, notes, kernels):
     w = max(len(k) for k, _ in lines)
     out += [f"  {k.ljust(w)} : {v}" for k, v in lines]
     out.append("")
-    out.append("TFLOP/s (flops = 4*B*H*S*S*D, halved when causal; median time)")
+    if h.get("settings", {}).get("pass") == "backward":
+        out.append("BACKWARD pass (dq, dk, dv): TFLOP/s (flops = 2.5 * 4*B*H*S*S*D, halved when "
+                   "causal; median time)")
+    else:
+        out.append("TFLOP/s (flops = 4*B*H*S*S*D, halved when causal; median time)")
     head, rows, titles = build_table(records, impl_names)
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i])
               for i in range(len(head))]
@@ -1308,6 +1537,8 @@ def render_markdown(h, records, impl_names, summ, notes, kernels):
         else:
             out.append(f"- {k}: {_md_escape(v)}")
     out.append("")
+    if h.get("settings", {}).get("pass") == "backward":
+        out.append("**Backward pass** (dq, dk, dv; flops = 2.5 x the forward's).")
     out.append("TFLOP/s per implementation (flops = 4·B·H·S·S·D, halved when causal; median of "
                "CUDA-event timings). FAIL = wrong result, not timed; n/a = raised or unsupported "
                "(see notes); skip(mem) = cupy-naive would need too much memory.")
@@ -1368,7 +1599,8 @@ def write_outputs(args, h, records, impl_names, complete):
             log(f"could not write {args.markdown}: {e}")
     if args.json:
         doc = {"header": h, "impls": list(impl_names), "complete": complete,
-               "flops_formula": "4*B*H*Sq*Sk*D, halved when causal",
+               "flops_formula": ("2.5 * " if args.pass_ == "backward" else "")
+               + "4*B*H*Sq*Sk*D, halved when causal",
                "points": records, "summary": summ,
                "notes": [{"impl": n, "status": st, "points": tags}
                          for (n, st), tags in notes.items()]}

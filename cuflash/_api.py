@@ -237,9 +237,10 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
     o : array, shape (..., Sq, Dv)
     lse : array, shape (..., Sq), float32
         What ``attention(q, k, v, causal=causal, scale=scale, return_lse=True)`` returned.
-        ``...`` is the broadcast batch shape. For float64 inputs the backward recomputes lse in
-        float64 (one more pass over the keys), since the forward's float32 lse would limit the
-        probabilities to about 1e-7 relative.
+        ``...`` is the broadcast batch shape. For float32 and float64 inputs the backward
+        recomputes each row's softmax max and sum in the input precision (one more pass over
+        the keys) and uses lse only for float16 and bfloat16: the absolute error of a float32
+        lse (a few ulps of ``|lse|``) would be a relative error of every probability.
     causal : bool, optional
         As in `attention` (bottom-right aligned). Query rows that see no key contribute zero
         gradient, never NaN.
@@ -255,15 +256,14 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         with a contiguous last axis and no overlapping elements (not broadcast views), and not
         aliasing the inputs. Every element is written.
     workspace : GPU array, optional
-        GPU only. A C-contiguous buffer of at least
-        ``attention_backward_workspace_size(...)`` bytes, 256-byte aligned (any freshly
-        allocated CuPy array is). Without it the call allocates that workspace: ``delta``
-        (batch x Sq, float32; float64 for float64 inputs), for float64 also the recomputed lse
-        (the same size), and for kernels that accumulate dq with atomics a float32 dq
-        accumulator (batch x Sq x D). With ``out=`` and ``workspace=`` nothing is allocated and
-        the call can be captured in a CUDA graph, except in two rare layouts that take
-        temporaries: k and v broadcasting along different batch axes, and more than three batch
-        axes that no stride pattern merges.
+        GPU only. A C-contiguous buffer of at least ``attention_backward_workspace_size(...)``
+        bytes, 256-byte aligned (any freshly allocated CuPy array is). Without it the call allocates
+        that workspace: ``delta`` (batch x Sq, float32; float64 for float64 inputs), for float32 and
+        float64 also the recomputed row max and sum (twice that), and for kernels that accumulate dq
+        with atomics a float32 dq accumulator (batch x Sq x D). With ``out=`` and ``workspace=``
+        nothing is allocated and the call can be captured in a CUDA graph, except in two rare
+        layouts that take temporaries: k and v broadcasting along different batch axes, and more
+        than three batch axes that no stride pattern merges.
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on (default: CuPy's current stream). Never synchronises.
     kernel : {"auto", "generic"}, optional

@@ -12,8 +12,9 @@ so the extra memory is one ``Sq x block_k`` tile per batch entry plus the float3
 no ``Sq x Sk`` matrix is formed. The only Python loop is over key tiles.
 
 Precision follows the forward: float16, bfloat16 and float32 inputs work in float32, float64 in
-float64 (the forward's lse is float32 for every dtype, so for float64 inputs the lse is first
-recomputed in float64 by one more sweep over the keys). dq, summed over the tiles, is
+float64. For float32 and float64 inputs each row's softmax max m and sum l are first recomputed
+(one more sweep over the keys) and ``P = exp(S - m) / l`` as a softmax forms it: the forward's lse
+is float32 for every dtype, and its absolute error would become a relative error of P. dq, summed over the tiles, is
 accumulated with Kahan compensation. Gradients of broadcast inputs are summed over the axes they
 were broadcast along, in the working precision, before the one rounding to the input dtype.
 Rows that see no key (lse = -inf) contribute zero gradient, never NaN.
@@ -60,8 +61,9 @@ def _mask_tile(s, j0, j1, r0, r1, off, fill):
         np.copyto(s[..., : r1 - r0, :], fill, where=cols > rows + off)
 
 
-def _lse_recomputed(q_acc, k, *, causal, scale, block_k, batch):
-    """lse in the working precision by the forward's recurrence (no output)."""
+def _row_stats(q_acc, k, *, causal, scale, block_k, batch):
+    """Each row's softmax max m and sum l = sum exp(s - m) in the working precision, by the
+    forward's recurrence (no output); m = -inf, l = 1 for rows that see no key."""
     acc = q_acc.dtype
     sq, sk = q_acc.shape[-2], k.shape[-2]
     m = np.full(batch + (sq,), -np.inf, dtype=acc)
@@ -76,7 +78,7 @@ def _lse_recomputed(q_acc, k, *, causal, scale, block_k, batch):
         l[..., r0:] = l[..., r0:] * np.exp(m_old - shift) + np.exp(s - shift[..., None]).sum(axis=-1)
         m[..., r0:] = m_new
     empty = l == 0
-    return np.where(empty, -np.inf, m + np.log(np.where(empty, acc.type(1), l))).astype(acc)
+    return np.where(empty, -np.inf, m).astype(acc), np.where(empty, acc.type(1), l).astype(acc)
 
 
 def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -118,13 +120,15 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
     q_acc = q.astype(acc)
     do_acc = np.broadcast_to(do, batch + do.shape[-2:]).astype(acc)
     delta = np.sum(do_acc * o.astype(acc), axis=-1)
-    if acc == np.float64:
-        lse_acc = _lse_recomputed(q_acc, k, causal=causal, scale=scale, block_k=block_k,
-                                  batch=batch)
+    if dtype in (np.float32, np.float64):
+        # p = exp(s - m) / l as a softmax forms it: exp(s - lse) with the forward's float32 lse
+        # carries lse's absolute error (about |lse| float32 ulps) as a relative error of p.
+        m, l = _row_stats(q_acc, k, causal=causal, scale=scale, block_k=block_k, batch=batch)
     else:
-        lse_acc = np.broadcast_to(lse, batch + (sq,)).astype(acc)
-    empty = lse_acc == -np.inf
-    shift = np.where(empty, zero, lse_acc)
+        m = np.broadcast_to(lse, batch + (sq,)).astype(acc)
+        l = np.ones_like(m)
+    empty = m == -np.inf
+    shift = np.where(empty, zero, m)
 
     dq = np.zeros(batch + q.shape[-2:], dtype=acc)
     dq_comp = np.zeros_like(dq)
@@ -136,6 +140,7 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
         s = np.matmul(q_acc[..., r0:, :], np.swapaxes(kt, -1, -2))
         s *= acc.type(scale)
         p = np.exp(s - shift[..., r0:, None])
+        p /= l[..., r0:, None]
         p = np.where(empty[..., r0:, None], zero, p)
         _mask_tile(p, j0, j1, r0, r1, off, zero)
         do_t = do_acc[..., r0:, :]

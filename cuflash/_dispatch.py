@@ -361,8 +361,9 @@ class BackwardPlan:
     ``dq_accum_row`` > 0: the plan accumulates dq in a float32 workspace with rows of that many
     elements (>= D), zeroed by the preprocess; 0: it writes dq directly.
     ``deterministic``: no pass uses order-dependent float atomics.
-    ``lse_acc``: the "rows" pass recomputes lse in the accumulator type into a workspace that
-    the "keys" pass reads (BwdParams.lse_acc), so it must come first.
+    ``lse_acc``: the "rows" pass recomputes each row's softmax max m and sum l in the
+    accumulator type into a workspace (BwdParams.lse_acc: m, then l) that the "keys" pass reads,
+    so it must come first.
     """
 
     label: str
@@ -407,12 +408,13 @@ def bwd_generic_config(dtype_name: str, db: int, dvb: int):
 def bwd_generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> BackwardPlan:
     """The generic backward for (dtype, D, Dv, causal): a query-parallel dq pass and a
     key-parallel dk/dv pass (attn_bwd_generic.cu), both free of atomics, so deterministic. For
-    float64 the dq pass recomputes lse in float64 (the forward's is float32) for the dk/dv pass."""
+    float32 and float64 the dq pass recomputes each row's softmax max and sum (p = exp(s - m) / l,
+    as accurate as a softmax; exp(s - lse) with the forward's float32 lse is not) for both."""
     db = dvb = head_dim_bucket(max(d, dv))
     t, acc = _CXX_TYPE[dtype_name], _ACC_TYPE[dtype_name]
     nwarps, rows = bwd_generic_config(dtype_name, db, dvb)
     block, bc = nwarps * rows, 32
-    smem = ((block + bc) * ((db + 1) + (dvb + 1)) + 2 * bc) * _ACC_BYTES[acc]
+    smem = ((block + bc) * ((db + 1) + (dvb + 1)) + 3 * bc) * _ACC_BYTES[acc]
     targs = f"{t}, {acc}, {db}, {dvb}, {'true' if causal else 'false'}"
     mask = "causal" if causal else "full"
     dq = Plan(label=f"bwd_dq_generic<{dtype_name},D{db},{mask}>",
@@ -425,7 +427,7 @@ def bwd_generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Backward
     return BackwardPlan(label=f"generic-bwd<{dtype_name},D{db},{mask}>",
                         preprocess=bwd_preprocess_plan(dtype_name),
                         passes=(("rows", dq), ("keys", dkdv)), dq_accum_row=0,
-                        deterministic=True, lse_acc=dtype_name == "float64")
+                        deterministic=True, lse_acc=dtype_name in ("float32", "float64"))
 
 
 def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:

@@ -238,8 +238,8 @@ def device_attributes(device_id):
 # ---------------------------------------------------------------------------------------------
 # Backward pass (notes/BACKWARD.md)
 
-_BWD_PTR_FIELDS = ("q", "k", "v", "o", "dout", "lse", "delta", "lse_acc", "dq_accum", "dq", "dk",
-                   "dv")
+_BWD_PTR_FIELDS = ("q", "k", "v", "o", "dout", "lse", "delta", "lse_acc", "dq_accum", "dq",
+                   "dk", "dv")
 #: Tensors with batch strides and a row stride, in BwdParams order ("do" is dout, "dqa" dq_accum).
 _BWD_STRIDED = ("q", "k", "v", "o", "do", "dq", "dk", "dv", "lse", "dqa")
 _BWD_INT_FIELDS = (("sq", "sk", "d", "dv_dim", "nb0", "nb1", "nb2")
@@ -272,12 +272,13 @@ def _align(n):
 
 def backward_workspace_bytes(bplan, prob):
     """Bytes of workspace `launch_backward` needs: delta = rowsum(do * o), (batch, Sq) in the
-    accumulator type; (plans that recompute it) lse in the accumulator type, the same layout; then
+    accumulator type; (plans that recompute them) each row's softmax max m and sum l in the
+    accumulator type, m in delta's layout followed by l; then
     (plans that use one) the float32 dq accumulator, (batch, Sq, row). Sections 256-byte aligned."""
     nbatch = int(math.prod(prob.batch_shape))
     n = _align(nbatch * prob.sq * _acc_bytes(prob.dtype_name))
     if bplan.lse_acc:
-        n *= 2
+        n += _align(2 * nbatch * prob.sq * _acc_bytes(prob.dtype_name))
     if bplan.dq_accum_row:
         n += _align(nbatch * prob.sq * bplan.dq_accum_row * 4)
     return n
@@ -355,7 +356,8 @@ def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
     p["lse_acc"] = base + section if bplan.lse_acc else 0
     p["dq_accum"] = 0
     if bplan.dq_accum_row:
-        p["dq_accum"] = base + section * (2 if bplan.lse_acc else 1)
+        p["dq_accum"] = base + section + (
+            _align(2 * nbatch * prob.sq * _acc_bytes(prob.dtype_name)) if bplan.lse_acc else 0)
         # (owners of q, Sq, row) contiguous; stride 0 along the axes dq sums over.
         st, acc = [0, 0, 0], prob.sq * bplan.dq_accum_row
         for a in (2, 1, 0):

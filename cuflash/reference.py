@@ -1293,9 +1293,11 @@ def naive_gradient_errors(do, q, k, v, *, causal: bool = False, scale: Optional[
 def backward_lse_error(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
                        dtype) -> float:
     """Relative error of the backward's ``P = exp(s - lse)`` that comes from the forward's lse
-    being float32: ``4 * 2^-24 * max(1, max|lse|)`` for float16, bfloat16 and float32, 0 for
-    float64 (whose backward recomputes lse in float64). See :func:`grad_pass_threshold`."""
-    if _dtype_name(dtype) == "float64":
+    being float32: ``4 * 2^-24 * max(1, max|lse|)`` for float16 and bfloat16, 0 for float32 and
+    float64, whose backward paths recompute each row's softmax max m and sum l and form
+    ``P = exp(s - m) / l`` as the naive softmax does (notes/BACKWARD.md: every float32 or
+    float64 backward must). See :func:`grad_pass_threshold`."""
+    if _dtype_name(dtype) in ("float32", "float64"):
         return 0.0
     _, lse_ref = attention_ref(q, k, v, causal=causal, scale=scale)
     fin = np.abs(lse_ref[np.isfinite(lse_ref)])
@@ -1309,12 +1311,12 @@ def grad_pass_threshold(do, q, k, v, *, causal: bool = False, scale: Optional[fl
     Each gradient X gets the forward's rule (:func:`tolerance`): ``2 * naive_err_X +
     4 * u(dtype) * A_X``, with the naive same-precision backward's error
     (:func:`naive_gradient_errors`) and the terms' size ``A_X`` (:func:`gradient_scales`),
-    plus ``4 * 2^-24 * max(1, max|lse|) * A_X`` for float16, bfloat16 and float32: the backward
-    takes the forward's lse, which is float32 (the API's lse dtype), and recomputes
+    plus ``4 * 2^-24 * max(1, max|lse|) * A_X`` for float16 and bfloat16: their backward takes
+    the forward's lse, which is float32 (the API's lse dtype), and recomputes
     ``P = exp(s - lse)`` from it, so P carries a relative error of a few float32 roundings of
     ``|lse|`` that the naive backward, which normalises its own softmax, does not (with one
-    visible key its P is exactly 1 and its error 0). float64 backward paths recompute lse in
-    float64 and get no such term, as ``merge_states`` of float32 lse gets it in the audit.
+    visible key its P is exactly 1 and its error 0). float32 and float64 backward paths
+    recompute each row's max and sum and get no such term (:func:`backward_lse_error`).
     ``ref``: :func:`attention_backward_ref`'s result for these inputs, if already computed.
     """
     if ref is None:

@@ -19,8 +19,11 @@
 //                            the first row that sees its first key), writes dk and dv once.
 // Each pass recomputes p and dp: twice the score work of a fused single pass, for an audit kernel
 // that must be exact and reproducible rather than fast. When the plan gives an lse_acc workspace
-// (float64 inputs, whose forward lse is only float32), the dq pass first recomputes each row's lse
-// in the accumulator type (one more sweep of scores) and the dk/dv pass reads it from there.
+// (float32 and float64 inputs), the dq pass first recomputes each row's max m and sum l in the
+// accumulator type (one more sweep of scores) and both passes form p = exp(s - m) / l, as a
+// softmax does: exp(s - lse) with the forward's float32 lse carries an error of up to |lse| ulps
+// relative in p (the absolute error of lse), above float32's own rounding when |lse| is large.
+// The dk/dv pass reads m and l from the workspace. Otherwise m = lse and l = 1.
 //
 // Work split, the same in both passes (the forward's, attn_generic.cu): a warp owns ROWS rows of
 // the block's side (query rows in the dq pass, keys in the dk/dv pass); for the dot products lane
@@ -48,8 +51,9 @@ struct BwdGenericConfig {
     static constexpr int DC = DB / 32;               // q/k columns per lane
     static constexpr int DVC = DVB / 32;             // v/do columns per lane
     static constexpr int UNROLL = (DC + DVC) <= 4 ? 32 : (sizeof(Acc) == 8 ? 2 : 4);
-    // Block side tiles (BLOCK rows of q|k and do|v), other side tiles (BC rows), lse and delta.
-    static constexpr int SMEM_ELEMS = (BLOCK + BC) * (QK_STRIDE + V_STRIDE) + 2 * BC;
+    // Block side tiles (BLOCK rows of q|k and do|v), other side tiles (BC rows), and the other
+    // side's row statistics m, l and delta (dk/dv pass).
+    static constexpr int SMEM_ELEMS = (BLOCK + BC) * (QK_STRIDE + V_STRIDE) + 3 * BC;
     static_assert(DB % 32 == 0 && DVB % 32 == 0, "head-dim buckets are multiples of 32");
 };
 
@@ -124,17 +128,20 @@ cuflash_bwd_dq_generic(const BwdParams p) {
         bwd_load_tile<T, Acc, Cfg::QK_STRIDE, Cfg::THREADS>(q_s, Cfg::BLOCK, q, row0, p.sq, p.q_sr, d, tid);
         bwd_load_tile<T, Acc, Cfg::V_STRIDE, Cfg::THREADS>(do_s, Cfg::BLOCK, dout, row0, p.sq, p.do_sr, dv, tid);
         // This warp's rows: lse and delta (rows past Sq act as rows that saw no key).
-        Acc lse[Cfg::ROWS], delta[Cfg::ROWS];
+        // m = lse and l = 1 unless recomputed below.
+        Acc lse[Cfg::ROWS], lsum[Cfg::ROWS], delta[Cfg::ROWS];
 #pragma unroll
         for (int r = 0; r < Cfg::ROWS; ++r) {
             const long long row = row0 + warp * Cfg::ROWS + r;
             const bool in = row < p.sq;
             lse[r] = in ? static_cast<Acc>(p.lse[off.lse + row * p.lse_sr]) : neg_inf<Acc>();
+            lsum[r] = Acc(1);
             delta[r] = in ? static_cast<const Acc*>(p.delta)[off.delta + row] : Acc(0);
         }
         if (p.lse_acc != nullptr) {
-            // Recompute lse in the accumulator type (the forward's recurrence, without O) and
-            // leave it for the key-parallel pass. Rows past Sq stay at -inf.
+            // Recompute m and l in the accumulator type (the forward's recurrence, without O)
+            // and leave them for the key-parallel pass: m at off.delta + row, l nbatch * Sq
+            // elements further. Rows past Sq (and rows that see no key) get m = -inf.
             Acc m[Cfg::ROWS], l[Cfg::ROWS];
 #pragma unroll
             for (int r = 0; r < Cfg::ROWS; ++r) { m[r] = neg_inf<Acc>(); l[r] = Acc(0); }
@@ -159,12 +166,19 @@ cuflash_bwd_dq_generic(const BwdParams p) {
                     m[r] = m_new;
                 }
             }
+            const long long n_rows = p.nb0 * p.nb1 * p.nb2 * p.sq;
 #pragma unroll
             for (int r = 0; r < Cfg::ROWS; ++r) {
                 const long long row = row0 + warp * Cfg::ROWS + r;
-                const Acc lsum = warp_sum(l[r]);
-                lse[r] = (lsum == Acc(0) || row >= p.sq) ? neg_inf<Acc>() : m[r] + acc_log(lsum);
-                if (lane == 0 && row < p.sq) static_cast<Acc*>(p.lse_acc)[off.delta + row] = lse[r];
+                const Acc total = warp_sum(l[r]);
+                const bool empty = total == Acc(0) || row >= p.sq;  // NaN sums stay NaN
+                lse[r] = empty ? neg_inf<Acc>() : m[r];
+                lsum[r] = empty ? Acc(1) : total;
+                if (lane == 0 && row < p.sq) {
+                    Acc* stats = static_cast<Acc*>(p.lse_acc) + off.delta + row;
+                    stats[0] = lse[r];
+                    stats[n_rows] = lsum[r];
+                }
             }
         }
 
@@ -184,7 +198,7 @@ cuflash_bwd_dq_generic(const BwdParams p) {
                 const Acc dp = bwd_dot(do_s + rr * Cfg::V_STRIDE, v_s + lane * Cfg::V_STRIDE, dv4);
                 bool valid = key < p.sk && lse[r] != neg_inf<Acc>();
                 if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
-                const Acc pj = valid ? acc_exp(s * scale - lse[r]) : Acc(0);
+                const Acc pj = valid ? acc_exp(s * scale - lse[r]) / lsum[r] : Acc(0);
                 const Acc ds = valid ? pj * (dp - delta[r]) : Acc(0);
                 Acc tile[Cfg::DC];
 #pragma unroll
@@ -224,8 +238,9 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
     Acc* v_s = k_s + Cfg::BLOCK * Cfg::QK_STRIDE;           // BLOCK x V_STRIDE
     Acc* q_s = v_s + Cfg::BLOCK * Cfg::V_STRIDE;            // BC x QK_STRIDE
     Acc* do_s = q_s + Cfg::BC * Cfg::QK_STRIDE;             // BC x V_STRIDE
-    Acc* lse_s = do_s + Cfg::BC * Cfg::V_STRIDE;            // BC
-    Acc* delta_s = lse_s + Cfg::BC;                         // BC
+    Acc* lse_s = do_s + Cfg::BC * Cfg::V_STRIDE;            // BC: m (lse when not recomputed)
+    Acc* l_s = lse_s + Cfg::BC;                             // BC: l (1 when not recomputed)
+    Acc* delta_s = l_s + Cfg::BC;                           // BC
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -262,6 +277,7 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
         const Acc* delta = static_cast<const Acc*>(p.delta) + off.delta;
         const Acc* lse_acc = p.lse_acc == nullptr ? nullptr
                                                   : static_cast<const Acc*>(p.lse_acc) + off.delta;
+        const long long n_rows = p.nb0 * p.nb1 * p.nb2 * p.sq;  // l follows m in lse_acc
         __syncthreads();  // the previous batch entry's k/v tiles are no longer read
         // (k and v have stride 0 along the reduced axes: the same rows each step; reloading keeps
         // the loop simple and costs two tiles per batch entry.)
@@ -278,12 +294,13 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
                 lse_s[idx] = !in ? neg_inf<Acc>()
                                  : (lse_acc != nullptr ? lse_acc[row]
                                                        : static_cast<Acc>(lse[row * p.lse_sr]));
+                l_s[idx] = (in && lse_acc != nullptr) ? lse_acc[n_rows + row] : Acc(1);
                 delta_s[idx] = in ? delta[row] : Acc(0);
             }
             __syncthreads();
 
             const long long row = i0 + lane;  // lane owns this query row for p and dp
-            const Acc lse_i = lse_s[lane], delta_i = delta_s[lane];
+            const Acc lse_i = lse_s[lane], l_i = l_s[lane], delta_i = delta_s[lane];
 #pragma unroll
             for (int r = 0; r < Cfg::ROWS; ++r) {
                 const int kk = warp * Cfg::ROWS + r;
@@ -292,7 +309,7 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
                 const Acc dp = bwd_dot(do_s + lane * Cfg::V_STRIDE, v_s + kk * Cfg::V_STRIDE, dv4);
                 bool valid = key < p.sk && row < p.sq && lse_i != neg_inf<Acc>();
                 if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
-                const Acc pj = valid ? acc_exp(s * scale - lse_i) : Acc(0);
+                const Acc pj = valid ? acc_exp(s * scale - lse_i) / l_i : Acc(0);
                 const Acc ds = valid ? pj * (dp - delta_i) : Acc(0);
                 Acc tk[Cfg::DC], tv[Cfg::DVC];
 #pragma unroll

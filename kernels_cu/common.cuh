@@ -613,9 +613,11 @@ namespace cuflash {
 //   delta: workspace of the accumulator type (float; double for float64 inputs), (nbatch, Sq)
 //     contiguous over the full batch, flat index b = (i0 * nb1 + i1) * nb2 + i2:
 //     delta = rowsum(dout * o), written by cuflash_bwd_preprocess.
-//   lse_acc: null, or workspace of the accumulator type laid out as delta: lse recomputed in the
-//     accumulator type by the "rows" pass, which the "keys" pass then reads instead of lse (the
-//     generic float64 plan: the forward's lse is float32, which would limit P to ~1e-7 relative).
+//   lse_acc: null, or workspace of the accumulator type: each row's softmax max m (delta's
+//     layout) followed, nbatch * Sq elements later, by its sum l, recomputed by the "rows" pass and
+//     read by the "keys" pass, which then form p = exp(s - m) / l instead of exp(s - lse) (the
+//     generic float32 and float64 plans: the forward's float32 lse has an absolute error of about
+//     |lse| float32 ulps, which becomes a relative error of p).
 //   dq_accum: float32 workspace for kernels that accumulate dq with atomics (null otherwise), laid
 //     out by dqa_* strides (0 on the axes in q_red, so atomics from every batch entry of a
 //     broadcast q land in one row); holds sum_j dS_ij k_j WITHOUT the softmax scale. The

@@ -145,7 +145,7 @@ def test_grad_pass_threshold_is_the_forward_rule(dtype):
     scales = ref.gradient_scales(do, q, k, v, causal=True)
     assert errs == ref.naive_gradient_errors(do, q, k, v, causal=True, dtype=dtype, ref=g_ref)
     lse_rel = ref.backward_lse_error(q, k, v, causal=True, dtype=dtype)
-    assert (lse_rel == 0) == (dtype == "float64")
+    assert (lse_rel == 0) == (dtype in ("float32", "float64"))
     for t, r, e, a in zip(tols, g_ref, errs, scales):
         assert t == ref.tolerance(dtype, r, e, out_scale=a) + lse_rel * a
         assert a >= float(np.max(np.abs(r)))  # A_X bounds max|X|
@@ -405,7 +405,7 @@ def test_q_broadcast_and_float64_workspace(launches):
     bp = _dispatch.bwd_generic_plan("float64", 8, 8, False)
     assert bp.lse_acc
     need = _launch.backward_workspace_bytes(bp, prob)
-    assert need == 2 * _launch._align(6 * 17 * 8)
+    assert need == _launch._align(6 * 17 * 8) + _launch._align(2 * 6 * 17 * 8)  # delta; m, l
     ws = FakeArray((need,), 1 << 44, 1)
     _launch.launch_backward(bp, prob, dq, dk, dv, ws, ATTRS)
     p = launches[0][3]
@@ -519,3 +519,123 @@ def test_audit_npz_with_do(tmp_path):
              v=np.ones((2, 9, 8), np.float32), do=np.ones((2, 5, 7), np.float32))
     r = _cli(path, "--device", "cpu")
     assert r.exit_code == 2 and "do has shape (2, 5, 7); expected (2, 5, 8)" in r.output
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark's GPU twins of the reference gradients (run here with NumPy)
+
+def _bench():
+    import importlib.util
+
+    path = _compile.SOURCE_DIR.parent / "benchmarks" / "bench.py"
+    spec = importlib.util.spec_from_file_location("bench_for_tests", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_bench_gradient_twins_match_the_reference(dtype, causal):
+    bench = _bench()
+    rng = _rng("twins", dtype, causal)
+    q, k, v, do = (x[0] for x in _problem(rng, dtype, (1,), (1,), (1,), 40, 40, 16, 16))
+    scale = 0.25
+    (dq, dk, dv), scales = bench.grad_reference_xp(np, q, k, v, do, causal, scale)
+    want = ref.attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
+    for a, b in zip((dq, dk, dv), want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(scales, ref.gradient_scales(do, q, k, v, causal=causal,
+                                                           scale=scale), rtol=1e-12)
+    naive = bench.grad_naive_xp(np, q, k, v, do, causal, scale, dtype)
+    want = ref.naive_attention_backward(do, q, k, v, causal=causal, scale=scale, dtype=dtype)
+    for a, b in zip(naive, want):
+        # the same stages and roundings; float32 sums in another order may differ by an ulp of
+        # a stage, which rounding to the dtype can turn into one ulp of the dtype
+        u = ref.unit_roundoff(dtype)
+        assert float(np.max(np.abs(a - b))) <= 4 * u * max(1.0, float(np.max(np.abs(b))))
+
+
+def test_bench_backward_arguments():
+    bench = _bench()
+    args = bench.parse_args(["--pass", "backward"])
+    assert args.pass_ == "backward" and args.impl == bench.BACKWARD_IMPLS
+    args = bench.parse_args(["--pass", "backward", "--dtype", "float32"])
+    assert args.impl == bench.BACKWARD_FLOAT32_IMPLS
+    assert bench.parse_args([]).pass_ == "forward"
+
+
+# ---------------------------------------------------------------------------------------------
+# The generic GPU kernels' indexing, through a NumPy model (tests/bwd_generic_model.py) run on
+# the parameter block launch_backward builds
+
+MODEL_CASES = [  # (dtype, q batch, k batch, v batch, Sq, Sk, D, Dv, causal, layout)
+    ("float16", (2, 4), (2, 1), (2, 1), 37, 50, 40, 24, True, "contiguous"),   # MQA, summed
+    ("float32", (1, 3), (2, 3), (2, 3), 20, 33, 16, 16, False, "contiguous"),  # dq summed
+    ("float64", (2, 3), (2, 3), (2, 3), 40, 9, 64, 64, True, "bshd"),   # rows without keys
+    ("float64", (2,), (2,), (2,), 9, 45, 200, 136, True, "contiguous"),  # the WIDE config
+    ("bfloat16", (3, 2), (3, 2), (3, 2), 33, 33, 64, 64, True, "bshd"),
+    ("float16", (), (3,), (3,), 5, 70, 8, 8, False, "contiguous"),  # 2-D q, dq summed
+]
+
+
+@pytest.mark.parametrize("dtype,qb,kb,vb,sq,sk,d,dv,causal,layout", MODEL_CASES)
+def test_generic_kernels_model(dtype, qb, kb, vb, sq, sk, d, dv, causal, layout, monkeypatch):
+    import bwd_generic_model as model
+
+    rng = _rng("model", dtype, qb, kb, vb, sq, sk, d, dv, causal)
+    q, k, v, do = _problem(rng, dtype, qb, kb, vb, sq, sk, d, dv)
+    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal)
+    o = ref.round_to(o_ref, dtype)
+    lse = ref.round_to(lse_ref, "float32")
+    batch = tuple(np.broadcast_shapes(qb, kb, vb))
+    item = 8 if dtype == "float64" else (4 if dtype == "float32" else 2)
+    mem = model.Memory()
+
+    def arr(x, itemsize=item):
+        if layout == "bshd" and x.ndim == 4:  # (B, S, H, D) memory seen as (B, H, S, D)
+            b, h, s_, c = x.shape
+            return model.FakeArray(mem, x, itemsize, [s_ * h * c, c, h * c, 1])
+        return model.FakeArray(mem, x, itemsize)
+
+    fq, fk, fv, fo, fdo = (arr(x) for x in (q, k, v, o, do))
+    # lse through a strided view (every other float32), as a slice of a wider buffer gives
+    flse = model.FakeArray(mem, lse, 4, [int(np.prod(lse.shape[i + 1:])) * 2
+                                         for i in range(lse.ndim - 1)] + [2])
+    grads = [arr(np.zeros(x.shape)) for x in (q, k, v)]
+    for g in grads:  # poison: unwritten elements stay NaN
+        g.mem.write(g.data.ptr, np.arange(g.nbytes // item), np.full(g.nbytes // item, np.nan))
+    prob = types.SimpleNamespace(q=fq, k=fk, v=fv, o=fo, do=fdo, lse=flse, batch_shape=batch,
+                                 sq=sq, sk=sk, d=d, dv=dv, dtype_name=dtype, scale=d ** -0.5,
+                                 stream=None, device_id=0, deterministic=True, causal=causal,
+                                 kernel="generic")
+    bp = _dispatch.bwd_generic_plan(dtype, d, dv, causal)
+    acc = 8 if dtype == "float64" else 4
+    ws_bytes = _launch.backward_workspace_bytes(bp, prob)
+    ws = types.SimpleNamespace(nbytes=ws_bytes, data=types.SimpleNamespace(
+        ptr=mem.alloc(ws_bytes // acc, acc)))
+    assert ws.data.ptr % 256 == 0
+    launches = []
+
+    def get_kernel(spec, dev, smem=0):
+        return lambda grid, block, args, shared_mem=0, stream=None: launches.append(
+            (spec.name, grid[0], block[0], args[0]))
+
+    monkeypatch.setattr(_compile, "get_kernel", get_kernel)
+    monkeypatch.setattr(_launch, "_stream_ptr", lambda s: None)
+    _launch.launch_backward(bp, prob, *grads, ws, ATTRS)
+    model.run_plan_launches(mem, launches, causal, dtype)
+
+    g_ref = ref.attention_backward_ref(do, q, k, v, causal=causal)
+    u = ref.unit_roundoff(dtype)
+    lse_rel = 0.0 if dtype in ("float32", "float64") else 8 * 2.0 ** -24 * max(
+        1.0, float(np.max(np.abs(lse_ref[np.isfinite(lse_ref)]))))
+    for name, g, r in zip(("dq", "dk", "dv"), grads, g_ref):
+        got = g.values()
+        assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} elements unwritten"
+        scale_r = float(np.max(np.abs(r)))
+        # the model's only errors: inputs o (rounded to dtype) and lse (float32) for 16-bit,
+        # and one rounding of the output
+        tol = (2 * u + lse_rel + 64 * 2.0 ** -53) * max(scale_r, 1.0) * 8
+        err = float(np.max(np.abs(got - r)))
+        assert err <= tol, f"{name}: model error {err:.3e} > {tol:.3e}"
