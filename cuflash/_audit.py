@@ -137,19 +137,52 @@ def _bf16_on_cpu() -> bool:
         return False
 
 
-def _why_no_gpu() -> str:
-    """A short reason why no GPU is usable (best effort, for the messages)."""
+def _driver_loadable() -> bool:
+    """Whether the CUDA driver library (libcuda) can be loaded at all."""
+    import ctypes
+
+    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+    for lib in names:
+        try:
+            ctypes.CDLL(lib)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _no_gpu() -> Tuple[str, str]:
+    """Why no GPU is usable (best effort): a short sentence and the underlying detail (the
+    exception CuPy raised, or "")."""
     try:
         import cupy
     except Exception as exc:  # ImportError, or a broken CUDA install raising at import
-        return f"CuPy cannot be imported ({type(exc).__name__}: {exc})"
+        return "CuPy cannot be imported", f"{type(exc).__name__}: {exc}".replace("\n", " ")
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        return f"CuPy finds no CUDA device ({type(exc).__name__}: {exc})".replace("\n", " ")
+        detail = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        if "InsufficientDriver" in detail or "NoDevice" in detail or "driver" in detail.lower():
+            if not _driver_loadable():
+                return "no CUDA driver was found (libcuda cannot be loaded)", detail
+            if "InsufficientDriver" in detail:
+                return ("the CUDA driver is older than the CUDA runtime of this CuPy needs",
+                        detail)
+        return "CuPy finds no CUDA device", detail
     if n == 0:
-        return "CuPy reports 0 CUDA devices"
-    return "cuflash.gpu_available() returned False"
+        return "CuPy reports 0 CUDA devices", ""
+    return "cuflash.gpu_available() returned False", ""
+
+
+def _why_no_gpu() -> str:
+    """A short reason why no GPU is usable, with the detail in parentheses (for errors)."""
+    summary, detail = _no_gpu()
+    return f"{summary} ({detail})" if detail else summary
+
+
+def no_gpu_detail() -> str:
+    """The underlying error behind the no-GPU reason, for a second line of the device report."""
+    return _no_gpu()[1]
 
 
 class Device:
@@ -168,7 +201,10 @@ class Device:
                           and a.shape == b.shape and np.shares_memory(a, b))
 
     def default_dtypes(self) -> List[str]:
-        return ["float16", "float32", "float64"]
+        names = ["float16", "float32", "float64"]
+        if _bf16_on_cpu():  # ml_dtypes gives NumPy its bfloat16
+            names.insert(1, "bfloat16")
+        return names
 
     def supports(self, dtype: str) -> bool:
         return dtype != "bfloat16" or _bf16_on_cpu()
@@ -256,7 +292,7 @@ def select_device(requested: str) -> Tuple[Device, str]:
         raise AuditError(f"unknown device {requested!r}")
     if have:
         return GpuDevice(), "auto: cuflash.gpu_available() is True"
-    return Device(), f"auto: no usable CUDA GPU, so the NumPy path; {_why_no_gpu()}"
+    return Device(), f"auto: no usable CUDA GPU, so the NumPy path; {_no_gpu()[0]}"
 
 
 def resolve_dtypes(device: Device, requested: Sequence[str]) -> List[str]:
@@ -424,6 +460,9 @@ def lse_check(lse, lse_ref, dtype: str) -> Tuple[float, float, List[str]]:
     bad = int(np.count_nonzero(fin & ~np.isfinite(lse)))
     if bad:
         reasons.append(f"{bad} lse entries are not finite where the reference is")
+    missed = int(np.count_nonzero(np.isnan(lse_ref) & np.isfinite(lse)))
+    if missed:
+        reasons.append(f"{missed} lse entries are finite where the reference is NaN")
     rtol = LSE_RTOL[dtype]
     if fin.any():
         diff = np.abs(lse[fin] - lse_ref[fin])
@@ -822,10 +861,21 @@ def load_npz(path: str, dtypes_requested: Sequence[str]) -> Tuple[Inputs, List[s
     values are then rounded to each).  Arrays the audit cannot take apart (no common supported
     dtype, fewer than 2 axes) come back with ``exact="raw"`` for :func:`preflight`.
     """
+    import zipfile
+
     try:
-        f = np.load(path, allow_pickle=False)
+        with open(path, "rb") as fh:
+            magic = fh.read(6)
     except FileNotFoundError:
         raise AuditError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise AuditError(f"{path}: cannot read it ({_describe_exc(exc)})") from None
+    if magic != b"\x93NUMPY" and not zipfile.is_zipfile(path):
+        # np.load would try pickle on anything else; a data file is never unpickled here.
+        raise AuditError(f"{path}: not a NumPy archive (an .npz is a zip file of .npy arrays; "
+                         "write one with numpy.savez(path, q=q, k=k, v=v))")
+    try:
+        f = np.load(path, allow_pickle=False)
     except Exception as exc:
         raise AuditError(f"{path}: cannot read it as an .npz archive ({_describe_exc(exc)})") \
             from None
@@ -876,6 +926,26 @@ def load_npz(path: str, dtypes_requested: Sequence[str]) -> Tuple[Inputs, List[s
     dims = batch + (q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
     label = "(" + ",".join(str(x) for x in dims) + ")"
     return Inputs(q, k, v, causal, scale, label, exact=exact), dtypes
+
+
+def nonfinite_note(inp: Inputs) -> str:
+    """A sentence about NaN/inf in the inputs ("" when there are none): the audit then compares
+    the positions of non-finite outputs with the reference instead of their values."""
+    parts = []
+    for name in ("q", "k", "v"):
+        x = np.asarray(getattr(inp, name))
+        if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+            continue
+        xf = x.astype(np.float64)
+        n_nan, n_inf = int(np.isnan(xf).sum()), int(np.isinf(xf).sum())
+        if n_nan or n_inf:
+            parts.append(f"{name} holds " + " and ".join(
+                t for t in (f"{n_nan} NaN" if n_nan else "", f"{n_inf} inf" if n_inf else "") if t))
+    if not parts:
+        return ""
+    return ("inputs: " + "; ".join(parts) + ". NaN/inf outputs are compared by position with "
+            "the float64 reference (NaN where it is NaN, non-finite where it is inf), the other "
+            "elements by value.")
 
 
 def preflight(inp: Inputs, path: str):

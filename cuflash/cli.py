@@ -6,6 +6,7 @@ formatting live in :mod:`cuflash._audit`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -41,6 +42,22 @@ def _help() -> str:
     return HELP.replace("{rule}", PASS_RULE)
 
 
+def _check_writable(path: str, what: str) -> None:
+    """Fail now, with exit status 2, if ``path`` (a file to be written at the end) cannot be
+    created: better than a traceback after the whole audit has run."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise _InputError(f"{what} {path}: directory {parent} does not exist")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise _InputError(f"{what} {path}: cannot write it ({exc.strerror})") from None
+    if not existed:
+        os.remove(path)
+
+
 def _parse_seed(text):
     try:
         return int(text)
@@ -69,6 +86,8 @@ def main(file, device_name, dtypes, seed, quick, json_path):
     from cuflash import _audit
 
     t0 = time.perf_counter()
+    if json_path:
+        _check_writable(json_path, "--json")
     try:
         device, reason = _audit.select_device(device_name)
         # With FILE and no --dtype, the file's own dtype is audited.
@@ -76,6 +95,10 @@ def main(file, device_name, dtypes, seed, quick, json_path):
     except _audit.AuditError as exc:
         raise _InputError(str(exc)) from None
     click.echo(f"device: {device.name} ({reason})")
+    if device.name == "cpu" and device_name == "auto":
+        detail = _audit.no_gpu_detail()
+        if detail:
+            click.echo(f"        detail: {detail}")
 
     props = []
     if file is None:
@@ -99,6 +122,9 @@ def main(file, device_name, dtypes, seed, quick, json_path):
             click.echo(f"file: {file}   q {inp.q.shape}, k {inp.k.shape}, v {inp.v.shape}   "
                        f"causal={inp.causal}   scale={'default' if inp.scale is None else inp.scale}"
                        f"   dtypes: {', '.join(dtypes)}")
+            note = _audit.nonfinite_note(inp)
+            if note:
+                click.echo(note)
             cases = _audit.run_inputs(device, inp, dtypes, raise_call_errors=True)
         except _audit.AuditError as exc:
             raise _InputError(str(exc)) from None
