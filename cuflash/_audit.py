@@ -66,7 +66,7 @@ PASS_RULE = (
     "A = sum_j w_j |v_j| and sigma = sqrt(sum_j w_j v_j^2 - o^2) the spread of the values under "
     "the weights: B ~ rho * sigma + u_p * A + gamma * (A + |o|) + u * |o|, plus the float64 "
     "reference's own bound. rho = expm1(2 Delta), where Delta = (e_prod + 2 D ua) |scale| "
-    "max_j |q_i|.|k_j| + 6 ua max_j |s_ij| + 8 ua + (Sk/16 + 2) * 12 ua (+ u for 16-bit) bounds "
+    "max_j |q_i|.|k_j| + 12 ua max_j |s_ij| + 8 ua + (Sk/16 + 2) * 12 ua (+ u for 16-bit) bounds "
     "the error of every exponent s_j - m: float32 dot products (2 ua per addition, for "
     "truncating tensor-core adders), exp2 with the scale folded in, every rescale of the state "
     "(key tiles of at least 16). u_p is the rounding of P before P.V (u for 16-bit; 64 ua for "
