@@ -329,6 +329,9 @@ def versions() -> Dict[str, str]:
         v["ml_dtypes"] = ml_dtypes.__version__
     except ImportError:
         pass
+    for peer in ("torch", "jax"):  # the peers, when the audit imported them
+        if peer in sys.modules:
+            v[peer] = str(getattr(sys.modules[peer], "__version__", "unknown"))
     return v
 
 
@@ -428,6 +431,11 @@ class CaseResult:
     passed: bool = False
     reasons: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: max abs error of each peer's SDPA on the same inputs (NaN: it could not run them)
+    peer_err: Dict[str, float] = field(default_factory=dict)
+    #: the peer with the smallest error, and cuflash's error divided by it
+    peer_best: str = ""
+    ratio_to_peer: float = math.nan
 
     @property
     def kernel_short(self) -> str:
@@ -516,6 +524,98 @@ def score_output(res: CaseResult, o: np.ndarray, lse, lse_ref: np.ndarray,
     return res
 
 
+# ----------------------------------------------------------------------------------------------
+# peers: the SDPA of PyTorch and JAX, when importable
+# ----------------------------------------------------------------------------------------------
+
+def available_peers() -> List[str]:
+    """Names of the peer libraries that can be imported here ("torch", "jax"); never required."""
+    import importlib.util
+
+    return [name for name in ("torch", "jax") if importlib.util.find_spec(name) is not None]
+
+
+def _flat_inputs(q, k, v):
+    """q, k, v broadcast to one batch shape and flattened to (B, S, D)."""
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    return batch, [np.array(np.broadcast_to(x, batch + x.shape[-2:]), copy=True)
+                   .reshape((-1,) + x.shape[-2:]) for x in (q, k, v)]
+
+
+def _peer_torch(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
+    """torch.nn.functional.scaled_dot_product_attention on the device (GPU when the audit runs
+    there and PyTorch sees CUDA), the causal mask given explicitly (bottom-right aligned)."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = "cuda" if device.name == "gpu" and torch.cuda.is_available() else "cpu"
+    tdt = getattr(torch, dtype)
+    batch, (qf, kf, vf) = _flat_inputs(q, k, v)
+    tq, tk, tv = (torch.from_numpy(x).to(device=dev, dtype=tdt) for x in (qf, kf, vf))
+    mask = None
+    if causal:
+        mask = torch.from_numpy(reference._causal_mask(q.shape[-2], k.shape[-2])).to(dev)
+    with torch.no_grad():
+        o = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, scale=scale)
+    return o.to(torch.float64).cpu().numpy().reshape(batch + (q.shape[-2], v.shape[-1]))
+
+
+def _peer_jax(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
+    """jax.nn.dot_product_attention on JAX's default device (heads as (B, T, N=1, H))."""
+    import jax
+    import jax.numpy as jnp
+
+    if q.shape[-1] != v.shape[-1]:
+        raise ValueError("jax.nn.dot_product_attention needs D == Dv")
+    if dtype == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError("float64 needs jax_enable_x64")
+    batch, (qf, kf, vf) = _flat_inputs(q, k, v)
+    jq, jk, jv = (jnp.asarray(x[:, :, None, :], dtype=dtype) for x in (qf, kf, vf))
+    mask = None
+    if causal:
+        mask = jnp.asarray(reference._causal_mask(q.shape[-2], k.shape[-2]))[None, None]
+    o = jax.nn.dot_product_attention(jq, jk, jv, mask=mask, scale=scale)
+    return np.asarray(o, dtype=np.float64)[:, :, 0, :].reshape(batch + (q.shape[-2], v.shape[-1]))
+
+
+#: name -> function(device, q, k, v, causal, scale, dtype) returning the output as float64.
+PEERS: Dict[str, Callable] = {"torch": _peer_torch, "jax": _peer_jax}
+
+
+def peer_errors(device: Device, peers: Sequence[str], q, k, v, causal, scale, dtype,
+                o_ref) -> Dict[str, float]:
+    """Max abs error of each peer against ``o_ref`` over the rows that see at least one key
+    (peers disagree on rows that see none: NaN or 0) and where the reference is finite; NaN for
+    a peer that cannot run these inputs."""
+    out = {}
+    sees = np.ones(o_ref.shape[:-1], dtype=bool)
+    if causal:
+        sees = np.broadcast_to(np.arange(q.shape[-2]) + (k.shape[-2] - q.shape[-2]) >= 0,
+                               o_ref.shape[:-1])
+    keep = sees[..., None] & np.isfinite(o_ref)
+    for name in peers:
+        try:
+            o = PEERS[name](device, q, k, v, causal, scale, dtype)
+            with np.errstate(invalid="ignore"):
+                diff = np.where(keep, np.abs(o - o_ref), 0.0)
+            out[name] = float(np.max(np.where(np.isnan(diff), math.inf, diff))) if diff.size \
+                else 0.0
+        except Exception:  # not installed right, no such dtype or device: not the audit's failure
+            out[name] = math.nan
+    return out
+
+
+def attach_peers(res: CaseResult, errs: Dict[str, float]) -> None:
+    """Record the peers' errors in ``res`` and cuflash's ratio to the best of them."""
+    res.peer_err = dict(errs)
+    ok = {n: e for n, e in errs.items() if not math.isnan(e)}
+    if ok:
+        res.peer_best = min(ok, key=ok.get)
+        best = ok[res.peer_best]
+        res.ratio_to_peer = (res.max_abs_err / best if best > 0
+                             else (0.0 if res.max_abs_err == 0 else math.inf))
+
+
 class Reference:
     """The float64 reference and the naive error for one set of rounded inputs, computed once
     and shared by every kernel audited on them."""
@@ -537,11 +637,12 @@ def _describe_exc(exc: BaseException) -> str:
 
 
 def run_inputs(device: Device, inp: Inputs, dtypes: Sequence[str],
-               raise_call_errors: bool = False) -> List[CaseResult]:
+               raise_call_errors: bool = False, peers: Sequence[str] = ()) -> List[CaseResult]:
     """Audit ``inp`` in every dtype and through every kernel the dispatcher may pick.
 
     With ``raise_call_errors`` a ValueError/TypeError from cuflash's argument checks propagates
     (used for user files: the message is the diagnosis); otherwise it is recorded as a FAIL.
+    ``peers``: names from :data:`PEERS` whose SDPA errors on the same inputs are recorded.
     """
     results = []
     try:
@@ -556,6 +657,7 @@ def run_inputs(device: Device, inp: Inputs, dtypes: Sequence[str],
         else:
             rq, rk, rv = (reference.round_to(x, dtype) for x in (inp.q, inp.k, inp.v))
         ref = Reference(rq, rk, rv, inp.causal, inp.scale, dtype)
+        peer_errs = None
         dq, dk, dv = (device.to_device(x.astype(npdt)) for x in (rq, rk, rv))
         try:
             kernels = device.kernels(dq, dk, dv, inp.causal)
@@ -590,6 +692,11 @@ def run_inputs(device: Device, inp: Inputs, dtypes: Sequence[str],
                 continue
             _, lse_ref, rule = ref.get()
             score_output(res, o_host, lse_host, lse_ref, rule)
+            if peers:
+                if peer_errs is None:
+                    peer_errs = peer_errors(device, peers, rq, rk, rv, inp.causal, inp.scale,
+                                            dtype, rule.o_ref)
+                attach_peers(res, peer_errs)
             if out is not None and not (device.same_buffer(o, out[0])
                                         and device.same_buffer(lse, out[1])):
                 res.reasons.append("the returned (o, lse) are not the out= buffers")
@@ -980,16 +1087,46 @@ def _fmt_frac(x: float) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.3g}"
 
 
+class CaseTable:
+    """The case table with fixed column widths, so that rows can be printed as they arrive.
+    With ``peers`` it has two more columns: the peer with the smallest error and cuflash's error
+    divided by it."""
+
+    COLUMNS = [("dtype", 8, False), ("kernel", 10, False), ("shape (B,H,Sq,Sk,D,Dv)", 22, False),
+               ("causal", 6, False), ("max abs err", 11, True), ("rel err", 8, True),
+               ("naive err", 9, True), ("threshold", 9, True), ("err/thr", 7, True),
+               ("err/bound", 9, True), ("lse err", 8, True)]
+    PEER_COLUMNS = [("best peer", 12, True), ("err/peer", 8, True)]
+
+    def __init__(self, peers: bool = False):
+        self.columns = self.COLUMNS + (self.PEER_COLUMNS if peers else []) + [("result", 6, False)]
+
+    def _line(self, cells) -> str:
+        return "  ".join(str(c).rjust(w) if right else str(c).ljust(w)
+                         for c, (_, w, right) in zip(cells, self.columns)).rstrip()
+
+    def header(self) -> str:
+        return "\n".join([self._line([name for name, _, _ in self.columns]),
+                          "  ".join("-" * w for _, w, _ in self.columns)])
+
+    def row(self, r: CaseResult) -> str:
+        cells = case_row(r)
+        if len(self.columns) > len(self.COLUMNS) + 1:
+            best = (f"{r.peer_best} {_fmt(r.peer_err[r.peer_best])}" if r.peer_best
+                    else ("n/a" if r.peer_err else ""))
+            cells = cells[:-1] + [best, _fmt_frac(r.ratio_to_peer) if r.peer_best else "",
+                                  cells[-1]]
+        return self._line(cells)
+
+
 def format_cases(results: Sequence[CaseResult]) -> str:
-    head = ["dtype", "kernel", "shape (B,H,Sq,Sk,D,Dv)", "causal", "max abs err", "rel err",
-            "naive err", "threshold", "err/thr", "err/bound", "lse err", "result"]
-    rows = [case_row(r) for r in results]
-    table = _table(head, rows, right=range(4, 11))
-    return table + case_footnotes(results)
+    table = CaseTable(peers=any(r.peer_err for r in results))
+    return "\n".join([table.header()] + [table.row(r) for r in results]) \
+        + case_footnotes(results)
 
 
 def case_row(r: CaseResult) -> List[str]:
-    """One line of the case table (the columns of :func:`format_cases`)."""
+    """The cells of one line of the case table (without the peer columns)."""
     mark = "*" if r.naive_kind == "bound" else ("!" if not r.naive_informative else " ")
     return [r.dtype, r.kernel_short, r.shape, "yes" if r.causal else "no", _fmt(r.max_abs_err),
             _fmt(r.rel_err), _fmt(r.naive_err) + mark, _fmt(r.threshold),
@@ -1003,6 +1140,10 @@ def case_footnotes(results: Sequence[CaseResult]) -> str:
         notes += ("\n* float64: the naive float64 implementation is the float64 reference "
                   "itself, so its\n  forward-error bound stands in for its (zero) measured "
                   "error; see --help.")
+    if any(r.peer_err for r in results):
+        notes += ("\nbest peer: the smallest max abs error of the SDPA of "
+                  + ", ".join(sorted({n for r in results for n in r.peer_err}))
+                  + " on the same inputs (rows that see a key); err/peer = cuflash's error / it.")
     if any(not r.naive_informative and r.naive_kind != "bound" for r in results):
         notes += (f"\n! the naive error exceeds {reference.NAIVE_INFORMATIVE_FRACTION:g} of "
                   "max|o_ref|: the 2x-naive comparison is uninformative\n  there, and the "
@@ -1097,11 +1238,19 @@ Progress = Callable[[int], None]
 
 
 def run_grid(device: Device, shapes: Sequence[Shape], dtypes: Sequence[str], seed: int,
-             progress: Optional[Progress] = None) -> List[CaseResult]:
+             progress: Optional[Progress] = None,
+             on_result: Optional[Callable[[CaseResult], None]] = None,
+             peers: Sequence[str] = ()) -> List[CaseResult]:
+    """Audit every grid shape; ``on_result`` sees each case as soon as it is judged,
+    ``progress(1)`` is called after each shape."""
     results = []
     for index, shape in enumerate(shapes):
         inp = draw_inputs(shape, seed, index)
-        results.extend(run_inputs(device, inp, dtypes))
+        batch = run_inputs(device, inp, dtypes, peers=peers)
+        results.extend(batch)
+        if on_result is not None:
+            for r in batch:
+                on_result(r)
         if progress is not None:
             progress(1)
     return results
