@@ -99,15 +99,15 @@ TC_DTYPES = ("float16", "bfloat16", "float32")
 #: BN = 32 is 91 KiB, two blocks per SM on Hopper. Registers set the key tile width: the split form
 #: ("highest") keeps, beside O's D / 2 accumulators per thread, the scores' small products and the
 #: per-tile P.V accumulators; at BN = 64 it spilled from D = 96 on (NVRTC 13, sm_90), D = 128
-#: spilled on sm_80 with the staged epilogue and D = 192 at BN = 32, and at D = 256, where O alone
-#: takes 128 registers, every tile shape spilled, so "highest" stops at D = 192 (larger head dims
-#: take the generic kernel; see tensorcore_reason).
+#: spilled on sm_80 with the staged epilogue, D = 192 spilled at BN = 32 and, once the scalar P.V
+#: of non-finite V on masked tiles came in, at BN = 16 too, and at D = 256, where O alone takes 128
+#: registers, every tile shape spilled. So "highest" stops at D = 128 (larger head dims take the
+#: generic kernel; see tensorcore_reason).
 TC_F32_CONFIGS = {
     (32, "highest"): (64, 4, 1, 2, True),
     (64, "highest"): (64, 4, 1, 2, True),
     (96, "highest"): (32, 4, 1, 2, True),
     (128, "highest"): (32, 4, 1, 2, False),
-    (192, "highest"): (16, 4, 1, 2, True),
     (32, "high"): (64, 4, 1, 2, True),
     (64, "high"): (64, 4, 1, 2, True),
     (96, "high"): (64, 4, 1, 2, True),
