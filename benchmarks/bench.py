@@ -24,6 +24,14 @@ so the work per point grows linearly with S. For each point and implementation t
 FLOPs per point: 4 * B * H * Sq * Sk * D (two matmuls of 2 * Sq * Sk * D each per head),
 halved when causal. TFLOP/s = FLOPs / median seconds / 1e12.
 
+``--pass backward`` times the backward pass instead (cuflash.attention_backward against torch's
+FLASH, CUDNN and EFFICIENT backward through torch.autograd.grad on a retained graph, so only the
+backward runs in the timed calls), with an upstream gradient do drawn like the inputs; every
+result's dq, dk and dv are first checked on whole (batch, head) slices against float64 gradients
+computed on the GPU, under cuflash.reference's gradient rule (twice the error of a naive
+same-precision backward plus the small absolute term; see BackwardCheckSet). FLOPs are 2.5x the
+forward's (five matmuls instead of two). ``cuflash-det`` is cuflash with deterministic=True.
+
 See benchmarks/README.md for the method in prose.
 """
 from __future__ import annotations
@@ -63,19 +71,32 @@ DEFAULT_WARMUP = 5
 
 # Implementations in table order. cuflash-tensorcore forces the mma.sync kernel (what "auto" runs
 # before Hopper), cuflash-generic the scalar audit kernel: both off by default.
-IMPLS = ("cuflash", "cuflash-tensorcore", "cuflash-generic", "torch-flash", "torch-cudnn",
-         "torch-efficient", "cupy-naive")
+IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-generic",
+         "torch-flash", "torch-cudnn", "torch-efficient", "torch-math", "cupy-naive")
 DEFAULT_IMPLS = ("cuflash", "torch-flash", "torch-cudnn", "torch-efficient", "cupy-naive")
+# float32 (--dtype float32): cuflash's float32-accurate default and its one-pass TF32 mode
+# (precision="high"), against torch's two float32 SDPA backends (FLASH and CUDNN refuse float32).
+FLOAT32_IMPLS = ("cuflash", "cuflash-high", "torch-efficient", "torch-math", "cupy-naive")
+#: --pass backward: cuflash (and deterministic=True) against torch's three fused backwards; for
+#: float32 against EFFICIENT, the one fused torch backward that takes float32.
+BACKWARD_IMPLS = ("cuflash", "cuflash-det", "torch-flash", "torch-cudnn", "torch-efficient")
+BACKWARD_FLOAT32_IMPLS = ("cuflash", "cuflash-det", "torch-efficient")
+#: Backward FLOPs per forward FLOP: dS = ..., dQ, dK, dV and the recomputed S: 5 matmuls vs 2.
+BACKWARD_FLOP_FACTOR = 2.5
 IMPL_ALIASES = {
+    "det": "cuflash-det",
     "flash": "torch-flash", "cudnn": "torch-cudnn", "efficient": "torch-efficient",
     "mem-efficient": "torch-efficient", "naive": "cupy-naive", "generic": "cuflash-generic",
-    "tensorcore": "cuflash-tensorcore",
+    "tensorcore": "cuflash-tensorcore", "high": "cuflash-high", "math": "torch-math",
 }
 # The peers the speed ratios are taken against, with the column title of each ratio.
-RATIO_PEERS = (("torch-flash", "cuflash/FLASH"), ("torch-cudnn", "cuflash/CUDNN"))
+RATIO_PEERS = (("torch-flash", "cuflash/FLASH"), ("torch-cudnn", "cuflash/CUDNN"),
+               ("torch-efficient", "cuflash/EFF"), ("torch-math", "cuflash/MATH"),
+               ("cuflash-det", "cuflash/det"))  # the last: what deterministic=True costs
 
 FALLBACK_L2_BYTES = 50 * 1024 ** 2
-SUPPORTED_DTYPES = ("float16", "bfloat16")
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +129,8 @@ def _causal_list(text):
 
 def _dtype_list(text):
     alias = {"fp16": "float16", "half": "float16", "float16": "float16",
-             "bf16": "bfloat16", "bfloat16": "bfloat16"}
+             "bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+             "float": "float32"}
     vals = []
     for t in text.replace(" ", "").lower().split(","):
         if not t:
@@ -183,7 +205,7 @@ def parse_args(argv=None):
     p.add_argument("--causal", type=_causal_list, default=None, metavar="LIST",
                    help="0 and/or 1 (default 0,1)")
     p.add_argument("--dtype", type=_dtype_list, default=None, metavar="LIST",
-                   help="float16 and/or bfloat16 (default float16)")
+                   help="float16, bfloat16 and/or float32 (default float16)")
     p.add_argument("--impl", type=_impl_list, default=None, metavar="LIST",
                    help=f"implementations among {', '.join(IMPLS)}; 'all' or 'default' "
                         f"(default: {','.join(DEFAULT_IMPLS)})")
@@ -197,6 +219,8 @@ def parse_args(argv=None):
                    help="B * S at every point (default %(default)s)")
     p.add_argument("--width", type=_pos_int, default=WIDTH,
                    help="H * D at every point (default %(default)s)")
+    p.add_argument("--pass", dest="pass_", choices=("forward", "backward"), default="forward",
+                   help="time the forward pass (default) or the backward pass (dq, dk, dv)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: D in {QUICK_D}, S in {QUICK_S}, causal 0/1, "
                         f"{QUICK_REPEATS} repeats (explicit options still win)")
@@ -225,7 +249,10 @@ def parse_args(argv=None):
     args.s = args.s or (QUICK_S if args.quick else DEFAULT_S)
     args.causal = args.causal or DEFAULT_CAUSAL
     args.dtype = args.dtype or DEFAULT_DTYPES
-    args.impl = args.impl or DEFAULT_IMPLS
+    if args.impl is None and args.pass_ == "backward":
+        args.impl = BACKWARD_FLOAT32_IMPLS if args.dtype == ("float32",) else BACKWARD_IMPLS
+    if args.impl is None:
+        args.impl = FLOAT32_IMPLS if args.dtype == ("float32",) else DEFAULT_IMPLS
     if args.repeats is None:
         args.repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
     if args.warmup is None:
@@ -444,6 +471,7 @@ def collect_header(env, args):
         "repeats": args.repeats, "warmup": args.warmup, "check_slices": args.check_slices,
         "check_rows": args.check_rows, "naive_max_gb": args.naive_max_gb,
         "time_cap_s": args.time_cap, "seed": args.seed, "impls": list(args.impl),
+        "pass": args.pass_,
     }
     return h
 
@@ -488,10 +516,10 @@ def reference_f64(env, q, k, v, causal, scale):
     return _fb_softmax(_fb_scores(q, k, scale, causal, np.float64)) @ v
 
 
-def naive_same_precision(env, q, k, v, causal, scale, dtype):
+def naive_same_precision(env, q, k, v, causal, scale, dtype, precision=None):
     if env.ref is not None:
         return np.asarray(env.ref.naive_attention(q, k, v, causal=causal, scale=scale,
-                                                  dtype=dtype))
+                                                  dtype=dtype, precision=precision))
     s = _fb_round(_fb_scores(q, k, scale, causal, np.float32), dtype)
     p = _fb_round(_fb_softmax(s.astype(np.float32)), dtype)
     return _fb_round(p.astype(np.float32) @ v.astype(np.float32), dtype)
@@ -527,9 +555,10 @@ class CheckSet:
     problem, so the block's reference is the full problem's rows.
     """
 
-    def __init__(self, env, pt, q, k, v, scale, n_slices, rows, seed):
+    def __init__(self, env, pt, q, k, v, scale, n_slices, rows, seed, precision=None):
         self.env = env
         self.dtype = pt["dtype"]
+        self.precision = precision  # float32 "high": the one-pass TF32 naive sets the bar
         b_all, h_all, s = pt["B"], pt["H"], pt["S"]
         rng = np.random.default_rng(seed)
         pairs = [(b, h) for b in range(b_all) for h in range(h_all)]
@@ -552,11 +581,12 @@ class CheckSet:
             if env.ref is not None:
                 # The project's one rule: the 2x-naive threshold and the a-priori bound.
                 rule = env.ref.pass_threshold(qs, ks, vs, causal=pt["causal"], scale=scale,
-                                              dtype=self.dtype, o_ref=ref)
+                                              dtype=self.dtype, o_ref=ref, precision=precision)
                 nerr, tol = rule.naive_err, rule.threshold
             else:
                 rule = None
-                naive = naive_same_precision(env, qs, ks, vs, pt["causal"], scale, self.dtype)
+                naive = naive_same_precision(env, qs, ks, vs, pt["causal"], scale, self.dtype,
+                                             precision)
                 nerr = float(np.max(np.abs(naive - ref)))
                 tol = pass_threshold(env, self.dtype, ref, nerr)
             self.refs.append(ref)
@@ -599,6 +629,132 @@ class CheckSet:
 
 
 # ---------------------------------------------------------------------------------------------
+# backward: float64 gradients and the naive same-precision backward, on the GPU
+# ---------------------------------------------------------------------------------------------
+# GPU twins (any array module xp: CuPy here, NumPy in tests/test_backward_cpu.py, which checks
+# them against cuflash.reference.attention_backward_ref, naive_attention_backward and
+# gradient_scales) for one (Sq, D) head: a whole head of the benchmark's sizes (S up to 16384)
+# is out of reach of the CPU reference in the time of a run.
+
+def _xp_round(xp, x, dtype):
+    """float32 values rounded to dtype (nearest even), kept in float32."""
+    if dtype == "float16":
+        return x.astype(xp.float16).astype(xp.float32)
+    if dtype == "bfloat16":
+        u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32).astype(xp.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.astype(xp.uint32).view(xp.float32)
+    return x
+
+
+def _xp_mask(xp, sq, sk):
+    return xp.arange(sk)[None, :] <= xp.arange(sq)[:, None] + (sk - sq)
+
+
+def grad_reference_xp(xp, q, k, v, do, causal, scale):
+    """float64 (dq, dk, dv) and the terms' sizes (A_dq, A_dk, A_dv) of one head, as
+    cuflash.reference.attention_backward_ref and gradient_scales define them."""
+    q, k, v, do = (x.astype(xp.float64) for x in (q, k, v, do))
+    s = (q @ k.T) * scale
+    if causal:
+        s = xp.where(_xp_mask(xp, *s.shape), s, -xp.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = xp.exp(s)
+    del s
+    p /= p.sum(axis=-1, keepdims=True)
+    o = p @ v
+    dv = p.T @ do
+    dp = do @ v.T
+    delta = (do * o).sum(axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    dq, dk = scale * (ds @ k), scale * (ds.T @ q)
+    del ds
+    g = p * (xp.abs(dp) + xp.abs(delta))
+    del dp
+    a = (abs(scale) * float((g @ xp.abs(k)).max()), abs(scale) * float((g.T @ xp.abs(q)).max()),
+         float((p.T @ xp.abs(do)).max()))
+    return (dq, dk, dv), a
+
+
+def grad_naive_xp(xp, q, k, v, do, causal, scale, dtype):
+    """The naive same-precision backward of one head (cuflash.reference.naive_attention_backward):
+    products in float32, every stage's result rounded to dtype."""
+    f32 = xp.float32
+    q, k, v, do = (x.astype(f32) for x in (q, k, v, do))
+    s = _xp_round(xp, (q @ k.T) * f32(scale), dtype)
+    if causal:
+        s = xp.where(_xp_mask(xp, *s.shape), s, f32(-np.inf))
+    e = xp.exp(s - s.max(axis=-1, keepdims=True))
+    del s
+    p = _xp_round(xp, e / e.sum(axis=-1, keepdims=True, dtype=f32), dtype)
+    del e
+    dv = _xp_round(xp, p.T @ do, dtype)
+    dp = _xp_round(xp, do @ v.T, dtype)
+    ds = _xp_round(xp, p * (dp - (p * dp).sum(axis=-1, keepdims=True, dtype=f32)), dtype)
+    del dp, p
+    dq = _xp_round(xp, (ds @ k) * f32(scale), dtype)
+    dk = _xp_round(xp, (ds.T @ q) * f32(scale), dtype)
+    return dq, dk, dv
+
+
+class BackwardCheckSet:
+    """--pass backward: whole (batch, head) slices with their float64 gradients and, per
+    gradient, the pass threshold of cuflash.reference.tolerance (2 x the naive same-precision
+    backward's error + 4 u A_X), computed on the GPU in float64 / float32."""
+
+    def __init__(self, env, pt, s, scale, n_slices, seed):
+        self.env, self.dtype = env, pt["dtype"]
+        cp = env.cupy
+        rng = np.random.default_rng(seed)
+        pairs = [(b, h) for b in range(pt["B"]) for h in range(pt["H"])]
+        pick = rng.choice(len(pairs), size=min(n_slices, len(pairs)), replace=False)
+        self.slices = [pairs[int(i)] for i in pick]
+        self.refs, self.tols, self.naive_errs = [], [], []
+        for b, h in self.slices:
+            x = [self._gpu_f32(t[b, h]) for t in (s.cq, s.ck, s.cv, s.cdo)]
+            ref, scales = grad_reference_xp(cp, *x, pt["causal"], scale)
+            naive = grad_naive_xp(cp, *x, pt["causal"], scale, self.dtype)
+            errs = [float(cp.abs(n.astype(cp.float64) - r).max()) for n, r in zip(naive, ref)]
+            del naive
+            self.refs.append(ref)
+            self.naive_errs.append(errs)
+            self.tols.append([float(env.ref.tolerance(self.dtype, None, e, out_scale=a))
+                              for e, a in zip(errs, scales)])
+            free_gpu_memory(env)
+
+    def _gpu_f32(self, x):
+        cp = self.env.cupy
+        if str(x.dtype) == "bfloat16":
+            bits = cp.ascontiguousarray(x).view(cp.uint16).astype(cp.uint32) << 16
+            return bits.view(cp.float32)
+        return x.astype(cp.float32)
+
+    def check(self, grads):
+        """(passed, max abs error, worst err / threshold) over the slices and dq, dk, dv."""
+        cp = self.env.cupy
+        worst_err, worst_ratio, ok = 0.0, 0.0, True
+        for (b, h), refs, tols in zip(self.slices, self.refs, self.tols):
+            for g, ref, tol in zip(grads, refs, tols):
+                got = cp.from_dlpack(g[b, h]) if not isinstance(g, cp.ndarray) else g[b, h]
+                got = self._gpu_f32(got).astype(cp.float64)
+                if got.shape != ref.shape:
+                    raise ValueError(f"gradient slice has shape {got.shape}, expected "
+                                     f"{ref.shape}")
+                if not bool(cp.all(cp.isfinite(got))):
+                    return False, float("nan"), float("inf")
+                err = float(cp.abs(got - ref).max())
+                worst_err = max(worst_err, err)
+                ratio = err / tol if tol > 0 else (0.0 if err == 0 else float("inf"))
+                worst_ratio = max(worst_ratio, ratio)
+                ok = ok and err <= tol
+        return ok, worst_err, worst_ratio
+
+    def summary(self):
+        return {"slices": [list(x) for x in self.slices], "naive_fp_err": self.naive_errs,
+                "threshold": self.tols, "gradients": ["dq", "dk", "dv"]}
+
+
+# ---------------------------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------------------------
 
@@ -608,6 +764,7 @@ class InputSet:
     def __init__(self, tq, tk, tv, cq, ck, cv):
         self.tq, self.tk, self.tv = tq, tk, tv
         self.cq, self.ck, self.cv = cq, ck, cv
+        self.tdo = self.cdo = None  # the upstream gradient, --pass backward only
         self.cupy_err = None
 
     def any(self):
@@ -617,7 +774,7 @@ class InputSet:
         return self.cq, self.ck, self.cv
 
 
-def make_inputs(env, pt, n_sets, seed):
+def make_inputs(env, pt, n_sets, seed, with_do=False):
     shape = (pt["B"], pt["H"], pt["S"], pt["D"])
     sets = []
     cp = env.cupy
@@ -629,9 +786,13 @@ def make_inputs(env, pt, n_sets, seed):
             g.manual_seed(seed * 1000 + i)
             tq, tk, tv = (t.randn(shape, device="cuda", dtype=dt, generator=g) for _ in range(3))
             s = InputSet(tq, tk, tv, None, None, None)
+            if with_do:
+                s.tdo = t.randn(shape, device="cuda", dtype=dt, generator=g)
             if cp is not None:
                 try:
                     s.cq, s.ck, s.cv = (cp.from_dlpack(x) for x in (tq, tk, tv))
+                    if with_do:
+                        s.cdo = cp.from_dlpack(s.tdo)
                 except Exception as e:  # noqa: BLE001 - e.g. a CuPy without bfloat16
                     s.cupy_err = f"CuPy cannot view {pt['dtype']} torch tensors: {short_reason(e)}"
             else:
@@ -642,10 +803,12 @@ def make_inputs(env, pt, n_sets, seed):
                 import ml_dtypes  # CuPy's bfloat16 dtype comes from ml_dtypes
                 dt = ml_dtypes.bfloat16
             else:
-                dt = cp.float16
+                dt = cp.dtype(pt["dtype"])
             cq, ck, cv = (rs.standard_normal(shape, dtype=cp.float32).astype(dt)
                           for _ in range(3))
             s = InputSet(None, None, None, cq, ck, cv)
+            if with_do:
+                s.cdo = rs.standard_normal(shape, dtype=cp.float32).astype(dt)
         sets.append(s)
     return sets
 
@@ -667,6 +830,11 @@ class Skip(Exception):
 
 class Impl:
     name = "?"
+    #: cuflash must pass the correctness check to be timed; a peer that misses the threshold is
+    #: timed anyway and its error shown (the float32 peers' errors are part of what is compared).
+    must_pass = True
+    #: float32 product mode whose naive counterpart sets the check's bar (None: the dtype's own).
+    precision = None
 
     def __init__(self, env, args):
         self.env, self.args = env, args
@@ -688,6 +856,11 @@ class Impl:
         """Returns run(i) -> output, launching one call on input set i; may raise Skip."""
         raise NotImplementedError
 
+    def prepare_backward(self, pt, sets, scale):
+        """--pass backward: run(i) -> (dq, dk, dv) for input set i (its forward done here,
+        untimed); may raise Skip."""
+        raise Skip("n/a: no backward pass")
+
     def explain(self, exc):
         """A short reason for an exception this implementation raised."""
         return short_reason(exc)
@@ -695,13 +868,20 @@ class Impl:
 
 class CuflashImpl(Impl):
 
-    def __init__(self, env, args, kernel):
+    def __init__(self, env, args, kernel, precision=None, deterministic=False):
         super().__init__(env, args)
         self.kernel = kernel
-        self.name = "cuflash" if kernel == "auto" else f"cuflash-{kernel}"
+        self.precision = precision
+        self.deterministic = deterministic
+        self.name = ("cuflash" if kernel == "auto" else f"cuflash-{kernel}") if precision is None \
+            else f"cuflash-{precision}"
+        if deterministic:
+            self.name = "cuflash-det"
         self.use_out = True
 
     def unavailable(self):
+        if self.deterministic and self.args.pass_ != "backward":
+            return "deterministic= is an option of the backward pass (--pass backward)"
         if self.env.cuflash is None:
             return f"cuflash not importable ({self.env.cuflash_err})"
         if self.env.cupy is None:
@@ -710,8 +890,38 @@ class CuflashImpl(Impl):
 
     def dispatch(self, pt, sets):
         s = sets[0]
+        if self.args.pass_ == "backward":
+            return getattr(self, "backward_label", "?")
         return str(self.env.cuflash.dispatch_info(s.cq, s.ck, s.cv, causal=pt["causal"],
-                                                  kernel=self.kernel))
+                                                  kernel=self.kernel, precision=self.precision))
+
+    def prepare_backward(self, pt, sets, scale):
+        """The forward of every input set (o, lse) is run here, untimed; a timed call is one
+        attention_backward into preallocated dq, dk, dv with a preallocated workspace."""
+        cp, cf = self.env.cupy, self.env.cuflash
+        if sets[0].cq is None:
+            raise Skip(f"n/a: {sets[0].cupy_err}")
+        if self.precision is not None:
+            raise Skip("n/a: the backward has no precision= modes")
+        causal, kernel, det = pt["causal"], self.kernel, self.deterministic
+        stream = self.stream()
+        fwd = [cf.attention(s.cq, s.ck, s.cv, causal=causal, scale=scale, return_lse=True,
+                            stream=stream) for s in sets]
+        s0 = sets[0]
+        args0 = (s0.cdo, s0.cq, s0.ck, s0.cv) + fwd[0]
+        self.backward_label = str(cf.backward_dispatch_info(*args0, causal=causal,
+                                                            deterministic=det, kernel=kernel))
+        ws = cp.empty(cf.attention_backward_workspace_size(*args0, causal=causal,
+                                                           deterministic=det, kernel=kernel),
+                      dtype=cp.uint8)
+        outs = tuple(cp.empty_like(x) for x in (s0.cq, s0.ck, s0.cv))
+
+        def run(i):
+            s = sets[i]
+            return cf.attention_backward(s.cdo, s.cq, s.ck, s.cv, *fwd[i], causal=causal,
+                                         scale=scale, deterministic=det, out=outs, workspace=ws,
+                                         stream=stream, kernel=kernel)
+        return run
 
     def prepare(self, pt, sets, scale):
         cp, cf = self.env.cupy, self.env.cuflash
@@ -719,30 +929,31 @@ class CuflashImpl(Impl):
             raise Skip(f"n/a: {sets[0].cupy_err}")
         out = cp.empty(sets[0].cq.shape, dtype=sets[0].cq.dtype)
         stream = self.stream()
-        causal, kernel = pt["causal"], self.kernel
+        causal, kernel, precision = pt["causal"], self.kernel, self.precision
 
         def run(i):
             s = sets[i]
             if self.use_out:
                 try:
                     r = cf.attention(s.cq, s.ck, s.cv, causal=causal, scale=scale, out=out,
-                                     stream=stream, kernel=kernel)
+                                     stream=stream, kernel=kernel, precision=precision)
                     return out if r is None else r
                 except (TypeError, ValueError) as e:
                     # Only give up on out= if the call works without it.
                     r = cf.attention(s.cq, s.ck, s.cv, causal=causal, scale=scale,
-                                     stream=stream, kernel=kernel)
+                                     stream=stream, kernel=kernel, precision=precision)
                     self.use_out = False
                     self.notes["out="] = f"rejected, timed with allocation ({short_reason(e)})"
                     return r
             return cf.attention(s.cq, s.ck, s.cv, causal=causal, scale=scale, stream=stream,
-                                kernel=kernel)
+                                kernel=kernel, precision=precision)
         return run
 
 
 class TorchSDPAImpl(Impl):
     BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
-                "torch-efficient": "EFFICIENT_ATTENTION"}
+                "torch-efficient": "EFFICIENT_ATTENTION", "torch-math": "MATH"}
+    must_pass = False
 
     def __init__(self, env, args, name):
         super().__init__(env, args)
@@ -801,8 +1012,27 @@ class TorchSDPAImpl(Impl):
                                                   scale=scale)
         return run
 
+    def prepare_backward(self, pt, sets, scale):
+        """The forward of every set runs here (inside this backend's context, so autograd
+        records this backend's backward), untimed; a timed call is torch.autograd.grad of the
+        retained graph: the backward kernels alone."""
+        t = self.env.torch
+        F = t.nn.functional
+        graphs = []
+        for s in sets:
+            leaves = tuple(x.detach().requires_grad_() for x in (s.tq, s.tk, s.tv))
+            o = F.scaled_dot_product_attention(*leaves, is_causal=pt["causal"], scale=scale)
+            graphs.append((o, leaves, s.tdo))
+
+        def run(i):
+            o, leaves, do = graphs[i]
+            return t.autograd.grad(o, leaves, grad_outputs=do, retain_graph=True)
+        return run
+
 
 class CupyNaiveImpl(Impl):
+    must_pass = False
+
     """matmul -> softmax -> matmul in CuPy, the way one would write it by hand.
 
     S = q @ k^T by cuBLAS on the half-precision inputs (float32 accumulation, result in the input
@@ -867,6 +1097,10 @@ def make_impls(env, args):
     for name in args.impl:
         if name == "cuflash":
             impls.append(CuflashImpl(env, args, "auto"))
+        elif name == "cuflash-det":
+            impls.append(CuflashImpl(env, args, "auto", deterministic=True))
+        elif name == "cuflash-high":
+            impls.append(CuflashImpl(env, args, "auto", precision="high"))
         elif name in ("cuflash-generic", "cuflash-tensorcore"):
             impls.append(CuflashImpl(env, args, name.split("-", 1)[1]))
         elif name in TorchSDPAImpl.BACKENDS:
@@ -973,31 +1207,48 @@ def run_point(env, args, impls, spinner, pt, index, l2_bytes):
     cp = env.cupy
     rec = dict(pt)
     rec["flops"] = attention_flops(pt["B"], pt["H"], pt["S"], pt["S"], pt["D"], pt["causal"])
+    backward = args.pass_ == "backward"
+    if backward:
+        rec["flops"] *= BACKWARD_FLOP_FACTOR
     rec["scale"] = scale = 1.0 / math.sqrt(pt["D"])
     rec["impls"] = {}
     seed = args.seed * 100003 + index
 
-    itemsize = 2
-    set_bytes = 3 * pt["B"] * pt["H"] * pt["S"] * pt["D"] * itemsize
+    itemsize = ITEMSIZE[pt["dtype"]]
+    set_bytes = (4 if backward else 3) * pt["B"] * pt["H"] * pt["S"] * pt["D"] * itemsize
     n_sets = input_sets_needed(set_bytes, l2_bytes)
     rec["input_sets"] = n_sets
     try:
-        sets = make_inputs(env, pt, n_sets, seed)
+        sets = make_inputs(env, pt, n_sets, seed, with_do=backward)
     except Exception as e:  # noqa: BLE001
         reason = f"n/a: inputs: {short_reason(e)}"
         for impl in impls:
             rec["impls"][impl.name] = {"status": reason}
         return rec
 
-    try:
-        check = CheckSet(env, pt, *sets[0].any(), scale, args.check_slices, args.check_rows, seed)
-        rec["check"] = check.summary()
-    except Exception as e:  # noqa: BLE001
-        check = None
-        rec["check"] = {"error": short_reason(e)}
-        log(f"    reference failed: {short_reason(e)}")
-        if os.environ.get("BENCH_TRACEBACK"):
-            traceback.print_exc(file=sys.stderr)
+    checks = {}  # one CheckSet per precision mode in use, on the same slices
+
+    def check_for(precision):
+        if precision not in checks:
+            try:
+                if backward:
+                    if env.ref is None or sets[0].cdo is None:
+                        raise RuntimeError("the backward check needs cuflash.reference and CuPy")
+                    checks[precision] = BackwardCheckSet(env, pt, sets[0], scale,
+                                                         args.check_slices, seed)
+                else:
+                    checks[precision] = CheckSet(env, pt, *sets[0].any(), scale,
+                                                 args.check_slices, args.check_rows, seed,
+                                                 precision=precision)
+                rec["check" if precision is None else f"check_{precision}"] = \
+                    checks[precision].summary()
+            except Exception as e:  # noqa: BLE001
+                checks[precision] = None
+                rec["check"] = {"error": short_reason(e)}
+                log(f"    reference failed: {short_reason(e)}")
+                if os.environ.get("BENCH_TRACEBACK"):
+                    traceback.print_exc(file=sys.stderr)
+        return checks[precision]
 
     for impl in impls:
         r = rec["impls"].setdefault(impl.name, {})
@@ -1005,7 +1256,7 @@ def run_point(env, args, impls, spinner, pt, index, l2_bytes):
         if why:
             r["status"] = f"n/a: {why}"
             continue
-        if isinstance(impl, CuflashImpl) and sets[0].cq is not None:
+        if isinstance(impl, CuflashImpl) and sets[0].cq is not None and not backward:
             try:
                 r["kernel"] = impl.dispatch(pt, sets)
             except Exception as e:  # noqa: BLE001
@@ -1014,12 +1265,15 @@ def run_point(env, args, impls, spinner, pt, index, l2_bytes):
         try:
             stream = impl.stream()
             with impl.context():
-                run = impl.prepare(pt, sets, scale)
+                run = (impl.prepare_backward if backward else impl.prepare)(pt, sets, scale)
                 # correctness first (this call also compiles / plans)
                 t0 = time.perf_counter()
                 out = run(0)
                 stream.synchronize()
                 r["first_call_s"] = round(time.perf_counter() - t0, 4)
+                if backward and isinstance(impl, CuflashImpl):
+                    r["kernel"] = impl.dispatch(pt, sets)
+                check = check_for(impl.precision if pt["dtype"] == "float32" else None)
                 if check is None:
                     r["status"] = "n/a: no reference"
                     continue
@@ -1028,9 +1282,11 @@ def run_point(env, args, impls, spinner, pt, index, l2_bytes):
                 r["err_over_threshold"] = ratio
                 r["err_over_bound"] = check.last_bound_ratio
                 del out
-                if not ok:
+                if not ok and impl.must_pass:
                     r["status"] = "FAIL"
                     continue
+                if not ok:
+                    impl.notes["check"] = "over the pass threshold (timed anyway: a peer)"
                 times, reps, warm = time_impl(cp, run, stream, n_sets, args.warmup,
                                               args.repeats, args.time_cap, spinner)
             times_sorted = sorted(times)
@@ -1238,7 +1494,11 @@ def render_text(h, records, impl_names, summ, notes, kernels):
     w = max(len(k) for k, _ in lines)
     out += [f"  {k.ljust(w)} : {v}" for k, v in lines]
     out.append("")
-    out.append("TFLOP/s (flops = 4*B*H*S*S*D, halved when causal; median time)")
+    if h.get("settings", {}).get("pass") == "backward":
+        out.append("BACKWARD pass (dq, dk, dv): TFLOP/s (flops = 2.5 * 4*B*H*S*S*D, halved when "
+                   "causal; median time)")
+    else:
+        out.append("TFLOP/s (flops = 4*B*H*S*S*D, halved when causal; median time)")
     head, rows, titles = build_table(records, impl_names)
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i])
               for i in range(len(head))]
@@ -1277,6 +1537,8 @@ def render_markdown(h, records, impl_names, summ, notes, kernels):
         else:
             out.append(f"- {k}: {_md_escape(v)}")
     out.append("")
+    if h.get("settings", {}).get("pass") == "backward":
+        out.append("**Backward pass** (dq, dk, dv; flops = 2.5 x the forward's).")
     out.append("TFLOP/s per implementation (flops = 4·B·H·S·S·D, halved when causal; median of "
                "CUDA-event timings). FAIL = wrong result, not timed; n/a = raised or unsupported "
                "(see notes); skip(mem) = cupy-naive would need too much memory.")
@@ -1337,7 +1599,8 @@ def write_outputs(args, h, records, impl_names, complete):
             log(f"could not write {args.markdown}: {e}")
     if args.json:
         doc = {"header": h, "impls": list(impl_names), "complete": complete,
-               "flops_formula": "4*B*H*Sq*Sk*D, halved when causal",
+               "flops_formula": ("2.5 * " if args.pass_ == "backward" else "")
+               + "4*B*H*Sq*Sk*D, halved when causal",
                "points": records, "summary": summ,
                "notes": [{"impl": n, "status": st, "points": tags}
                          for (n, st), tags in notes.items()]}

@@ -1,13 +1,15 @@
 """cuflash: exact scaled-dot-product attention on NVIDIA GPUs from CuPy, audited against float64.
 
 ``cuflash.attention(q, k, v)`` computes ``softmax(scale * q @ k^T) @ v`` with CUDA kernels that run
-the tiled online-softmax recurrence (``kernels_cu/``), compiled at first use by NVRTC through
-CuPy. NumPy inputs take a NumPy implementation of the same recurrence, so the API works on machines
-without a GPU. ``cuflash.reference`` holds the float64 SciPy ground truth; ``cuflash-check`` audits
-the kernels against it.
+the tiled online-softmax recurrence (``kernels_cu/``), compiled at first use by NVRTC through CuPy;
+``cuflash.attention_backward`` gives its gradients. NumPy inputs take a NumPy implementation of the
+same recurrences, so the API works on machines without a GPU. ``cuflash.reference`` holds the
+float64 SciPy ground truth; ``cuflash-check`` audits the kernels against it.
 """
-from ._api import attention, dispatch_info, gpu_available, merge_states
+from ._api import (attention, attention_backward, attention_backward_workspace_size,
+                   backward_dispatch_info, dispatch_info, gpu_available, merge_states)
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "merge_states", "dispatch_info", "gpu_available", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_backward_workspace_size", "merge_states",
+           "dispatch_info", "backward_dispatch_info", "gpu_available", "__version__"]

@@ -1,11 +1,12 @@
-"""The public functions: `attention`, `merge_states`, `dispatch_info`, `gpu_available`."""
+"""The public functions: `attention`, `attention_backward`, `merge_states`, `dispatch_info`,
+`gpu_available` and the backward's workspace and dispatch queries."""
 from __future__ import annotations
 
 from . import _checks, _interop
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, stream=None,
-              kernel="auto"):
+              kernel="auto", precision=None):
     """Exact scaled-dot-product attention, ``softmax(scale * q @ k^T [+ mask]) @ v``.
 
     Computed with the tiled online-softmax recurrence: no ``Sq x Sk`` matrix is formed and the
@@ -52,11 +53,27 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         synchronises the device.
     kernel : {"auto", "generic", "tensorcore", "hopper"}, optional
         GPU only. ``"auto"`` lets the dispatcher pick the fastest correct kernel; ``"generic"``
-        forces the scalar audit kernel (float32/float64 arithmetic, accurate exp2);
-        ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+) and
-        ``"hopper"`` the TMA/wgmma kernel (compute capability 9.0, 64 <= D <= 256); both take
-        float16/bfloat16 with D == Dv, D % 8 == 0 and 16-byte aligned rows, and raise
-        ValueError, saying why, if the inputs do not qualify.
+        forces the scalar audit kernel (float32/float64 arithmetic, accurate exp);
+        ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
+        float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0) and ``"hopper"`` the TMA/wgmma
+        kernel (compute capability 9.0, float16/bfloat16, 64 <= D <= 256); both need D == Dv and
+        16-byte aligned rows, and raise ValueError, saying why, if the inputs do not qualify.
+    precision : {None, "default", "highest", "high"}, optional
+        How accurate the products of float32 inputs must be (the names of JAX's
+        ``jax.lax.Precision`` and PyTorch's float32 matmul precision; JAX's enum members are
+        accepted). ``None``, ``"default"`` and ``"highest"``: float32-accurate. On the tensor
+        cores this is the split-precision form: each operand is split into two TF32 parts and
+        three products are summed (``x = hi + lo``, ``a_lo b_hi + a_hi b_lo + a_hi b_hi``),
+        about 3 * 2^-22 relative error per product against float32's 2^-24, with the P.V
+        product of each key tile accumulated apart and added in IEEE float32; expect an error
+        near that of a plain float32 matmul -> softmax -> matmul (the audit's pass rule holds it
+        to 2x that). ``"high"``: one TF32 product (operands rounded to 10 mantissa bits, about
+        2^-11 relative), about three times faster, with errors of order 1e-3 relative to the
+        output's size. Paths without a TF32 form (the generic kernel, the CPU path) compute in
+        full float32 whatever is asked: precision is the least accuracy the call may deliver.
+        float16/bfloat16 products are exact in float32 on every path, so precision changes
+        nothing for them; float64 is always computed in float64. `dispatch_info` names the
+        mode that runs.
 
     Returns
     -------
@@ -89,7 +106,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     NaN where it meets a weight that rounded to 0 or an inf of the other sign.
     """
     prob = _checks.check_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
-                                   out=out, stream=stream, kernel=kernel)
+                                   out=out, stream=stream, kernel=kernel, precision=precision)
     if prob.backend == "cpu":
         from ._cpu import attention_numpy
 
@@ -171,11 +188,14 @@ def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):
     return o, lse
 
 
-def dispatch_info(q, k, v, *, causal=False, kernel="auto"):
+def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None):
     """The name of the kernel `attention` would run for these arguments, e.g.
-    ``"cpu-numpy"`` or ``"generic<float16,D64,full>"``. Validates like `attention`; launches nothing."""
+    ``"cpu-numpy"``, ``"generic<float16,D64,full>"`` or
+    ``"tensorcore<float32,3xtf32,D128,BM64,BN64,stagedO,full>"`` (float32 on the tensor cores names
+    its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"). Validates like
+    `attention`; launches nothing."""
     prob = _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=False,
-                                   out=None, stream=None, kernel=kernel)
+                                   out=None, stream=None, kernel=kernel, precision=precision)
     if prob.backend == "cpu":
         return "cpu-numpy"
     from . import _dispatch, _launch
@@ -193,3 +213,138 @@ def gpu_available():
         return cp.cuda.runtime.getDeviceCount() > 0
     except Exception:  # no driver, or a driver too old for this CuPy
         return False
+
+
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, deterministic=False,
+                       out=None, workspace=None, stream=None, kernel="auto"):
+    """Gradients of `attention`: ``(dq, dk, dv)`` for an upstream gradient ``do = dL/do``.
+
+    Recomputes the attention probabilities tile by tile from q, k and the forward's ``lse``
+    (``P = exp(scale * q @ k^T - lse)``), so no ``Sq x Sk`` matrix is formed::
+
+        delta = rowsum(do * o),  dv = P^T do,  dS = P * (do @ v^T - delta),
+        dq = scale * dS @ k,     dk = scale * dS^T @ q
+
+    Products accumulate in float32 (float64 for float64 inputs).
+
+    Parameters
+    ----------
+    do : array, shape (..., Sq, Dv)
+        The upstream gradient, o's shape and dtype.
+    q : array, shape (..., Sq, D)
+    k : array, shape (..., Sk, D)
+    v : array, shape (..., Sk, Dv)
+        The forward's inputs: the same dtypes, devices, broadcasting and stride rules as
+        `attention` (float16, bfloat16, float32, float64; NumPy runs the NumPy backward, GPU
+        arrays run on their GPU; inputs whose last axis is not contiguous are copied once).
+    o : array, shape (..., Sq, Dv)
+    lse : array, shape (..., Sq), float32
+        What ``attention(q, k, v, causal=causal, scale=scale, return_lse=True)`` returned.
+        ``...`` is the broadcast batch shape. For float32 and float64 inputs the backward
+        recomputes each row's softmax max and sum in the input precision (one more pass over
+        the keys) and uses lse only for float16 and bfloat16: the absolute error of a float32
+        lse (a few ulps of ``|lse|``) would be a relative error of every probability.
+    causal : bool, optional
+        As in `attention` (bottom-right aligned). Query rows that see no key contribute zero
+        gradient, never NaN.
+    scale : float, optional
+        As in `attention`; default ``1 / sqrt(D)``.
+    deterministic : bool, optional
+        Demand bitwise-identical results from run to run, independent of the launch
+        configuration (no order-dependent float atomics). The generic GPU kernels and the NumPy
+        path are always deterministic (a query-parallel dq pass and a key-parallel dk/dv pass,
+        each summing in a fixed order), so it costs nothing with them.
+    out : (dq, dk, dv), optional
+        Buffers with q's, k's and v's shapes and the input dtype on the inputs' device, each
+        with a contiguous last axis and no overlapping elements (not broadcast views), and not
+        aliasing the inputs. Every element is written.
+    workspace : GPU array, optional
+        GPU only. A C-contiguous buffer of at least ``attention_backward_workspace_size(...)``
+        bytes, 256-byte aligned (any freshly allocated CuPy array is). Without it the call allocates
+        that workspace: ``delta`` (batch x Sq, float32; float64 for float64 inputs), for float32 and
+        float64 also the recomputed row max and sum (twice that), and for kernels that accumulate dq
+        with atomics a float32 dq accumulator (batch x Sq x D). With ``out=`` and ``workspace=``
+        nothing is allocated and the call can be captured in a CUDA graph, except in two rare
+        layouts that take temporaries: k and v broadcasting along different batch axes, and more
+        than three batch axes that no stride pattern merges.
+    stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
+        GPU only: the stream to launch on (default: CuPy's current stream). Never synchronises.
+    kernel : {"auto", "generic"}, optional
+        GPU only. ``"auto"`` lets the dispatcher pick; ``"generic"`` forces the scalar audit
+        kernels (float32/float64 arithmetic, accurate exp). ``"tensorcore"`` and ``"hopper"``
+        raise ValueError until backward kernels of those families exist.
+
+    Returns
+    -------
+    dq : array, q's shape and dtype
+    dk : array, k's shape and dtype
+    dv : array, v's shape and dtype
+        Summed over the batch axes along which q, k or v were broadcast (a shared key/value
+        head gets the sum over the query heads that use it). NumPy arrays for CPU inputs, CuPy
+        arrays for GPU inputs; ``out``'s buffers when given.
+
+    Raises
+    ------
+    TypeError
+        Unsupported or mismatched dtypes (lse must be float32), non-bool ``causal`` or
+        ``deterministic``.
+    ValueError
+        Everything `attention` rejects, plus o, do or lse of the wrong shape or device, ``out``
+        not a triple of valid buffers, a ``workspace`` too small, misaligned or on another device.
+    """
+    prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
+                                  deterministic=deterministic, out=out, workspace=workspace,
+                                  stream=stream, kernel=kernel)
+    if prob.backend == "cpu":
+        from ._cpu_backward import attention_backward_numpy
+
+        return attention_backward_numpy(prob.do, prob.q, prob.k, prob.v, prob.o, prob.lse,
+                                         causal=prob.causal, scale=prob.scale,
+                                         out=prob.out_grads)
+    return _attention_backward_gpu(prob)
+
+
+def _attention_backward_gpu(prob):
+    import cupy
+
+    from . import _dispatch, _launch
+
+    with cupy.cuda.Device(prob.device_id):
+        attrs = _launch.device_attributes(prob.device_id)
+        bplan = _dispatch.backward_plan_for(prob, attrs["compute_capability"])
+        if prob.out_grads is not None:
+            dq, dk, dv = prob.out_grads
+        else:
+            dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (prob.q, prob.k, prob.v))
+        _launch.launch_backward(bplan, prob, dq, dk, dv, prob.workspace, attrs)
+    return dq, dk, dv
+
+
+def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, deterministic=False,
+                                      kernel="auto"):
+    """Bytes of GPU workspace `attention_backward` needs for these arguments (0 for NumPy
+    inputs). Validates like `attention_backward`; launches and allocates nothing."""
+    prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=None,
+                                  deterministic=deterministic, out=None, workspace=None,
+                                  stream=None, kernel=kernel)
+    if prob.backend == "cpu":
+        return 0
+    from . import _dispatch, _launch
+
+    cc = _launch.device_attributes(prob.device_id)["compute_capability"]
+    return _launch.backward_workspace_bytes(_dispatch.backward_plan_for(prob, cc), prob)
+
+
+def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=False,
+                           kernel="auto"):
+    """The name of the backward plan `attention_backward` would run, e.g. ``"cpu-numpy"`` or
+    ``"generic-bwd<float16,D64,full>"``. Validates like `attention_backward`; launches nothing."""
+    prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=None,
+                                  deterministic=deterministic, out=None, workspace=None,
+                                  stream=None, kernel=kernel)
+    if prob.backend == "cpu":
+        return "cpu-numpy"
+    from . import _dispatch, _launch
+
+    cc = _launch.device_attributes(prob.device_id)["compute_capability"]
+    return _dispatch.backward_plan_for(prob, cc).label

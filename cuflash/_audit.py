@@ -253,15 +253,19 @@ class GpuDevice(Device):
         return dtype != "bfloat16" or _bf16_on_gpu()
 
     def kernels(self, q, k, v, causal):
-        """auto (the dispatcher's choice), then every other kernel that can run these inputs."""
+        """auto (the dispatcher's choice), then every other kernel and float32 precision mode
+        that can run these inputs, as (call spec, dispatched kernel name) pairs; a spec is a
+        kernel argument, with "/high" for float32's one-pass TF32 mode (see `call_kwargs`)."""
         pairs = [("auto", dispatch_info(q, k, v, causal=causal, kernel="auto"))]
-        for arg in ("tensorcore", "generic"):
-            try:
-                name = dispatch_info(q, k, v, causal=causal, kernel=arg)
-            except ValueError:  # these inputs do not qualify for that kernel
-                continue
-            if all(name != n for _, n in pairs):
-                pairs.append((arg, name))
+        precisions = ("highest", "high") if q.dtype == np.float32 else ("highest",)
+        for precision in precisions:
+            for arg in ("auto", "tensorcore", "generic"):
+                try:
+                    name = dispatch_info(q, k, v, causal=causal, kernel=arg, precision=precision)
+                except ValueError:  # these inputs do not qualify for that kernel
+                    continue
+                if all(name != n for _, n in pairs):
+                    pairs.append((arg if precision == "highest" else f"{arg}/{precision}", name))
         return pairs
 
     def info(self):
@@ -280,6 +284,31 @@ class GpuDevice(Device):
         except Exception as exc:  # the audit itself will report real problems
             d["error"] = f"{type(exc).__name__}: {exc}"
         return d
+
+
+def short_kernel(name: str) -> str:
+    """A kernel label's family, with float32's product mode where it has one:
+    "tensorcore<float32,3xtf32,D128,...>" -> "tensorcore/3xtf32"."""
+    family, _, rest = name.partition("<")
+    parts = rest.split(",")
+    if len(parts) > 1 and parts[1] in ("3xtf32", "tf32"):
+        return f"{family}/{parts[1]}"
+    return family
+
+
+def call_kwargs(spec: str) -> Dict[str, str]:
+    """The `attention` keyword arguments of a call spec from `Device.kernels`: "auto",
+    "tensorcore", "generic", optionally followed by "/high" (float32's one-pass TF32 mode)."""
+    arg, _, precision = spec.partition("/")
+    kw = {} if arg == "auto" else {"kernel": arg}
+    if precision:
+        kw["precision"] = precision
+    return kw
+
+
+def spec_precision(spec: str) -> Optional[str]:
+    """The float32 precision mode of a call spec (None for the default, float32-accurate one)."""
+    return spec.partition("/")[2] or None
 
 
 def select_device(requested: str) -> Tuple[Device, str]:
@@ -442,22 +471,26 @@ class CaseResult:
 
     @property
     def kernel_short(self) -> str:
-        return self.kernel.split("<", 1)[0]
+        return short_kernel(self.kernel)
 
 
 def _max(x: np.ndarray) -> float:
     return float(np.max(x)) if x.size else 0.0
 
 
-def case_rule(q, k, v, causal, scale, dtype: str, o_ref: np.ndarray) -> reference.PassRule:
+def case_rule(q, k, v, causal, scale, dtype: str, o_ref: np.ndarray,
+              precision: Optional[str] = None) -> reference.PassRule:
     """The project's pass rule for these inputs (:func:`cuflash.reference.pass_threshold`): the
     2x-naive threshold (the naive error measured for float16, bfloat16 and float32, its
-    forward-error bound for float64) and the a-priori bound."""
-    return reference.pass_threshold(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref)
+    forward-error bound for float64) and the a-priori bound; ``precision="high"``: float32's
+    one-pass TF32 mode, judged against the one-pass TF32 naive implementation."""
+    return reference.pass_threshold(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref,
+                                    precision=precision)
 
 
-def lse_check(lse, lse_ref, dtype: str) -> Tuple[float, float, List[str]]:
-    """(max abs error over finite reference entries, allowed bound there, failure reasons)."""
+def lse_check(lse, lse_ref, dtype: str, extra: float = 0.0) -> Tuple[float, float, List[str]]:
+    """(max abs error over finite reference entries, allowed bound there, failure reasons);
+    ``extra`` is an absolute allowance added to the bound (float32's TF32 mode: `_lse_extra`)."""
     reasons = []
     lse = np.asarray(lse, dtype=np.float64)
     lse_ref = np.asarray(lse_ref, dtype=np.float64)
@@ -477,7 +510,7 @@ def lse_check(lse, lse_ref, dtype: str) -> Tuple[float, float, List[str]]:
     rtol = LSE_RTOL[dtype]
     if fin.any():
         diff = np.abs(lse[fin] - lse_ref[fin])
-        allowed = rtol * np.maximum(1.0, np.abs(lse_ref[fin]))
+        allowed = rtol * np.maximum(1.0, np.abs(lse_ref[fin])) + extra
         err = float(np.max(diff)) if not np.isnan(diff).any() else math.nan
         over = int(np.count_nonzero(~(diff <= allowed)))
         if over:
@@ -491,10 +524,26 @@ def lse_check(lse, lse_ref, dtype: str) -> Tuple[float, float, List[str]]:
     return err, bound, reasons
 
 
+def _lse_extra(spec: str, q, k, scale) -> float:
+    """The lse allowance of float32's one-pass TF32 mode: its scores carry up to
+    2 u_tf32 |scale| ||q_i|| ||k_j|| absolute error (each operand rounded to TF32, u_tf32 = 2^-11),
+    and the lse moves by at most the largest score error. 0 for the other modes."""
+    if spec_precision(spec) != "high":
+        return 0.0
+    d = q.shape[-1]
+    sc = 1.0 / math.sqrt(d) if scale is None else abs(float(scale))
+    with np.errstate(invalid="ignore", over="ignore"):
+        qn = np.sqrt(np.sum(np.square(q), axis=-1))
+        kn = np.sqrt(np.sum(np.square(k), axis=-1))
+    qn, kn = qn[np.isfinite(qn)], kn[np.isfinite(kn)]
+    return 2.0 * 2.0 ** -11 * sc * _max(qn) * _max(kn)
+
+
 def score_output(res: CaseResult, o: np.ndarray, lse, lse_ref: np.ndarray,
-                 rule: reference.PassRule, extra_tol: float = 0.0) -> CaseResult:
+                 rule: reference.PassRule, extra_tol: float = 0.0,
+                 lse_extra: float = 0.0) -> CaseResult:
     """Fill the error columns and the verdict of ``res`` by ``rule`` (``extra_tol`` widens both
-    of its bars)."""
+    of its bars, ``lse_extra`` the lse bound)."""
     if extra_tol:
         rule = rule.widened(extra_tol)
     o = np.asarray(o).astype(np.float64)
@@ -521,7 +570,7 @@ def score_output(res: CaseResult, o: np.ndarray, lse, lse_ref: np.ndarray,
     if lse is None:
         res.reasons.append("no lse returned")
     else:
-        res.lse_err, res.lse_tol, why = lse_check(lse, lse_ref, res.dtype)
+        res.lse_err, res.lse_tol, why = lse_check(lse, lse_ref, res.dtype, lse_extra)
         res.reasons.extend(why)
     res.passed = not res.reasons
     return res
@@ -621,18 +670,22 @@ def attach_peers(res: CaseResult, errs: Dict[str, float]) -> None:
 
 class Reference:
     """The float64 reference and the naive error for one set of rounded inputs, computed once
-    and shared by every kernel audited on them."""
+    (per float32 precision mode) and shared by every kernel audited on them."""
 
     def __init__(self, q, k, v, causal, scale, dtype):
         self._args = (q, k, v, causal, scale, dtype)
-        self._val = None
+        self._ref = None
+        self._naive = {}
 
-    def get(self):
-        if self._val is None:
-            q, k, v, causal, scale, dtype = self._args
-            o_ref, lse_ref = reference.attention_ref(q, k, v, causal=causal, scale=scale)
-            self._val = (o_ref, lse_ref, case_rule(q, k, v, causal, scale, dtype, o_ref))
-        return self._val
+    def get(self, precision: Optional[str] = None):
+        """(o_ref, lse_ref, the pass rule of the float32 mode `precision` or the dtype's own)."""
+        q, k, v, causal, scale, dtype = self._args
+        if self._ref is None:
+            self._ref = reference.attention_ref(q, k, v, causal=causal, scale=scale)
+        if precision not in self._naive:
+            self._naive[precision] = case_rule(q, k, v, causal, scale, dtype, self._ref[0],
+                                               precision)
+        return self._ref + (self._naive[precision],)
 
 
 def _describe_exc(exc: BaseException) -> str:
@@ -677,9 +730,8 @@ def run_inputs(device: Device, inp: Inputs, dtypes: Sequence[str],
             out = None if o_shape is None else (
                 device.to_device(np.full(o_shape, np.nan, npdt)),
                 device.to_device(np.full(o_shape[:-1], np.nan, np.float32)))
-            kwargs = dict(causal=inp.causal, scale=inp.scale, return_lse=True, out=out)
-            if kernel_arg != "auto":
-                kwargs["kernel"] = kernel_arg
+            kwargs = dict(causal=inp.causal, scale=inp.scale, return_lse=True, out=out,
+                          **call_kwargs(kernel_arg))
             try:
                 o, lse = attention(dq, dk, dv, **kwargs)
                 o_host, lse_host = device.to_host(o), device.to_host(lse)
@@ -693,8 +745,9 @@ def run_inputs(device: Device, inp: Inputs, dtypes: Sequence[str],
                 res.reasons.append(f"attention raised {_describe_exc(exc)}")
                 results.append(res)
                 continue
-            _, lse_ref, rule = ref.get()
-            score_output(res, o_host, lse_host, lse_ref, rule)
+            _, lse_ref, rule = ref.get(spec_precision(kernel_arg))
+            score_output(res, o_host, lse_host, lse_ref, rule,
+                         lse_extra=_lse_extra(kernel_arg, rq, rk, inp.scale))
             if peers:
                 if peer_errs is None:
                     peer_errs = peer_errors(device, peers, rq, rk, rv, inp.causal, inp.scale,
@@ -830,14 +883,15 @@ def _device_attention_check(device: Device, dtype: str, q64, k64, v64, *, scale,
     npdt = numpy_dtype(dtype)
     res = CaseResult(dtype=dtype, kernel_arg=kernel_arg, kernel="", shape="", causal=False)
     try:
-        kw = {"kernel": kernel_arg} if kernel_arg != "auto" else {}
         o, lse = attention(*(device.to_device(x.astype(npdt)) for x in (q64, k64, v64)),
-                           scale=scale, return_lse=True, **kw)
+                           scale=scale, return_lse=True, **call_kwargs(kernel_arg))
         o, lse = device.to_host(o), device.to_host(lse)
     except Exception as exc:
         return math.nan, math.nan, False, f"attention raised {_describe_exc(exc)}"
     o_ref, lse_ref = reference.attention_ref(q64, k64, v64, scale=scale)
-    score_output(res, o, lse, lse_ref, case_rule(q64, k64, v64, False, scale, dtype, o_ref))
+    score_output(res, o, lse, lse_ref,
+                 case_rule(q64, k64, v64, False, scale, dtype, o_ref, spec_precision(kernel_arg)),
+                 lse_extra=_lse_extra(kernel_arg, q64, k64, scale))
     return res.max_abs_err, res.threshold, res.passed and extra_ok, "; ".join(res.reasons)
 
 
@@ -875,7 +929,7 @@ def _prop_fp16_overflow(device: Device, rng) -> List[PropertyResult]:
         if why:
             detail += "; " + why
         out.append(PropertyResult("fp16 overflow of exp(s)/sum(exp(s))",
-                                  f"{device.name}, float16, {kname.split('<', 1)[0]}",
+                                  f"{device.name}, float16, {short_kernel(kname)}",
                                   err, thr, ok, detail))
     return out
 
@@ -897,7 +951,7 @@ def _prop_alpha_underflow_device(device: Device, dtypes, rng) -> List[PropertyRe
             err, thr, ok, why = _device_attention_check(device, dtype, rq, rk, rv, scale=scale,
                                                         kernel_arg=kernel_arg)
             out.append(PropertyResult("alpha underflow (max jumps by ~150)",
-                                      f"{device.name}, {dtype}, {kname.split('<', 1)[0]}",
+                                      f"{device.name}, {dtype}, {short_kernel(kname)}",
                                       err, thr, ok, why or "scores ~0 for 512 keys, then ~150"))
     return out
 
@@ -921,14 +975,13 @@ def _prop_merge_device(device: Device, dtypes, rng) -> List[PropertyResult]:
         npdt = numpy_dtype(dtype)
         q, k, v = (reference.round_to(x, dtype) for x in (q0, k0, v0))
         o_ref, lse_ref = reference.attention_ref(q, k, v, scale=scale)
-        rule = case_rule(q, k, v, False, scale, dtype, o_ref)
         lse_term = (8.0 * reference.unit_roundoff("float32") * max(1.0, _max(np.abs(lse_ref)))
                     * _max(np.abs(o_ref)))
         for kernel_arg, kname in _device_kernels(device, dtype, q, k, v):
-            where = f"{device.name}, {dtype}, {kname.split('<', 1)[0]}"
+            where = f"{device.name}, {dtype}, {short_kernel(kname)}"
             res = CaseResult(dtype=dtype, kernel_arg=kernel_arg, kernel=kname, shape="",
                              causal=False)
-            kw = {"kernel": kernel_arg} if kernel_arg != "auto" else {}
+            kw = call_kwargs(kernel_arg)
             try:
                 dq = device.to_device(q.astype(npdt))
                 halves = []
@@ -942,7 +995,9 @@ def _prop_merge_device(device: Device, dtypes, rng) -> List[PropertyResult]:
                 out.append(PropertyResult("merge_states of two key halves", where, math.nan,
                                           math.nan, False, f"raised {_describe_exc(exc)}"))
                 continue
-            score_output(res, o, lse, lse_ref, rule, extra_tol=lse_term)
+            rule = case_rule(q, k, v, False, scale, dtype, o_ref, spec_precision(kernel_arg))
+            score_output(res, o, lse, lse_ref, rule, extra_tol=lse_term,
+                         lse_extra=_lse_extra(kernel_arg, q, k, scale))
             out.append(PropertyResult(
                 "merge_states of two key halves", where, res.max_abs_err, res.threshold,
                 res.passed, "; ".join(res.reasons) or f"keys split at {cut} of {sk}, vs all keys"))

@@ -25,6 +25,10 @@ SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 KERNEL_CHOICES = ("auto", "generic", "tensorcore", "hopper")
 
+#: Values of `precision=` (case-insensitive; JAX's `jax.lax.Precision` members are accepted by name).
+#: "default" is "highest": float32 inputs get float32-accurate products unless "high" is asked for.
+PRECISION_CHOICES = ("default", "highest", "high")
+
 
 @dataclass
 class Problem:
@@ -49,6 +53,7 @@ class Problem:
     stream: Any                  # None (current stream) or a cupy.cuda.Stream-like object
     kernel: str
     device_id: Optional[int] = None
+    precision: str = "highest"   # "highest" or "high" (see check_precision)
 
     @property
     def o_shape(self):
@@ -57,6 +62,24 @@ class Problem:
     @property
     def lse_shape(self):
         return self.batch_shape + (self.sq,)
+
+
+@dataclass
+class BackwardProblem(Problem):
+    """A validated `attention_backward` call: the forward's `Problem` (q, k, v, shapes, mask,
+    scale, kernel, stream; ``return_lse``, ``out`` and ``out_lse`` unused) plus o, do (..., Sq, Dv)
+    and lse (..., Sq) with ``...`` = ``batch_shape``, and the gradient buffers."""
+
+    o: Any = None
+    do: Any = None
+    lse: Any = None                # float32
+    deterministic: bool = False
+    out_grads: Any = None          # None or (dq, dk, dv) buffers with q's, k's, v's shapes
+    workspace: Any = None          # None or a GPU byte buffer (see attention_backward)
+
+    @property
+    def grad_shapes(self):
+        return tuple(tuple(x.shape) for x in (self.q, self.k, self.v))
 
 
 def dtype_name(dtype) -> str:
@@ -105,6 +128,22 @@ def check_scale(scale, d, dtype="float64"):
     return scale
 
 
+def check_precision(precision) -> str:
+    """The float32 product mode of `precision=`: "highest" (also for None and "default") or "high".
+
+    Accepts the strings of PRECISION_CHOICES in any case and objects with such a ``name``
+    (``jax.lax.Precision.HIGHEST``); anything else raises, naming what is accepted.
+    """
+    if precision is None:
+        return "highest"
+    name = precision if isinstance(precision, str) else getattr(precision, "name", None)
+    if not isinstance(name, str) or name.lower() not in PRECISION_CHOICES:
+        raise ValueError(f"precision must be one of {PRECISION_CHOICES} (or None), got "
+                         f"{precision!r}")
+    name = name.lower()
+    return "highest" if name == "default" else name
+
+
 def _check_kernel(kernel, backend):
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
@@ -149,8 +188,13 @@ def _refuse_subclass(name, x):
                         f"numpy.ndarray{hint}")
 
 
-def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel) -> Problem:
-    """Validate the arguments of `cuflash.attention` and return a `Problem`."""
+def _check_qkv(q, k, v):
+    """The checks `attention` and `attention_backward` share on q, k, v: one backend and device,
+    at least 2 dimensions, no zero-length axis, one supported dtype, matching D and Sk, head dims
+    at most MAX_HEAD_DIM, broadcastable batch axes.
+
+    Returns (backend, device_id, q, k, v as backend arrays, dtype name, batch shape, sq, sk, d, dv).
+    """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _refuse_subclass(name, x)
     backends = [_interop.backend_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
@@ -187,6 +231,13 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel) 
         raise ValueError(
             f"the batch axes of q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])} and "
             f"v {tuple(v.shape[:-2])} do not broadcast") from None
+    return backend, device_id, q, k, v, dt, batch, int(sq), int(sk), int(d), int(dv)
+
+
+def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
+                    precision=None) -> Problem:
+    """Validate the arguments of `cuflash.attention` and return a `Problem`."""
+    backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
 
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -194,6 +245,7 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel) 
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = check_scale(scale, d, dt)
     _check_kernel(kernel, backend)
+    precision = check_precision(precision)
 
     out_o = out_lse = None
     if out is not None:
@@ -221,7 +273,85 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel) 
     return Problem(backend=backend, q=q, k=k, v=v, dtype_name=dt, batch_shape=batch, sq=int(sq),
                    sk=int(sk), d=int(d), dv=int(dv), causal=bool(causal), scale=scale,
                    return_lse=bool(return_lse), out=out_o, out_lse=out_lse, stream=stream,
-                   kernel=kernel, device_id=device_id)
+                   kernel=kernel, device_id=device_id, precision=precision)
+
+
+def _no_self_overlap(name, buf):
+    """A gradient buffer must not be a broadcast view (stride 0 on an axis of size > 1): each of
+    its elements is written once."""
+    if buf is not None and any(n > 1 and st == 0 for n, st in zip(buf.shape, buf.strides)):
+        raise ValueError(f"{name} has stride 0 on an axis of size > 1 (a broadcast view); pass "
+                         "a buffer whose elements do not overlap")
+    return buf
+
+
+def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, workspace, stream,
+                   kernel) -> BackwardProblem:
+    """Validate the arguments of `cuflash.attention_backward` and return a `BackwardProblem`.
+
+    q, k, v go through the forward's checks (`_check_qkv`); o, do, lse must be what the forward
+    returned for them: o and do of shape (..., Sq, Dv) and the inputs' dtype, lse float32 of
+    shape (..., Sq), ``...`` the broadcast batch shape, all on the inputs' device.
+    """
+    backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
+    o_shape, lse_shape = batch + (sq, dv), batch + (sq,)
+    arrays = {}
+    for name, x, shape, want in (("o", o, o_shape, dt), ("do", do, o_shape, dt),
+                                 ("lse", lse, lse_shape, "float32")):
+        _refuse_subclass(name, x)
+        b = _interop.backend_of(x, name)
+        if b != (backend, device_id):
+            raise ValueError(f"{name} is on {_interop.describe(*b)} but q, k and v are on "
+                             f"{_interop.describe(backend, device_id)}")
+        x = _interop.as_backend_array(x, backend)
+        if tuple(x.shape) != tuple(shape):
+            what = "o's shape" if name == "do" else "the shape attention returned"
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {tuple(shape)} "
+                             f"({what} for these q, k, v)")
+        got = _check_array_dtype(name, x) if name != "lse" else dtype_name(x.dtype)
+        if got != want:
+            raise TypeError(f"{name} has dtype {got}; expected {want}")
+        arrays[name] = x
+
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    scale = check_scale(scale, d, dt)
+    _check_kernel(kernel, backend)
+
+    grads = None
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise ValueError("out must be a tuple (dq, dk, dv) of three buffers")
+        grads = tuple(
+            _no_self_overlap(n, _check_out(n, buf, tuple(x.shape), dt, backend, device_id))
+            for n, buf, x in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out, (q, k, v)))
+
+    if stream is not None and backend == "cpu":
+        raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
+    if workspace is not None:
+        if backend == "cpu":
+            raise ValueError("workspace= applies to GPU inputs only; the inputs are NumPy arrays")
+        wb = _interop.backend_of(workspace, "workspace")
+        if wb != (backend, device_id):
+            raise ValueError(f"workspace is on {_interop.describe(*wb)} but the inputs are on "
+                             f"{_interop.describe(backend, device_id)}")
+        workspace = _interop.as_backend_array(workspace, backend)
+        if not workspace.flags.c_contiguous:
+            raise ValueError("workspace must be C-contiguous")
+        workspace = workspace.reshape(-1).view("uint8")
+
+    o, do, lse = arrays["o"], arrays["do"], arrays["lse"]
+    if backend == "gpu":
+        # lse is read through its strides (BwdParams.lse_sr); the others need a contiguous last axis.
+        q, k, v, o, do = (_interop.last_axis_contiguous(x) for x in (q, k, v, o, do))
+
+    return BackwardProblem(
+        backend=backend, q=q, k=k, v=v, dtype_name=dt, batch_shape=batch, sq=sq, sk=sk, d=d,
+        dv=dv, causal=bool(causal), scale=scale, return_lse=False, out=None, out_lse=None,
+        stream=stream, kernel=kernel, device_id=device_id, o=o, do=do, lse=lse,
+        deterministic=bool(deterministic), out_grads=grads, workspace=workspace)
 
 
 def check_merge(o_a, lse_a, o_b, lse_b):

@@ -90,27 +90,73 @@ TC_ARCH_CONFIGS = {
     80: {96: (48, 4, 2, 2, True), 128: (48, 4, 2, 2, True)},
     90: {},
 }
-TC_DTYPES = ("float16", "bfloat16")
+TC_DTYPES = ("float16", "bfloat16", "float32")
+#: float32 through TF32 products (attn_mma.cu, T = float): tile shapes per (padded head dim,
+#: precision), in the format of TC_CONFIGS. Shared memory holds float32 Q, K and V tiles as they
+#: are (4 bytes an element, rows padded by 16 or 4 words against bank conflicts): D = 128 with
+#: BN = 32 is 91 KiB, two blocks per SM on Hopper. Registers set the key tile width: the split form
+#: ("highest") keeps, beside O's D / 2 accumulators per thread, the scores' small products and the
+#: per-tile P.V accumulators; at BN = 64 it spilled from D = 96 on (NVRTC 13, sm_90), D = 128
+#: spilled on sm_80 with the staged epilogue and D = 192 at BN = 32, and at D = 256, where O alone
+#: takes 128 registers, every tile shape spilled, so "highest" stops at D = 192 (larger head dims
+#: take the generic kernel; see tensorcore_reason).
+TC_F32_CONFIGS = {
+    (32, "highest"): (64, 4, 1, 2, True),
+    (64, "highest"): (64, 4, 1, 2, True),
+    (96, "highest"): (32, 4, 1, 2, True),
+    (128, "highest"): (32, 4, 1, 2, False),
+    (192, "highest"): (16, 4, 1, 2, True),
+    (32, "high"): (64, 4, 1, 2, True),
+    (64, "high"): (64, 4, 1, 2, True),
+    (96, "high"): (64, 4, 1, 2, True),
+    (128, "high"): (64, 4, 1, 2, True),
+    (192, "high"): (32, 4, 1, 2, True),
+    (256, "high"): (32, 4, 1, 1, True),
+}
 
 
-def tensorcore_config(dpad: int, compute_capability: int):
+def f32_head_dims(precision: str):
+    """Padded head dims of the float32 tensor-core kernel in this precision mode."""
+    return sorted(dp for dp, mode in TC_F32_CONFIGS if mode == precision)
+
+
+#: Precision modes of float32 inputs (the `precision=` argument): the number of tensor-core
+#: products per multiply-add (TERMS in attn_mma.cu) and the name the plan's label carries.
+#: "highest": float32-accurate split-precision products (3 TF32 products, common.cuh: Tf32Split);
+#: "high": one TF32 product (operands rounded to 10 mantissa bits).
+F32_TERMS = {"highest": (3, "3xtf32"), "high": (1, "tf32")}
+
+
+def tensorcore_config(dpad: int, compute_capability: int, dtype_name: str = "float16",
+                      precision: str = "highest"):
     """(BN, warps, MT, min blocks per SM, staged O) for a padded head dim on a device."""
+    if dtype_name == "float32":
+        return TC_F32_CONFIGS[(dpad, precision)]
     arch = max((a for a in TC_ARCH_CONFIGS if a <= compute_capability), default=None)
     if arch is not None and dpad in TC_ARCH_CONFIGS[arch]:
         return TC_ARCH_CONFIGS[arch][dpad]
     return TC_CONFIGS[dpad]
 
 
-def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: int) -> Plan:
-    dpad = head_dim_bucket(d, TC_CONFIGS)
-    bn, nwarps, mt, minb, stage_o = tensorcore_config(dpad, compute_capability)
+def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: int,
+                    precision: str = "highest") -> Plan:
+    """The mma.sync kernel for these inputs. float32 takes the TF32 form with the products of
+    `precision` (F32_TERMS); 16-bit dtypes ignore it (their products are exact in float32)."""
+    f32 = dtype_name == "float32"
+    dpad = head_dim_bucket(d, f32_head_dims(precision) if f32 else TC_CONFIGS)
+    bn, nwarps, mt, minb, stage_o = tensorcore_config(dpad, compute_capability, dtype_name,
+                                                      precision)
+    terms, mode = F32_TERMS[precision] if f32 else (1, None)
     bm = 16 * mt * nwarps
-    smem = (bm + 2 * bn) * (dpad + 8) * 2
+    if f32:
+        smem = ((bm + bn) * (dpad + 16) + bn * (dpad + 4)) * 4  # MmaConfig: SQK, SV
+    else:
+        smem = (bm + 2 * bn) * (dpad + 8) * 2
     cxx_bool = {True: "true", False: "false"}
-    name = (f"cuflash::cuflash_fwd_mma<{_CXX_TYPE[dtype_name]}, {dpad}, {bn}, {nwarps}, {mt}, "
-            f"{minb}, {cxx_bool[bool(stage_o)]}, {cxx_bool[bool(causal)]}>")
-    label = (f"tensorcore<{dtype_name},D{dpad},BM{bm},BN{bn},{'stagedO,' if stage_o else ''}"
-             f"{'causal' if causal else 'full'}>")
+    name = (f"cuflash::cuflash_fwd_mma<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {bn}, {nwarps}, "
+            f"{mt}, {minb}, {cxx_bool[bool(stage_o)]}, {cxx_bool[bool(causal)]}>")
+    label = (f"tensorcore<{dtype_name},{mode + ',' if mode else ''}D{dpad},BM{bm},BN{bn},"
+             f"{'stagedO,' if stage_o else ''}{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_mma", name), block_m=bm, block_n=bn,
                 threads=32 * nwarps, smem_bytes=smem)
 
@@ -129,11 +175,17 @@ def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     if compute_capability is None or compute_capability < 80:
         return f"it needs compute capability 8.0 or newer (this GPU: {compute_capability})"
     if prob.dtype_name not in TC_DTYPES:
-        return f"it takes float16 and bfloat16 inputs, not {prob.dtype_name}"
+        return f"it takes float16, bfloat16 and float32 inputs, not {prob.dtype_name}"
     if prob.d != prob.dv:
         return f"it needs D == Dv (got D={prob.d}, Dv={prob.dv})"
-    if prob.d % 8:
-        return f"it needs a head dim that is a multiple of 8 (got {prob.d})"
+    multiple = 4 if prob.dtype_name == "float32" else 8  # 16-byte rows
+    if prob.d % multiple:
+        return (f"it needs a head dim that is a multiple of {multiple} for {prob.dtype_name} "
+                f"(got {prob.d})")
+    if prob.dtype_name == "float32" and prob.d > max(f32_head_dims(prob.precision)):
+        return (f"its float32 form with precision={prob.precision!r} takes head dims up to "
+                f"{max(f32_head_dims(prob.precision))} (got {prob.d}): the accumulators of "
+                "larger ones do not fit in registers")
     if not prob.scale > 0:
         return f"it folds a positive scale into exp2 (got scale={prob.scale})"
     bufs = [prob.q, prob.k, prob.v] + ([prob.out] if prob.out is not None else [])
@@ -183,6 +235,7 @@ class HopperTiles(NamedTuple):
 #: overlapped softmax now edges out the plain one (S = 512: 248 vs 245 [267]; S = 1024: 321 vs
 #: 318 [343]), BN = 64 loses 10-13% and three consumers still lose 6-25% there.
 HOPPER_LONG_SK = 2048
+HOPPER_DTYPES = ("float16", "bfloat16")
 # Every entry overlaps the softmax and takes turns; they differ in tile width and consumers.
 _C2 = HopperTiles(bn=128, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
 _C3 = _C2._replace(consumers=3)  # BM = 192
@@ -229,6 +282,8 @@ def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     if compute_capability != 90:
         return ("it is built for sm_90a and runs on compute capability 9.0 only "
                 f"(this GPU: {compute_capability})")
+    if prob.dtype_name not in HOPPER_DTYPES:
+        return f"it takes float16 and bfloat16 inputs, not {prob.dtype_name}"
     why = tensorcore_reason(prob, compute_capability)
     if why is not None:
         return why
@@ -256,7 +311,8 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
             raise ValueError(f"kernel='hopper' cannot run these inputs: {why_not}")
     why_not = tensorcore_reason(prob, compute_capability)
     if why_not is None:
-        return tensorcore_plan(prob.dtype_name, prob.d, prob.causal, compute_capability)
+        return tensorcore_plan(prob.dtype_name, prob.d, prob.causal, compute_capability,
+                               prob.precision)
     if prob.kernel == "tensorcore":
         raise ValueError(f"kernel='tensorcore' cannot run these inputs: {why_not}")
     return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
@@ -271,11 +327,142 @@ def all_specialisations(compute_capability: int = 90):
             for causal in (False, True):
                 plans.append(generic_plan(dt, db, db, causal))
     for dt in TC_DTYPES:
-        for dpad in TC_CONFIGS:
-            for causal in (False, True):
-                plans.append(tensorcore_plan(dt, dpad, causal, compute_capability))
+        modes = F32_TERMS if dt == "float32" else ("highest",)
+        for precision in modes:
+            for dpad in (f32_head_dims(precision) if dt == "float32" else TC_CONFIGS):
+                for causal in (False, True):
+                    plans.append(tensorcore_plan(dt, dpad, causal, compute_capability, precision))
     if compute_capability == 90:
         for dt in TC_DTYPES:
             for dpad, causal, long_keys in HOPPER_TABLE:
                 plans.append(hopper_plan(dt, dpad, causal, HOPPER_LONG_SK + long_keys))
     return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward pass (notes/BACKWARD.md). A backward call runs a short sequence of kernels sharing one
+# parameter block (kernels_cu/common.cuh: BwdParams): the preprocess (delta = rowsum(do * o), and
+# zeroing the float32 dq accumulator when one is used), then the plan's passes in order.
+
+#: Grid mappings of the backward passes (cuflash/_launch.py: launch_backward):
+#: "rows": ceil(Sq / block_m) query blocks x the q owners (batch entries over the axes q does not
+#: broadcast along), the query block fastest; "keys": ceil(Sk / block_n) key blocks x the k/v
+#: owners; "dq_convert": ceil(Sq / 8) row blocks x the q owners.
+BWD_GRIDS = ("rows", "keys", "dq_convert")
+#: Rows per block of cuflash_bwd_preprocess and cuflash_bwd_convert_dq (attn_bwd_prep.cu).
+BWD_PREP_ROWS = 8
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The kernels of one backward call: the preprocess, then `passes` in order.
+
+    ``passes`` is a tuple of (grid mapping, Plan) with the grid mapping one of `BWD_GRIDS`.
+    ``dq_accum_row`` > 0: the plan accumulates dq in a float32 workspace with rows of that many
+    elements (>= D), zeroed by the preprocess; 0: it writes dq directly.
+    ``deterministic``: no pass uses order-dependent float atomics.
+    ``lse_acc``: the "rows" pass recomputes each row's softmax max m and sum l in the
+    accumulator type into a workspace (BwdParams.lse_acc: m, then l) that the "keys" pass reads,
+    so it must come first.
+    """
+
+    label: str
+    preprocess: Plan
+    passes: tuple
+    dq_accum_row: int = 0
+    deterministic: bool = True
+    lse_acc: bool = False
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per block of the query-parallel pass (BwdParams.n_mblocks), 1 if none."""
+        return next((p.block_m for g, p in self.passes if g == "rows"), 1)
+
+    @property
+    def block_n(self) -> int:
+        """Keys per block of the key-parallel pass (BwdParams.n_nblocks), 1 if none."""
+        return next((p.block_n for g, p in self.passes if g == "keys"), 1)
+
+
+def bwd_preprocess_plan(dtype_name: str) -> Plan:
+    t, acc = _CXX_TYPE[dtype_name], _ACC_TYPE[dtype_name]
+    return Plan(label=f"bwd_preprocess<{dtype_name}>",
+                spec=Specialisation("attn_bwd_prep", f"cuflash::cuflash_bwd_preprocess<{t}, {acc}>"),
+                block_m=BWD_PREP_ROWS, block_n=1, threads=32 * BWD_PREP_ROWS, smem_bytes=0)
+
+
+def bwd_convert_dq_plan(dtype_name: str) -> Plan:
+    """dq = scale * dq_accum (float32) for plans that accumulate dq with atomics."""
+    return Plan(label=f"bwd_convert_dq<{dtype_name}>",
+                spec=Specialisation("attn_bwd_prep",
+                                    f"cuflash::cuflash_bwd_convert_dq<{_CXX_TYPE[dtype_name]}>"),
+                block_m=BWD_PREP_ROWS, block_n=1, threads=32 * BWD_PREP_ROWS, smem_bytes=0)
+
+
+def bwd_generic_config(dtype_name: str, db: int, dvb: int):
+    """(warps, rows per warp) of BwdGenericConfig (attn_bwd_generic.cu)."""
+    wide = _ACC_BYTES[_ACC_TYPE[dtype_name]] == 8 and max(db, dvb) > 128
+    return (2, 2) if wide else (4, 4)
+
+
+def bwd_generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> BackwardPlan:
+    """The generic backward for (dtype, D, Dv, causal): a query-parallel dq pass and a
+    key-parallel dk/dv pass (attn_bwd_generic.cu), both free of atomics, so deterministic. For
+    float32 and float64 the dq pass recomputes each row's softmax max and sum (p = exp(s - m) / l,
+    as accurate as a softmax; exp(s - lse) with the forward's float32 lse is not) for both."""
+    db = dvb = head_dim_bucket(max(d, dv))
+    t, acc = _CXX_TYPE[dtype_name], _ACC_TYPE[dtype_name]
+    nwarps, rows = bwd_generic_config(dtype_name, db, dvb)
+    block, bc = nwarps * rows, 32
+    smem = ((block + bc) * ((db + 1) + (dvb + 1)) + 3 * bc) * _ACC_BYTES[acc]
+    targs = f"{t}, {acc}, {db}, {dvb}, {'true' if causal else 'false'}"
+    mask = "causal" if causal else "full"
+    dq = Plan(label=f"bwd_dq_generic<{dtype_name},D{db},{mask}>",
+              spec=Specialisation("attn_bwd_generic", f"cuflash::cuflash_bwd_dq_generic<{targs}>"),
+              block_m=block, block_n=bc, threads=nwarps * 32, smem_bytes=smem)
+    dkdv = Plan(label=f"bwd_dkdv_generic<{dtype_name},D{db},{mask}>",
+                spec=Specialisation("attn_bwd_generic",
+                                    f"cuflash::cuflash_bwd_dkdv_generic<{targs}>"),
+                block_m=bc, block_n=block, threads=nwarps * 32, smem_bytes=smem)
+    return BackwardPlan(label=f"generic-bwd<{dtype_name},D{db},{mask}>",
+                        preprocess=bwd_preprocess_plan(dtype_name),
+                        passes=(("rows", dq), ("keys", dkdv)), dq_accum_row=0,
+                        deterministic=True, lse_acc=dtype_name in ("float32", "float64"))
+
+
+def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
+    """The backward plan for a validated `BackwardProblem` on a device of this compute capability.
+
+    ``kernel="generic"`` (and, until a faster backward exists for the inputs, ``"auto"``) gives
+    the generic backward; ``"tensorcore"`` and ``"hopper"`` raise ValueError saying why.
+    """
+    if prob.kernel in ("tensorcore", "hopper"):
+        raise ValueError(f"kernel={prob.kernel!r} has no backward kernel yet; "
+                         "use kernel='auto' or 'generic'")
+    return bwd_generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
+
+
+def all_backward_specialisations(compute_capability: int = 90):
+    """Every backward plan the dispatcher can return on a device of this compute capability
+    (tests/test_compile.py builds each plan's kernels for sm_80 and sm_90)."""
+    plans = []
+    for dt in _CXX_TYPE:
+        for db in (32, 64, 128, 256):
+            for causal in (False, True):
+                plans.append(bwd_generic_plan(dt, db, db, causal))
+    return plans
+
+
+def backward_kernel_specs(compute_capability: int = 90):
+    """The distinct kernel specialisations of `all_backward_specialisations` (preprocess and
+    dq conversion included)."""
+    specs = []
+    for bp in all_backward_specialisations(compute_capability):
+        for plan in (bp.preprocess,) + tuple(p for _, p in bp.passes):
+            if plan.spec not in specs:
+                specs.append(plan.spec)
+    for dt in TC_DTYPES + ("float32",):
+        spec = bwd_convert_dq_plan(dt).spec
+        if spec not in specs:
+            specs.append(spec)
+    return specs

@@ -233,3 +233,199 @@ def device_attributes(device_id):
                  "sm_count": int(a["MultiProcessorCount"])}
         _DEVICE_ATTRS[device_id] = attrs
     return attrs
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward pass (notes/BACKWARD.md)
+
+_BWD_PTR_FIELDS = ("q", "k", "v", "o", "dout", "lse", "delta", "lse_acc", "dq_accum", "dq",
+                   "dk", "dv")
+#: Tensors with batch strides and a row stride, in BwdParams order ("do" is dout, "dqa" dq_accum).
+_BWD_STRIDED = ("q", "k", "v", "o", "do", "dq", "dk", "dv", "lse", "dqa")
+_BWD_INT_FIELDS = (("sq", "sk", "d", "dv_dim", "nb0", "nb1", "nb2")
+                   + tuple(f"{t}_{s}" for t in _BWD_STRIDED for s in ("s0", "s1", "s2", "sr"))
+                   + ("q_red", "kv_red", "n_mblocks", "n_nblocks", "deterministic"))
+#: The backward kernels' `BwdParams` (kernels_cu/common.cuh), 66 fields of 8 bytes.
+BWD_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _BWD_PTR_FIELDS]
+                            + [(f, np.int64) for f in _BWD_INT_FIELDS]
+                            + [("scale_log2", np.float64), ("scale", np.float64)])
+#: Workspace sections start on this alignment (bytes).
+WORKSPACE_ALIGN = 256
+
+
+class _RowsView:
+    """lse (..., Sq) seen as (..., Sq, 1), so that collapse_batch treats it like the others."""
+
+    def __init__(self, x):
+        self.shape = tuple(x.shape) + (1,)
+        self.strides = tuple(x.strides) + (x.itemsize,)
+        self.itemsize, self.ndim = x.itemsize, x.ndim + 1
+
+
+def _acc_bytes(dtype_name):
+    return 8 if dtype_name == "float64" else 4
+
+
+def _align(n):
+    return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+
+def backward_workspace_bytes(bplan, prob):
+    """Bytes of workspace `launch_backward` needs: delta = rowsum(do * o), (batch, Sq) in the
+    accumulator type; (plans that recompute them) each row's softmax max m and sum l in the
+    accumulator type, m in delta's layout followed by l; then
+    (plans that use one) the float32 dq accumulator, (batch, Sq, row). Sections 256-byte aligned."""
+    nbatch = int(math.prod(prob.batch_shape))
+    n = _align(nbatch * prob.sq * _acc_bytes(prob.dtype_name))
+    if bplan.lse_acc:
+        n += _align(2 * nbatch * prob.sq * _acc_bytes(prob.dtype_name))
+    if bplan.dq_accum_row:
+        n += _align(nbatch * prob.sq * bplan.dq_accum_row * 4)
+    return n
+
+
+def _red_mask(bstr):
+    """Bit a set where a gradient buffer's collapsed batch stride is 0 (it sums over axis a)."""
+    return sum(1 << a for a in range(3) if bstr[a] == 0)
+
+
+def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
+    """Launch the backward plan `bplan` for the validated `BackwardProblem` `prob`, writing the
+    caller's `dq`, `dk`, `dv` (shapes of q, k, v; last axis contiguous; no overlapping rows).
+
+    `workspace`: a CuPy uint8 array of at least `backward_workspace_bytes` bytes, or None to
+    allocate one. Two layouts no single launch can express take temporaries (allocated here, and
+    summed into the outputs with CuPy afterwards): k and v broadcast along different batch axes,
+    and more than three batch axes that no stride pattern merges.
+    """
+    import cupy
+
+    if max(prob.sq, prob.sk) >= 2**31 - 1024:
+        raise ValueError(f"Sq and Sk must be below 2**31 - 1024 (got {prob.sq}, {prob.sk})")
+    full = prob.batch_shape
+    q, k, v, o, do, lse = prob.q, prob.k, prob.v, prob.o, prob.do, prob.lse
+    targets = [dq, dk, dv]
+    bufs = list(targets)
+
+    def collapse():
+        return collapse_batch(full, q, k, v, o, do, *bufs, _RowsView(lse))
+
+    sizes, bstr, rstr = collapse()
+    if len(sizes) > 3:
+        # Materialise the inputs as contiguous full-batch arrays; gradients go to full-batch
+        # temporaries that are summed over the broadcast axes below.
+        q, k, v, o, do = (cupy.ascontiguousarray(cupy.broadcast_to(t, full + t.shape[-2:]))
+                          for t in (q, k, v, o, do))
+        lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, full + lse.shape[-1:]))
+        bufs = [cupy.empty(full + t.shape[-2:], dtype=t.dtype) for t in targets]
+        sizes, bstr, rstr = collapse()
+    while len(sizes) < 3:
+        sizes.insert(0, 1)
+        for s in bstr:
+            s.insert(0, 0)
+    # Tensor order in collapse: q k v o do dq dk dv lse.
+    if _red_mask(bstr[6]) != _red_mask(bstr[7]):
+        # k and v broadcast along different axes: dk and dv per batch entry of the others.
+        bufs[1:] = [cupy.empty(full + t.shape[-2:], dtype=t.dtype) for t in targets[1:]]
+        sizes, bstr, rstr = collapse()
+        while len(sizes) < 3:
+            sizes.insert(0, 1)
+            for s in bstr:
+                s.insert(0, 0)
+    q_red, kv_red = _red_mask(bstr[5]), _red_mask(bstr[6])
+    nbatch = sizes[0] * sizes[1] * sizes[2]
+    owners = {red: math.prod(n for a, n in enumerate(sizes) if not (red >> a) & 1)
+              for red in (0, q_red, kv_red)}
+
+    need = backward_workspace_bytes(bplan, prob)
+    if workspace is None:
+        workspace = cupy.empty(need, dtype=cupy.uint8)
+    elif workspace.nbytes < need:
+        raise ValueError(f"workspace has {workspace.nbytes} bytes; this call needs {need} "
+                         "(cuflash.attention_backward_workspace_size)")
+    base = workspace.data.ptr
+    if base % WORKSPACE_ALIGN:
+        raise ValueError(f"workspace must start on a {WORKSPACE_ALIGN}-byte boundary")
+
+    p = np.zeros((), dtype=BWD_PARAMS_DTYPE)
+    for name, x in zip(("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv"),
+                       (q, k, v, o, do, lse, *bufs)):
+        p[name] = x.data.ptr
+    section = _align(nbatch * prob.sq * _acc_bytes(prob.dtype_name))
+    p["delta"] = base
+    p["lse_acc"] = base + section if bplan.lse_acc else 0
+    p["dq_accum"] = 0
+    if bplan.dq_accum_row:
+        p["dq_accum"] = base + section + (
+            _align(2 * nbatch * prob.sq * _acc_bytes(prob.dtype_name)) if bplan.lse_acc else 0)
+        # (owners of q, Sq, row) contiguous; stride 0 along the axes dq sums over.
+        st, acc = [0, 0, 0], prob.sq * bplan.dq_accum_row
+        for a in (2, 1, 0):
+            if not (q_red >> a) & 1:
+                st[a] = acc
+                acc *= sizes[a]
+        p["dqa_s0"], p["dqa_s1"], p["dqa_s2"] = st
+        p["dqa_sr"] = bplan.dq_accum_row
+    p["sq"], p["sk"], p["d"], p["dv_dim"] = prob.sq, prob.sk, prob.d, prob.dv
+    p["nb0"], p["nb1"], p["nb2"] = sizes
+    for name, bs, rs in zip(("q", "k", "v", "o", "do", "dq", "dk", "dv", "lse"), bstr, rstr):
+        p[f"{name}_s0"], p[f"{name}_s1"], p[f"{name}_s2"] = bs
+        p[f"{name}_sr"] = rs
+    p["q_red"], p["kv_red"] = q_red, kv_red
+    n_mblocks = -(-prob.sq // bplan.block_m)
+    n_nblocks = -(-prob.sk // bplan.block_n)
+    p["n_mblocks"], p["n_nblocks"] = n_mblocks, n_nblocks
+    p["deterministic"] = int(bool(prob.deterministic))
+    p["scale_log2"] = prob.scale * _LOG2E
+    p["scale"] = prob.scale
+    params = p[()]
+
+    prep_blocks = -(-prob.sq // bplan.preprocess.block_m)
+    launches = [(bplan.preprocess, prep_blocks * nbatch)]
+    for grid_kind, plan in bplan.passes:
+        if grid_kind == "rows":
+            grid = n_mblocks * owners[q_red]
+        elif grid_kind == "keys":
+            grid = n_nblocks * owners[kv_red]
+        elif grid_kind == "dq_convert":
+            grid = -(-prob.sq // plan.block_m) * owners[q_red]
+        else:
+            raise ValueError(f"{bplan.label}: unknown grid mapping {grid_kind!r}")
+        launches.append((plan, grid))
+    if bplan.dq_accum_row and bplan.dq_accum_row < prob.d:
+        raise ValueError(f"{bplan.label}: dq accumulator rows of {bplan.dq_accum_row} < D = {prob.d}")
+    for plan, grid in launches:
+        if grid > MAX_GRID_X:
+            raise ValueError(f"{plan.label}: {grid} blocks is too many for one launch "
+                             f"(at most {MAX_GRID_X})")
+        if plan.smem_bytes > device_attrs["max_smem_optin"]:
+            raise ValueError(
+                f"{plan.label} needs {plan.smem_bytes} bytes of shared memory per block; this "
+                f"GPU allows {device_attrs['max_smem_optin']}")
+        if plan.threads > 1024:
+            raise ValueError(f"{plan.label}: {plan.threads} threads per block > 1024")
+    if nbatch >= 2**31:
+        raise ValueError(f"{nbatch} batch entries is too many (at most 2**31 - 1)")
+
+    stream = _stream_ptr(prob.stream)
+    for plan, grid in launches:
+        kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
+        kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=stream)
+
+    for tgt, buf in zip(targets, bufs):
+        if buf is not tgt:  # a full-batch temporary: sum over the axes the target broadcasts
+            _sum_into(tgt, buf, full, stream)
+
+
+def _sum_into(target, full_grad, batch_shape, stream):
+    """target[...] = full_grad summed (in float32, float64 for float64) over the batch axes
+    where target has size 1 or is missing."""
+    import cupy
+
+    nb = len(batch_shape)
+    tshape = (1,) * (nb - (target.ndim - 2)) + tuple(target.shape[:-2])
+    axes = tuple(a for a in range(nb) if tshape[a] == 1 and batch_shape[a] != 1)
+    acc = cupy.float64 if target.dtype == cupy.float64 else cupy.float32
+    with stream:
+        s = full_grad.astype(acc).sum(axis=axes, keepdims=True) if axes else full_grad
+        target[...] = s.reshape(target.shape).astype(target.dtype)

@@ -21,9 +21,13 @@ followed by property audits of the online-softmax recurrence and of the merge op
 Inputs are random, from numpy.random.default_rng([SEED, shape index]); the seed is printed.
 
 With FILE (an .npz holding arrays q, k, v and optionally the scalars causal (bool) and scale
-(float)), audit that single problem in the file's dtype, or in each --dtype given.
+(float)), audit that single problem in the file's dtype, or in each --dtype given; when the file
+also holds do (the upstream gradient, o's shape), audit the gradients of attention_backward too.
+The standard audit has a gradient section of its own grid.
 
 Pass rule. {rule}
+
+{grad_rule}
 
 Exit status: 0 when everything passes, 1 when any case or property fails, 2 for usage errors
 (no GPU for --device gpu, unreadable FILE, missing array, shapes cuflash rejects).
@@ -39,7 +43,8 @@ class _InputError(click.ClickException):
 def _help() -> str:
     # click re-wraps each paragraph of the text, PASS_RULE's included.
     from cuflash._audit import PASS_RULE
-    return HELP.replace("{rule}", PASS_RULE)
+    from cuflash._audit_grad import GRAD_RULE
+    return HELP.replace("{rule}", PASS_RULE).replace("{grad_rule}", GRAD_RULE)
 
 
 def _check_writable(path: str, what: str) -> None:
@@ -157,7 +162,7 @@ class _Progress:
 @click.option("--progress-every", type=float, default=5.0, show_default=True,
               help="Seconds between progress lines when stdout is not a terminal (a log).")
 def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, progress_every):
-    from cuflash import _audit
+    from cuflash import _audit, _audit_grad
 
     t0 = time.perf_counter()
     if json_path:
@@ -180,7 +185,7 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
         click.echo(f"peers: {', '.join(peer_names)} (their SDPA on the same inputs; --no-peers "
                    "to skip)")
 
-    props = []
+    props, grads = [], []
     table = _audit.CaseTable(peers=bool(peer_names))
     if file is None:
         mode = "standard"
@@ -201,6 +206,8 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
         click.echo("")
         click.echo("property audits (recurrence, merge, overflow, underflow) ...")
         props = _audit.property_audits(device, dtypes, seed)
+        click.echo("gradient audits (attention_backward) ...")
+        grads = _audit_grad.run_grid(device, dtypes, seed, quick)
     else:
         mode = "file"
         seed = None
@@ -216,6 +223,9 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
                 click.echo(note)
             cases = _audit.run_inputs(device, inp, dtypes, raise_call_errors=True,
                                       peers=peer_names)
+            ginp, gdtypes = _audit_grad.inputs_from_npz(file, dtypes)
+            if ginp is not None:
+                grads = _audit_grad.run_inputs(device, ginp, gdtypes, raise_call_errors=True)
         except _audit.AuditError as exc:
             raise _InputError(str(exc)) from None
         except (ValueError, TypeError) as exc:
@@ -226,16 +236,24 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
     if props:
         click.echo("")
         click.echo(_audit.format_properties(props))
-    failures = _audit.format_failures(cases, props)
+    if grads:
+        click.echo("")
+        click.echo(_audit_grad.format_cases(grads))
+    failures = "\n".join(f for f in (_audit.format_failures(cases, props),
+                                     _audit_grad.format_failures(grads)) if f)
     if failures:
         click.echo("")
         click.echo(failures)
 
-    n_all = len(cases) + len(props)
-    n_pass = sum(r.passed for r in cases) + sum(p.passed for p in props)
+    n_all = len(cases) + len(props) + len(grads)
+    n_pass = sum(r.passed for r in cases) + sum(p.passed for p in props) + \
+        sum(g.passed for g in grads)
     elapsed = time.perf_counter() - t0
     doc = _audit.to_json(device=device, reason=reason, seed=seed, mode=mode, cases=cases,
                          props=props, dtypes=dtypes, file=file, seconds=elapsed)
+    doc["gradients"] = _audit_grad.to_json(grads)
+    doc["summary"] = {**doc["summary"], "passed": n_pass, "failed": n_all - n_pass,
+                      "gradient_cases": len(grads)}
     if json_path:
         with open(json_path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2, allow_nan=False)

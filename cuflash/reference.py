@@ -66,6 +66,7 @@ __all__ = [
     "attention_ref",
     "naive_attention",
     "round_to",
+    "round_to_tf32",
     "tolerance",
     "naive_error",
     "output_scale",
@@ -299,7 +300,20 @@ def round_to(x, dtype) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype):
+def round_to_tf32(x) -> np.ndarray:
+    """Round float64 values to TF32 (10 explicit mantissa bits, float32's exponent range), ties
+    away from zero, as ``cvt.rna.tf32.f32`` does on float32 values: float64 -> float32 (nearest)
+    first, then to 11 significant bits."""
+    x32 = np.asarray(x, dtype=np.float64).astype(np.float32)
+    bits = x32.view(np.uint32).astype(np.uint64)
+    finite = np.isfinite(x32)
+    r = ((bits + np.uint64(0x1000)) & np.uint64(0xFFFFE000)).astype(np.uint32)
+    out = np.where(finite, r.view(np.float32), x32)
+    return out.astype(np.float64)
+
+
+def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
+                    precision: Optional[str] = None):
     """Unfused attention computed the way a user would write it by hand in ``dtype``.
 
     ``S = scale * q @ k^T`` -> ``P = softmax(S)`` -> ``O = P @ V``, with every product
@@ -319,6 +333,10 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
         As in :func:`attention_ref`.  Masked scores are ``-inf``; rows with no visible key
         give 0.
     dtype : {"float16", "bfloat16", "float32", "float64"}
+    precision : {None, "highest", "high"}, optional
+        float32 only: ``"high"`` rounds the operands of both products to TF32 (what a one-pass
+        TF32 matmul does: :func:`round_to_tf32`), the naive counterpart of
+        ``cuflash.attention(..., precision="high")``; None and "highest" leave them in float32.
 
     Returns
     -------
@@ -326,6 +344,9 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
         Values representable in ``dtype``.
     """
     name = _dtype_name(dtype)
+    tf32 = precision == "high" and name == "float32"
+    if precision not in (None, "default", "highest", "high"):
+        raise ValueError(f"precision must be None, 'highest' or 'high', got {precision!r}")
     # Working precision of every stage: float32 for the narrow types, float64 for float64.
     wd = np.float64 if name == "float64" else np.float32
 
@@ -342,7 +363,11 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
 
-    s = rnd(np.matmul(qw, np.swapaxes(kw, -1, -2)) * wd(scale))
+    def op(x):
+        """An operand of a product: rounded to TF32 in the "high" mode."""
+        return round_to_tf32(x).astype(wd) if tf32 else x
+
+    s = rnd(np.matmul(op(qw), np.swapaxes(op(kw), -1, -2)) * wd(scale))
     if causal:
         s = np.where(_causal_mask(s.shape[-2], s.shape[-1]), s, wd(-np.inf))
     if s.shape[-1] == 0:
@@ -358,7 +383,8 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     den = np.where(empty, wd(1), den)
     p = rnd(e / den)
 
-    o = rnd(masked_matmul(p, vw, _causal_mask(s.shape[-2], s.shape[-1]) if causal else None))
+    o = rnd(masked_matmul(op(p), op(vw),
+                          _causal_mask(s.shape[-2], s.shape[-1]) if causal else None))
     return np.asarray(o, dtype=np.float64)
 
 
@@ -391,7 +417,8 @@ def naive_error_bound_f64(q, k, v, *, scale=None) -> float:
     return u * vmax * (2.0 * (d + 1) * abs(float(scale)) * qn * kn + 2.0 * sk + 4.0)
 
 
-def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None) -> float:
+def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None,
+                precision=None) -> float:
     """The max abs error, against the float64 reference, of the naive implementation in `dtype`.
 
     Measured (``naive_attention`` vs ``attention_ref``) for float16, bfloat16 and float32; for
@@ -403,7 +430,8 @@ def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None) -> floa
     if o_ref is None:
         o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale)
     with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(naive_attention(q, k, v, causal=causal, scale=scale, dtype=dtype) - o_ref)
+        diff = np.abs(naive_attention(q, k, v, causal=causal, scale=scale, dtype=dtype,
+                                      precision=precision) - o_ref)
     diff = diff[np.isfinite(diff)]
     return float(diff.max()) if diff.size else 0.0
 
@@ -469,7 +497,7 @@ _UNDERFLOW = {"float16": 2.0 ** -25, "bfloat16": 2.0 ** -126, "float32": 2.0 ** 
               "float64": 2.0 ** -1022}
 
 
-def _bound_constants(dtype):
+def _bound_constants(dtype, precision=None):
     """The arithmetic model of :func:`error_bound` for results stored in ``dtype``.
 
     ``ua``: unit roundoff of the accumulation (float32; float64 for float64);
@@ -486,13 +514,18 @@ def _bound_constants(dtype):
     u = unit_roundoff(name)
     sixteen = name in ("float16", "bfloat16")
     e_prod = 64.0 * ua if name == "float32" else 2.0 * ua
+    if name == "float32" and precision == "high":
+        # one-pass TF32: each operand rounded to 11 significant bits (2 u_tf32 per product);
+        # P's rounding is one of them, so u_p is the same.
+        e_prod = 2.0 * 2.0 ** -11 + 2.0 * ua
     return dict(ua=ua, u=u, e_prod=e_prod, e_exp=8.0 * ua, u_p=u if sixteen else e_prod,
                 sixteen=sixteen, eta=_UNDERFLOW[name])
 
 
-def _bound_one(w, o, a, sd, sig, mx, n_vis, v1, d, dtype, key_tile, rounded_scores):
+def _bound_one(w, o, a, sd, sig, mx, n_vis, v1, d, dtype, key_tile, rounded_scores,
+               precision=None):
     """The bound of :func:`error_bound` for one arithmetic model; arrays as computed there."""
-    c = _bound_constants(dtype)
+    c = _bound_constants(dtype, precision)
     ua, u, u_p = c["ua"], c["u"], c["u_p"]
     n_r = np.ceil(n_vis / float(key_tile)) + 1.0           # rescales of the state, at most
     # Absolute error of every exponent s_j - m (natural units), per row: the dot product (D
@@ -517,7 +550,8 @@ def _bound_one(w, o, a, sd, sig, mx, n_vis, v1, d, dtype, key_tile, rounded_scor
 
 
 def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
-                key_tile: int = MIN_KEY_TILE, rounded_scores: bool = False) -> np.ndarray:
+                key_tile: int = MIN_KEY_TILE, rounded_scores: bool = False,
+                precision: Optional[str] = None) -> np.ndarray:
     """A priori bound on ``|o - o_ref|``, element by element, for a correct kernel in ``dtype``.
 
     The derivation is in ``notes/ERROR_BOUND.md``.  With ``w`` the exact softmax weights of a
@@ -546,6 +580,9 @@ def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
         ``Sk / key_tile + 1``); default :data:`MIN_KEY_TILE`.
     rounded_scores : bool
         Model the naive implementation, which also rounds the scores to ``dtype``.
+    precision : {None, "highest", "high"}, optional
+        float32 only: ``"high"`` models one-pass TF32 products (every operand of both products,
+        P included, rounded to TF32: 2 u_tf32 per product, u_tf32 = 2^-11).
 
     Returns
     -------
@@ -584,7 +621,7 @@ def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
         if not causal:
             v1 = np.broadcast_to(csum[..., -1:, :], o.shape)
         args = (w, o, a, sd, sig, mx, n_vis, v1, d)
-        bound = _bound_one(*args, dtype, key_tile, rounded_scores)
+        bound = _bound_one(*args, dtype, key_tile, rounded_scores, precision)
         bound = bound + _bound_one(*args, "float64", sk, False)  # the reference's own rounding
     return bound
 
@@ -715,20 +752,25 @@ class PassRule:
 
 
 def pass_threshold(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
-                   o_ref=None, key_tile: int = MIN_KEY_TILE) -> PassRule:
+                   o_ref=None, key_tile: int = MIN_KEY_TILE, precision=None) -> PassRule:
     """The project's one pass rule for inputs q, k, v audited in `dtype`, as a :class:`PassRule`.
 
     A result passes (``rule.judge(o).passed``) only under both bars: the 2x-naive rule
     ``max|o - o_ref| <= 2 * naive_error + 4 * u(dtype) * output_scale`` (:func:`tolerance`)
     and, element by element, the a-priori forward-error bound of :func:`error_bound`, which a
     broken naive implementation cannot inflate.  ``key_tile``: see :func:`error_bound`.
+    ``precision="high"`` (float32): the one-pass TF32 mode, whose naive counterpart is the
+    one-pass TF32 matmul -> softmax -> matmul (:func:`naive_attention`) and whose products carry
+    TF32's rounding in the bound.
     """
     if o_ref is None:
         o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale)
     name = _dtype_name(dtype)
-    ne = naive_error(q, k, v, causal=causal, scale=scale, dtype=name, o_ref=o_ref)
+    ne = naive_error(q, k, v, causal=causal, scale=scale, dtype=name, o_ref=o_ref,
+                     precision=precision)
     a = output_scale(q, k, v, causal=causal, scale=scale)
-    bound = error_bound(q, k, v, causal=causal, scale=scale, dtype=name, key_tile=key_tile)
+    bound = error_bound(q, k, v, causal=causal, scale=scale, dtype=name, key_tile=key_tile,
+                        precision=precision)
     fin = np.asarray(o_ref)[np.isfinite(o_ref)]
     size = float(np.max(np.abs(fin))) if fin.size else 0.0
     informative = not ne > NAIVE_INFORMATIVE_FRACTION * size
@@ -991,3 +1033,301 @@ def unstable_softmax(s, dtype) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         e = np.exp(s)
         return e / np.sum(e, axis=-1, keepdims=True, dtype=e.dtype)
+
+
+# =============================================================================================
+# Backward pass (issue 11): float64 gradients, finite differences, a naive same-precision
+# backward and the gradient version of the pass rule. Kept in its own section.
+# =============================================================================================
+#
+# For one batch entry with P = softmax(S), S = scale * q k^T (masked: -inf), o = P v and an
+# upstream gradient do = dL/do:
+#
+#     dv = P^T do,   dP = do v^T,   delta_i = sum_c do_ic o_ic  (= sum_j P_ij dP_ij),
+#     dS = P * (dP - delta),   dq = scale dS k,   dk = scale dS^T q.
+#
+# Rows that see no key have P = 0 and contribute nothing. Batch axes along which an input
+# broadcasts give its gradient summed over them (with the input's own shape).
+
+__all__ += [
+    "attention_backward_ref",
+    "attention_backward_fd",
+    "naive_attention_backward",
+    "gradient_scales",
+    "naive_gradient_error_bound_f64",
+    "naive_gradient_errors",
+    "grad_pass_threshold",
+]
+
+
+def _sum_to_shape(x, shape):
+    """Sum ``x`` (shape broadcast batch + last two) over the axes along which ``shape`` was
+    broadcast, returning an array of ``shape``."""
+    shape = tuple(shape)
+    lead = x.ndim - len(shape)
+    if lead:
+        x = x.sum(axis=tuple(range(lead)))
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    if axes:
+        x = x.sum(axis=axes, keepdims=True)
+    return x.reshape(shape)
+
+
+def _probabilities_f64(q, k, v, causal, scale):
+    """float64 (P, o, batch) with P = softmax of the masked scores, 0 on rows that see no key."""
+    v = np.asarray(v, dtype=np.float64)
+    s = _scores_f64(q, k, scale, causal)
+    batch = np.broadcast_shapes(s.shape[:-2], v.shape[:-2])
+    s = np.broadcast_to(s, batch + s.shape[-2:])
+    empty = np.all(s == -np.inf, axis=-1)
+    p = softmax(np.where(empty[..., None], 0.0, s), axis=-1)
+    p = np.where(empty[..., None], 0.0, p)
+    return p, np.matmul(p, v), batch
+
+
+def _scale_or_default(scale, d):
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+def attention_backward_ref(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
+    """Gradients of ``L = sum(do * attention(q, k, v))`` in float64, from SciPy's softmax.
+
+    Parameters
+    ----------
+    do : array_like, shape (broadcast batch..., Sq, Dv)
+        The upstream gradient dL/do.
+    q : array_like, shape (..., Sq, D)
+    k : array_like, shape (..., Sk, D)
+    v : array_like, shape (..., Sk, Dv)
+        Any real dtype (converted to float64); batch axes broadcast as in :func:`attention_ref`.
+    causal, scale
+        As in :func:`attention_ref`.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray, float64, the shapes of q, k and v
+        Summed over the batch axes along which each input was broadcast. Rows that see no key
+        contribute zero (never NaN).
+    """
+    q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    scale = _scale_or_default(scale, q64.shape[-1])
+    p, o, batch = _probabilities_f64(q64, k64, v64, causal, scale)
+    do = np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:])
+    dv = np.matmul(np.swapaxes(p, -1, -2), do)
+    dp = np.matmul(do, np.swapaxes(v64, -1, -2))
+    delta = np.sum(do * o, axis=-1, keepdims=True)
+    ds = np.where(p > 0, p * (dp - delta), 0.0)
+    dq = scale * np.matmul(ds, k64)
+    dk = scale * np.matmul(np.swapaxes(ds, -1, -2), q64)
+    return (_sum_to_shape(dq, q64.shape), _sum_to_shape(dk, k64.shape),
+            _sum_to_shape(dv, v64.shape))
+
+
+def attention_backward_fd(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                          eps: Optional[float] = None):
+    """Gradients of ``L = sum(do * attention_ref(q, k, v)[0])`` by central finite differences.
+
+    ``dL/dx = (L(x + h) - L(x - h)) / (2 h)`` for every element x of q, k and v, with
+    ``h = eps * max(1, |x|)`` (default eps = 2^-18, near the cube root of float64's unit roundoff,
+    where truncation and rounding errors balance). Two forward passes per element: for small
+    cases only (a check of :func:`attention_backward_ref`).
+
+    Returns
+    -------
+    dq, dk, dv : ndarray, float64, the shapes of q, k and v
+    """
+    q64, k64, v64 = (np.array(x, dtype=np.float64) for x in (q, k, v))
+    scale = _scale_or_default(scale, q64.shape[-1])
+    do = np.asarray(do, dtype=np.float64)
+    eps = 2.0 ** -18 if eps is None else float(eps)
+    arrays = [q64, k64, v64]
+
+    def loss():
+        o, _ = attention_ref(*arrays, causal=causal, scale=scale)
+        return float(np.sum(do * o))
+
+    grads = []
+    for x in arrays:
+        g = np.zeros_like(x)
+        flat, gflat = x.reshape(-1), g.reshape(-1)
+        for i in range(flat.size):
+            x0 = flat[i]
+            h = eps * max(1.0, abs(x0))
+            flat[i] = x0 + h
+            lp = loss()
+            flat[i] = x0 - h
+            lm = loss()
+            flat[i] = x0
+            gflat[i] = (lp - lm) / (2.0 * h)
+        grads.append(g)
+    return tuple(grads)
+
+
+def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                             dtype):
+    """The backward a user gets from the unfused attention written by hand in ``dtype``.
+
+    The forward of :func:`naive_attention` (S -> P -> o, each stage rounded to ``dtype``), then
+    the backward of each stage as automatic differentiation runs it, products accumulating in
+    float32 (float64 for float64) and each stage's result rounded to ``dtype``::
+
+        dv = rnd(P^T do),  dP = rnd(do v^T),  dS = rnd(P * (dP - rowsum(P * dP))),
+        dq = rnd(scale dS k),  dk = rnd(scale dS^T q)
+
+    and per-entry gradients of broadcast inputs summed (in the working precision) and rounded.
+
+    Parameters
+    ----------
+    do, q, k, v : array_like
+        float64 arrays holding values representable in ``dtype``; shapes as in
+        :func:`attention_backward_ref`.
+    causal, scale
+        As in :func:`attention_ref`.
+    dtype : {"float16", "bfloat16", "float32", "float64"}
+
+    Returns
+    -------
+    dq, dk, dv : ndarray, float64, the shapes of q, k and v; values representable in ``dtype``.
+    """
+    name = _dtype_name(dtype)
+    wd = np.float64 if name == "float64" else np.float32
+
+    def rnd(x):
+        if name in ("float32", "float64"):
+            return np.asarray(x, dtype=wd)
+        return round_to(np.asarray(x, dtype=np.float64), name).astype(wd)
+
+    qw, kw, vw = (np.asarray(x, dtype=np.float64).astype(wd) for x in (q, k, v))
+    scale = _scale_or_default(scale, qw.shape[-1])
+    s = rnd(np.matmul(qw, np.swapaxes(kw, -1, -2)) * wd(scale))
+    if causal:
+        s = np.where(_causal_mask(s.shape[-2], s.shape[-1]), s, wd(-np.inf))
+    batch = np.broadcast_shapes(s.shape[:-2], vw.shape[:-2])
+    s = np.broadcast_to(s, batch + s.shape[-2:])
+    m = np.max(s, axis=-1, keepdims=True)
+    empty = m == -np.inf
+    e = np.exp(s - np.where(empty, wd(0), m))
+    den = np.where(empty, wd(1), np.sum(e, axis=-1, keepdims=True, dtype=wd))
+    p = rnd(e / den)
+    dow = np.broadcast_to(np.asarray(do, dtype=np.float64).astype(wd), batch + (s.shape[-2], vw.shape[-1]))
+    dv = rnd(np.matmul(np.swapaxes(p, -1, -2), dow))
+    dp = rnd(np.matmul(dow, np.swapaxes(vw, -1, -2)))
+    ds = rnd(p * (dp - np.sum(p * dp, axis=-1, keepdims=True, dtype=wd)))
+    dq = rnd(np.matmul(ds, kw) * wd(scale))
+    dk = rnd(np.matmul(np.swapaxes(ds, -1, -2), qw) * wd(scale))
+    out = []
+    for g, x in ((dq, qw), (dk, kw), (dv, vw)):
+        summed = _sum_to_shape(g, x.shape)
+        out.append(np.asarray(rnd(summed) if summed.shape != g.shape else g, dtype=np.float64))
+    return tuple(out)
+
+
+def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
+    """``(A_dq, A_dk, A_dv)``: the size of the terms each element of dq, dk, dv sums.
+
+    The backward run on magnitudes: ``A_dv = max (P^T |do|)``, ``A_dq = |scale| max (G |k|)``,
+    ``A_dk = |scale| max (G^T |q|)`` with ``G = P * (|dP| + |delta|)``, the two terms of
+    ``dS = P * (dP - delta)`` before they cancel (a single visible key gives dS = 0 from two equal
+    rounded terms), summed over broadcast axes as the gradients are (they bound ``max|dv|``,
+    ``max|dq|``, ``max|dk|``). As :func:`output_scale` for the forward, it is the scale at which
+    the few roundings any same-precision backward makes act.
+    """
+    q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    scale = _scale_or_default(scale, q64.shape[-1])
+    p, o, batch = _probabilities_f64(q64, k64, v64, causal, scale)
+    ado = np.abs(np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:]))
+    dv = np.matmul(np.swapaxes(p, -1, -2), ado)
+    do_ = np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:])
+    dp = np.matmul(do_, np.swapaxes(v64, -1, -2))
+    delta = np.sum(do_ * o, axis=-1, keepdims=True)
+    dsm = np.where(p > 0, p * (np.abs(dp) + np.abs(delta)), 0.0)
+    dq = abs(scale) * np.matmul(dsm, np.abs(k64))
+    dk = abs(scale) * np.matmul(np.swapaxes(dsm, -1, -2), np.abs(q64))
+    return tuple(float(np.max(_sum_to_shape(g, x.shape))) if g.size else 0.0
+                 for g, x in ((dq, q64), (dk, k64), (dv, v64)))
+
+
+def naive_gradient_error_bound_f64(do, q, k, v, *, causal: bool = False,
+                                   scale: Optional[float] = None, scales=None):
+    """A priori bounds on the max abs errors of a float64 backward, ``(dq, dk, dv)``.
+
+    The gradient counterpart of :func:`naive_error_bound_f64`: the scores carry at most
+    ``(D + 1) u |scale| |q| |k|`` absolute error, which moves each P by twice that relative
+    amount; dP and delta are dot products of Dv terms; the sums over Sq or Sk rows add their
+    length in roundings. With ``A_X`` from :func:`gradient_scales` (the terms' magnitudes)::
+
+        bound_X = u * A_X * (2 (D + 1) |scale| max|q_i| max|k_j| + 2 (Dv + Sq + Sk) + 8)
+
+    with u = 2^-53 and |q_i|, |k_j| the Euclidean norms of the rows.
+    """
+    q64, k64 = (np.asarray(x, dtype=np.float64) for x in (q, k))
+    d, sq, sk = q64.shape[-1], q64.shape[-2], k64.shape[-2]
+    dv_dim = np.shape(v)[-1]
+    scale = _scale_or_default(scale, d)
+    if scales is None:
+        scales = gradient_scales(do, q, k, v, causal=causal, scale=scale)
+    qn = float(np.max(np.sqrt(np.sum(q64 * q64, axis=-1))))
+    kn = float(np.max(np.sqrt(np.sum(k64 * k64, axis=-1))))
+    factor = 2.0 * (d + 1) * abs(scale) * qn * kn + 2.0 * (dv_dim + sq + sk) + 8.0
+    u = unit_roundoff("float64")
+    return tuple(u * a * factor for a in scales)
+
+
+def _max_abs_diff(a, b):
+    diff = np.abs(np.asarray(a, dtype=np.float64) - b)
+    diff = diff[np.isfinite(diff)]
+    return float(diff.max()) if diff.size else 0.0
+
+
+def naive_gradient_errors(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                          dtype, ref=None, scales=None):
+    """Max abs errors of :func:`naive_attention_backward` in ``dtype`` against the float64
+    gradients, ``(dq, dk, dv)``; for float64 the bounds of
+    :func:`naive_gradient_error_bound_f64`. ``ref``: :func:`attention_backward_ref`'s result."""
+    if _dtype_name(dtype) == "float64":
+        return naive_gradient_error_bound_f64(do, q, k, v, causal=causal, scale=scale,
+                                              scales=scales)
+    if ref is None:
+        ref = attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
+    naive = naive_attention_backward(do, q, k, v, causal=causal, scale=scale, dtype=dtype)
+    return tuple(_max_abs_diff(n, r) for n, r in zip(naive, ref))
+
+
+def backward_lse_error(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                       dtype) -> float:
+    """Relative error of the backward's ``P = exp(s - lse)`` that comes from the forward's lse
+    being float32: ``4 * 2^-24 * max(1, max|lse|)`` for float16 and bfloat16, 0 for float32 and
+    float64, whose backward paths recompute each row's softmax max m and sum l and form
+    ``P = exp(s - m) / l`` as the naive softmax does (notes/BACKWARD.md: every float32 or
+    float64 backward must). See :func:`grad_pass_threshold`."""
+    if _dtype_name(dtype) in ("float32", "float64"):
+        return 0.0
+    _, lse_ref = attention_ref(q, k, v, causal=causal, scale=scale)
+    fin = np.abs(lse_ref[np.isfinite(lse_ref)])
+    return 4.0 * unit_roundoff("float32") * max(1.0, float(fin.max()) if fin.size else 0.0)
+
+
+def grad_pass_threshold(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                        dtype, ref=None):
+    """The pass rule for gradients, one call: ``((tol_dq, tol_dk, tol_dv), (naive errors))``.
+
+    Each gradient X gets the forward's rule (:func:`tolerance`): ``2 * naive_err_X +
+    4 * u(dtype) * A_X``, with the naive same-precision backward's error
+    (:func:`naive_gradient_errors`) and the terms' size ``A_X`` (:func:`gradient_scales`),
+    plus ``4 * 2^-24 * max(1, max|lse|) * A_X`` for float16 and bfloat16: their backward takes
+    the forward's lse, which is float32 (the API's lse dtype), and recomputes
+    ``P = exp(s - lse)`` from it, so P carries a relative error of a few float32 roundings of
+    ``|lse|`` that the naive backward, which normalises its own softmax, does not (with one
+    visible key its P is exactly 1 and its error 0). float32 and float64 backward paths
+    recompute each row's max and sum and get no such term (:func:`backward_lse_error`).
+    ``ref``: :func:`attention_backward_ref`'s result for these inputs, if already computed.
+    """
+    if ref is None:
+        ref = attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
+    scales = gradient_scales(do, q, k, v, causal=causal, scale=scale)
+    errs = naive_gradient_errors(do, q, k, v, causal=causal, scale=scale, dtype=dtype, ref=ref,
+                                 scales=scales)
+    lse_rel = backward_lse_error(q, k, v, causal=causal, scale=scale, dtype=dtype)
+    tols = tuple(tolerance(dtype, r, e, out_scale=a) + lse_rel * a
+                 for r, e, a in zip(ref, errs, scales))
+    return tols, errs

@@ -1,4 +1,13 @@
-// attn_mma.cu: tensor-core forward kernel for float16 / bfloat16 (sm_80 and later).
+// attn_mma.cu: tensor-core forward kernel for float16 / bfloat16 / float32 (sm_80 and later).
+//
+// Version 3: float32 operands (T = float) through TF32 mma.sync m16n8k8, with TERMS = 3 products
+// (split precision, float32-accurate: common.cuh, Tf32Split) or TERMS = 1 (one-pass TF32). The
+// structure (tiles, cp.async pipeline, online softmax, epilogue) is the 16-bit kernel's; what
+// differs is how fragments reach the tensor cores: float32 tiles sit in shared memory as they are,
+// each lane reads its fragment values with 16-byte (Q, K) or 4-byte (V) loads and rounds or splits
+// them to TF32 in registers, and the products follow (see "float32 operands" below). With TERMS = 3
+// the P.V product of each key tile goes to fresh accumulators that are added to O in IEEE float32,
+// so that O's accumulation over many tiles is not a chain of tensor-core accumulations.
 //
 // Version 2: lazy rescaling of l and O (only when the max grows by more than 2^8) and the scale
 // folded into one FFMA per score; 4-warp blocks, several per SM. Version 1 (8 warps, 1 block per
@@ -23,26 +32,55 @@
 // Causal: tiles past the block's last visible key are never loaded; the mask is applied only on
 // tiles that cross the diagonal or the end of the keys.
 //
-// Requirements checked on the host (cuflash/_dispatch.py): D == Dv, D % 8 == 0, D <= DPAD, every
-// row of q, k, v, o 16-byte aligned. Head dims below DPAD are zero-padded in shared memory.
+// float32 operands. m16n8k8 TF32 fragments (g = lane / 4, t4 = lane % 4): A holds rows g, g + 8
+// and k columns t4, t4 + 4; B (= K^T for the scores) keys g and k rows t4, t4 + 4. Since a dot
+// product does not depend on the order of its terms, each 16-column block of Q and K is read in a
+// permuted order: lane t4 takes physical columns 4 t4 .. 4 t4 + 3 as (step 0: t4, t4 + 4; step 1:
+// t4, t4 + 4), one 16-byte load per row and block. Likewise the keys of each k8 step of P.V are
+// permuted so that P's accumulator fragment is its A fragment as it stands (logical k t4 <-> key
+// 2 t4, k t4 + 4 <-> key 2 t4 + 1): lane (g, t4) reads V rows 2 t4 and 2 t4 + 1 at column g. Row
+// strides keep both access patterns free of bank conflicts (MmaConfig: SQK, SV).
+// Cost per k8 step and n8 tile: TERMS tensor-core products; each operand value is converted once
+// per warp that uses it (cvt.rna.tf32, and for TERMS = 3 a subtraction and a second cvt).
+//
+// Requirements checked on the host (cuflash/_dispatch.py): D == Dv, D % 8 == 0 (16-bit) or
+// D % 4 == 0 (float32), D <= DPAD, every row of q, k, v, o 16-byte aligned. Head dims below DPAD
+// are zero-padded in shared memory.
 #include "common.cuh"
 
 namespace cuflash {
 
 template <typename T, int DPAD, int BN, int NWARPS, int MT>
 struct MmaConfig {
+    static constexpr bool F32 = sizeof(T) == 4;   // float32 operands through TF32 products
     static constexpr int BM = 16 * MT * NWARPS;   // query rows per block
     static constexpr int THREADS = 32 * NWARPS;
-    static constexpr int STRIDE = DPAD + 8;        // +16 bytes per row: ldmatrix rows hit all banks
-    static constexpr int CHUNKS = DPAD / 8;        // 16-byte chunks per row
+    // Row strides in elements. 16-bit: +16 bytes per row, so ldmatrix rows hit all banks. float32:
+    // Q and K rows are read as 16-byte vectors by lanes (g, t4) at row g, word 4 t4; a stride of
+    // 16 (mod 32) words puts the 8 lanes of each quarter-warp phase on distinct banks. V is read as
+    // words at rows 2 t4 and 2 t4 + 1, column g: a stride of 4 (mod 16) words does the same.
+    static constexpr int SQK = F32 ? DPAD + 16 : DPAD + 8;
+    static constexpr int SV = F32 ? DPAD + 4 : DPAD + 8;
+    static constexpr int EPC = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
+    static constexpr int CHUNKS = DPAD / EPC;      // 16-byte chunks per row
     static constexpr int NT_S = BN / 8;            // n8 tiles of scores per m-tile
     static constexpr int NT_O = DPAD / 8;          // n8 tiles of output per m-tile
-    static constexpr int SMEM_ELEMS = (BM + 2 * BN) * STRIDE;
+    // float32, TERMS = 3: the per-tile P.V accumulators (large and small products) cover OG n8
+    // tiles of O at a time: 8 (64 columns, 64 more registers) where O itself is small, 4 from
+    // D = 128 on, where the O accumulators take 64 or more registers.
+    static constexpr int OG = NT_O >= 16 ? 4 : NT_O % 8 == 0 ? 8 : NT_O % 6 == 0 ? 6 : 4;
+    // float32, TERMS = 3: the scores' small cross products get their own accumulators (BN / 2
+    // more registers) except at D = 256, where O's 128 registers leave no room for them.
+    static constexpr bool SPLIT_S = DPAD <= 192;
+    static constexpr int SMEM_ELEMS = (BM + BN) * SQK + BN * SV;
     static_assert(DPAD % 16 == 0 && BN % 16 == 0, "tile shapes must be multiples of 16");
+    static_assert(!F32 || DPAD % 32 == 0, "float32 head-dim buckets are multiples of 32");
+    static_assert(NT_O % OG == 0, "output groups must tile the head dim");
 };
 
 // Copy rows [row0, row0 + ROWS) of a (rows x d) matrix with row stride `ld` into shared memory
-// (row stride STRIDE), zero-filling rows >= n_rows and columns >= d.
+// (row stride STRIDE elements), zero-filling rows >= n_rows and columns >= d, in 16-byte chunks of
+// EPC elements (d is a multiple of EPC: a chunk is all in or all out).
 // Row indices are 32-bit (the host checks Sq, Sk < 2^31); offsets into memory are 64-bit.
 // When the threads divide evenly into rows of chunks, each thread copies the same column chunk of
 // rows r0, r0 + RSTEP, ...: one 64-bit offset and one 64-bit step per tile instead of a 64-bit
@@ -50,18 +88,20 @@ struct MmaConfig {
 template <int ROWS, int CHUNKS, int STRIDE, int THREADS, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* g, long long ld, int row0, int n_rows,
                                           int d, int tid) {
+    constexpr int EPC = 16 / static_cast<int>(sizeof(T));
+    constexpr int ROW_BYTES = STRIDE * static_cast<int>(sizeof(T));
     if constexpr (THREADS % CHUNKS == 0) {
         constexpr int RSTEP = THREADS / CHUNKS;
         const int r0 = tid / CHUNKS, c = tid % CHUNKS;
-        const bool col_ok = c * 8 < d;
-        const T* src = g + static_cast<long long>(row0 + r0) * ld + c * 8;
+        const bool col_ok = c * EPC < d;
+        const T* src = g + static_cast<long long>(row0 + r0) * ld + c * EPC;
         const long long step = RSTEP * ld;
-        const unsigned int dst = smem_addr(smem + r0 * STRIDE + c * 8);
+        const unsigned int dst = smem_addr(smem + r0 * STRIDE + c * EPC);
 #pragma unroll
         for (int n = 0; n < (ROWS + RSTEP - 1) / RSTEP; ++n) {
             if (ROWS % RSTEP == 0 || r0 + n * RSTEP < ROWS) {
                 const bool ok = col_ok && row0 + r0 + n * RSTEP < n_rows;
-                cp_async16(dst + n * RSTEP * STRIDE * 2, ok ? src : g, ok ? 16 : 0);
+                cp_async16(dst + n * RSTEP * ROW_BYTES, ok ? src : g, ok ? 16 : 0);
             }
             src += step;
         }
@@ -70,22 +110,263 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, long long ld, int
 #pragma unroll
         for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
             const int r = i / CHUNKS, c = i % CHUNKS;
-            const bool ok = row0 + r < n_rows && c * 8 < d;
-            const T* src = ok ? base + r * ld + c * 8 : g;  // a valid address when zero-filling
-            cp_async16(smem_addr(smem + r * STRIDE + c * 8), src, ok ? 16 : 0);
+            const bool ok = row0 + r < n_rows && c * EPC < d;
+            const T* src = ok ? base + r * ld + c * EPC : g;  // a valid address when zero-filling
+            cp_async16(smem_addr(smem + r * STRIDE + c * EPC), src, ok ? 16 : 0);
         }
     }
 }
 
-template <typename T, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O, bool CAUSAL>
+// ---- the products of one K/V tile, 16-bit operands (ldmatrix + mma.sync m16n8k16).
+template <typename T, int DPAD, int BN, int NWARPS, int MT>
+struct Mma16Ops {
+    using Cfg = MmaConfig<T, DPAD, BN, NWARPS, MT>;
+    // Per-lane ldmatrix row addresses. A operand (Q rows): matrices (rows 0-7 | 8-15) x
+    // (k 0-7 | 8-15). B from K (non-transposed): (keys 0-7 | 8-15 -> two n-tiles) x (k 0-7 | 8-15).
+    // B from V (transposed): (keys 0-7 | 8-15) x (d 0-7 | 8-15 -> two n-tiles).
+    unsigned int q_base, k_base, v_base;
+    __device__ __forceinline__ Mma16Ops(const T* q_s, const T* k_s, const T* v_s, int warp,
+                                        int lane) {
+        const int lr = lane % 8, lm = lane / 8;
+        q_base = smem_addr(q_s + (warp * MT * 16 + lr + 8 * (lm % 2)) * Cfg::SQK + 8 * (lm / 2));
+        k_base = smem_addr(k_s + (lr + 8 * (lm / 2)) * Cfg::SQK + 8 * (lm % 2));
+        v_base = smem_addr(v_s + (lr + 8 * (lm % 2)) * Cfg::SV + 8 * (lm / 2));
+    }
+    // S = Q K_j^T: MT x (16 x BN) per warp; each K fragment feeds MT products.
+    __device__ __forceinline__ void scores(float (&s)[MT][Cfg::NT_S][4]) const {
+#pragma unroll
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+            unsigned int a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(q_base + (mt * 16 * Cfg::SQK + kk * 16) * 2, a[mt][0], a[mt][1],
+                            a[mt][2], a[mt][3]);
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                unsigned int b0, b1, b2, b3;
+                ldmatrix_x4(k_base + (nn * 16 * Cfg::SQK + kk * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(s[mt][2 * nn], a[mt], b0, b1);
+                    Mma<T>::run(s[mt][2 * nn + 1], a[mt], b2, b3);
+                }
+            }
+        }
+    }
+    // O += P V_j: P (16 x BN per m-tile, packed to 16 bits) from registers as A operands, V_j
+    // from shared memory; each V fragment feeds MT products.
+    __device__ __forceinline__ void pv(float (&acc_o)[MT][Cfg::NT_O][4],
+                                       const unsigned int (&pk)[MT][BN / 16][4]) const {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+            for (int nn = 0; nn < DPAD / 16; ++nn) {
+                unsigned int b0, b1, b2, b3;
+                ldmatrix_x4_trans(v_base + (kk * 16 * Cfg::SV + nn * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(acc_o[mt][2 * nn], pk[mt][kk], b0, b1);
+                    Mma<T>::run(acc_o[mt][2 * nn + 1], pk[mt][kk], b2, b3);
+                }
+            }
+        }
+    }
+};
+
+// ---- the products of one K/V tile, float32 operands (TF32 mma.sync m16n8k8; see the header).
+template <int TERMS, int DPAD, int BN, int NWARPS, int MT>
+struct Mma32Ops {
+    using Cfg = MmaConfig<float, DPAD, BN, NWARPS, MT>;
+    using Split = Tf32Split<TERMS>;
+    const float* q_lane;  // this lane's first Q word: row warp * MT * 16 + g, word 4 t4
+    const float* k_lane;  // key g, word 4 t4
+    const float* v_lane;  // key 2 t4, column g
+    __device__ __forceinline__ Mma32Ops(const float* q_s, const float* k_s, const float* v_s,
+                                        int warp, int lane) {
+        const int g = lane / 4, t4 = lane % 4;
+        q_lane = q_s + (warp * MT * 16 + g) * Cfg::SQK + 4 * t4;
+        k_lane = k_s + g * Cfg::SQK + 4 * t4;
+        v_lane = v_s + 2 * t4 * Cfg::SV + g;
+    }
+    // S = Q K_j^T. With TERMS = 3 the small cross products go to their own accumulators and are
+    // added to the large ones at the end (common.cuh: mma_f32).
+    __device__ __forceinline__ void scores(float (&s)[MT][Cfg::NT_S][4]) const {
+        constexpr bool SPLIT = TERMS == 3 && Cfg::SPLIT_S;
+        float s_small[MT][SPLIT ? Cfg::NT_S : 1][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < (SPLIT ? Cfg::NT_S : 1); ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s_small[mt][i][e] = 0.f;
+        // Not unrolled: with every block's loads in view, ptxas hoisted them and ran out of
+        // registers (spills at D >= 128); the loop costs one address increment per block.
+#pragma unroll 1
+        for (int kc = 0; kc < DPAD / 16; ++kc) {
+            // A fragments of both k8 steps of this 16-column block: rows g and g + 8.
+            Split a[MT][2][4] = {};
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const float4 x = lds128(q_lane + mt * 16 * Cfg::SQK + 16 * kc);
+                const float4 y = lds128(q_lane + (mt * 16 + 8) * Cfg::SQK + 16 * kc);
+                a[mt][0][0] = Split(x.x); a[mt][0][1] = Split(y.x);
+                a[mt][0][2] = Split(x.y); a[mt][0][3] = Split(y.y);
+                a[mt][1][0] = Split(x.z); a[mt][1][1] = Split(y.z);
+                a[mt][1][2] = Split(x.w); a[mt][1][3] = Split(y.w);
+            }
+#pragma unroll
+            for (int nt = 0; nt < Cfg::NT_S; ++nt) {
+                const float4 kb = lds128(k_lane + nt * 8 * Cfg::SQK + 16 * kc);
+                const Split b00(kb.x), b01(kb.y), b10(kb.z), b11(kb.w);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    // Without SPLIT the small products go into the scores' own chain.
+                    float(&sm)[4] = SPLIT ? s_small[mt][SPLIT ? nt : 0] : s[mt][nt];
+                    mma_f32<TERMS>(s[mt][nt], sm, a[mt][0], b00, b01);
+                    mma_f32<TERMS>(s[mt][nt], sm, a[mt][1], b10, b11);
+                }
+            }
+        }
+        if constexpr (SPLIT) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < Cfg::NT_S; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] += s_small[mt][nt][e];
+        }
+    }
+    // O += P V_j with P the float32 probabilities in the score registers. TERMS = 3: per group of
+    // OG output n8 tiles, the tile's products go to fresh accumulators (large and small apart),
+    // then into O with IEEE additions. TERMS = 1: straight into O.
+    __device__ __forceinline__ void pv(float (&acc_o)[MT][Cfg::NT_O][4],
+                                       const float (&p)[MT][Cfg::NT_S][4]) const {
+        constexpr int OG = TERMS == 3 ? Cfg::OG : Cfg::NT_O;
+#pragma unroll
+        for (int og = 0; og < Cfg::NT_O / OG; ++og) {
+            float big[MT][OG][4], small[MT][TERMS == 3 ? OG : 1][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < OG; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        big[mt][i][e] = TERMS == 3 ? 0.f : acc_o[mt][og * OG + i][e];
+                        if (TERMS == 3 || i == 0) small[mt][TERMS == 3 ? i : 0][e] = 0.f;
+                    }
+#pragma unroll
+            for (int kk = 0; kk < Cfg::NT_S; ++kk) {
+                // A = P's accumulator fragment of score tile kk, keys permuted (see the header).
+                Split a[MT][4] = {};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    a[mt][0] = Split(p[mt][kk][0]);
+                    a[mt][1] = Split(p[mt][kk][2]);
+                    a[mt][2] = Split(p[mt][kk][1]);
+                    a[mt][3] = Split(p[mt][kk][3]);
+                }
+#pragma unroll
+                for (int i = 0; i < OG; ++i) {
+                    const float* vp = v_lane + kk * 8 * Cfg::SV + (og * OG + i) * 8;
+                    const Split b0(lds32(vp)), b1(lds32(vp + Cfg::SV));
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        mma_f32<TERMS>(big[mt][i], small[mt][TERMS == 3 ? i : 0], a[mt], b0, b1);
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < OG; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if constexpr (TERMS == 3)
+                            acc_o[mt][og * OG + i][e] += big[mt][i][e] + small[mt][i][e];
+                        else
+                            acc_o[mt][og * OG + i][e] = big[mt][i][e];
+                    }
+        }
+    }
+};
+
+// ---- P.V of a masked tile whose V holds a NaN or an infinity.
+// On a tile that needs the mask some rows do not see some keys; their P is 0 there, but a
+// tensor-core product still adds 0 * NaN = NaN (and 0 * inf) to those rows, where the mathematical
+// answer, and the float64 reference's, is that a key a row cannot see does not touch it. The
+// kernel finds such tiles (a scan of V on masked tiles only, tile_has_nonfinite) and computes their
+// P.V here instead, in float32 scalar arithmetic over the keys each row sees: NaN and inf then
+// reach exactly the rows that see them. It is the rare path (a non-finite value in V on a masked
+// tile): one key at a time, P taken from the lane that holds it with a shuffle.
+// `p_at(mt, h, j)` returns, called by every lane with the same j, key j's probability for the
+// lane's row of half h of m-tile mt; v_s is the tile in shared memory (row stride SV).
+template <int MT, int NT_O, int BN, int SV, bool CAUSAL, typename T, typename PAt, typename RowOf>
+__device__ __forceinline__ void pv_visible_keys(float (&acc_o)[MT][NT_O][4], PAt p_at,
+                                                const T* v_s, int key0, int sk, int diag,
+                                                RowOf row_of, int t4) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll 1
+        for (int j = 0; j < BN; ++j) {
+            const float p0 = p_at(mt, 0, j), p1 = p_at(mt, 1, j);
+            const int key = key0 + j;
+            bool vis0 = key < sk, vis1 = key < sk;
+            if (CAUSAL) {
+                vis0 = vis0 && key <= row_of(mt, 0) + diag;
+                vis1 = vis1 && key <= row_of(mt, 1) + diag;
+            }
+            const T* vrow = v_s + j * SV + 2 * t4;
+#pragma unroll
+            for (int nt = 0; nt < NT_O; ++nt) {
+                float x[2];  // this lane's two columns of n8 tile nt, one load
+                if constexpr (sizeof(T) == 4) {
+                    const float2 w = *reinterpret_cast<const float2*>(vrow + nt * 8);
+                    x[0] = w.x;
+                    x[1] = w.y;
+                } else {
+                    const unsigned int w = *reinterpret_cast<const unsigned int*>(vrow + nt * 8);
+                    x[0] = unpack_half<T>(w, false);
+                    x[1] = unpack_half<T>(w, true);
+                }
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (vis0) acc_o[mt][nt][e] += p0 * x[e];
+                    if (vis1) acc_o[mt][nt][2 + e] += p1 * x[e];
+                }
+            }
+        }
+    }
+}
+
+// Whether rows [row_from, ROWS) of a tile (row stride STRIDE elements, CHUNKS 16-byte chunks a
+// row) in shared memory hold a NaN or an infinity, over this thread's share of the chunks.
+template <typename T, int ROWS, int CHUNKS, int STRIDE, int THREADS>
+__device__ __forceinline__ bool tile_has_nonfinite(const T* smem, int row_from, int tid) {
+    constexpr int EPC = 16 / static_cast<int>(sizeof(T));
+    bool bad = false;
+#pragma unroll 1
+    for (int i = row_from * CHUNKS + tid; i < ROWS * CHUNKS; i += THREADS) {
+        const uint4 w = *reinterpret_cast<const uint4*>(smem + (i / CHUNKS) * STRIDE +
+                                                        (i % CHUNKS) * EPC);
+        if constexpr (sizeof(T) == 4)
+            bad = bad || nonfinite_word<float>(w.x) || nonfinite_word<float>(w.y) ||
+                  nonfinite_word<float>(w.z) || nonfinite_word<float>(w.w);
+        else
+            bad = bad || nonfinite16<T>(w);
+    }
+    return bad;
+}
+
+template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O,
+          bool CAUSAL>
 __global__ void __launch_bounds__(32 * NWARPS, MINB)
 cuflash_fwd_mma(const AttnParams p) {
     using Cfg = MmaConfig<T, DPAD, BN, NWARPS, MT>;
-    constexpr int STRIDE = Cfg::STRIDE;
+    static_assert(Cfg::F32 ? (TERMS == 1 || TERMS == 3) : TERMS == 1,
+                  "TERMS: 1 for 16-bit operands; 1 (one-pass TF32) or 3 (split) for float32");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
-    T* k_s = q_s + Cfg::BM * STRIDE;
-    T* v_s = k_s + BN * STRIDE;
+    T* k_s = q_s + Cfg::BM * Cfg::SQK;
+    T* v_s = k_s + BN * Cfg::SQK;
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -105,9 +386,9 @@ cuflash_fwd_mma(const AttnParams p) {
     const int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
     const int masked_from = first_masked_tile<CAUSAL>(row0, BN, sq, sk);
 
-    load_tile<Cfg::BM, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(q_s, q, p.q_sr, row0, sq, d, tid);
+    load_tile<Cfg::BM, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(q_s, q, p.q_sr, row0, sq, d, tid);
     if (n_tiles > 0)
-        load_tile<BN, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(k_s, k, p.k_sr, 0, sk, d, tid);
+        load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, 0, sk, d, tid);
     cp_async_commit();
 
     // Warp w owns m-tiles mt = 0..MT-1 at rows row0 + (w * MT + mt) * 16; a thread holds rows
@@ -130,24 +411,17 @@ cuflash_fwd_mma(const AttnParams p) {
         }
     }
     const float scale_log2 = static_cast<float>(p.scale_log2);
-
-    // Per-lane ldmatrix row addresses. A operand (Q rows): matrices (rows 0-7 | 8-15) x
-    // (k 0-7 | 8-15). B from K (non-transposed): (keys 0-7 | 8-15 -> two n-tiles) x (k 0-7 | 8-15).
-    // B from V (transposed): (keys 0-7 | 8-15) x (d 0-7 | 8-15 -> two n-tiles).
-    const int lr = lane % 8, lm = lane / 8;
-    const unsigned int q_base =
-        smem_addr(q_s + (warp * MT * 16 + lr + 8 * (lm % 2)) * STRIDE + 8 * (lm / 2));
-    const unsigned int k_base = smem_addr(k_s + (lr + 8 * (lm / 2)) * STRIDE + 8 * (lm % 2));
-    const unsigned int v_base = smem_addr(v_s + (lr + 8 * (lm % 2)) * STRIDE + 8 * (lm / 2));
+    using Ops = typename Select<Cfg::F32, Mma32Ops<TERMS, DPAD, BN, NWARPS, MT>,
+                                 Mma16Ops<T, DPAD, BN, NWARPS, MT>>::type;
+    const Ops ops(q_s, k_s, v_s, warp, lane);
 
     for (int j = 0; j < n_tiles; ++j) {
         const int key0 = j * BN;
         cp_async_wait<0>();
         __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
-        load_tile<BN, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(v_s, v, p.v_sr, key0, sk, d, tid);
+        load_tile<BN, Cfg::CHUNKS, Cfg::SV, Cfg::THREADS>(v_s, v, p.v_sr, key0, sk, d, tid);
         cp_async_commit();
 
-        // S = Q K_j^T: MT x (16 x BN) per warp; each K fragment feeds MT products.
         float s[MT][Cfg::NT_S][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -155,61 +429,68 @@ cuflash_fwd_mma(const AttnParams p) {
             for (int i = 0; i < Cfg::NT_S; ++i)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][i][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < DPAD / 16; ++kk) {
-            unsigned int a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                ldmatrix_x4(q_base + (mt * 16 * STRIDE + kk * 16) * 2, a[mt][0], a[mt][1],
-                            a[mt][2], a[mt][3]);
-#pragma unroll
-            for (int nn = 0; nn < BN / 16; ++nn) {
-                unsigned int b0, b1, b2, b3;
-                ldmatrix_x4(k_base + (nn * 16 * STRIDE + kk * 16) * 2, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    Mma<T>::run(s[mt][2 * nn], a[mt], b0, b1);
-                    Mma<T>::run(s[mt][2 * nn + 1], a[mt], b2, b3);
-                }
-            }
-        }
+        ops.scores(s);
 
         // Mask (on tiles from masked_from on), then the online softmax of the thread's rows and
-        // the lazy rescale of O (common.cuh: softmax_step). P then goes to 16 bits right away, in
-        // the A-operand layout of the P.V product: it halves the registers P occupies while V_j
-        // is awaited.
+        // the lazy rescale of O (common.cuh: softmax_step). 16-bit: P then goes to 16 bits right
+        // away, in the A-operand layout of the P.V product: it halves the registers P occupies
+        // while V_j is awaited. float32: P stays in the score registers.
         const bool need_mask = j >= masked_from;
-        unsigned int pk[MT][BN / 16][4];
+        [[maybe_unused]] unsigned int pk[MT][Cfg::F32 ? 1 : BN / 16][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             float alpha[2];
             softmax_step<Cfg::NT_S, CAUSAL>(s[mt], m_run[mt], l_run[mt], alpha, need_mask, key0,
                                             t4, sk, row_of(mt, 0), diag, scale_log2);
             rescale_rows<Cfg::NT_O>(acc_o[mt], alpha);
-            pack_p<T, Cfg::NT_S>(s[mt], pk[mt]);
+            if constexpr (!Cfg::F32) pack_p<T, Cfg::NT_S>(s[mt], pk[mt]);
         }
 
         cp_async_wait<0>();
-        __syncthreads();  // V_j landed; every warp is done with K_j
+        // V_j landed; every warp is done with K_j. Under the causal mask, a tile with keys that
+        // some row of the block does not see (from hidden on) is also scanned for NaN and
+        // infinities in V there (the OR over the block is the barrier): see pv_visible_keys.
+        // (Keys past Sk arrive as zeros, so without the causal mask every real key is seen by
+        // every row and no tile needs the scan.)
+        bool v_nonfinite = false;
+        const int hidden = row0 + diag + 1 - key0;  // first key of the tile row0 does not see
+        if (CAUSAL && hidden < BN)
+            v_nonfinite = __syncthreads_or(tile_has_nonfinite<T, BN, Cfg::CHUNKS, Cfg::SV,
+                                                              Cfg::THREADS>(
+                              v_s, hidden > 0 ? hidden : 0, tid)) != 0;
+        else
+            __syncthreads();
         if (j + 1 < n_tiles) {
-            load_tile<BN, Cfg::CHUNKS, STRIDE, Cfg::THREADS>(k_s, k, p.k_sr, key0 + BN, sk, d, tid);
+            load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, key0 + BN, sk, d,
+                                                               tid);
             cp_async_commit();
         }
-
-        // O += P V_j: P (16 x BN per m-tile) from registers as A operands, V_j from shared
-        // memory; each V fragment feeds MT products.
+        if (v_nonfinite) {
+            // P of key j for this lane's row: held by lane 4 g + (j % 8) / 2 of the quad, in
+            // score tile j / 8, element j % 2 (+ 2 for the lower row half).
+            const auto p_at = [&](int mt, int h, int j) {
+                const int nt = j >> 3, src = (lane & ~3) | ((j & 7) >> 1);
+                const bool hi = (j & 1) != 0;
+                if constexpr (Cfg::F32) {
+                    float x = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
+                    for (int n = 0; n < Cfg::NT_S; ++n)
+                        if (n == nt) x = hi ? s[mt][n][2 * h + 1] : s[mt][n][2 * h];
+                    return __shfl_sync(0xffffffffu, x, src);
+                } else {
+                    unsigned int w = 0u;
 #pragma unroll
-            for (int nn = 0; nn < DPAD / 16; ++nn) {
-                unsigned int b0, b1, b2, b3;
-                ldmatrix_x4_trans(v_base + (kk * 16 * STRIDE + nn * 16) * 2, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    Mma<T>::run(acc_o[mt][2 * nn], pk[mt][kk], b0, b1);
-                    Mma<T>::run(acc_o[mt][2 * nn + 1], pk[mt][kk], b2, b3);
+                    for (int n = 0; n < Cfg::NT_S; ++n)
+                        if (n == nt) w = pk[mt][n / 2][(n % 2) * 2 + h];
+                    return unpack_half<T>(__shfl_sync(0xffffffffu, w, src), hi);
                 }
-            }
+            };
+            pv_visible_keys<MT, Cfg::NT_O, BN, Cfg::SV, CAUSAL>(acc_o, p_at, v_s, key0, sk, diag,
+                                                                 row_of, t4);
+        } else if constexpr (Cfg::F32) {
+            ops.pv(acc_o, s);
+        } else {
+            ops.pv(acc_o, pk);
         }
     }
     cp_async_wait<0>();  // nothing in flight when the block exits
@@ -218,12 +499,13 @@ cuflash_fwd_mma(const AttnParams p) {
     // -inf for a row that saw no key). O's base is formed only now, so it holds no registers
     // through the main loop.
     //
-    // STAGE_O: each warp parks its 16-bit O tile in its own Q rows of shared memory (only this
-    // warp ever reads them), then writes whole rows with 16-byte coalesced stores instead of
-    // 4-byte stores scattered over 8 rows. The barrier first makes sure no thread's Q copy is
-    // still in flight (a block with no key tile never waited for Q).
-    T* o = static_cast<T*>(p.o) + batch_offsets(p, bc.b).o;
-    T* o_s = q_s + warp * MT * 16 * STRIDE;
+    // STAGE_O: each warp parks its O tile (the output type) in its own Q rows of shared memory
+    // (only this warp ever reads them), then writes whole rows with 16-byte coalesced stores
+    // instead of 4- or 8-byte stores scattered over 8 rows. The barrier first makes sure no
+    // thread's Q copy is still in flight (a block with no key tile never waited for Q).
+    const long long b_idx = block_coord_again(p).b;
+    T* o = static_cast<T*>(p.o) + batch_offsets(p, b_idx).o;
+    T* o_s = q_s + warp * MT * 16 * Cfg::SQK;
     if constexpr (STAGE_O) __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -236,18 +518,16 @@ cuflash_fwd_mma(const AttnParams p) {
             const bool empty = (l == 0.f);
             const float inv = empty ? 0.f : 1.f / l;
             if (p.lse != nullptr && t4 == 0 && row < sq) {
-                p.lse[bc.b * p.sq + row] = row_lse(m_run[mt][h], l, scale_log2);
+                p.lse[b_idx * p.sq + row] = row_lse(m_run[mt][h], l, scale_log2);
             }
             if (!STAGE_O && row >= sq) continue;
-            T* dst = STAGE_O ? o_s + (mt * 16 + g + 8 * h) * STRIDE
+            T* dst = STAGE_O ? o_s + (mt * 16 + g + 8 * h) * Cfg::SQK
                              : o + static_cast<long long>(row) * p.o_sr;
 #pragma unroll
             for (int nt = 0; nt < Cfg::NT_O; ++nt) {
                 const int col = nt * 8 + 2 * t4;
-                if (STAGE_O || col < d) {
-                    *reinterpret_cast<unsigned int*>(dst + col) =
-                        pack2<T>(acc_o[mt][nt][2 * h] * inv, acc_o[mt][nt][2 * h + 1] * inv);
-                }
+                if (STAGE_O || col < d)
+                    store2<T>(dst + col, acc_o[mt][nt][2 * h] * inv, acc_o[mt][nt][2 * h + 1] * inv);
             }
         }
     if constexpr (STAGE_O) {
@@ -256,9 +536,10 @@ cuflash_fwd_mma(const AttnParams p) {
 #pragma unroll
         for (int i = lane; i < MT * 16 * Cfg::CHUNKS; i += 32) {
             const int r = i / Cfg::CHUNKS, c = i % Cfg::CHUNKS;
-            if (wrow0 + r < sq && c * 8 < d) {
-                *reinterpret_cast<uint4*>(o + static_cast<long long>(wrow0 + r) * p.o_sr + c * 8) =
-                    *reinterpret_cast<const uint4*>(o_s + r * STRIDE + c * 8);
+            if (wrow0 + r < sq && c * Cfg::EPC < d) {
+                *reinterpret_cast<uint4*>(o + static_cast<long long>(wrow0 + r) * p.o_sr +
+                                          c * Cfg::EPC) =
+                    *reinterpret_cast<const uint4*>(o_s + r * Cfg::SQK + c * Cfg::EPC);
             }
         }
     }

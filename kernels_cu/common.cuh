@@ -8,6 +8,11 @@
 namespace cuflash {
 
 // ---------------------------------------------------------------------------------------------
+// Select<B, X, Y>::type is X when B, else Y (std::conditional; NVRTC has no standard headers).
+template <bool B, typename X, typename Y> struct Select { using type = X; };
+template <typename X, typename Y> struct Select<false, X, Y> { using type = Y; };
+
+// ---------------------------------------------------------------------------------------------
 // Storage types. Plain 16-bit containers: arithmetic always happens after conversion to float.
 struct alignas(2) fp16_t { unsigned short bits; };
 struct alignas(2) bf16_t { unsigned short bits; };
@@ -55,6 +60,37 @@ template <> __device__ __forceinline__ unsigned int pack2<bf16_t>(float a, float
     unsigned int r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
     return r;
+}
+
+// Store two accumulator values as two consecutive elements of the storage type (one 4-byte store
+// for 16-bit types, one 8-byte store for float32).
+template <typename T> __device__ __forceinline__ void store2(T* dst, float a, float b) {
+    *reinterpret_cast<unsigned int*>(dst) = pack2<T>(a, b);
+}
+template <> __device__ __forceinline__ void store2<float>(float* dst, float a, float b) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+}
+
+// True when a 32-bit word of storage-type values holds a NaN or an infinity (exponent all ones).
+template <typename T> __device__ __forceinline__ bool nonfinite_word(unsigned int w);
+template <> __device__ __forceinline__ bool nonfinite_word<float>(unsigned int w) {
+    return (w & 0x7f800000u) == 0x7f800000u;
+}
+template <> __device__ __forceinline__ bool nonfinite_word<fp16_t>(unsigned int w) {
+    return (w & 0x7c00u) == 0x7c00u || (w & 0x7c000000u) == 0x7c000000u;
+}
+template <> __device__ __forceinline__ bool nonfinite_word<bf16_t>(unsigned int w) {
+    return (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
+}
+template <typename T> __device__ __forceinline__ bool nonfinite16(const uint4& x) {
+    return nonfinite_word<T>(x.x) || nonfinite_word<T>(x.y) || nonfinite_word<T>(x.z) ||
+           nonfinite_word<T>(x.w);
+}
+// One element of a packed pair of 16-bit values (hi = false: the low half, the first element).
+template <typename T> __device__ __forceinline__ float unpack_half(unsigned int w, bool hi) {
+    T x;
+    x.bits = static_cast<unsigned short>(hi ? (w >> 16) : (w & 0xffffu));
+    return to_float(x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -180,6 +216,14 @@ __device__ __forceinline__ BlockCoord block_coord(const AttnParams& p, unsigned 
 __device__ __forceinline__ BlockCoord block_coord(const AttnParams& p) {
     return block_coord(p, blockIdx.x);
 }
+// The same, from a fresh read of the block index that the compiler cannot merge with the first:
+// for epilogues, so that the 64-bit batch index is recomputed after the main loop instead of
+// being held (or spilled) across it.
+__device__ __forceinline__ BlockCoord block_coord_again(const AttnParams& p) {
+    unsigned int flat;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(flat));
+    return block_coord(p, flat);
+}
 
 // Keys a block of query rows [row0, row0 + rows) needs: all of them, or under the causal mask up
 // to the last row's last visible key. Tiles past it are never loaded.
@@ -261,6 +305,72 @@ template <> struct Mma<bf16_t> {
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 };
+
+
+// ---------------------------------------------------------------------------------------------
+// float32 operands on the tensor cores: TF32 (10 explicit mantissa bits, float32's exponent range)
+// with mma.sync m16n8k8 and float32 accumulators. One pass rounds each operand to TF32 (relative
+// error 2^-11 per operand). The split-precision form writes x = hi + lo with hi = tf32(x) and
+// lo = tf32(x - hi) (x - hi is exact in float32; |x - (hi + lo)| <= 2^-22 |x|) and sums the three
+// significant cross products a_lo b_hi + a_hi b_lo + a_hi b_hi, dropping a_lo b_lo (<= 2^-22 |ab|):
+// products good to about 3 * 2^-22 relative, against float32's 2^-24, at three times the MMAs.
+__device__ __forceinline__ unsigned int to_tf32(float x) {
+    unsigned int r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+// One operand value in the form the products need: hi always, lo only for TERMS == 3.
+template <int TERMS> struct Tf32Split {
+    unsigned int hi = 0u, lo = 0u;
+    Tf32Split() = default;
+    __device__ __forceinline__ explicit Tf32Split(float x) : hi(to_tf32(x)) {
+        if constexpr (TERMS == 3) lo = to_tf32(x - __uint_as_float(hi));
+    }
+};
+
+// Shared-memory loads of the float32 kernel's fragment values. volatile, like the MMAs: each load
+// stays next to the products that use it, which bounds how many fragments are live at once (with
+// ordinary loads ptxas hoisted whole tiles of them and spilled at D >= 128).
+__device__ __forceinline__ float4 lds128(const float* p) {
+    float4 r;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(smem_addr(p)));
+    return r;
+}
+__device__ __forceinline__ float lds32(const float* p) {
+    float r;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(r) : "r"(smem_addr(p)));
+    return r;
+}
+
+// D = A * B + D for a 16x8 (row) by 8x8 (col) product of TF32 operands, fp32 accumulators.
+// Fragments: a0 = A[g][t4], a1 = A[g + 8][t4], a2 = A[g][t4 + 4], a3 = A[g + 8][t4 + 4];
+// b0 = B[t4][g], b1 = B[t4 + 4][g]; d in the m16n8 accumulator layout (g = lane / 4, t4 = lane % 4).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], unsigned int a0, unsigned int a1,
+                                         unsigned int a2, unsigned int a3, unsigned int b0,
+                                         unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The products of one k8 step in the split form: the two small cross products go to `small`, the
+// large one to `big`. Kept apart, the large chain is not lengthened by the small products'
+// accumulation steps (the tensor cores' fp32 accumulation does not round to nearest), and the two
+// are added once, in IEEE float32, after the last step. TERMS == 1: the one-pass TF32 product.
+template <int TERMS>
+__device__ __forceinline__ void mma_f32(float (&big)[4], float (&small)[4],
+                                        const Tf32Split<TERMS> (&a)[4],
+                                        const Tf32Split<TERMS>& b0, const Tf32Split<TERMS>& b1) {
+    if constexpr (TERMS == 3) {
+        mma_tf32(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+        mma_tf32(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+    }
+    mma_tf32(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+}
+
 
 }  // namespace cuflash
 
@@ -457,11 +567,169 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
+// True on every thread of a warpgroup (128 threads, named barrier `id`) when `pred` holds on
+// any of them; also a barrier of the warpgroup.
+__device__ __forceinline__ bool warpgroup_any(bool pred, int id) {
+    unsigned int r;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\n"
+                 "bar.red.or.pred q, %2, 128, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+                 : "=r"(r) : "r"(static_cast<unsigned int>(pred)), "r"(id) : "memory");
+    return r != 0;
+}
+__device__ __forceinline__ uint4 lds_v4(unsigned int addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    return r;
+}
+__device__ __forceinline__ unsigned int lds_u32(unsigned int addr) {
+    unsigned int r;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(addr));
+    return r;
+}
+
 template <int N> __device__ __forceinline__ void regs_dealloc() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
 }
 template <int N> __device__ __forceinline__ void regs_alloc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+
+}  // namespace cuflash
+
+// =============================================================================================
+// Backward pass (notes/BACKWARD.md): the parameter block every backward kernel family takes, and
+// the batch-index helpers that turn a block index into an "owner" batch entry plus a loop over
+// the batch entries whose gradients it sums (broadcast batch axes).
+namespace cuflash {
+
+// Every field is 8 bytes wide (cuflash/_launch.py: BWD_PARAMS_DTYPE mirrors it). Element strides,
+// the last axis contiguous. Batch axes are collapsed on the host to three, (nb0, nb1, nb2), the
+// full (broadcast) batch; a tensor's batch stride is 0 on an axis it does not have (size 1).
+//   q (.., Sq, D), k (.., Sk, D), v (.., Sk, Dv), o and dout (.., Sq, Dv), lse (.., Sq) float32:
+//     the inputs (o and lse as the forward returned them).
+//   dq, dk, dv: the outputs, with q's, k's and v's shapes: on an axis where q (k, v) broadcasts
+//     dq (dk, dv) has batch stride 0 and holds the sum over that axis.
+//   delta: workspace of the accumulator type (float; double for float64 inputs), (nbatch, Sq)
+//     contiguous over the full batch, flat index b = (i0 * nb1 + i1) * nb2 + i2:
+//     delta = rowsum(dout * o), written by cuflash_bwd_preprocess.
+//   lse_acc: null, or workspace of the accumulator type: each row's softmax max m (delta's
+//     layout) followed, nbatch * Sq elements later, by its sum l, recomputed by the "rows" pass and
+//     read by the "keys" pass, which then form p = exp(s - m) / l instead of exp(s - lse) (the
+//     generic float32 and float64 plans: the forward's float32 lse has an absolute error of about
+//     |lse| float32 ulps, which becomes a relative error of p).
+//   dq_accum: float32 workspace for kernels that accumulate dq with atomics (null otherwise), laid
+//     out by dqa_* strides (0 on the axes in q_red, so atomics from every batch entry of a
+//     broadcast q land in one row); holds sum_j dS_ij k_j WITHOUT the softmax scale. The
+//     preprocess kernel zeroes its columns 0..d-1, cuflash_bwd_convert_dq writes dq = scale * it.
+//   q_red: bit a set when dq sums over collapsed batch axis a (q broadcasts there);
+//   kv_red: bit a set when dk and dv both sum over axis a. (The host never launches with k and v
+//     broadcasting differently; it falls back to full-batch temporaries for that rare case.)
+//   n_mblocks: ceil(Sq / BLOCK_M) of the query-parallel pass; n_nblocks: ceil(Sk / BLOCK_N) of the
+//     key-parallel pass (each kernel derives its grid from them, see bwd_owner_count).
+//   deterministic: 1 when the caller asked for bitwise-reproducible results (kernels that use
+//     float atomics must not be launched then; the flag is for kernels that adapt).
+struct BwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* o;
+    const void* dout;
+    const float* lse;
+    void* delta;
+    void* lse_acc;
+    float* dq_accum;
+    void* dq;
+    void* dk;
+    void* dv;
+    long long sq, sk, d, dv_dim;
+    long long nb0, nb1, nb2;
+    long long q_s0, q_s1, q_s2, q_sr;
+    long long k_s0, k_s1, k_s2, k_sr;
+    long long v_s0, v_s1, v_s2, v_sr;
+    long long o_s0, o_s1, o_s2, o_sr;
+    long long do_s0, do_s1, do_s2, do_sr;
+    long long dq_s0, dq_s1, dq_s2, dq_sr;
+    long long dk_s0, dk_s1, dk_s2, dk_sr;
+    long long dv_s0, dv_s1, dv_s2, dv_sr;
+    long long lse_s0, lse_s1, lse_s2, lse_sr;
+    long long dqa_s0, dqa_s1, dqa_s2, dqa_sr;
+    long long q_red, kv_red;
+    long long n_mblocks, n_nblocks;
+    long long deterministic;
+    double scale_log2;     // softmax scale * log2(e)
+    double scale;
+};
+static_assert(sizeof(BwdParams) == 66 * 8, "BwdParams must match cuflash/_launch.py");
+
+// A batch entry as its three collapsed coordinates.
+struct BwdIndex { unsigned int i0, i1, i2; };
+
+// Batch entries a block owns / loops over, for the reduction mask `red` (q_red or kv_red): the
+// grid enumerates the owners (every axis not in `red`), the block sums over the axes in `red`.
+// The host checks that both counts, and every grid, are below 2^31.
+__device__ __forceinline__ unsigned int bwd_axis_size(const BwdParams& p, int a) {
+    return static_cast<unsigned int>(a == 0 ? p.nb0 : (a == 1 ? p.nb1 : p.nb2));
+}
+__device__ __forceinline__ unsigned int bwd_owner_count(const BwdParams& p, long long red) {
+    unsigned int n = 1;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) n *= ((red >> a) & 1) ? 1u : bwd_axis_size(p, a);
+    return n;
+}
+__device__ __forceinline__ unsigned int bwd_reduce_count(const BwdParams& p, long long red) {
+    unsigned int n = 1;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) n *= ((red >> a) & 1) ? bwd_axis_size(p, a) : 1u;
+    return n;
+}
+// Owner `owner` (< bwd_owner_count) and reduction step `r` (< bwd_reduce_count) -> coordinates.
+// Axis 2 varies fastest in both, as in the flat index.
+__device__ __forceinline__ BwdIndex bwd_index(const BwdParams& p, long long red,
+                                              unsigned int owner, unsigned int r) {
+    unsigned int c[3];
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const unsigned int n = bwd_axis_size(p, a);
+        if ((red >> a) & 1) { c[a] = r % n; r /= n; }
+        else { c[a] = owner % n; owner /= n; }
+    }
+    BwdIndex ix;
+    ix.i0 = c[0]; ix.i1 = c[1]; ix.i2 = c[2];
+    return ix;
+}
+__device__ __forceinline__ long long bwd_offset(const BwdIndex& ix, long long s0, long long s1,
+                                                long long s2) {
+    return static_cast<long long>(ix.i0) * s0 + static_cast<long long>(ix.i1) * s1 +
+           static_cast<long long>(ix.i2) * s2;
+}
+// The flat full-batch index (delta's layout).
+__device__ __forceinline__ long long bwd_flat(const BwdParams& p, const BwdIndex& ix) {
+    return (static_cast<long long>(ix.i0) * p.nb1 + ix.i1) * p.nb2 + ix.i2;
+}
+
+// Offsets of every tensor for one batch entry.
+struct BwdOffsets { long long q, k, v, o, dout, lse, delta, dq, dk, dv, dqa; };
+__device__ __forceinline__ BwdOffsets bwd_offsets(const BwdParams& p, const BwdIndex& ix) {
+    BwdOffsets r;
+    r.q = bwd_offset(ix, p.q_s0, p.q_s1, p.q_s2);
+    r.k = bwd_offset(ix, p.k_s0, p.k_s1, p.k_s2);
+    r.v = bwd_offset(ix, p.v_s0, p.v_s1, p.v_s2);
+    r.o = bwd_offset(ix, p.o_s0, p.o_s1, p.o_s2);
+    r.dout = bwd_offset(ix, p.do_s0, p.do_s1, p.do_s2);
+    r.lse = bwd_offset(ix, p.lse_s0, p.lse_s1, p.lse_s2);
+    r.delta = bwd_flat(p, ix) * p.sq;
+    r.dq = bwd_offset(ix, p.dq_s0, p.dq_s1, p.dq_s2);
+    r.dk = bwd_offset(ix, p.dk_s0, p.dk_s1, p.dk_s2);
+    r.dv = bwd_offset(ix, p.dv_s0, p.dv_s1, p.dv_s2);
+    r.dqa = bwd_offset(ix, p.dqa_s0, p.dqa_s1, p.dqa_s2);
+    return r;
+}
+
+// The first query row that sees key j under the bottom-right causal mask (j <= i + Sk - Sq).
+__device__ __forceinline__ long long causal_first_row(long long j, long long sq, long long sk) {
+    const long long r = j - (sk - sq);
+    return r > 0 ? r : 0;
 }
 
 }  // namespace cuflash

@@ -55,21 +55,24 @@ def random_inputs(rng, batch_q, batch_kv, sq, sk, d, dv, dtype, scale_v=1.0):
     return q, k, v
 
 
-def reference_result(q, k, v, *, causal, scale, dtype):
+def reference_result(q, k, v, *, causal, scale, dtype, precision=None):
     """(o_ref, lse_ref, rule) for inputs q, k, v, with `rule` the `cuflash.reference.PassRule`
-    that `check_against_reference` judges by, for reuse across kernels run on the same inputs."""
+    that `check_against_reference` judges by, for reuse across kernels run on the same inputs.
+    `precision`: the float32 product mode (None or "highest", "high") whose rule applies."""
     o_ref, lse_ref = reference.attention_ref(q, k, v, causal=causal, scale=scale)
-    rule = reference.pass_threshold(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref)
+    rule = reference.pass_threshold(q, k, v, causal=causal, scale=scale, dtype=dtype, o_ref=o_ref,
+                                    precision=precision)
     return o_ref, lse_ref, rule
 
 
 def check_against_reference(o_gpu, lse_gpu, q, k, v, *, causal, scale, dtype, extra_tol=0.0,
-                            ref=None):
+                            ref=None, precision=None, lse_tol=(1e-4, 1e-5)):
     """Assert the pass rule for `o_gpu` (both bars widened by `extra_tol`) and a tight match for
-    `lse_gpu`. `ref`: a `reference_result` for these inputs, if already computed.
-    Returns (max abs error, naive error)."""
+    `lse_gpu` (|error| <= lse_tol[0] + lse_tol[1] |lse_ref|). `ref`: a `reference_result` for
+    these inputs, if already computed. Returns (max abs error, naive error)."""
     if ref is None:
-        ref = reference_result(q, k, v, causal=causal, scale=scale, dtype=dtype)
+        ref = reference_result(q, k, v, causal=causal, scale=scale, dtype=dtype,
+                               precision=precision)
     o_ref, lse_ref, rule = ref
     if extra_tol:
         rule = rule.widened(extra_tol)
@@ -86,5 +89,67 @@ def check_against_reference(o_gpu, lse_gpu, q, k, v, *, causal, scale, dtype, ex
         fin = ~ninf
         if fin.any():
             lerr = np.abs(lse[fin] - lse_ref[fin])
-            assert np.all(lerr <= 1e-4 + 1e-5 * np.abs(lse_ref[fin])), f"lse error {lerr.max():.3e}"
+            bound = lse_tol[0] + lse_tol[1] * np.abs(lse_ref[fin])
+            assert np.all(lerr <= bound), f"lse error {lerr.max():.3e}"
     return err, rule.naive_err
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward pass
+
+def random_backward_inputs(rng, batch_q, batch_k, sq, sk, d, dv, dtype, batch_v=None):
+    """Fresh random q, k, v and an upstream gradient do (float64 arrays representable in dtype).
+    `batch_v` defaults to `batch_k`; do has the broadcast batch shape."""
+    batch_v = batch_k if batch_v is None else batch_v
+    q = reference.round_to(rng.standard_normal(batch_q + (sq, d)), dtype)
+    k = reference.round_to(rng.standard_normal(batch_k + (sk, d)), dtype)
+    v = reference.round_to(rng.standard_normal(batch_v + (sk, dv)), dtype)
+    batch = np.broadcast_shapes(batch_q, batch_k, batch_v)
+    do = reference.round_to(rng.standard_normal(batch + (sq, dv)), dtype)
+    return q, k, v, do
+
+
+def grad_reference(do, q, k, v, *, causal, scale, dtype):
+    """(float64 gradients, thresholds, naive errors), each a (dq, dk, dv) triple: what
+    `check_grads_against_reference` compares with, reusable across kernels on the same inputs."""
+    g_ref = reference.attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
+    tols, naive = reference.grad_pass_threshold(do, q, k, v, causal=causal, scale=scale,
+                                                dtype=dtype, ref=g_ref)
+    return g_ref, tols, naive
+
+
+def check_grads_against_reference(grads, do, q, k, v, *, causal, scale, dtype, ref=None,
+                                  label=""):
+    """Assert, for each of the GPU gradients (dq, dk, dv): the shape and dtype of q, k, v, no
+    NaN (outputs are poisoned with NaN, so NaN means unwritten), and the gradient pass rule.
+    Failure messages say which gradient, where, by how much, and which kernel (`label`)."""
+    if ref is None:
+        ref = grad_reference(do, q, k, v, causal=causal, scale=scale, dtype=dtype)
+    g_ref, tols, naive = ref
+    where = (f"[{label}, {dtype}, q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}, "
+             f"causal={causal}]")
+    errs = []
+    for name, g, r, tol, ne in zip(("dq", "dk", "dv"), grads, g_ref, tols, naive):
+        assert tuple(g.shape) == tuple(r.shape), f"{where} {name} shape {g.shape} != {r.shape}"
+        want = "bfloat16" if dtype == "bfloat16" else np.dtype(dtype).name
+        assert g.dtype.name == want, f"{where} {name} dtype {g.dtype} != {want}"
+        h = to_host64(g)
+        nan = np.isnan(h)
+        if nan.any():
+            idx = tuple(int(i) for i in np.argwhere(nan)[0])
+            rows = np.unique(np.argwhere(nan)[:, -2])
+            raise AssertionError(f"{where} {name}: {int(nan.sum())} of {h.size} elements NaN "
+                                 f"(unwritten?), first at {idx}; rows {rows[:10].tolist()}"
+                                 f"{'...' if rows.size > 10 else ''}")
+        diff = np.abs(h - r)
+        err = float(diff.max())
+        if not err <= tol:
+            idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(diff)), diff.shape))
+            bad_rows = np.unique(np.argwhere(diff > tol)[:, -2])
+            raise AssertionError(
+                f"{where} {name}: max abs error {err:.3e} > threshold {tol:.3e} (naive "
+                f"{dtype} backward {ne:.3e}) at {idx}: got {h[idx]:.6g}, expected {r[idx]:.6g}; "
+                f"{int((diff > tol).sum())} elements over, rows {bad_rows[:10].tolist()}"
+                f"{'...' if bad_rows.size > 10 else ''}")
+        errs.append(err)
+    return errs

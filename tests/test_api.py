@@ -119,3 +119,28 @@ def test_merge_states_stream_is_gpu_only():
     o, lse = arr(3, 4), arr(3)
     with pytest.raises(ValueError, match="stream= applies to GPU inputs only"):
         cuflash.merge_states(o, lse, o, lse, stream=0)
+
+
+def test_precision_argument_is_checked():
+    """precision: None, "default", "highest", "high" (any case, or an enum member with such a
+    name, as jax.lax.Precision); anything else is a ValueError naming the accepted values."""
+    import enum
+
+    import cuflash
+
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    o_default = cuflash.attention(q, q, q)
+
+    class Precision(enum.Enum):  # the shape of jax.lax.Precision
+        DEFAULT = 0
+        HIGH = 1
+        HIGHEST = 2
+
+    for p in (None, "default", "highest", "HIGH", "High", Precision.HIGHEST, Precision.HIGH):
+        # The NumPy path computes in full float32 whatever is asked (precision is a floor).
+        np.testing.assert_array_equal(cuflash.attention(q, q, q, precision=p), o_default)
+    for bad in ("medium", "fp32", 3, Precision):
+        with pytest.raises(ValueError, match="precision must be one of"):
+            cuflash.attention(q, q, q, precision=bad)
+    assert cuflash.dispatch_info(q, q, q, precision="high") == "cpu-numpy"

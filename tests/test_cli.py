@@ -45,7 +45,8 @@ def test_json_report(tmp_path):
     assert data["device"]["selected"] == "cpu"
     assert "numpy" in data["versions"]
     s = data["summary"]
-    assert s["passed"] + s["failed"] == len(data["cases"]) + len(data["properties"])
+    assert s["passed"] + s["failed"] == (len(data["cases"]) + len(data["properties"])
+                                         + len(data["gradients"]["cases"]))
     assert summary(r.output) == (s["passed"], s["failed"])
 
 

@@ -273,7 +273,7 @@ def test_errors_on_gpu():
     with pytest.raises(ValueError, match="out has shape"):
         cuflash.attention(q, q, q, out=cp.empty((2, 8, 63), cp.float16))
     with pytest.raises(ValueError, match="tensorcore"):
-        cuflash.attention(q.astype(cp.float32), q.astype(cp.float32), q.astype(cp.float32),
+        cuflash.attention(q.astype(cp.float64), q.astype(cp.float64), q.astype(cp.float64),
                           kernel="tensorcore")
     with pytest.raises(ValueError, match="kernel='hopper' cannot run these inputs"):
         cuflash.attention(q.astype(cp.float32), q.astype(cp.float32), q.astype(cp.float32),

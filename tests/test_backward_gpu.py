@@ -1,0 +1,330 @@
+"""GPU tests of the backward pass: every backward kernel against the float64 reference gradients
+under the gradient pass rule (reference.grad_pass_threshold), on fresh random inputs, with dq,
+dk, dv poisoned with NaN so an unwritten element fails; tails, Sq != Sk, causal, head dims,
+broadcast (MQA) axes, strided views, rows without keys, bitwise determinism, out= and workspace=
+buffers, streams and CUDA-graph capture. Skipped without a GPU."""
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+import cuflash._checks
+from cuflash import reference
+
+from gpu_util import (bf16_dtype, check_grads_against_reference, cupy, grad_reference, poisoned,
+                      random_backward_inputs, to_gpu, to_host64)
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+SHAPES = [(1, 1), (7, 7), (113, 113), (1000, 1000), (1, 1000), (1000, 1), (1000, 7), (113, 1000),
+          (257, 64), (64, 257)]
+SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+
+
+def _rng(*key):
+    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+
+
+def _skip_unsupported(dtype):
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes (CuPy's bfloat16 dtype)")
+
+
+def _backward_kernels():
+    """Backward kernels to force besides "auto": the generic one always; the tensor-core one
+    where it exists (it plugs into backward_plan_for as kernel="tensorcore")."""
+    return ["generic"]
+
+
+def _gpu_inputs(q, k, v, do, dtype, *, causal, scale):
+    """GPU q, k, v, do and the forward's (o, lse) for them (the auto forward, as a user runs)."""
+    qg, kg, vg, dog = (to_gpu(x, dtype) for x in (q, k, v, do))
+    o, lse = cuflash.attention(qg, kg, vg, causal=causal, scale=scale, return_lse=True)
+    return qg, kg, vg, dog, o, lse
+
+
+def _run_bwd(inputs, dtype, *, causal, scale=None, kernel="auto", deterministic=False):
+    """attention_backward into NaN-poisoned out= buffers; returns (dq, dk, dv), plan label."""
+    cp = cupy()
+    qg, kg, vg, dog, o, lse = inputs
+    outs = tuple(poisoned(x.shape, dtype) for x in (qg, kg, vg))
+    label = cuflash.backward_dispatch_info(dog, qg, kg, vg, o, lse, causal=causal,
+                                           deterministic=deterministic, kernel=kernel)
+    res = cuflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal, scale=scale,
+                                     deterministic=deterministic, out=outs, kernel=kernel)
+    assert all(r is b for r, b in zip(res, outs)), "out= buffers are returned"
+    cp.cuda.get_current_stream().synchronize()
+    return outs, label
+
+
+_CASES = {}
+
+
+def _case(key, make):
+    """Inputs and float64 reference shared by the kernels run on one case."""
+    if key not in _CASES:
+        _CASES.clear()  # keep one case's host arrays at a time
+        _CASES[key] = make()
+    return _CASES[key]
+
+
+@pytest.mark.parametrize("kernel", ["auto"] + _backward_kernels())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk", SHAPES)
+def test_backward_matches_reference(sq, sk, dtype, causal, kernel):
+    _skip_unsupported(dtype)
+    d = [64, 128, 256, 96][(sq + sk) % 4]
+    batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
+    scale = 1 / math.sqrt(d)
+
+    def make():
+        q, k, v, do = random_backward_inputs(_rng("bwd", sq, sk, dtype, causal), batch, batch,
+                                             sq, sk, d, d, dtype)
+        return (q, k, v, do), grad_reference(do, q, k, v, causal=causal, scale=scale,
+                                             dtype=dtype)
+
+    (q, k, v, do), ref = _case(("bwd", sq, sk, dtype, causal), make)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=scale)
+    grads, label = _run_bwd(inputs, dtype, causal=causal, kernel=kernel)
+    if kernel == "generic":
+        assert label.startswith("generic-bwd"), label
+    check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=scale, dtype=dtype,
+                                  ref=ref, label=label)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("d", [1, 7, 16, 32, 40, 64, 72, 96, 100, 128, 160, 192, 200, 256])
+def test_backward_head_dims(d, dtype, causal):
+    _skip_unsupported(dtype)
+    q, k, v, do = random_backward_inputs(_rng("hd", d, dtype, causal), (2,), (2,), 113, 200, d,
+                                         d, dtype)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
+    for kernel in ["auto"] + _backward_kernels():
+        grads, label = _run_bwd(inputs, dtype, causal=causal, kernel=kernel)
+        check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                                      dtype=dtype, label=label)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 32), (32, 128), (256, 8), (5, 256), (16, 200)])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_backward_dv_differs(d, dv, dtype):
+    q, k, v, do = random_backward_inputs(_rng("dv", d, dv, dtype), (3,), (3,), 77, 150, d, dv,
+                                         dtype)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=True, scale=None)
+    grads, label = _run_bwd(inputs, dtype, causal=True)
+    check_grads_against_reference(grads, do, q, k, v, causal=True, scale=1 / math.sqrt(d),
+                                  dtype=dtype, label=label)
+
+
+BROADCASTS = [
+    ((2, 8), (2, 1), (2, 1)),        # MQA: dk, dv summed over the 8 query heads
+    ((2, 2, 3), (2, 2, 1), (2, 2, 1)),  # GQA as (B, Hkv, group): summed over each group
+    ((1, 4), (3, 4), (3, 4)),        # q shared by the batch: dq summed over it
+    ((2, 4), (2, 1), (2, 4)),        # k and v broadcast differently (temporaries)
+    ((2, 1, 3, 2), (1, 2, 1, 2), (1, 2, 1, 2)),  # four axes no stride pattern merges
+    ((), (3,), (3,)),                # 2-D q against batched k, v
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("qb,kb,vb", BROADCASTS)
+def test_backward_broadcast_axes_are_summed(qb, kb, vb, dtype, causal):
+    q, k, v, do = random_backward_inputs(_rng("bc", qb, kb, vb, dtype, causal), qb, kb, 130, 90,
+                                         64, 64, dtype, batch_v=vb)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=0.3)
+    ref = grad_reference(do, q, k, v, causal=causal, scale=0.3, dtype=dtype)
+    for kernel in ["auto"] + _backward_kernels():
+        grads, label = _run_bwd(inputs, dtype, causal=causal, scale=0.3, kernel=kernel)
+        check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=0.3, dtype=dtype,
+                                      ref=ref, label=label)
+
+
+@pytest.mark.parametrize("kernel", ["auto"] + _backward_kernels())
+def test_backward_strided_bshd_views(kernel):
+    """(B, S, H, D) buffers passed as (B, H, S, D) views, outputs too: used in place."""
+    cp = cupy()
+    rng = _rng("bshd", kernel)
+    B, S, H, D = 2, 300, 4, 128
+    x = [reference.round_to(rng.standard_normal((B, S, H, D)), "float16") for _ in range(4)]
+    g = [cp.asarray(a.astype(np.float16)).transpose(0, 2, 1, 3) for a in x]
+    assert not g[0].flags.c_contiguous
+    o, lse = cuflash.attention(*g[:3], causal=True, return_lse=True)
+    outs = [poisoned((B, S, H, D), "float16").transpose(0, 2, 1, 3) for _ in range(3)]
+    res = cuflash.attention_backward(g[3], *g[:3], o, lse, causal=True, out=tuple(outs),
+                                     kernel=kernel)
+    assert all(r is b for r, b in zip(res, outs))
+    cp.cuda.get_current_stream().synchronize()
+    q, k, v, do = (a.transpose(0, 2, 1, 3) for a in x)
+    check_grads_against_reference(outs, do, q, k, v, causal=True, scale=1 / math.sqrt(D),
+                                  dtype="float16", label=f"bshd {kernel}")
+
+
+def test_backward_non_contiguous_last_axis():
+    cp = cupy()
+    q, k, v, do = random_backward_inputs(_rng("last"), (2,), (2,), 40, 50, 32, 32, "float32")
+    qg = cp.asarray(np.ascontiguousarray(np.swapaxes(q, -1, -2), dtype=np.float32)).swapaxes(-1, -2)
+    assert qg.strides[-1] != qg.itemsize
+    kg, vg, dog = (to_gpu(x, "float32") for x in (k, v, do))
+    o, lse = cuflash.attention(qg, kg, vg, return_lse=True)
+    lse_view = cp.asarray(np.repeat(cp.asnumpy(lse)[..., None], 2, axis=-1))[..., 0]  # strided lse
+    assert lse_view.strides[-1] != 4
+    grads = cuflash.attention_backward(dog, qg, kg, vg, o, lse_view)
+    check_grads_against_reference(grads, do, q, k, v, causal=False, scale=1 / math.sqrt(32),
+                                  dtype="float32", label="non-contiguous")
+
+
+@pytest.mark.parametrize("kernel", ["auto"] + _backward_kernels())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_rows_without_keys(kernel, dtype):
+    """Causal with Sq > Sk: the first Sq - Sk rows see no key: their dq is exactly 0, no NaN
+    anywhere, and they add nothing to dk, dv."""
+    _skip_unsupported(dtype)
+    q, k, v, do = random_backward_inputs(_rng("nokey", kernel, dtype), (2,), (2,), 200, 30, 64,
+                                         64, dtype)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=True, scale=None)
+    assert bool(cupy().all(cupy().isneginf(inputs[5][:, :170])))
+    grads, label = _run_bwd(inputs, dtype, causal=True, kernel=kernel)
+    assert np.all(to_host64(grads[0])[:, :170] == 0), f"{label}: rows without keys have dq != 0"
+    check_grads_against_reference(grads, do, q, k, v, causal=True, scale=1 / 8, dtype=dtype,
+                                  label=label)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,d", [(2048, 2048, 128), (2500, 2100, 64), (1500, 3000, 256)])
+def test_backward_long_sequences(sq, sk, d, causal):
+    q, k, v, do = random_backward_inputs(_rng("long", sq, sk, d, causal), (1, 2), (1, 2), sq, sk,
+                                         d, d, "float16")
+    inputs = _gpu_inputs(q, k, v, do, "float16", causal=causal, scale=None)
+    ref = grad_reference(do, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype="float16")
+    for kernel in ["auto"] + _backward_kernels():
+        grads, label = _run_bwd(inputs, "float16", causal=causal, kernel=kernel)
+        check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                                      dtype="float16", ref=ref, label=label)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("kernel", ["auto"] + _backward_kernels())
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_backward_bitwise_reproducible(dtype, kernel, deterministic):
+    """deterministic=True: repeated calls give bitwise-identical dq, dk, dv, also when the
+    launch differs (one batch entry alone: another grid, the same bits for that entry). The
+    default mode may use float atomics (then only the pass rule is checked), except in plans
+    that say they are deterministic (the generic one)."""
+    cp = cupy()
+    from cuflash import _dispatch, _launch
+
+    q, k, v, do = random_backward_inputs(_rng("det", dtype, kernel), (2, 4), (2, 4), 1000, 1000,
+                                         128, 128, dtype)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=True, scale=None)
+    first, label = _run_bwd(inputs, dtype, causal=True, kernel=kernel,
+                            deterministic=deterministic)
+    prob = cuflash._checks.check_backward(*inputs[3:4], *inputs[:3], *inputs[4:], causal=True,
+                                          scale=None, deterministic=deterministic, out=None,
+                                          workspace=None, stream=None, kernel=kernel)
+    cc = _launch.device_attributes(prob.device_id)["compute_capability"]
+    plan = _dispatch.backward_plan_for(prob, cc)
+    if deterministic:
+        assert plan.deterministic, f"{plan.label} was chosen for deterministic=True"
+    for _ in range(3 if plan.deterministic else 0):
+        again, _ = _run_bwd(inputs, dtype, causal=True, kernel=kernel,
+                            deterministic=deterministic)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), \
+                f"{label}: {name} differs between two identical calls"
+    if deterministic:
+        qg, kg, vg, dog, o, lse = inputs
+        sl = (slice(1, 2), slice(2, 3))
+        one = cuflash.attention_backward(dog[sl], qg[sl], kg[sl], vg[sl], o[sl], lse[sl],
+                                         causal=True, deterministic=True, kernel=kernel)
+        for name, a, b in zip(("dq", "dk", "dv"), first, one):
+            assert bool(cp.all(a[sl].view(cp.uint8) == b.view(cp.uint8))), \
+                f"{label}: {name} of batch entry (1, 2) depends on the launch (batch size)"
+    check_grads_against_reference(first, do, q, k, v, causal=True, scale=1 / math.sqrt(128),
+                                  dtype=dtype, label=label)
+
+
+def test_backward_workspace_no_allocation_and_cuda_graph():
+    """With out= and workspace= nothing is allocated, so the call can be captured in a CUDA graph
+    on a stream; the replay gives the same bits as a direct call."""
+    cp = cupy()
+    q, k, v, do = random_backward_inputs(_rng("graph"), (2, 4), (2, 4), 256, 300, 64, 64,
+                                         "float16")
+    qg, kg, vg, dog, o, lse = _gpu_inputs(q, k, v, do, "float16", causal=True, scale=None)
+    size = cuflash.attention_backward_workspace_size(dog, qg, kg, vg, o, lse, causal=True)
+    assert size >= 2 * 4 * 256 * 4  # delta, float32
+    ws = cp.empty(size, dtype=cp.uint8)
+    outs = tuple(poisoned(x.shape, "float16") for x in (qg, kg, vg))
+    s = cp.cuda.Stream(non_blocking=True)
+    args = (dog, qg, kg, vg, o, lse)
+    cuflash.attention_backward(*args, causal=True, out=outs, workspace=ws, stream=s)  # compile
+    s.synchronize()
+    direct = [x.copy() for x in outs]
+    pool = cp.get_default_memory_pool()
+    for x in outs:
+        x.view(cp.uint8).fill(0xFF)
+    cp.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    with s:
+        s.begin_capture()
+        cuflash.attention_backward(*args, causal=True, out=outs, workspace=ws)
+        graph = s.end_capture()
+    assert pool.used_bytes() == before, "no allocation with out= and workspace="
+    graph.launch(stream=s)
+    s.synchronize()
+    for name, a, b in zip(("dq", "dk", "dv"), direct, outs):
+        assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), f"graph replay {name} differs"
+    check_grads_against_reference(outs, do, q, k, v, causal=True, scale=1 / 8, dtype="float16",
+                                  label="graph")
+
+
+def test_backward_allocates_outputs_and_negative_scale():
+    q, k, v, do = random_backward_inputs(_rng("alloc"), (), (), 50, 70, 64, 64, "float16")
+    qg, kg, vg, dog, o, lse = _gpu_inputs(q, k, v, do, "float16", causal=True, scale=-0.2)
+    grads = cuflash.attention_backward(dog, qg, kg, vg, o, lse, causal=True, scale=-0.2)
+    assert all(isinstance(g, cupy().ndarray) for g in grads)
+    check_grads_against_reference(grads, do, q, k, v, causal=True, scale=-0.2, dtype="float16",
+                                  label="alloc")
+
+
+def test_backward_torch_inputs_match_autograd():
+    """Torch tensors through DLPack, and the same gradients as torch's own autograd of the
+    float64 math (a second, independent reference)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    g = torch.Generator(device="cuda").manual_seed(int(SEED % 2**31))
+    q, k, v, do = (torch.randn(2, 4, 120, 64, device="cuda", dtype=torch.float32, generator=g)
+                   for _ in range(4))
+    o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
+    q64, k64, v64 = (x.double().detach().requires_grad_() for x in (q, k, v))
+    o64 = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
+    o64.backward(do.double())
+    for name, a, b in (("dq", dq, q64.grad), ("dk", dk, k64.grad), ("dv", dv, v64.grad)):
+        err = float(np.max(np.abs(to_host64(a) - b.cpu().numpy())))
+        assert err < 1e-4, f"{name} vs torch autograd (float64): {err:.3e}"
+
+
+def test_backward_errors_on_gpu():
+    cp = cupy()
+    x = cp.ones((2, 8, 64), dtype=cp.float16) * 0.5
+    o, lse = cuflash.attention(x, x, x, return_lse=True)
+    with pytest.raises(ValueError, match="do is on the CPU"):
+        cuflash.attention_backward(np.ones((2, 8, 64), np.float16), x, x, x, o, lse)
+    with pytest.raises(ValueError, match="workspace has 8 bytes"):
+        cuflash.attention_backward(o, x, x, x, o, lse, workspace=cp.empty(8, cp.uint8))
+    with pytest.raises(ValueError, match="out\\[1\\] \\(dk\\) is on"):
+        cuflash.attention_backward(o, x, x, x, o, lse,
+                                   out=(cp.empty_like(x), np.empty((2, 8, 64), np.float16),
+                                        cp.empty_like(x)))
+    x64 = x.astype(cp.float64)
+    o64, lse64 = cuflash.attention(x64, x64, x64, return_lse=True)
+    with pytest.raises(ValueError, match="tensorcore"):
+        cuflash.attention_backward(o64, x64, x64, x64, o64, lse64, kernel="tensorcore")
+    with pytest.raises(TypeError, match="lse has dtype float16"):
+        cuflash.attention_backward(o, x, x, x, o, lse.astype(cp.float16))

@@ -1,0 +1,184 @@
+"""GPU tests of float32 on the tensor cores (attn_mma.cu with T = float): the float32-accurate
+split-precision mode (precision="highest", the default) and the one-pass TF32 mode ("high"),
+against the float64 reference under the project's pass rule (for "high" the naive counterpart is
+the one-pass TF32 matmul -> softmax -> matmul). Fresh random inputs, NaN-poisoned outputs, tails,
+Sq != Sk, causal, broadcast batch axes, strided views, both epilogues. Skipped without a GPU."""
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _dispatch, reference
+
+from gpu_util import (check_against_reference, cupy, poisoned, random_inputs, reference_result,
+                      to_gpu, to_host64)
+
+pytestmark = pytest.mark.gpu
+
+SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+SHAPES = [(1, 1), (7, 7), (113, 113), (1000, 1000), (1, 1000), (1000, 7), (113, 1000), (257, 64),
+          (64, 257), (300, 2048)]
+MODES = ["highest", "high"]
+
+
+def _rng(*key):
+    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+
+
+def _needs_tensorcores():
+    cc = int(cupy().cuda.Device().compute_capability)
+    if cc < 80:
+        pytest.skip(f"the TF32 tensor-core kernel needs compute capability 8.0 (this GPU: {cc})")
+
+
+def _lse_tol(q, k, scale, precision):
+    """lse bound: the audit's float32 rule, plus for "high" the one-pass TF32 score error
+    2 u_tf32 |scale| max||q_i|| max||k_j|| (cuflash._audit._lse_extra)."""
+    from cuflash._audit import _lse_extra
+
+    extra = _lse_extra("auto/high" if precision == "high" else "auto", q, k, scale)
+    return (1e-4 + extra, 1e-5)
+
+
+def _run(q, k, v, *, causal, precision, scale=None, kernel="auto"):
+    qg, kg, vg = (to_gpu(x, "float32") for x in (q, k, v))
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    o = poisoned(batch + (q.shape[-2], v.shape[-1]), "float32")
+    lse = poisoned(batch + (q.shape[-2],), "float32")
+    label = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel=kernel, precision=precision)
+    res = cuflash.attention(qg, kg, vg, causal=causal, scale=scale, return_lse=True, out=(o, lse),
+                            kernel=kernel, precision=precision)
+    assert res[0] is o and res[1] is lse
+    cupy().cuda.get_current_stream().synchronize()
+    return o, lse, label
+
+
+def _check(o, lse, q, k, v, *, causal, scale, precision, ref=None):
+    return check_against_reference(o, lse, q, k, v, causal=causal, scale=scale, dtype="float32",
+                                   precision=precision, ref=ref,
+                                   lse_tol=_lse_tol(q, k, scale, precision))
+
+
+@pytest.mark.parametrize("precision", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", SHAPES)
+def test_matches_reference(sq, sk, causal, precision):
+    _needs_tensorcores()
+    d = [64, 128, 96, 32][(sq + sk) % 4]
+    batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
+    q, k, v = random_inputs(_rng("f32", sq, sk, causal, precision), batch, batch, sq, sk, d, d,
+                            "float32")
+    o, lse, label = _run(q, k, v, causal=causal, precision=precision)
+    mode = "3xtf32" if precision == "highest" else "tf32"
+    assert label.startswith(f"tensorcore<float32,{mode},"), label
+    _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
+
+
+@pytest.mark.parametrize("precision", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [4, 12, 36, 64, 100, 128, 160, 192, 256])
+def test_head_dims(d, causal, precision):
+    """Every float32 head-dim bucket (zero-padded head dims between them); "highest" stops at
+    D = 192 on the tensor cores and takes the generic kernel above (the label says which)."""
+    _needs_tensorcores()
+    q, k, v = random_inputs(_rng("f32hd", d, causal, precision), (2,), (2,), 113, 200, d, d,
+                            "float32")
+    o, lse, label = _run(q, k, v, causal=causal, precision=precision)
+    if precision == "highest" and d > 192:
+        assert label.startswith("generic<float32"), label
+    else:
+        assert label.startswith("tensorcore<float32"), label
+    _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
+
+
+@pytest.mark.parametrize("precision", MODES)
+def test_broadcast_heads_scale_and_tails(precision):
+    """A key/value head axis of size 1 (multi-query), a non-default scale, odd lengths."""
+    _needs_tensorcores()
+    q, k, v = random_inputs(_rng("f32mqa", precision), (2, 8), (2, 1), 131, 97, 64, 64, "float32")
+    o, lse, _ = _run(q, k, v, causal=True, precision=precision, scale=0.3)
+    _check(o, lse, q, k, v, causal=True, scale=0.3, precision=precision)
+
+
+@pytest.mark.parametrize("precision", MODES)
+def test_strided_bshd_view(precision):
+    """A (B, S, H, D) buffer passed as a (B, H, S, D) view is used in place."""
+    _needs_tensorcores()
+    cp = cupy()
+    rng = _rng("f32bshd", precision)
+    B, S, H, D = 2, 300, 4, 128
+    x = [reference.round_to(rng.standard_normal((B, S, H, D)), "float32") for _ in range(3)]
+    views = [cp.asarray(a.astype(np.float32)).transpose(0, 2, 1, 3) for a in x]
+    assert not views[0].flags.c_contiguous
+    out = poisoned((B, H, S, D), "float32")
+    lse = poisoned((B, H, S), "float32")
+    cuflash.attention(*views, causal=True, out=(out, lse), return_lse=True, precision=precision)
+    ref_in = [a.transpose(0, 2, 1, 3) for a in x]
+    _check(out, lse, *ref_in, causal=True, scale=1 / math.sqrt(D), precision=precision)
+
+
+@pytest.mark.parametrize("stage_o", [False, True])
+@pytest.mark.parametrize("precision", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,d", [(1, 1, 64), (300, 30, 128), (257, 1000, 192),
+                                     (1000, 257, 96), (113, 113, 32)])
+def test_epilogues(sq, sk, d, causal, precision, stage_o, monkeypatch):
+    """Both epilogues (O staged through shared memory, or stored from registers), blocks with no
+    key tile included (Sq > Sk, causal)."""
+    _needs_tensorcores()
+    cfg = {key: val[:4] + (stage_o,) for key, val in _dispatch.TC_F32_CONFIGS.items()}
+    monkeypatch.setattr(_dispatch, "TC_F32_CONFIGS", cfg)
+    q, k, v = random_inputs(_rng("f32epi", sq, sk, d, causal, precision, stage_o), (2,), (2,),
+                            sq, sk, d, d, "float32")
+    o, lse, label = _run(q, k, v, causal=causal, precision=precision, kernel="tensorcore")
+    assert ("stagedO" in label) == stage_o, label
+    _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
+
+
+@pytest.mark.parametrize("d,scale", [(64, None), (192, 1.0), (192, 2.5), (128, 1.5)])
+def test_large_scores_and_long_keys(d, scale):
+    """The accuracy bar of float32 on the tensor cores: q and k with standard deviation 3 (large,
+    peaked scores) and long key ranges, in the float32-accurate mode, under the float32 rule."""
+    _needs_tensorcores()
+    rng = _rng("f32large", d, scale)
+    sk = 16384 if d == 64 else 4096
+    q = reference.round_to(3 * rng.standard_normal((1, 2, 64, d)), "float32")
+    k = reference.round_to(3 * rng.standard_normal((1, 2, sk, d)), "float32")
+    v = reference.round_to(rng.standard_normal((1, 2, sk, d)), "float32")
+    sc = 1 / math.sqrt(d) if scale is None else scale
+    o, lse, label = _run(q, k, v, causal=False, precision="highest", scale=sc)
+    assert label.startswith("tensorcore<float32,3xtf32"), label
+    err, naive = _check(o, lse, q, k, v, causal=False, scale=sc, precision="highest")
+    print(f"D={d} scale={sc}: max err {err:.3e}, naive float32 {naive:.3e}")
+
+
+def test_fully_masked_rows_and_nan():
+    """Causal with Sq > Sk: rows that see nothing give 0 and lse = -inf; a NaN in q makes its own
+    row NaN and no other."""
+    _needs_tensorcores()
+    q, k, v = random_inputs(_rng("f32masked"), (2,), (2,), 200, 30, 64, 64, "float32")
+    for precision in MODES:
+        o, lse, _ = _run(q, k, v, causal=True, precision=precision)
+        oh, lh = to_host64(o), to_host64(lse)
+        assert np.all(oh[:, :170] == 0) and np.all(np.isneginf(lh[:, :170]))
+        _check(o, lse, q, k, v, causal=True, scale=1 / 8, precision=precision)
+    q[1, 185, 3] = np.nan
+    o, _, _ = _run(q, k, v, causal=False, precision="highest")
+    oh = to_host64(o)
+    assert np.isnan(oh[1, 185]).all()
+    oh[1, 185] = 0
+    assert not np.isnan(oh).any()
+
+
+def test_modes_differ_as_documented():
+    """"high" is the one-pass TF32 mode: its error is far above the float32-accurate mode's on
+    the same inputs (this is what the mode trades for speed), and both pass their own rule."""
+    _needs_tensorcores()
+    q, k, v = random_inputs(_rng("f32modes"), (2, 4), (2, 4), 512, 512, 64, 64, "float32")
+    errs = {}
+    for precision in MODES:
+        o, lse, _ = _run(q, k, v, causal=False, precision=precision)
+        errs[precision] = _check(o, lse, q, k, v, causal=False, scale=1 / 8,
+                                 precision=precision)[0]
+    assert errs["high"] > 30 * errs["highest"], errs
