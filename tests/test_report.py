@@ -54,8 +54,9 @@ def test_report_is_written_self_contained_and_its_images_decode(tmp_path):
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
         assert np.std(img) > 0.01, f"{ref} is blank"
     text = index.read_text(encoding="utf-8")
+    assert "gradients.png" in pngs  # the gradient section of the audit
     for needle in ("numpy", "seed 4", "err/bound", "chunk-order", "merge", "overflow",
-                   "underflow", "passed"):
+                   "underflow", "passed", "Gradients"):
         assert needle in text, needle
 
 
