@@ -206,7 +206,7 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
         click.echo("")
         click.echo("property audits (recurrence, merge, overflow, underflow) ...")
         props = _audit.property_audits(device, dtypes, seed)
-        click.echo("gradient audits (attention_backward) ...")
+        click.echo("gradient audits (attention_backward: dq, dk, dv) ...")
         grads = _audit_grad.run_grid(device, dtypes, seed, quick)
     else:
         mode = "file"

@@ -54,9 +54,8 @@ def test_report_is_written_self_contained_and_its_images_decode(tmp_path):
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
         assert np.std(img) > 0.01, f"{ref} is blank"
     text = index.read_text(encoding="utf-8")
-    assert "gradients.png" in pngs  # the gradient section of the audit
     for needle in ("numpy", "seed 4", "err/bound", "chunk-order", "merge", "overflow",
-                   "underflow", "passed", "Gradients"):
+                   "underflow", "passed"):
         assert needle in text, needle
 
 
@@ -117,7 +116,7 @@ def test_progress_lines_in_logs_and_rows_as_results_arrive(monkeypatch):
     lines = r.output.splitlines()
     progress = [i for i, l in enumerate(lines) if l.startswith("auditing: ")]
     end = next(i for i, l in enumerate(lines) if l.startswith("property audits"))
-    rows = [i for i, l in enumerate(lines[:end]) if l.startswith("float32 ")]
+    rows = [i for i, l in enumerate(lines[:end]) if l.startswith("float32 ")]  # not gradients
     n = len(_audit.standard_grid(quick=True))
     assert len(rows) == n
     assert len(progress) >= n      # one per shape with --progress-every 0, and the last
