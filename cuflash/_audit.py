@@ -614,6 +614,11 @@ def _peer_torch(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
 
 def _peer_jax(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
     """jax.nn.dot_product_attention on JAX's default device (heads as (B, T, N=1, H))."""
+    import os
+
+    # JAX would otherwise take 75% of the GPU's memory at its first use, leaving cuflash's own
+    # calls short of it.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import jax.numpy as jnp
 
