@@ -13,8 +13,10 @@ Plain NumPy is matmul -> softmax -> matmul in the input dtype, written the obvio
 
 (an Sq x Sk matrix per head). The two are timed in turns, `--repeats` times each after one
 warm-up call, and the minimum and median wall times are reported with their ratio (plain /
-cuflash: above 1 means cuflash is faster). Both outputs are compared with the float64
-reference on the first head (cuflash.reference.attention_ref) to show the accuracy is the same.
+cuflash: above 1 means cuflash is faster), and so is the median CPU time of the process (all
+threads; less sensitive than wall time to other jobs on the machine). Both outputs are
+compared with the float64 reference on the first head (cuflash.reference.attention_ref) to
+show the accuracy is the same.
 """
 from __future__ import annotations
 
@@ -51,8 +53,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split(",")) for s in (args.shape or
                                                            ["1,8,2048,64", "4,16,1024,128"])]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"numpy {np.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, dtype {args.dtype}, {args.repeats} repeats")
+          f"{os.cpu_count()} CPUs, load average {load:.1f}, dtype {args.dtype}, "
+          f"{args.repeats} repeats")
     rng = np.random.default_rng(0)
     for shape in shapes:
         q, k, v = (rng.standard_normal(shape).astype(args.dtype) for _ in range(3))
@@ -68,11 +72,13 @@ def main(argv=None):
 
         o_p, o_c = run_plain(), run_cuflash()  # warm-up, and the outputs for the accuracy check
         times = {"plain": [], "cuflash": []}
+        cpu = {"plain": [], "cuflash": []}
         for _ in range(args.repeats):
             for name, fn in (("plain", run_plain), ("cuflash", run_cuflash)):
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
         q0, k0, v0 = (x[(0,) * (x.ndim - 2)].astype(np.float64) for x in (q, k, v))
         o_ref, _ = reference.attention_ref(q0, k0, v0, causal=args.causal)
         err = {n: float(np.max(np.abs(o[(0,) * (o.ndim - 2)].astype(np.float64) - o_ref)))
@@ -81,7 +87,10 @@ def main(argv=None):
         print(f"{shape}: plain NumPy min {tp.min():.0f} ms, median {np.median(tp):.0f} ms; "
               f"cuflash min {tc.min():.0f} ms, median {np.median(tc):.0f} ms; "
               f"ratio (plain/cuflash) min {tp.min() / tc.min():.2f}x, "
-              f"median {np.median(tp) / np.median(tc):.2f}x; max abs error (head 0) "
+              f"median {np.median(tp) / np.median(tc):.2f}x; CPU time median plain "
+              f"{np.median(cpu['plain']) * 1e3:.0f} ms, cuflash {np.median(cpu['cuflash']) * 1e3:.0f}"
+              f" ms ({np.median(cpu['plain']) / np.median(cpu['cuflash']):.2f}x); "
+              f"max abs error (head 0) "
               f"plain {err['plain']:.2e}, cuflash {err['cuflash']:.2e}")
 
 

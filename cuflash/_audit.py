@@ -11,11 +11,14 @@ very values the kernel received (the inputs are drawn in float64 and rounded to 
 * ``err``: max |o - o_ref|; ``rel``: ||o - o_ref|| / ||o_ref|| (Frobenius norms);
 * ``naive``: max |o_naive - o_ref| for the unfused matmul -> softmax -> matmul written in the same
   precision (:func:`cuflash.reference.naive_attention`); for float64, where that computation is
-  the reference itself, its forward-error bound instead (:func:`naive_error`);
+  the reference itself, its forward-error bound instead
+  (:func:`cuflash.reference.naive_error`);
 * ``threshold``: :func:`cuflash.reference.tolerance`, i.e. ``2 * naive + 4 * u * A``;
 * ``bound``: the a-priori forward-error bound of :func:`cuflash.reference.error_bound`, element
   by element (the table shows the error as a fraction of it, ``err/bound``);
-* ``lse``: max |lse - lse_ref| over the rows whose reference lse is finite.
+* ``lse``: max |lse - lse_ref| over the rows whose reference lse is finite;
+* ``peer_err``: where PyTorch or JAX imports, the max abs error of their SDPA on the same inputs,
+  and ``ratio_to_peer``, cuflash's error over the best of them.
 
 The pass rule is spelled out in :data:`PASS_RULE` (it is also the ``--help`` text of the CLI).
 """
@@ -611,6 +614,11 @@ def _peer_torch(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
 
 def _peer_jax(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
     """jax.nn.dot_product_attention on JAX's default device (heads as (B, T, N=1, H))."""
+    import os
+
+    # JAX would otherwise take 75% of the GPU's memory at its first use, leaving cuflash's own
+    # calls short of it.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import jax.numpy as jnp
 

@@ -298,6 +298,7 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
     arrays = {}
     for name, x, shape, want in (("o", o, o_shape, dt), ("do", do, o_shape, dt),
                                  ("lse", lse, lse_shape, "float32")):
+        _refuse_subclass(name, x)
         b = _interop.backend_of(x, name)
         if b != (backend, device_id):
             raise ValueError(f"{name} is on {_interop.describe(*b)} but q, k and v are on "
@@ -316,7 +317,7 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, dt)
     _check_kernel(kernel, backend)
 
     grads = None

@@ -10,6 +10,7 @@ is. Plots (matplotlib, the optional ``report`` extra, drawn off-screen with the 
   kernel;
 * ``fractions.png``: the error as a fraction of each bar (err/threshold, err/bound) per case;
 * ``properties.png``: the property audits as measured against limit;
+* ``gradients.png``: where the audit has a gradient section, dq, dk, dv against their thresholds;
 * ``prop_chunk_order.png``, ``prop_merge.png``, ``prop_overflow.png``,
   ``prop_alpha_underflow.png``: the recurrence's properties as pictures, computed here from
   :mod:`cuflash.reference` (float64) on small fresh examples.
@@ -164,6 +165,60 @@ def _plot_seqlen(cases: List[Dict[str, Any]], path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("Error against sequence length, per dtype and kernel (line: median per Sk)")
     _save(fig, path)
+
+
+def _plot_gradients(grads: List[Dict[str, Any]], path: str) -> None:
+    """Each gradient case's dq, dk, dv error against its threshold."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    markers = {"dq": "o", "dk": "s", "dv": "^"}
+    lo, hi = math.inf, 0.0
+    for name, marker in markers.items():
+        for dtype, color in _DTYPE_COLORS.items():
+            sel = [g for g in grads if g["dtype"] == dtype and name in g.get("err", {})]
+            if not sel:
+                continue
+            x = np.array([_positive(_num(g["threshold"][name])) for g in sel])
+            y = np.array([_positive(_num(g["err"][name])) for g in sel])
+            ok = np.array([g["result"] == "PASS" for g in sel])
+            ax.scatter(x[ok], y[ok], s=14, marker=marker, color=color, alpha=0.7,
+                       label=f"{name} {dtype}")
+            if (~ok).any():
+                ax.scatter(x[~ok], y[~ok], s=40, marker=marker, facecolors="none",
+                           edgecolors="red", label=f"{name} {dtype} FAIL")
+            fin = np.isfinite(x) & np.isfinite(y)
+            if fin.any():
+                lo = min(lo, np.min(x[fin]), np.min(y[fin]))
+                hi = max(hi, np.max(x[fin]), np.max(y[fin]))
+    if hi > 0:
+        line = np.array([lo / 2, hi * 2])
+        ax.plot(line, line, color="black", lw=1, label="error = threshold")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("threshold (2x naive backward)")
+    ax.set_ylabel("max abs error")
+    ax.set_title("Gradients: dq, dk, dv against their thresholds")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    _save(fig, path)
+
+
+def _grad_table(grads: List[Dict[str, Any]]) -> str:
+    names = ("dq", "dk", "dv")
+    head = ["dtype", "kernel", "shape", "causal"] + [f"{n} err / threshold" for n in names] \
+        + ["result"]
+    out = ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"]
+    for g in grads:
+        ok = g["result"] == "PASS"
+        cells = [g["dtype"], g["kernel"], g["shape"], "yes" if g["causal"] else "no"]
+        cells += [f"{_fmt(g['err'].get(n))} / {_fmt(g['threshold'].get(n))}" for n in names]
+        res = "<span class='pass'>PASS</span>" if ok else "<span class='fail-t'>FAIL</span>"
+        tds = "".join(f"<td class='l'>{_e(x)}</td>" if i < 4 else f"<td>{_e(x)}</td>"
+                      for i, x in enumerate(cells))
+        title = "" if ok else f" title='{_e('; '.join(g.get('reasons', [])))}'"
+        out.append(f"<tr class='{'' if ok else 'fail'}'{title}>{tds}<td>{res}</td></tr>")
+    out.append("</table>")
+    return "\n".join(out)
 
 
 def _plot_properties(props: List[Dict[str, Any]], path: str) -> None:
@@ -421,6 +476,7 @@ def write_report(directory: str, doc: Dict[str, Any]) -> str:
     os.makedirs(directory, exist_ok=True)
     cases = list(doc.get("cases", []))
     props = list(doc.get("properties", []))
+    grads = list((doc.get("gradients") or {}).get("cases", []))
     rng = np.random.default_rng([int(doc.get("seed") or 0), 16])
     figures, prop_figures = [], []   # (file, caption)
     if cases:
@@ -476,8 +532,18 @@ def write_report(directory: str, doc: Dict[str, Any]) -> str:
                      f"<figcaption>{_e(caption)}</figcaption></figure>")
     if props:
         parts.append(_prop_table(props))
-    parts += ["<h2>Pass rule</h2>", f"<pre>{_e(doc.get('pass_rule', ''))}</pre>",
-              "</body></html>"]
+    if grads:
+        _plot_gradients(grads, os.path.join(directory, "gradients.png"))
+        parts += ["<h2>Gradients (attention_backward)</h2>",
+                  "<figure><img src='gradients.png' alt='gradient errors against thresholds'>"
+                  "<figcaption>Each gradient case's dq, dk and dv error against its threshold."
+                  "</figcaption></figure>",
+                  "<details><summary>The gradient table</summary>", _grad_table(grads),
+                  "</details>"]
+    parts += ["<h2>Pass rule</h2>", f"<pre>{_e(doc.get('pass_rule', ''))}</pre>"]
+    if grads and (doc.get("gradients") or {}).get("pass_rule"):
+        parts += [f"<pre>{_e(doc['gradients']['pass_rule'])}</pre>"]
+    parts += ["</body></html>"]
     path = os.path.join(directory, "index.html")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(parts) + "\n")

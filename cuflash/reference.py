@@ -47,8 +47,11 @@ guard as the update).  Split-K decoding and multi-device attention rely on it.
 Tolerances
 ----------
 :func:`naive_attention` is what a user gets by writing matmul -> softmax -> matmul by hand in a
-given precision; its error against the float64 truth sets the bar a fused kernel must meet, see
-:func:`tolerance`.
+given precision; its error against the float64 truth sets the relative bar a fused kernel must
+meet, see :func:`tolerance`.  :func:`error_bound` is an a-priori forward-error bound from a
+correct kernel's own arithmetic, which no broken naive implementation can inflate (derived in
+``notes/ERROR_BOUND.md``).  :func:`pass_threshold` holds both as a :class:`PassRule`, whose
+:meth:`PassRule.judge` passes a result only under both: the project's one pass rule.
 """
 from __future__ import annotations
 
