@@ -289,6 +289,73 @@ struct Mma32Ops {
     }
 };
 
+// ---- P.V of a masked tile whose V holds a NaN or an infinity.
+// On a tile that needs the mask some rows do not see some keys; their P is 0 there, but a
+// tensor-core product still adds 0 * NaN = NaN (and 0 * inf) to those rows, where the mathematical
+// answer, and the float64 reference's, is that a key a row cannot see does not touch it. The
+// kernel finds such tiles (a scan of V on masked tiles only, tile_has_nonfinite) and computes their
+// P.V here instead, in float32 scalar arithmetic over the keys each row sees: NaN and inf then
+// reach exactly the rows that see them. It is the rare path (a non-finite value in V on a masked
+// tile): one key at a time, P taken from the lane that holds it with a shuffle.
+// `p_at(mt, h, j)` returns, called by every lane with the same j, key j's probability for the
+// lane's row of half h of m-tile mt; v_s is the tile in shared memory (row stride SV).
+template <int MT, int NT_O, int BN, int SV, bool CAUSAL, typename T, typename PAt, typename RowOf>
+__device__ __forceinline__ void pv_visible_keys(float (&acc_o)[MT][NT_O][4], PAt p_at,
+                                                const T* v_s, int key0, int sk, int diag,
+                                                RowOf row_of, int t4) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll 1
+        for (int j = 0; j < BN; ++j) {
+            const float p0 = p_at(mt, 0, j), p1 = p_at(mt, 1, j);
+            const int key = key0 + j;
+            bool vis0 = key < sk, vis1 = key < sk;
+            if (CAUSAL) {
+                vis0 = vis0 && key <= row_of(mt, 0) + diag;
+                vis1 = vis1 && key <= row_of(mt, 1) + diag;
+            }
+            const T* vrow = v_s + j * SV + 2 * t4;
+#pragma unroll
+            for (int nt = 0; nt < NT_O; ++nt) {
+                float x[2];  // this lane's two columns of n8 tile nt, one load
+                if constexpr (sizeof(T) == 4) {
+                    const float2 w = *reinterpret_cast<const float2*>(vrow + nt * 8);
+                    x[0] = w.x;
+                    x[1] = w.y;
+                } else {
+                    const unsigned int w = *reinterpret_cast<const unsigned int*>(vrow + nt * 8);
+                    x[0] = unpack_half<T>(w, false);
+                    x[1] = unpack_half<T>(w, true);
+                }
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (vis0) acc_o[mt][nt][e] += p0 * x[e];
+                    if (vis1) acc_o[mt][nt][2 + e] += p1 * x[e];
+                }
+            }
+        }
+    }
+}
+
+// Whether rows [row_from, ROWS) of a tile (row stride STRIDE elements, CHUNKS 16-byte chunks a
+// row) in shared memory hold a NaN or an infinity, over this thread's share of the chunks.
+template <typename T, int ROWS, int CHUNKS, int STRIDE, int THREADS>
+__device__ __forceinline__ bool tile_has_nonfinite(const T* smem, int row_from, int tid) {
+    constexpr int EPC = 16 / static_cast<int>(sizeof(T));
+    bool bad = false;
+#pragma unroll 1
+    for (int i = row_from * CHUNKS + tid; i < ROWS * CHUNKS; i += THREADS) {
+        const uint4 w = *reinterpret_cast<const uint4*>(smem + (i / CHUNKS) * STRIDE +
+                                                        (i % CHUNKS) * EPC);
+        if constexpr (sizeof(T) == 4)
+            bad = bad || nonfinite_word<float>(w.x) || nonfinite_word<float>(w.y) ||
+                  nonfinite_word<float>(w.z) || nonfinite_word<float>(w.w);
+        else
+            bad = bad || nonfinite16<T>(w);
+    }
+    return bad;
+}
+
 template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O,
           bool CAUSAL>
 __global__ void __launch_bounds__(32 * NWARPS, MINB)
@@ -380,14 +447,51 @@ cuflash_fwd_mma(const AttnParams p) {
         }
 
         cp_async_wait<0>();
-        __syncthreads();  // V_j landed; every warp is done with K_j
+        // V_j landed; every warp is done with K_j. Under the causal mask, a tile with keys that
+        // some row of the block does not see (from hidden on) is also scanned for NaN and
+        // infinities in V there (the OR over the block is the barrier): see pv_visible_keys.
+        // (Keys past Sk arrive as zeros, so without the causal mask every real key is seen by
+        // every row and no tile needs the scan.)
+        bool v_nonfinite = false;
+        const int hidden = row0 + diag + 1 - key0;  // first key of the tile row0 does not see
+        if (CAUSAL && hidden < BN)
+            v_nonfinite = __syncthreads_or(tile_has_nonfinite<T, BN, Cfg::CHUNKS, Cfg::SV,
+                                                              Cfg::THREADS>(
+                              v_s, hidden > 0 ? hidden : 0, tid)) != 0;
+        else
+            __syncthreads();
         if (j + 1 < n_tiles) {
             load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, key0 + BN, sk, d,
                                                                tid);
             cp_async_commit();
         }
-        if constexpr (Cfg::F32) ops.pv(acc_o, s);
-        else ops.pv(acc_o, pk);
+        if (v_nonfinite) {
+            // P of key j for this lane's row: held by lane 4 g + (j % 8) / 2 of the quad, in
+            // score tile j / 8, element j % 2 (+ 2 for the lower row half).
+            const auto p_at = [&](int mt, int h, int j) {
+                const int nt = j >> 3, src = (lane & ~3) | ((j & 7) >> 1);
+                const bool hi = (j & 1) != 0;
+                if constexpr (Cfg::F32) {
+                    float x = 0.f;
+#pragma unroll
+                    for (int n = 0; n < Cfg::NT_S; ++n)
+                        if (n == nt) x = hi ? s[mt][n][2 * h + 1] : s[mt][n][2 * h];
+                    return __shfl_sync(0xffffffffu, x, src);
+                } else {
+                    unsigned int w = 0u;
+#pragma unroll
+                    for (int n = 0; n < Cfg::NT_S; ++n)
+                        if (n == nt) w = pk[mt][n / 2][(n % 2) * 2 + h];
+                    return unpack_half<T>(__shfl_sync(0xffffffffu, w, src), hi);
+                }
+            };
+            pv_visible_keys<MT, Cfg::NT_O, BN, Cfg::SV, CAUSAL>(acc_o, p_at, v_s, key0, sk, diag,
+                                                                 row_of, t4);
+        } else if constexpr (Cfg::F32) {
+            ops.pv(acc_o, s);
+        } else {
+            ops.pv(acc_o, pk);
+        }
     }
     cp_async_wait<0>();  // nothing in flight when the block exits
 
@@ -399,7 +503,8 @@ cuflash_fwd_mma(const AttnParams p) {
     // (only this warp ever reads them), then writes whole rows with 16-byte coalesced stores
     // instead of 4- or 8-byte stores scattered over 8 rows. The barrier first makes sure no
     // thread's Q copy is still in flight (a block with no key tile never waited for Q).
-    T* o = static_cast<T*>(p.o) + batch_offsets(p, bc.b).o;
+    const long long b_idx = block_coord_again(p).b;
+    T* o = static_cast<T*>(p.o) + batch_offsets(p, b_idx).o;
     T* o_s = q_s + warp * MT * 16 * Cfg::SQK;
     if constexpr (STAGE_O) __syncthreads();
 #pragma unroll
@@ -413,7 +518,7 @@ cuflash_fwd_mma(const AttnParams p) {
             const bool empty = (l == 0.f);
             const float inv = empty ? 0.f : 1.f / l;
             if (p.lse != nullptr && t4 == 0 && row < sq) {
-                p.lse[bc.b * p.sq + row] = row_lse(m_run[mt][h], l, scale_log2);
+                p.lse[b_idx * p.sq + row] = row_lse(m_run[mt][h], l, scale_log2);
             }
             if (!STAGE_O && row >= sq) continue;
             T* dst = STAGE_O ? o_s + (mt * 16 + g + 8 * h) * Cfg::SQK

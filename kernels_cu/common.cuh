@@ -71,6 +71,28 @@ template <> __device__ __forceinline__ void store2<float>(float* dst, float a, f
     *reinterpret_cast<float2*>(dst) = make_float2(a, b);
 }
 
+// True when a 32-bit word of storage-type values holds a NaN or an infinity (exponent all ones).
+template <typename T> __device__ __forceinline__ bool nonfinite_word(unsigned int w);
+template <> __device__ __forceinline__ bool nonfinite_word<float>(unsigned int w) {
+    return (w & 0x7f800000u) == 0x7f800000u;
+}
+template <> __device__ __forceinline__ bool nonfinite_word<fp16_t>(unsigned int w) {
+    return (w & 0x7c00u) == 0x7c00u || (w & 0x7c000000u) == 0x7c000000u;
+}
+template <> __device__ __forceinline__ bool nonfinite_word<bf16_t>(unsigned int w) {
+    return (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
+}
+template <typename T> __device__ __forceinline__ bool nonfinite16(const uint4& x) {
+    return nonfinite_word<T>(x.x) || nonfinite_word<T>(x.y) || nonfinite_word<T>(x.z) ||
+           nonfinite_word<T>(x.w);
+}
+// One element of a packed pair of 16-bit values (hi = false: the low half, the first element).
+template <typename T> __device__ __forceinline__ float unpack_half(unsigned int w, bool hi) {
+    T x;
+    x.bits = static_cast<unsigned short>(hi ? (w >> 16) : (w & 0xffffu));
+    return to_float(x);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Math. The generic (audit) kernel uses the accurate library exp and log on natural-log scores, so
 // that the exponent s - m is formed before any irrational factor and is exact when s is near m; the
@@ -193,6 +215,14 @@ __device__ __forceinline__ BlockCoord block_coord(const AttnParams& p, unsigned 
 }
 __device__ __forceinline__ BlockCoord block_coord(const AttnParams& p) {
     return block_coord(p, blockIdx.x);
+}
+// The same, from a fresh read of the block index that the compiler cannot merge with the first:
+// for epilogues, so that the 64-bit batch index is recomputed after the main loop instead of
+// being held (or spilled) across it.
+__device__ __forceinline__ BlockCoord block_coord_again(const AttnParams& p) {
+    unsigned int flat;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(flat));
+    return block_coord(p, flat);
 }
 
 // Keys a block of query rows [row0, row0 + rows) needs: all of them, or under the causal mask up
@@ -535,6 +565,27 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 }
 __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// True on every thread of a warpgroup (128 threads, named barrier `id`) when `pred` holds on
+// any of them; also a barrier of the warpgroup.
+__device__ __forceinline__ bool warpgroup_any(bool pred, int id) {
+    unsigned int r;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\n"
+                 "bar.red.or.pred q, %2, 128, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+                 : "=r"(r) : "r"(static_cast<unsigned int>(pred)), "r"(id) : "memory");
+    return r != 0;
+}
+__device__ __forceinline__ uint4 lds_v4(unsigned int addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    return r;
+}
+__device__ __forceinline__ unsigned int lds_u32(unsigned int addr) {
+    unsigned int r;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(addr));
+    return r;
 }
 
 template <int N> __device__ __forceinline__ void regs_dealloc() {

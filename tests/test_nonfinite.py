@@ -211,7 +211,7 @@ def _check_case(case, value, o, lse, q, k, v, causal, dtype, scale=None):
 # ------------------------------------------------------------------------------------------------
 
 GPU_KERNELS = {"generic": ["float16", "bfloat16", "float32", "float64"],
-               "tensorcore": ["float16", "bfloat16"],
+               "tensorcore": ["float16", "bfloat16", "float32"],
                "hopper": ["float16", "bfloat16"]}
 GPU_PARAMS = [(kern, dt) for kern, dts in GPU_KERNELS.items() for dt in dts]
 
