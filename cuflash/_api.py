@@ -46,8 +46,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         results over disjoint key sets combine exactly through `merge_states`.
     out : array or (array, array), optional
         Buffer for ``o`` (shape ``(..., Sq, Dv)``, the input dtype, same device, contiguous last
-        axis), or with ``return_lse=True`` a pair ``(o, lse)`` (lse C-contiguous float32). When
-        given, nothing is allocated.
+        axis), or with ``return_lse=True`` a pair ``(o, lse)``, a tuple or a list of two (lse
+        C-contiguous float32). When given, nothing is allocated.
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on. Default: CuPy's current stream. The call never
         synchronises the device.
@@ -86,11 +86,14 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     Raises
     ------
     TypeError
-        Unsupported or mismatched dtypes, a non-array argument, a non-bool ``causal``.
+        Unsupported or mismatched dtypes, a non-array argument, a NumPy subclass (masked array,
+        ``np.matrix``), a non-bool ``causal``.
     ValueError
         Mismatched devices, fewer than 2 dimensions, a zero-length axis, mismatched D between q
         and k or Sk between k and v, a head dim over 256, batch axes that do not broadcast, an
-        ``out`` of the wrong shape, dtype, device or layout, a non-finite ``scale``.
+        ``out`` of the wrong shape, dtype, device or layout, a ``scale`` that is not finite or
+        not usable in the compute dtype (``scale * log2(e)`` outside float32's normal range for
+        16- and 32-bit inputs, float64's for float64).
 
     Notes
     -----

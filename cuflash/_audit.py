@@ -66,7 +66,7 @@ PASS_RULE = (
     "A = sum_j w_j |v_j| and sigma = sqrt(sum_j w_j v_j^2 - o^2) the spread of the values under "
     "the weights: B ~ rho * sigma + u_p * A + gamma * (A + |o|) + u * |o|, plus the float64 "
     "reference's own bound. rho = expm1(2 Delta), where Delta = (e_prod + 2 D ua) |scale| "
-    "max_j |q_i|.|k_j| + 6 ua max_j |s_ij| + 8 ua + (Sk/16 + 2) * 12 ua (+ u for 16-bit) bounds "
+    "max_j |q_i|.|k_j| + 12 ua max_j |s_ij| + 8 ua + (Sk/16 + 2) * 12 ua (+ u for 16-bit) bounds "
     "the error of every exponent s_j - m: float32 dot products (2 ua per addition, for "
     "truncating tensor-core adders), exp2 with the scale folded in, every rescale of the state "
     "(key tiles of at least 16). u_p is the rounding of P before P.V (u for 16-bit; 64 ua for "
@@ -137,19 +137,52 @@ def _bf16_on_cpu() -> bool:
         return False
 
 
-def _why_no_gpu() -> str:
-    """A short reason why no GPU is usable (best effort, for the messages)."""
+def _driver_loadable() -> bool:
+    """Whether the CUDA driver library (libcuda) can be loaded at all."""
+    import ctypes
+
+    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+    for lib in names:
+        try:
+            ctypes.CDLL(lib)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _no_gpu() -> Tuple[str, str]:
+    """Why no GPU is usable (best effort): a short sentence and the underlying detail (the
+    exception CuPy raised, or "")."""
     try:
         import cupy
     except Exception as exc:  # ImportError, or a broken CUDA install raising at import
-        return f"CuPy cannot be imported ({type(exc).__name__}: {exc})"
+        return "CuPy cannot be imported", f"{type(exc).__name__}: {exc}".replace("\n", " ")
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        return f"CuPy finds no CUDA device ({type(exc).__name__}: {exc})".replace("\n", " ")
+        detail = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        if "InsufficientDriver" in detail or "NoDevice" in detail or "driver" in detail.lower():
+            if not _driver_loadable():
+                return "no CUDA driver was found (libcuda cannot be loaded)", detail
+            if "InsufficientDriver" in detail:
+                return ("the CUDA driver is older than the CUDA runtime of this CuPy needs",
+                        detail)
+        return "CuPy finds no CUDA device", detail
     if n == 0:
-        return "CuPy reports 0 CUDA devices"
-    return "cuflash.gpu_available() returned False"
+        return "CuPy reports 0 CUDA devices", ""
+    return "cuflash.gpu_available() returned False", ""
+
+
+def _why_no_gpu() -> str:
+    """A short reason why no GPU is usable, with the detail in parentheses (for errors)."""
+    summary, detail = _no_gpu()
+    return f"{summary} ({detail})" if detail else summary
+
+
+def no_gpu_detail() -> str:
+    """The underlying error behind the no-GPU reason, for a second line of the device report."""
+    return _no_gpu()[1]
 
 
 class Device:
@@ -168,7 +201,10 @@ class Device:
                           and a.shape == b.shape and np.shares_memory(a, b))
 
     def default_dtypes(self) -> List[str]:
-        return ["float16", "float32", "float64"]
+        names = ["float16", "float32", "float64"]
+        if _bf16_on_cpu():  # ml_dtypes gives NumPy its bfloat16
+            names.insert(1, "bfloat16")
+        return names
 
     def supports(self, dtype: str) -> bool:
         return dtype != "bfloat16" or _bf16_on_cpu()
@@ -285,7 +321,7 @@ def select_device(requested: str) -> Tuple[Device, str]:
         raise AuditError(f"unknown device {requested!r}")
     if have:
         return GpuDevice(), "auto: cuflash.gpu_available() is True"
-    return Device(), f"auto: no usable CUDA GPU, so the NumPy path; {_why_no_gpu()}"
+    return Device(), f"auto: no usable CUDA GPU, so the NumPy path; {_no_gpu()[0]}"
 
 
 def resolve_dtypes(device: Device, requested: Sequence[str]) -> List[str]:
@@ -322,6 +358,9 @@ def versions() -> Dict[str, str]:
         v["ml_dtypes"] = ml_dtypes.__version__
     except ImportError:
         pass
+    for peer in ("torch", "jax"):  # the peers, when the audit imported them
+        if peer in sys.modules:
+            v[peer] = str(getattr(sys.modules[peer], "__version__", "unknown"))
     return v
 
 
@@ -421,6 +460,11 @@ class CaseResult:
     passed: bool = False
     reasons: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: max abs error of each peer's SDPA on the same inputs (NaN: it could not run them)
+    peer_err: Dict[str, float] = field(default_factory=dict)
+    #: the peer with the smallest error, and cuflash's error divided by it
+    peer_best: str = ""
+    ratio_to_peer: float = math.nan
 
     @property
     def kernel_short(self) -> str:
@@ -457,6 +501,9 @@ def lse_check(lse, lse_ref, dtype: str, extra: float = 0.0) -> Tuple[float, floa
     bad = int(np.count_nonzero(fin & ~np.isfinite(lse)))
     if bad:
         reasons.append(f"{bad} lse entries are not finite where the reference is")
+    missed = int(np.count_nonzero(np.isnan(lse_ref) & np.isfinite(lse)))
+    if missed:
+        reasons.append(f"{missed} lse entries are finite where the reference is NaN")
     rtol = LSE_RTOL[dtype]
     if fin.any():
         diff = np.abs(lse[fin] - lse_ref[fin])
@@ -526,6 +573,98 @@ def score_output(res: CaseResult, o: np.ndarray, lse, lse_ref: np.ndarray,
     return res
 
 
+# ----------------------------------------------------------------------------------------------
+# peers: the SDPA of PyTorch and JAX, when importable
+# ----------------------------------------------------------------------------------------------
+
+def available_peers() -> List[str]:
+    """Names of the peer libraries that can be imported here ("torch", "jax"); never required."""
+    import importlib.util
+
+    return [name for name in ("torch", "jax") if importlib.util.find_spec(name) is not None]
+
+
+def _flat_inputs(q, k, v):
+    """q, k, v broadcast to one batch shape and flattened to (B, S, D)."""
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    return batch, [np.array(np.broadcast_to(x, batch + x.shape[-2:]), copy=True)
+                   .reshape((-1,) + x.shape[-2:]) for x in (q, k, v)]
+
+
+def _peer_torch(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
+    """torch.nn.functional.scaled_dot_product_attention on the device (GPU when the audit runs
+    there and PyTorch sees CUDA), the causal mask given explicitly (bottom-right aligned)."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = "cuda" if device.name == "gpu" and torch.cuda.is_available() else "cpu"
+    tdt = getattr(torch, dtype)
+    batch, (qf, kf, vf) = _flat_inputs(q, k, v)
+    tq, tk, tv = (torch.from_numpy(x).to(device=dev, dtype=tdt) for x in (qf, kf, vf))
+    mask = None
+    if causal:
+        mask = torch.from_numpy(reference._causal_mask(q.shape[-2], k.shape[-2])).to(dev)
+    with torch.no_grad():
+        o = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, scale=scale)
+    return o.to(torch.float64).cpu().numpy().reshape(batch + (q.shape[-2], v.shape[-1]))
+
+
+def _peer_jax(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
+    """jax.nn.dot_product_attention on JAX's default device (heads as (B, T, N=1, H))."""
+    import jax
+    import jax.numpy as jnp
+
+    if q.shape[-1] != v.shape[-1]:
+        raise ValueError("jax.nn.dot_product_attention needs D == Dv")
+    if dtype == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError("float64 needs jax_enable_x64")
+    batch, (qf, kf, vf) = _flat_inputs(q, k, v)
+    jq, jk, jv = (jnp.asarray(x[:, :, None, :], dtype=dtype) for x in (qf, kf, vf))
+    mask = None
+    if causal:
+        mask = jnp.asarray(reference._causal_mask(q.shape[-2], k.shape[-2]))[None, None]
+    o = jax.nn.dot_product_attention(jq, jk, jv, mask=mask, scale=scale)
+    return np.asarray(o, dtype=np.float64)[:, :, 0, :].reshape(batch + (q.shape[-2], v.shape[-1]))
+
+
+#: name -> function(device, q, k, v, causal, scale, dtype) returning the output as float64.
+PEERS: Dict[str, Callable] = {"torch": _peer_torch, "jax": _peer_jax}
+
+
+def peer_errors(device: Device, peers: Sequence[str], q, k, v, causal, scale, dtype,
+                o_ref) -> Dict[str, float]:
+    """Max abs error of each peer against ``o_ref`` over the rows that see at least one key
+    (peers disagree on rows that see none: NaN or 0) and where the reference is finite; NaN for
+    a peer that cannot run these inputs."""
+    out = {}
+    sees = np.ones(o_ref.shape[:-1], dtype=bool)
+    if causal:
+        sees = np.broadcast_to(np.arange(q.shape[-2]) + (k.shape[-2] - q.shape[-2]) >= 0,
+                               o_ref.shape[:-1])
+    keep = sees[..., None] & np.isfinite(o_ref)
+    for name in peers:
+        try:
+            o = PEERS[name](device, q, k, v, causal, scale, dtype)
+            with np.errstate(invalid="ignore"):
+                diff = np.where(keep, np.abs(o - o_ref), 0.0)
+            out[name] = float(np.max(np.where(np.isnan(diff), math.inf, diff))) if diff.size \
+                else 0.0
+        except Exception:  # not installed right, no such dtype or device: not the audit's failure
+            out[name] = math.nan
+    return out
+
+
+def attach_peers(res: CaseResult, errs: Dict[str, float]) -> None:
+    """Record the peers' errors in ``res`` and cuflash's ratio to the best of them."""
+    res.peer_err = dict(errs)
+    ok = {n: e for n, e in errs.items() if not math.isnan(e)}
+    if ok:
+        res.peer_best = min(ok, key=ok.get)
+        best = ok[res.peer_best]
+        res.ratio_to_peer = (res.max_abs_err / best if best > 0
+                             else (0.0 if res.max_abs_err == 0 else math.inf))
+
+
 class Reference:
     """The float64 reference and the naive error for one set of rounded inputs, computed once
     (per float32 precision mode) and shared by every kernel audited on them."""
@@ -551,11 +690,12 @@ def _describe_exc(exc: BaseException) -> str:
 
 
 def run_inputs(device: Device, inp: Inputs, dtypes: Sequence[str],
-               raise_call_errors: bool = False) -> List[CaseResult]:
+               raise_call_errors: bool = False, peers: Sequence[str] = ()) -> List[CaseResult]:
     """Audit ``inp`` in every dtype and through every kernel the dispatcher may pick.
 
     With ``raise_call_errors`` a ValueError/TypeError from cuflash's argument checks propagates
     (used for user files: the message is the diagnosis); otherwise it is recorded as a FAIL.
+    ``peers``: names from :data:`PEERS` whose SDPA errors on the same inputs are recorded.
     """
     results = []
     try:
@@ -570,6 +710,7 @@ def run_inputs(device: Device, inp: Inputs, dtypes: Sequence[str],
         else:
             rq, rk, rv = (reference.round_to(x, dtype) for x in (inp.q, inp.k, inp.v))
         ref = Reference(rq, rk, rv, inp.causal, inp.scale, dtype)
+        peer_errs = None
         dq, dk, dv = (device.to_device(x.astype(npdt)) for x in (rq, rk, rv))
         try:
             kernels = device.kernels(dq, dk, dv, inp.causal)
@@ -604,6 +745,11 @@ def run_inputs(device: Device, inp: Inputs, dtypes: Sequence[str],
             _, lse_ref, rule = ref.get(spec_precision(kernel_arg))
             score_output(res, o_host, lse_host, lse_ref, rule,
                          lse_extra=_lse_extra(kernel_arg, rq, rk, inp.scale))
+            if peers:
+                if peer_errs is None:
+                    peer_errs = peer_errors(device, peers, rq, rk, rv, inp.causal, inp.scale,
+                                            dtype, rule.o_ref)
+                attach_peers(res, peer_errs)
             if out is not None and not (device.same_buffer(o, out[0])
                                         and device.same_buffer(lse, out[1])):
                 res.reasons.append("the returned (o, lse) are not the out= buffers")
@@ -877,10 +1023,21 @@ def load_npz(path: str, dtypes_requested: Sequence[str]) -> Tuple[Inputs, List[s
     values are then rounded to each).  Arrays the audit cannot take apart (no common supported
     dtype, fewer than 2 axes) come back with ``exact="raw"`` for :func:`preflight`.
     """
+    import zipfile
+
     try:
-        f = np.load(path, allow_pickle=False)
+        with open(path, "rb") as fh:
+            magic = fh.read(6)
     except FileNotFoundError:
         raise AuditError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise AuditError(f"{path}: cannot read it ({_describe_exc(exc)})") from None
+    if magic != b"\x93NUMPY" and not zipfile.is_zipfile(path):
+        # np.load would try pickle on anything else; a data file is never unpickled here.
+        raise AuditError(f"{path}: not a NumPy archive (an .npz is a zip file of .npy arrays; "
+                         "write one with numpy.savez(path, q=q, k=k, v=v))")
+    try:
+        f = np.load(path, allow_pickle=False)
     except Exception as exc:
         raise AuditError(f"{path}: cannot read it as an .npz archive ({_describe_exc(exc)})") \
             from None
@@ -933,6 +1090,26 @@ def load_npz(path: str, dtypes_requested: Sequence[str]) -> Tuple[Inputs, List[s
     return Inputs(q, k, v, causal, scale, label, exact=exact), dtypes
 
 
+def nonfinite_note(inp: Inputs) -> str:
+    """A sentence about NaN/inf in the inputs ("" when there are none): the audit then compares
+    the positions of non-finite outputs with the reference instead of their values."""
+    parts = []
+    for name in ("q", "k", "v"):
+        x = np.asarray(getattr(inp, name))
+        if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+            continue
+        xf = x.astype(np.float64)
+        n_nan, n_inf = int(np.isnan(xf).sum()), int(np.isinf(xf).sum())
+        if n_nan or n_inf:
+            parts.append(f"{name} holds " + " and ".join(
+                t for t in (f"{n_nan} NaN" if n_nan else "", f"{n_inf} inf" if n_inf else "") if t))
+    if not parts:
+        return ""
+    return ("inputs: " + "; ".join(parts) + ". NaN/inf outputs are compared by position with "
+            "the float64 reference (NaN where it is NaN, non-finite where it is inf), the other "
+            "elements by value.")
+
+
 def preflight(inp: Inputs, path: str):
     """Let cuflash's own argument checks judge arrays the audit cannot take apart (the NumPy path
     validates exactly like the GPU path), and raise AuditError with its message."""
@@ -965,16 +1142,46 @@ def _fmt_frac(x: float) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.3g}"
 
 
+class CaseTable:
+    """The case table with fixed column widths, so that rows can be printed as they arrive.
+    With ``peers`` it has two more columns: the peer with the smallest error and cuflash's error
+    divided by it."""
+
+    COLUMNS = [("dtype", 8, False), ("kernel", 10, False), ("shape (B,H,Sq,Sk,D,Dv)", 22, False),
+               ("causal", 6, False), ("max abs err", 11, True), ("rel err", 8, True),
+               ("naive err", 9, True), ("threshold", 9, True), ("err/thr", 7, True),
+               ("err/bound", 9, True), ("lse err", 8, True)]
+    PEER_COLUMNS = [("best peer", 12, True), ("err/peer", 8, True)]
+
+    def __init__(self, peers: bool = False):
+        self.columns = self.COLUMNS + (self.PEER_COLUMNS if peers else []) + [("result", 6, False)]
+
+    def _line(self, cells) -> str:
+        return "  ".join(str(c).rjust(w) if right else str(c).ljust(w)
+                         for c, (_, w, right) in zip(cells, self.columns)).rstrip()
+
+    def header(self) -> str:
+        return "\n".join([self._line([name for name, _, _ in self.columns]),
+                          "  ".join("-" * w for _, w, _ in self.columns)])
+
+    def row(self, r: CaseResult) -> str:
+        cells = case_row(r)
+        if len(self.columns) > len(self.COLUMNS) + 1:
+            best = (f"{r.peer_best} {_fmt(r.peer_err[r.peer_best])}" if r.peer_best
+                    else ("n/a" if r.peer_err else ""))
+            cells = cells[:-1] + [best, _fmt_frac(r.ratio_to_peer) if r.peer_best else "",
+                                  cells[-1]]
+        return self._line(cells)
+
+
 def format_cases(results: Sequence[CaseResult]) -> str:
-    head = ["dtype", "kernel", "shape (B,H,Sq,Sk,D,Dv)", "causal", "max abs err", "rel err",
-            "naive err", "threshold", "err/thr", "err/bound", "lse err", "result"]
-    rows = [case_row(r) for r in results]
-    table = _table(head, rows, right=range(4, 11))
-    return table + case_footnotes(results)
+    table = CaseTable(peers=any(r.peer_err for r in results))
+    return "\n".join([table.header()] + [table.row(r) for r in results]) \
+        + case_footnotes(results)
 
 
 def case_row(r: CaseResult) -> List[str]:
-    """One line of the case table (the columns of :func:`format_cases`)."""
+    """The cells of one line of the case table (without the peer columns)."""
     mark = "*" if r.naive_kind == "bound" else ("!" if not r.naive_informative else " ")
     return [r.dtype, r.kernel_short, r.shape, "yes" if r.causal else "no", _fmt(r.max_abs_err),
             _fmt(r.rel_err), _fmt(r.naive_err) + mark, _fmt(r.threshold),
@@ -988,6 +1195,10 @@ def case_footnotes(results: Sequence[CaseResult]) -> str:
         notes += ("\n* float64: the naive float64 implementation is the float64 reference "
                   "itself, so its\n  forward-error bound stands in for its (zero) measured "
                   "error; see --help.")
+    if any(r.peer_err for r in results):
+        notes += ("\nbest peer: the smallest max abs error of the SDPA of "
+                  + ", ".join(sorted({n for r in results for n in r.peer_err}))
+                  + " on the same inputs (rows that see a key); err/peer = cuflash's error / it.")
     if any(not r.naive_informative and r.naive_kind != "bound" for r in results):
         notes += (f"\n! the naive error exceeds {reference.NAIVE_INFORMATIVE_FRACTION:g} of "
                   "max|o_ref|: the 2x-naive comparison is uninformative\n  there, and the "
@@ -1082,11 +1293,19 @@ Progress = Callable[[int], None]
 
 
 def run_grid(device: Device, shapes: Sequence[Shape], dtypes: Sequence[str], seed: int,
-             progress: Optional[Progress] = None) -> List[CaseResult]:
+             progress: Optional[Progress] = None,
+             on_result: Optional[Callable[[CaseResult], None]] = None,
+             peers: Sequence[str] = ()) -> List[CaseResult]:
+    """Audit every grid shape; ``on_result`` sees each case as soon as it is judged,
+    ``progress(1)`` is called after each shape."""
     results = []
     for index, shape in enumerate(shapes):
         inp = draw_inputs(shape, seed, index)
-        results.extend(run_inputs(device, inp, dtypes))
+        batch = run_inputs(device, inp, dtypes, peers=peers)
+        results.extend(batch)
+        if on_result is not None:
+            for r in batch:
+                on_result(r)
         if progress is not None:
             progress(1)
     return results

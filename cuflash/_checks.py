@@ -101,15 +101,30 @@ def _check_array_dtype(name, x):
     return n
 
 
-def check_scale(scale, d):
-    """The softmax scale as a Python float; defaults to 1/sqrt(D)."""
+def check_scale(scale, d, dtype="float64"):
+    """The softmax scale as a Python float; defaults to 1/sqrt(D).
+
+    It must be finite and usable in the compute dtype of ``dtype`` (float32 for float16,
+    bfloat16 and float32 inputs, float64 for float64): the kernels fold ``scale * log2(e)`` into
+    one multiplication, so that product must be a finite normal number there (or the scale 0).
+    """
     if scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    scale = float(scale)
+    try:
+        scale = float(scale)
+    except OverflowError:
+        raise ValueError(f"scale must be finite, got {scale!r}, which overflows a float") from None
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    compute = np.finfo(np.float64 if dtype == "float64" else np.float32)
+    folded = abs(scale) * math.log2(math.e)
+    if scale != 0 and not float(compute.tiny) <= folded <= float(compute.max):
+        raise ValueError(
+            f"scale={scale!r} is not usable with {dtype} inputs: scale * log2(e) must lie within "
+            f"the normal range of the {compute.dtype} computation "
+            f"[{float(compute.tiny):.3g}, {float(compute.max):.3g}] (or scale be 0)")
     return scale
 
 
@@ -141,6 +156,7 @@ def _check_kernel(kernel, backend):
 def _check_out(name, buf, shape, dtype, backend, device_id, check_dtype_name=None):
     if buf is None:
         return None
+    _refuse_subclass(name, buf)
     b_backend, b_dev = _interop.backend_of(buf, name)
     if b_backend != backend or (backend == "gpu" and b_dev != device_id):
         raise ValueError(
@@ -160,6 +176,18 @@ def _check_out(name, buf, shape, dtype, backend, device_id, check_dtype_name=Non
     return buf
 
 
+def _refuse_subclass(name, x):
+    """NumPy subclasses (masked arrays, np.matrix) would lose their meaning or break indexing
+    inside the CPU path: refuse them up front, naming the argument."""
+    if isinstance(x, np.ndarray) and type(x) is not np.ndarray:
+        kind = f"{type(x).__module__}.{type(x).__name__}"
+        hint = (" (its mask would be ignored: fill or drop the masked entries, then pass "
+                "np.asarray of the result)" if isinstance(x, np.ma.MaskedArray) else
+                " (pass np.asarray of it)")
+        raise TypeError(f"{name} is a {kind}, a subclass of numpy.ndarray; expected a plain "
+                        f"numpy.ndarray{hint}")
+
+
 def _check_qkv(q, k, v):
     """The checks `attention` and `attention_backward` share on q, k, v: one backend and device,
     at least 2 dimensions, no zero-length axis, one supported dtype, matching D and Sk, head dims
@@ -167,6 +195,8 @@ def _check_qkv(q, k, v):
 
     Returns (backend, device_id, q, k, v as backend arrays, dtype name, batch shape, sq, sk, d, dv).
     """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _refuse_subclass(name, x)
     backends = [_interop.backend_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     if len(set(backends)) != 1:
         desc = ", ".join(f"{n} on {_interop.describe(*b)}" for n, b in zip("qkv", backends))
@@ -213,16 +243,16 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    scale = check_scale(scale, d)
+    scale = check_scale(scale, d, dt)
     _check_kernel(kernel, backend)
     precision = check_precision(precision)
 
     out_o = out_lse = None
     if out is not None:
-        if isinstance(out, tuple):
+        if isinstance(out, (tuple, list)):
             if not return_lse or len(out) != 2:
-                raise ValueError("out may be a pair (o, lse) only with return_lse=True; "
-                                 "otherwise pass the o buffer alone")
+                raise ValueError("out may be a pair (o, lse) (a tuple or a list of two) only "
+                                 "with return_lse=True; otherwise pass the o buffer alone")
             out_o, out_lse = out
         else:
             out_o = out
@@ -326,6 +356,8 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
 def check_merge(o_a, lse_a, o_b, lse_b):
     """Validate `merge_states` arguments; returns (backend, device_id, arrays, dtype name)."""
     items = (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b))
+    for name, x in items:
+        _refuse_subclass(name, x)
     backends = [_interop.backend_of(x, n) for n, x in items]
     if len(set(backends)) != 1:
         desc = ", ".join(f"{n} on {_interop.describe(*b)}" for (n, _), b in zip(items, backends))

@@ -75,11 +75,13 @@ def generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Plan:
 #: BM = 16 * MT * warps query rows per block. See kernels_cu/attn_mma.cu and notes/PERF.md: on an
 #: H200 the staged epilogue changed speed by -1% to +6% at S = 512-2048 (gains mostly at S = 512),
 #: and at D = 64 one m-tile per warp with 4 blocks per SM gained another 1-13%
-#: (benchmarks/tune.py --kernel tensorcore, 2026-11-30).
+#: (benchmarks/tune.py --kernel tensorcore, 2026-11-30). D = 128 takes 48-key tiles on sm_90 too
+#: since the scan and scalar P.V of non-finite V on masked tiles (attn_mma.cu:
+#: pv_visible_keys) came in: at 64 keys its causal form spilled 8 bytes (NVRTC 13.0, 2026-12-01).
 TC_CONFIGS = {
     64: (64, 4, 1, 4, True),
     96: (64, 4, 2, 2, True),
-    128: (64, 4, 2, 2, True),
+    128: (48, 4, 2, 2, True),
     192: (64, 4, 1, 2, True),
     256: (64, 4, 1, 2, True),
 }
@@ -97,15 +99,15 @@ TC_DTYPES = ("float16", "bfloat16", "float32")
 #: BN = 32 is 91 KiB, two blocks per SM on Hopper. Registers set the key tile width: the split form
 #: ("highest") keeps, beside O's D / 2 accumulators per thread, the scores' small products and the
 #: per-tile P.V accumulators; at BN = 64 it spilled from D = 96 on (NVRTC 13, sm_90), D = 128
-#: spilled on sm_80 with the staged epilogue and D = 192 at BN = 32, and at D = 256, where O alone
-#: takes 128 registers, every tile shape spilled, so "highest" stops at D = 192 (larger head dims
-#: take the generic kernel; see tensorcore_reason).
+#: spilled on sm_80 with the staged epilogue, D = 192 spilled at BN = 32 and, once the scalar P.V
+#: of non-finite V on masked tiles came in, at BN = 16 too, and at D = 256, where O alone takes 128
+#: registers, every tile shape spilled. So "highest" stops at D = 128 (larger head dims take the
+#: generic kernel; see tensorcore_reason).
 TC_F32_CONFIGS = {
     (32, "highest"): (64, 4, 1, 2, True),
     (64, "highest"): (64, 4, 1, 2, True),
     (96, "highest"): (32, 4, 1, 2, True),
     (128, "highest"): (32, 4, 1, 2, False),
-    (192, "highest"): (16, 4, 1, 2, True),
     (32, "high"): (64, 4, 1, 2, True),
     (64, "high"): (64, 4, 1, 2, True),
     (96, "high"): (64, 4, 1, 2, True),
@@ -333,7 +335,7 @@ def all_specialisations(compute_capability: int = 90):
                 for causal in (False, True):
                     plans.append(tensorcore_plan(dt, dpad, causal, compute_capability, precision))
     if compute_capability == 90:
-        for dt in TC_DTYPES:
+        for dt in HOPPER_DTYPES:
             for dpad, causal, long_keys in HOPPER_TABLE:
                 plans.append(hopper_plan(dt, dpad, causal, HOPPER_LONG_SK + long_keys))
     return plans

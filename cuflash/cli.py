@@ -6,6 +6,7 @@ formatting live in :mod:`cuflash._audit`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -46,12 +47,94 @@ def _help() -> str:
     return HELP.replace("{rule}", PASS_RULE).replace("{grad_rule}", GRAD_RULE)
 
 
+def _check_writable(path: str, what: str) -> None:
+    """Fail now, with exit status 2, if ``path`` (a file to be written at the end) cannot be
+    created: better than a traceback after the whole audit has run."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise _InputError(f"{what} {path}: directory {parent} does not exist")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise _InputError(f"{what} {path}: cannot write it ({exc.strerror})") from None
+    if not existed:
+        os.remove(path)
+
+
+def _check_report_dir(path: str) -> None:
+    """--report DIR: matplotlib must be importable and DIR creatable and writable, checked
+    before the audit runs."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise _InputError("--report needs matplotlib, which is not installed "
+                          "(pip install \"cuflash[report]\")") from None
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise _InputError(f"--report {path}: exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise _InputError(f"--report {path}: cannot create it ({exc.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise _InputError(f"--report {path}: the directory is not writable")
+
+
 def _parse_seed(text):
     try:
         return int(text)
     except ValueError:
         raise click.BadParameter(f"expected an integer or 'random', got {text!r}",
                                  param_hint="--seed") from None
+
+
+class _Progress:
+    """Progress that also works in logs: on a terminal, a line on stderr redrawn in place (and
+    cleared while a table row is printed); otherwise, a plain line every ``every`` seconds."""
+
+    def __init__(self, total: int, every: float):
+        self.total, self.every = total, every
+        self.done = self.cases = self.failed = 0
+        self.t0 = self.last = time.perf_counter()
+        self.tty = sys.stdout.isatty() and sys.stderr.isatty()
+
+    def _text(self) -> str:
+        return (f"auditing: {self.done}/{self.total} shapes, {self.cases} cases, "
+                f"{self.failed} failed, {time.perf_counter() - self.t0:.0f} s")
+
+    def _draw(self):
+        if self.tty:
+            width = 30
+            fill = int(width * self.done / max(1, self.total))
+            sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self._text()}\033[K")
+            sys.stderr.flush()
+
+    def result(self, line: str, passed: bool):
+        """Print a table row as its case is judged."""
+        self.cases += 1
+        self.failed += not passed
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+        click.echo(line)
+        self._draw()
+
+    def step(self, n: int = 1):
+        self.done += n
+        now = time.perf_counter()
+        if self.tty:
+            self._draw()
+        elif now - self.last >= self.every:
+            self.last = now
+            click.echo(self._text(), err=True)
+
+    def close(self):
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+        elif self.total:
+            click.echo(self._text() + " (done)", err=True)
 
 
 @click.command(help=_help(), context_settings={"help_option_names": ["-h", "--help"]})
@@ -63,17 +146,29 @@ def _parse_seed(text):
 @click.option("--dtype", "dtypes", multiple=True,
               type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
               help="Restrict (or, with FILE, cast) to these dtypes; repeat for several. "
-                   "Default: float16, bfloat16 (GPU with ml_dtypes), float32, float64.")
+                   "Default: float16, bfloat16 (with ml_dtypes), float32, float64.")
 @click.option("--seed", default="0", show_default=True,
               help="Seed of the random inputs, or 'random' for a fresh one (printed). A fixed "
                    "default makes the standard audit reproducible run to run.")
 @click.option("--quick", is_flag=True, help="A small subset of the grid (seconds).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Also write every result, the device, versions and the seed as JSON.")
-def main(file, device_name, dtypes, seed, quick, json_path):
+@click.option("--report", "report_dir", type=click.Path(file_okay=False),
+              help="Also write a self-contained HTML report with PNG plots into this directory "
+                   "(created if needed; needs matplotlib: pip install cuflash[report]).")
+@click.option("--peers/--no-peers", default=True, show_default=True,
+              help="Also measure the SDPA of PyTorch and JAX on the same inputs, where they "
+                   "can be imported, and report cuflash's error over the best of them.")
+@click.option("--progress-every", type=float, default=5.0, show_default=True,
+              help="Seconds between progress lines when stdout is not a terminal (a log).")
+def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, progress_every):
     from cuflash import _audit, _audit_grad
 
     t0 = time.perf_counter()
+    if json_path:
+        _check_writable(json_path, "--json")
+    if report_dir:
+        _check_report_dir(report_dir)
     try:
         device, reason = _audit.select_device(device_name)
         # With FILE and no --dtype, the file's own dtype is audited.
@@ -81,20 +176,38 @@ def main(file, device_name, dtypes, seed, quick, json_path):
     except _audit.AuditError as exc:
         raise _InputError(str(exc)) from None
     click.echo(f"device: {device.name} ({reason})")
+    if device.name == "cpu" and device_name == "auto":
+        detail = _audit.no_gpu_detail()
+        if detail:
+            click.echo(f"        detail: {detail}")
+    peer_names = _audit.available_peers() if peers else []
+    if peer_names:
+        click.echo(f"peers: {', '.join(peer_names)} (their SDPA on the same inputs; --no-peers "
+                   "to skip)")
 
     props, grads = [], []
+    table = _audit.CaseTable(peers=bool(peer_names))
     if file is None:
         mode = "standard"
         seed = _audit.new_seed() if seed == "random" else _parse_seed(seed)
         shapes = _audit.standard_grid(quick)
         click.echo(f"seed: {seed}   dtypes: {', '.join(dtypes)}   "
                    f"{len(shapes)} shapes{' (--quick)' if quick else ''}")
-        with click.progressbar(length=len(shapes) + 1, label="auditing", file=sys.stderr,
-                               show_pos=True) as bar:
-            cases = _audit.run_grid(device, shapes, dtypes, seed, progress=bar.update)
-            props = _audit.property_audits(device, dtypes, seed)
-            grads = _audit_grad.run_grid(device, dtypes, seed, quick)
-            bar.update(1)
+        click.echo("")
+        click.echo(table.header())
+        progress = _Progress(len(shapes), progress_every)
+        try:
+            cases = _audit.run_grid(device, shapes, dtypes, seed, progress=progress.step,
+                                    on_result=lambda r: progress.result(table.row(r), r.passed),
+                                    peers=peer_names)
+        finally:
+            progress.close()
+        click.echo(_audit.case_footnotes(cases).lstrip("\n"))
+        click.echo("")
+        click.echo("property audits (recurrence, merge, overflow, underflow) ...")
+        props = _audit.property_audits(device, dtypes, seed)
+        click.echo("gradient audits (attention_backward: dq, dk, dv) ...")
+        grads = _audit_grad.run_grid(device, dtypes, seed, quick)
     else:
         mode = "file"
         seed = None
@@ -105,7 +218,11 @@ def main(file, device_name, dtypes, seed, quick, json_path):
             click.echo(f"file: {file}   q {inp.q.shape}, k {inp.k.shape}, v {inp.v.shape}   "
                        f"causal={inp.causal}   scale={'default' if inp.scale is None else inp.scale}"
                        f"   dtypes: {', '.join(dtypes)}")
-            cases = _audit.run_inputs(device, inp, dtypes, raise_call_errors=True)
+            note = _audit.nonfinite_note(inp)
+            if note:
+                click.echo(note)
+            cases = _audit.run_inputs(device, inp, dtypes, raise_call_errors=True,
+                                      peers=peer_names)
             ginp, gdtypes = _audit_grad.inputs_from_npz(file, dtypes)
             if ginp is not None:
                 grads = _audit_grad.run_inputs(device, ginp, gdtypes, raise_call_errors=True)
@@ -113,9 +230,9 @@ def main(file, device_name, dtypes, seed, quick, json_path):
             raise _InputError(str(exc)) from None
         except (ValueError, TypeError) as exc:
             raise _InputError(f"{file}: {exc}") from None
+        click.echo("")
+        click.echo(_audit.format_cases(cases))
 
-    click.echo("")
-    click.echo(_audit.format_cases(cases))
     if props:
         click.echo("")
         click.echo(_audit.format_properties(props))
@@ -132,15 +249,21 @@ def main(file, device_name, dtypes, seed, quick, json_path):
     n_pass = sum(r.passed for r in cases) + sum(p.passed for p in props) + \
         sum(g.passed for g in grads)
     elapsed = time.perf_counter() - t0
+    doc = _audit.to_json(device=device, reason=reason, seed=seed, mode=mode, cases=cases,
+                         props=props, dtypes=dtypes, file=file, seconds=elapsed)
+    doc["gradients"] = _audit_grad.to_json(grads)
+    doc["summary"] = {**doc["summary"], "passed": n_pass, "failed": n_all - n_pass,
+                      "gradient_cases": len(grads)}
     if json_path:
-        doc = _audit.to_json(device=device, reason=reason, seed=seed, mode=mode, cases=cases,
-                             props=props, dtypes=dtypes, file=file, seconds=elapsed)
-        doc["gradients"] = _audit_grad.to_json(grads)
-        doc["summary"] = {**doc["summary"], "passed": n_pass, "failed": n_all - n_pass,
-                          "gradient_cases": len(grads)}
         with open(json_path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2, allow_nan=False)
             fh.write("\n")
+    if report_dir:
+        from cuflash import _report
+
+        index = _report.write_report(report_dir, doc)
+        click.echo("")
+        click.echo(f"report: {index}")
     click.echo("")
     click.echo(f"elapsed: {elapsed:.1f} s")
     click.echo(f"{n_pass} passed, {n_all - n_pass} failed")

@@ -529,7 +529,7 @@ def _bound_one(w, o, a, sd, sig, mx, n_vis, v1, d, dtype, key_tile, rounded_scor
     # products and D additions, each addition 2 ua to allow truncating tensor-core adders), the
     # scaling and the max subtraction (a few roundings of numbers <= max|s|), the exp of the
     # weight, and every rescale of l and O (exp of the max difference, the multiplications).
-    delta = ((c["e_prod"] + 2.0 * d * ua) * sig + 6.0 * ua * mx + c["e_exp"]
+    delta = ((c["e_prod"] + 2.0 * d * ua) * sig + 12.0 * ua * mx + c["e_exp"]
              + n_r * (c["e_exp"] + 4.0 * ua))
     if c["sixteen"]:
         delta = delta + u   # P rounded to the dtype also in the sum l (as a naive softmax does)

@@ -290,48 +290,46 @@ struct Mma32Ops {
 };
 
 // ---- P.V of a masked tile whose V holds a NaN or an infinity.
-// On a tile that needs the mask some rows do not see some keys; their P is 0 there, but a
+// Under the causal mask some rows do not see some keys of a tile; their P is 0 there, but a
 // tensor-core product still adds 0 * NaN = NaN (and 0 * inf) to those rows, where the mathematical
 // answer, and the float64 reference's, is that a key a row cannot see does not touch it. The
-// kernel finds such tiles (a scan of V on masked tiles only, tile_has_nonfinite) and computes their
-// P.V here instead, in float32 scalar arithmetic over the keys each row sees: NaN and inf then
-// reach exactly the rows that see them. It is the rare path (a non-finite value in V on a masked
-// tile): one key at a time, P taken from the lane that holds it with a shuffle.
-// `p_at(mt, h, j)` returns, called by every lane with the same j, key j's probability for the
-// lane's row of half h of m-tile mt; v_s is the tile in shared memory (row stride SV).
-template <int MT, int NT_O, int BN, int SV, bool CAUSAL, typename T, typename PAt, typename RowOf>
-__device__ __forceinline__ void pv_visible_keys(float (&acc_o)[MT][NT_O][4], PAt p_at,
+// kernel finds such tiles (a scan of V from the first key the block's first row does not see,
+// tile_has_nonfinite) and computes their P.V here instead, in float32 scalar arithmetic over the
+// keys each row sees: NaN and inf then reach exactly the rows that see them. It is the rare path
+// (a non-finite value in V on a diagonal tile), written for few registers, not speed: each warp
+// parks its P (as the product would take it: 16-bit P for 16-bit inputs) in its own Q rows of
+// shared memory, which only it reads, KC keys at a time, and the block reloads Q afterwards.
+// `ps` is this warp's m-tile scratch (16 rows of SP elements of P's type PT).
+template <int NT_O, int KC, int SP, int SV, bool CAUSAL, typename T, typename PT, typename RowOf>
+__device__ __forceinline__ void pv_visible_keys(float (&acc_o)[NT_O][4], const PT* ps,
                                                 const T* v_s, int key0, int sk, int diag,
-                                                RowOf row_of, int t4) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+                                                RowOf row_of, int g, int t4) {
 #pragma unroll 1
-        for (int j = 0; j < BN; ++j) {
-            const float p0 = p_at(mt, 0, j), p1 = p_at(mt, 1, j);
-            const int key = key0 + j;
-            bool vis0 = key < sk, vis1 = key < sk;
-            if (CAUSAL) {
-                vis0 = vis0 && key <= row_of(mt, 0) + diag;
-                vis1 = vis1 && key <= row_of(mt, 1) + diag;
+    for (int j = 0; j < KC; ++j) {
+        const float p0 = to_float(ps[g * SP + j]), p1 = to_float(ps[(g + 8) * SP + j]);
+        const int key = key0 + j;
+        bool vis0 = key < sk, vis1 = key < sk;
+        if (CAUSAL) {
+            vis0 = vis0 && key <= row_of(0) + diag;
+            vis1 = vis1 && key <= row_of(1) + diag;
+        }
+        const T* vrow = v_s + j * SV + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+            float x[2];  // this lane's two columns of n8 tile nt, one load
+            if constexpr (sizeof(T) == 4) {
+                const float2 w = *reinterpret_cast<const float2*>(vrow + nt * 8);
+                x[0] = w.x;
+                x[1] = w.y;
+            } else {
+                const unsigned int w = *reinterpret_cast<const unsigned int*>(vrow + nt * 8);
+                x[0] = unpack_half<T>(w, false);
+                x[1] = unpack_half<T>(w, true);
             }
-            const T* vrow = v_s + j * SV + 2 * t4;
 #pragma unroll
-            for (int nt = 0; nt < NT_O; ++nt) {
-                float x[2];  // this lane's two columns of n8 tile nt, one load
-                if constexpr (sizeof(T) == 4) {
-                    const float2 w = *reinterpret_cast<const float2*>(vrow + nt * 8);
-                    x[0] = w.x;
-                    x[1] = w.y;
-                } else {
-                    const unsigned int w = *reinterpret_cast<const unsigned int*>(vrow + nt * 8);
-                    x[0] = unpack_half<T>(w, false);
-                    x[1] = unpack_half<T>(w, true);
-                }
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    if (vis0) acc_o[mt][nt][e] += p0 * x[e];
-                    if (vis1) acc_o[mt][nt][2 + e] += p1 * x[e];
-                }
+            for (int e = 0; e < 2; ++e) {
+                if (vis0) acc_o[nt][e] += p0 * x[e];
+                if (vis1) acc_o[nt][2 + e] += p1 * x[e];
             }
         }
     }
@@ -460,33 +458,49 @@ cuflash_fwd_mma(const AttnParams p) {
                               v_s, hidden > 0 ? hidden : 0, tid)) != 0;
         else
             __syncthreads();
-        if (j + 1 < n_tiles) {
-            load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, key0 + BN, sk, d,
-                                                               tid);
-            cp_async_commit();
-        }
+        const auto load_next_k = [&]() {
+            if (j + 1 < n_tiles) {
+                load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, key0 + BN, sk,
+                                                                   d, tid);
+                cp_async_commit();
+            }
+        };
+        if (!v_nonfinite) load_next_k();
         if (v_nonfinite) {
-            // P of key j for this lane's row: held by lane 4 g + (j % 8) / 2 of the quad, in
-            // score tile j / 8, element j % 2 (+ 2 for the lower row half).
-            const auto p_at = [&](int mt, int h, int j) {
-                const int nt = j >> 3, src = (lane & ~3) | ((j & 7) >> 1);
-                const bool hi = (j & 1) != 0;
-                if constexpr (Cfg::F32) {
-                    float x = 0.f;
+            // The rare tile of pv_visible_keys (block-uniform: the scan's OR). K_j's buffer is
+            // free (the next K tile is requested after this), and each warp parks its P there,
+            // in a region of its own, KC keys at a time.
+            using PT = typename Select<Cfg::F32, float, T>::type;  // P as the product takes it
+            constexpr int REGION = BN * Cfg::SQK * static_cast<int>(sizeof(T)) / NWARPS;  // bytes
+            constexpr int SP = REGION / 16 / static_cast<int>(sizeof(PT));  // row stride of P
+            constexpr int KC = (SP >= BN ? BN : SP >= 32 && BN % 32 == 0 ? 32 : 16 <= SP ? 16 : 8);
+            static_assert(BN % KC == 0 && KC <= SP, "the scratch passes must tile the key tile");
+            PT* ps = reinterpret_cast<PT*>(reinterpret_cast<unsigned char*>(k_s) + warp * REGION);
 #pragma unroll
-                    for (int n = 0; n < Cfg::NT_S; ++n)
-                        if (n == nt) x = hi ? s[mt][n][2 * h + 1] : s[mt][n][2 * h];
-                    return __shfl_sync(0xffffffffu, x, src);
-                } else {
-                    unsigned int w = 0u;
+            for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-                    for (int n = 0; n < Cfg::NT_S; ++n)
-                        if (n == nt) w = pk[mt][n / 2][(n % 2) * 2 + h];
-                    return unpack_half<T>(__shfl_sync(0xffffffffu, w, src), hi);
+                for (int c0 = 0; c0 < BN; c0 += KC) {
+                    __syncwarp();  // the previous pass's reads are done
+#pragma unroll
+                    for (int nt = c0 / 8; nt < (c0 + KC) / 8; ++nt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            PT* dst = ps + (g + 8 * h) * SP + nt * 8 - c0 + 2 * t4;
+                            if constexpr (Cfg::F32)
+                                *reinterpret_cast<float2*>(dst) =
+                                    make_float2(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+                            else
+                                *reinterpret_cast<unsigned int*>(dst) =
+                                    pk[mt][nt / 2][(nt % 2) * 2 + h];
+                        }
+                    __syncwarp();
+                    pv_visible_keys<Cfg::NT_O, KC, SP, Cfg::SV, CAUSAL>(
+                        acc_o[mt], ps, v_s + c0 * Cfg::SV, key0 + c0, sk, diag,
+                        [&](int h) { return row_of(mt, h); }, g, t4);
                 }
-            };
-            pv_visible_keys<MT, Cfg::NT_O, BN, Cfg::SV, CAUSAL>(acc_o, p_at, v_s, key0, sk, diag,
-                                                                 row_of, t4);
+            }
+            __syncthreads();  // every warp is done with K_j's buffer
+            load_next_k();
         } else if constexpr (Cfg::F32) {
             ops.pv(acc_o, s);
         } else {

@@ -83,7 +83,7 @@ def test_vacuous_naive_comparison_is_caught():
     verdict = rule.judge(naive)
     assert verdict.frac_threshold <= 1.0
     # ... the bound does not, nor does it pass zeros or an output off by its own size.
-    assert not verdict.passed and verdict.frac_bound > 10
+    assert not verdict.passed and verdict.frac_bound > 3
     assert rule.judge(np.zeros_like(rule.o_ref)).frac_bound > 10
     assert not rule.judge(rule.o_ref + 0.5 * size).passed
     # Correct arithmetic passes: the CPU path and the tensor-core model.

@@ -80,12 +80,12 @@ def test_matches_reference(sq, sk, causal, precision):
 @pytest.mark.parametrize("d", [4, 12, 36, 64, 100, 128, 160, 192, 256])
 def test_head_dims(d, causal, precision):
     """Every float32 head-dim bucket (zero-padded head dims between them); "highest" stops at
-    D = 192 on the tensor cores and takes the generic kernel above (the label says which)."""
+    D = 128 on the tensor cores and takes the generic kernel above (the label says which)."""
     _needs_tensorcores()
     q, k, v = random_inputs(_rng("f32hd", d, causal, precision), (2,), (2,), 113, 200, d, d,
                             "float32")
     o, lse, label = _run(q, k, v, causal=causal, precision=precision)
-    if precision == "highest" and d > 192:
+    if precision == "highest" and d > 128:
         assert label.startswith("generic<float32"), label
     else:
         assert label.startswith("tensorcore<float32"), label
@@ -127,6 +127,9 @@ def test_epilogues(sq, sk, d, causal, precision, stage_o, monkeypatch):
     """Both epilogues (O staged through shared memory, or stored from registers), blocks with no
     key tile included (Sq > Sk, causal)."""
     _needs_tensorcores()
+    if precision == "highest" and d > max(_dispatch.f32_head_dims("highest")):
+        pytest.skip(f"precision='highest' takes D <= {max(_dispatch.f32_head_dims('highest'))} "
+                    "on the tensor cores")
     cfg = {key: val[:4] + (stage_o,) for key, val in _dispatch.TC_F32_CONFIGS.items()}
     monkeypatch.setattr(_dispatch, "TC_F32_CONFIGS", cfg)
     q, k, v = random_inputs(_rng("f32epi", sq, sk, d, causal, precision, stage_o), (2,), (2,),
@@ -136,10 +139,11 @@ def test_epilogues(sq, sk, d, causal, precision, stage_o, monkeypatch):
     _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
 
 
-@pytest.mark.parametrize("d,scale", [(64, None), (192, 1.0), (192, 2.5), (128, 1.5)])
+@pytest.mark.parametrize("d,scale", [(64, None), (128, 1.0), (128, 2.5), (96, 1.5)])
 def test_large_scores_and_long_keys(d, scale):
     """The accuracy bar of float32 on the tensor cores: q and k with standard deviation 3 (large,
-    peaked scores) and long key ranges, in the float32-accurate mode, under the float32 rule."""
+    peaked scores) and long key ranges, in the float32-accurate mode, under the float32 rule.
+    (The issue's D >= 192 cases take the generic kernel: "highest" stops at D = 128 there.)"""
     _needs_tensorcores()
     rng = _rng("f32large", d, scale)
     sk = 16384 if d == 64 else 4096
