@@ -1239,6 +1239,8 @@ def _table(head, rows, right=()) -> str:
 
 
 def _json_num(x):
+    """A JSON-safe copy of x: non-finite floats as strings, through dicts, lists and tuples (the
+    peers' errors are a dict per case), NumPy scalars as Python numbers."""
     if isinstance(x, (float, np.floating)):
         x = float(x)
         if math.isnan(x):
@@ -1246,6 +1248,12 @@ def _json_num(x):
         if math.isinf(x):
             return "Infinity" if x > 0 else "-Infinity"
         return x
+    if isinstance(x, dict):
+        return {k: _json_num(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_num(v) for v in x]
+    if isinstance(x, np.integer):
+        return int(x)
     return x
 
 

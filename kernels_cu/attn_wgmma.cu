@@ -108,7 +108,6 @@ struct WgmmaConfig {
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16, <= 256");
     static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536,
                   "register budget of one SM");
-    static_assert(1 + 2 * CONSUMERS <= 15, "named barriers: turns 1..C, warpgroup ORs C+1..2C");
 };
 
 // The work items (batch entry, query block) of one block, in order. Items are grouped into slots;
@@ -312,68 +311,6 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             Wgmma<T, DPAD>::rs(o_flat, pk[kk], db, 1);
         }
     };
-    // Under the causal mask, a tile whose V holds a NaN or an infinity at a key that some row of
-    // this consumer does not see cannot go through the tensor cores: their product adds
-    // 0 * NaN = NaN (0 * inf) from the hidden key to that row, where a key a row cannot see must
-    // not touch it (as in the float64 reference). v_hidden_nonfinite scans the tile's rows from
-    // the first key the consumer's first row does not see (the warpgroup's OR is also its
-    // barrier; named barrier 1 + CONSUMERS + cw, after the turn barriers 1..CONSUMERS), and
-    // pv_visible_keys then computes that tile's P V in scalar float32 arithmetic over the keys
-    // each row sees. Rare, so speed is no concern there; keys past Sk arrive as zeros, so without
-    // the mask no tile needs the scan. (attn_mma.cu does the same.)
-    int row_lo_cur = 0;  // the current item's row_lo (set per item below)
-    const auto v_hidden_nonfinite = [&](int st, int key0, int row_first) {
-        if constexpr (!CAUSAL) return false;
-        const int hidden = row_first + diag + 1 - key0;  // first key row_first does not see
-        if (hidden >= BN) return false;
-        const int from = hidden > 0 ? hidden : 0;
-        bool bad = false;
-#pragma unroll 1
-        for (int i = from * Cfg::PANELS * 8 + (tid % 128); i < BN * Cfg::PANELS * 8; i += 128) {
-            const int row = i / (Cfg::PANELS * 8), pn = (i / 8) % Cfg::PANELS, ch = i % 8;
-            bad = bad || nonfinite16<T>(
-                lds_v4(v_s + st * Cfg::KV_BYTES + pn * Cfg::KV_PANEL + row * 128 + ch * 16));
-        }
-        // Broadcast from lane 0 (the value is the same on every lane): the compiler then knows
-        // the branch on it to be warp-uniform; in a branch it thinks divergent, ptxas serialises
-        // the wgmma that follow it (C7519).
-        return __shfl_sync(0xffffffffu, static_cast<int>(warpgroup_any(bad, 1 + CONSUMERS + cw)),
-                           0) != 0;
-    };
-    const auto pv_visible_keys = [&](int st, int key0) {
-        const unsigned int vbase = v_s + st * Cfg::KV_BYTES + 4 * t4;
-#pragma unroll 1
-        for (int j = 0; j < BN; ++j) {
-            // P of key j for this lane's rows: lane 4 g + (j % 8) / 2 holds it in score tile
-            // j / 8, packed with its neighbour key (common.cuh: pack_p).
-            const int nt = j >> 3, src = (lane & ~3) | ((j & 7) >> 1);
-            unsigned int w0 = 0u, w1 = 0u;
-#pragma unroll
-            for (int n = 0; n < Cfg::NT_S; ++n)
-                if (n == nt) {
-                    w0 = pk[n / 2][(n % 2) * 2];
-                    w1 = pk[n / 2][(n % 2) * 2 + 1];
-                }
-            const float p0 = unpack_half<T>(__shfl_sync(0xffffffffu, w0, src), (j & 1) != 0);
-            const float p1 = unpack_half<T>(__shfl_sync(0xffffffffu, w1, src), (j & 1) != 0);
-            const int key = key0 + j;
-            const bool vis0 = key < sk && key <= row_lo_cur + diag;
-            const bool vis1 = key < sk && key <= row_lo_cur + 8 + diag;
-            // Row j of each 64-column panel, with the 128-byte swizzle: 16-byte chunk c of row j
-            // sits at chunk c ^ (j % 8).
-#pragma unroll
-            for (int n8 = 0; n8 < Cfg::NT_O; ++n8) {
-                const unsigned int wv = lds_u32(vbase + (n8 / 8) * Cfg::KV_PANEL + j * 128 +
-                                                (((n8 % 8) ^ (j % 8)) * 16));
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float x = unpack_half<T>(wv, e != 0);
-                    if (vis0) acc_o[n8][e] += p0 * x;
-                    if (vis1) acc_o[n8][2 + e] += p1 * x;
-                }
-            }
-        }
-    };
     // Every warp of the consumer arrives once on a barrier it is done with.
     const auto release = [lane](unsigned int bar) {
         __syncwarp();
@@ -398,8 +335,6 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         for (int c = 0; c < CONSUMERS; ++c)
             n_turns = min(n_turns, tiles_needed<CAUSAL, BN>(row0 + 64 * c, 64, sq, sk));
         const int row_lo = row0 + 64 * cw + 16 * warp + g;  // the thread's rows: +0 and +8
-        row_lo_cur = row_lo;
-        const int row_first = row0 + 64 * cw;  // this consumer's first row
         const int masked_from = first_masked_tile<CAUSAL>(row0 + 64 * cw, BN, sq, sk);
         const auto stage = [it](int j) { return static_cast<int>((it + j) % STAGES); };
         const auto parity = [it](int j) { return ((it + j) / STAGES) & 1u; };
@@ -432,15 +367,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 rescale_rows<Cfg::NT_O>(acc_o, alpha);
                 pack_p<T, Cfg::NT_S>(s, pk);
                 mbar_wait(v_full(stage(j)), parity(j));
-                if (v_hidden_nonfinite(stage(j), j * BN, row_first)) {
-                    pv_visible_keys(stage(j), j * BN);
-                } else {
-                    wgmma_fence();
-                    issue_pv(stage(j));
-                    wgmma_commit();
-                    wgmma_wait<0>();
-                    fence_regs(o_flat);
-                }
+                wgmma_fence();
+                issue_pv(stage(j));
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(o_flat);
                 release(v_empty(stage(j)));
             }
         } else if (n_tiles > 0) {
@@ -462,16 +393,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             for (int j = 1; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
                 mbar_wait(v_full(stage(j - 1)), parity(j - 1));
-                // The rare tile of v_hidden_nonfinite: its P V now, in scalar arithmetic (O holds
-                // every earlier tile's and is scaled for this one's P); its commit group below
-                // is then empty, so that waiting for one group still means "S_j is in".
-                const bool v_scalar = v_hidden_nonfinite(stage(j - 1), (j - 1) * BN, row_first);
-                if (v_scalar) pv_visible_keys(stage(j - 1), (j - 1) * BN);
                 turn_take(j < n_turns);
                 wgmma_fence();
                 issue_s(stage(j));
                 wgmma_commit();
-                if (!v_scalar) issue_pv(stage(j - 1));
+                issue_pv(stage(j - 1));
                 wgmma_commit();
                 turn_pass(j < n_turns);
                 wgmma_wait<1>();  // S_j is in
@@ -486,15 +412,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 pack_p<T, Cfg::NT_S>(s, pk);
             }
             mbar_wait(v_full(stage(n_tiles - 1)), parity(n_tiles - 1));
-            if (v_hidden_nonfinite(stage(n_tiles - 1), (n_tiles - 1) * BN, row_first)) {
-                pv_visible_keys(stage(n_tiles - 1), (n_tiles - 1) * BN);
-            } else {
-                wgmma_fence();
-                issue_pv(stage(n_tiles - 1));
-                wgmma_commit();
-                wgmma_wait<0>();
-                fence_regs(o_flat);
-            }
+            wgmma_fence();
+            issue_pv(stage(n_tiles - 1));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(o_flat);
             release(v_empty(stage(n_tiles - 1)));
         }
         if (n_tiles == 0) release(q_empty(wi % QSTAGES));  // (else released with the last S)

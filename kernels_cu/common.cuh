@@ -324,7 +324,10 @@ template <int TERMS> struct Tf32Split {
     unsigned int hi = 0u, lo = 0u;
     Tf32Split() = default;
     __device__ __forceinline__ explicit Tf32Split(float x) : hi(to_tf32(x)) {
-        if constexpr (TERMS == 3) lo = to_tf32(x - __uint_as_float(hi));
+        // An infinite x has hi = x and no remainder (inf - inf would make lo, and every product
+        // with it, NaN where the reference has inf); NaN stays NaN through hi.
+        if constexpr (TERMS == 3)
+            lo = to_tf32(isinf(__uint_as_float(hi)) ? 0.f : x - __uint_as_float(hi));
     }
 };
 
@@ -565,27 +568,6 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 }
 __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
-}
-
-// True on every thread of a warpgroup (128 threads, named barrier `id`) when `pred` holds on
-// any of them; also a barrier of the warpgroup.
-__device__ __forceinline__ bool warpgroup_any(bool pred, int id) {
-    unsigned int r;
-    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\n"
-                 "bar.red.or.pred q, %2, 128, p;\nselp.u32 %0, 1, 0, q;\n}\n"
-                 : "=r"(r) : "r"(static_cast<unsigned int>(pred)), "r"(id) : "memory");
-    return r != 0;
-}
-__device__ __forceinline__ uint4 lds_v4(unsigned int addr) {
-    uint4 r;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
-    return r;
-}
-__device__ __forceinline__ unsigned int lds_u32(unsigned int addr) {
-    unsigned int r;
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(addr));
-    return r;
 }
 
 template <int N> __device__ __forceinline__ void regs_dealloc() {

@@ -127,3 +127,16 @@ def test_unwritten_output_is_caught(monkeypatch):
     r = run("--quick", "--device", "cpu", "--dtype", "float64", "--seed", 2)
     assert r.exit_code == 1, r.output
     assert "NaN/inf" in r.output
+
+
+def test_json_holds_no_bare_nan_from_peers(tmp_path, monkeypatch):
+    """A peer whose error is NaN (or a nested field that is) must not break --json: the audit
+    on the H200, where torch is importable, died in json.dump on a NaN inside the peers' dict."""
+    import json
+    import math
+
+    from cuflash import _audit
+
+    doc = {"cases": [{"peers": {"torch": math.nan, "jax": [math.inf, 1.0]}, "x": np.float32(2)}]}
+    text = json.dumps(_audit._json_num(doc), allow_nan=False)
+    assert json.loads(text)["cases"][0]["peers"] == {"torch": "NaN", "jax": ["Infinity", 1.0]}
