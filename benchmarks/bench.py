@@ -83,6 +83,8 @@ BACKWARD_IMPLS = ("cuflash", "cuflash-det", "torch-flash", "torch-cudnn", "torch
 BACKWARD_FLOAT32_IMPLS = ("cuflash", "cuflash-det", "torch-efficient")
 #: Backward FLOPs per forward FLOP: dS = ..., dQ, dK, dV and the recomputed S: 5 matmuls vs 2.
 BACKWARD_FLOP_FACTOR = 2.5
+#: --pass backward: the issue's grid starts at S = 1024.
+BACKWARD_DEFAULT_S = (1024, 2048, 4096, 8192, 16384)
 IMPL_ALIASES = {
     "det": "cuflash-det",
     "flash": "torch-flash", "cudnn": "torch-cudnn", "efficient": "torch-efficient",
@@ -246,7 +248,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     args.d = args.d or (QUICK_D if args.quick else DEFAULT_D)
-    args.s = args.s or (QUICK_S if args.quick else DEFAULT_S)
+    args.s = args.s or (QUICK_S if args.quick else
+                        (BACKWARD_DEFAULT_S if args.pass_ == "backward" else DEFAULT_S))
     args.causal = args.causal or DEFAULT_CAUSAL
     args.dtype = args.dtype or DEFAULT_DTYPES
     if args.impl is None and args.pass_ == "backward":

@@ -61,24 +61,32 @@ def _mask_tile(s, j0, j1, r0, r1, off, fill):
         np.copyto(s[..., : r1 - r0, :], fill, where=cols > rows + off)
 
 
-def _row_stats(q_acc, k, *, causal, scale, block_k, batch):
-    """Each row's softmax max m and sum l = sum exp(s - m) in the working precision, by the
-    forward's recurrence (no output); m = -inf, l = 1 for rows that see no key."""
+def _row_stats(q_acc, k, v, do_acc, *, causal, scale, block_k, batch):
+    """Each row's softmax max m, sum l = sum exp(s - m) and delta = sum_j p_j dP_j, in the
+    working precision, by the forward's recurrence with dP = do v^T in place of v; m = -inf,
+    l = 1, delta = 0 for rows that see no key."""
     acc = q_acc.dtype
     sq, sk = q_acc.shape[-2], k.shape[-2]
     m = np.full(batch + (sq,), -np.inf, dtype=acc)
     l = np.zeros(batch + (sq,), dtype=acc)
+    dsum = np.zeros(batch + (sq,), dtype=acc)
     for j0, j1, r0, r1 in _tiles(sq, sk, causal, block_k):
         s = np.matmul(q_acc[..., r0:, :], np.swapaxes(k[..., j0:j1, :].astype(acc), -1, -2))
         s *= acc.type(scale)
         _mask_tile(s, j0, j1, r0, r1, sk - sq, -np.inf)
+        dp = np.matmul(do_acc[..., r0:, :], np.swapaxes(v[..., j0:j1, :].astype(acc), -1, -2))
         m_old = m[..., r0:]
         m_new = np.maximum(m_old, s.max(axis=-1))
         shift = np.where(m_new == -np.inf, acc.type(0), m_new)
-        l[..., r0:] = l[..., r0:] * np.exp(m_old - shift) + np.exp(s - shift[..., None]).sum(axis=-1)
+        alpha = np.exp(m_old - shift)
+        e = np.exp(s - shift[..., None])
+        l[..., r0:] = l[..., r0:] * alpha + e.sum(axis=-1)
+        dsum[..., r0:] = dsum[..., r0:] * alpha + np.where(e == 0, acc.type(0), e * dp).sum(axis=-1)
         m[..., r0:] = m_new
     empty = l == 0
-    return np.where(empty, -np.inf, m).astype(acc), np.where(empty, acc.type(1), l).astype(acc)
+    l_safe = np.where(empty, acc.type(1), l)
+    return (np.where(empty, -np.inf, m).astype(acc), l_safe.astype(acc),
+            np.where(empty, acc.type(0), dsum / l_safe).astype(acc))
 
 
 def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -122,8 +130,11 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
     delta = np.sum(do_acc * o.astype(acc), axis=-1)
     if dtype in (np.float32, np.float64):
         # p = exp(s - m) / l as a softmax forms it: exp(s - lse) with the forward's float32 lse
-        # carries lse's absolute error (about |lse| float32 ulps) as a relative error of p.
-        m, l = _row_stats(q_acc, k, causal=causal, scale=scale, block_k=block_k, batch=batch)
+        # carries lse's absolute error (about |lse| float32 ulps) as a relative error of p. And
+        # delta = sum_j p_j dP_j from those p, so that dS = P (dP - delta) cancels as the
+        # softmax's own derivative does: rowsum(do * o) carries o's rounding into every dS.
+        m, l, delta = _row_stats(q_acc, k, v, do_acc, causal=causal, scale=scale,
+                                 block_k=block_k, batch=batch)
     else:
         m = np.broadcast_to(lse, batch + (sq,)).astype(acc)
         l = np.ones_like(m)

@@ -19,11 +19,13 @@
 //                            the first row that sees its first key), writes dk and dv once.
 // Each pass recomputes p and dp: twice the score work of a fused single pass, for an audit kernel
 // that must be exact and reproducible rather than fast. When the plan gives an lse_acc workspace
-// (float32 and float64 inputs), the dq pass first recomputes each row's max m and sum l in the
-// accumulator type (one more sweep of scores) and both passes form p = exp(s - m) / l, as a
-// softmax does: exp(s - lse) with the forward's float32 lse carries an error of up to |lse| ulps
-// relative in p (the absolute error of lse), above float32's own rounding when |lse| is large.
-// The dk/dv pass reads m and l from the workspace. Otherwise m = lse and l = 1.
+// (float32 and float64 inputs), the dq pass first recomputes each row's max m, sum l and
+// delta = sum_j p_j dp_j in the accumulator type (one more sweep of scores) and both passes form
+// p = exp(s - m) / l, as a softmax does: exp(s - lse) with the forward's float32 lse carries an
+// error of up to |lse| ulps relative in p (the absolute error of lse), above float32's own
+// rounding when |lse| is large, and rowsum(do * o) carries o's rounding into every dS. The dk/dv
+// pass reads m, l (lse_acc) and delta from the workspace. Otherwise m = lse, l = 1 and delta is
+// the preprocess's rowsum(do * o).
 //
 // Work split, the same in both passes (the forward's, attn_generic.cu): a warp owns ROWS rows of
 // the block's side (query rows in the dq pass, keys in the dk/dv pass); for the dot products lane
@@ -142,13 +144,21 @@ cuflash_bwd_dq_generic(const BwdParams p) {
             // Recompute m and l in the accumulator type (the forward's recurrence, without O)
             // and leave them for the key-parallel pass: m at off.delta + row, l nbatch * Sq
             // elements further. Rows past Sq (and rows that see no key) get m = -inf.
-            Acc m[Cfg::ROWS], l[Cfg::ROWS];
+            // delta is recomputed as sum_j p_j dp_j (the online sum, with dp in place of v), so
+            // that dS = P (dP - delta) cancels as the softmax's derivative does; rowsum(do * o)
+            // would carry o's rounding into every dS.
+            Acc m[Cfg::ROWS], l[Cfg::ROWS], dsum[Cfg::ROWS];
 #pragma unroll
-            for (int r = 0; r < Cfg::ROWS; ++r) { m[r] = neg_inf<Acc>(); l[r] = Acc(0); }
+            for (int r = 0; r < Cfg::ROWS; ++r) {
+                m[r] = neg_inf<Acc>();
+                l[r] = Acc(0);
+                dsum[r] = Acc(0);
+            }
             for (long long t = 0; t < n_tiles; ++t) {
                 const long long key0 = t * Cfg::BC;
-                __syncthreads();  // the previous K tile is no longer read (and q is written)
+                __syncthreads();  // the previous K/V tiles are no longer read (and q/do are written)
                 bwd_load_tile<T, Acc, Cfg::QK_STRIDE, Cfg::THREADS>(k_s, Cfg::BC, k, key0, p.sk, p.k_sr, d, tid);
+                bwd_load_tile<T, Acc, Cfg::V_STRIDE, Cfg::THREADS>(v_s, Cfg::BC, v, key0, p.sk, p.v_sr, dv, tid);
                 __syncthreads();
                 const long long key = key0 + lane;
 #pragma unroll
@@ -156,6 +166,7 @@ cuflash_bwd_dq_generic(const BwdParams p) {
                     const int rr = warp * Cfg::ROWS + r;
                     const long long row = row0 + rr;
                     Acc s = bwd_dot(q_s + rr * Cfg::QK_STRIDE, k_s + lane * Cfg::QK_STRIDE, d4);
+                    const Acc dp = bwd_dot(do_s + rr * Cfg::V_STRIDE, v_s + lane * Cfg::V_STRIDE, dv4);
                     bool valid = key < p.sk && row < p.sq;
                     if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
                     s = valid ? s * scale : neg_inf<Acc>();
@@ -163,6 +174,7 @@ cuflash_bwd_dq_generic(const BwdParams p) {
                     const Acc alpha = rescale_factor(m[r], m_new);
                     const Acc pj = (m_new == neg_inf<Acc>()) ? (s != s ? s : Acc(0)) : acc_exp(s - m_new);
                     l[r] = l[r] * alpha + pj;
+                    dsum[r] = dsum[r] * alpha + (valid ? pj * dp : Acc(0));
                     m[r] = m_new;
                 }
             }
@@ -171,13 +183,16 @@ cuflash_bwd_dq_generic(const BwdParams p) {
             for (int r = 0; r < Cfg::ROWS; ++r) {
                 const long long row = row0 + warp * Cfg::ROWS + r;
                 const Acc total = warp_sum(l[r]);
+                const Acc dtot = warp_sum(dsum[r]);
                 const bool empty = total == Acc(0) || row >= p.sq;  // NaN sums stay NaN
                 lse[r] = empty ? neg_inf<Acc>() : m[r];
                 lsum[r] = empty ? Acc(1) : total;
+                delta[r] = empty ? Acc(0) : dtot / total;
                 if (lane == 0 && row < p.sq) {
                     Acc* stats = static_cast<Acc*>(p.lse_acc) + off.delta + row;
                     stats[0] = lse[r];
                     stats[n_rows] = lsum[r];
+                    static_cast<Acc*>(p.delta)[off.delta + row] = delta[r];  // for the dk/dv pass
                 }
             }
         }

@@ -594,7 +594,8 @@ namespace cuflash {
 //     dq (dk, dv) has batch stride 0 and holds the sum over that axis.
 //   delta: workspace of the accumulator type (float; double for float64 inputs), (nbatch, Sq)
 //     contiguous over the full batch, flat index b = (i0 * nb1 + i1) * nb2 + i2:
-//     delta = rowsum(dout * o), written by cuflash_bwd_preprocess.
+//     delta = rowsum(dout * o), written by cuflash_bwd_preprocess (plans with lse_acc overwrite
+//     it in their "rows" pass with sum_j p_ij dp_ij from the recomputed P).
 //   lse_acc: null, or workspace of the accumulator type: each row's softmax max m (delta's
 //     layout) followed, nbatch * Sq elements later, by its sum l, recomputed by the "rows" pass and
 //     read by the "keys" pass, which then form p = exp(s - m) / l instead of exp(s - lse) (the

@@ -197,14 +197,18 @@ def dq_pass(mem, p, grid, block, causal, dtype, bc=32):
             if int(p["lse_acc"]):
                 m = np.full(block, -np.inf)
                 l = np.zeros(block)
+                dsum = np.zeros(block)
                 for t in range(n_tiles):
                     key0 = t * bc
                     k_s = _tile(mem, int(p["k"]), off["k"], key0, bc, sk, int(p["k_sr"]), d,
                                 db + 1)
+                    v_s = _tile(mem, int(p["v"]), off["v"], key0, bc, sk, int(p["v_sr"]), dv,
+                                dvb + 1)
                     key = key0 + np.arange(bc)
                     for rr in range(block):
                         row = row0 + rr
                         s = k_s @ q_s[rr]
+                        dp = v_s @ do_s[rr]
                         valid = (key < sk) & (row < sq)
                         if causal:
                             valid &= key < causal_keys_visible(row, sq, sk)
@@ -212,7 +216,10 @@ def dq_pass(mem, p, grid, block, causal, dtype, bc=32):
                         m_new = max(m[rr], s.max())
                         if m_new == -np.inf:
                             continue
-                        l[rr] = l[rr] * np.exp(m[rr] - m_new) + np.exp(s - m_new).sum()
+                        alpha = np.exp(m[rr] - m_new)
+                        e = np.exp(s - m_new)
+                        l[rr] = l[rr] * alpha + e.sum()
+                        dsum[rr] = dsum[rr] * alpha + np.where(valid, e * dp, 0.0).sum()
                         m[rr] = m_new
                 n_rows = _rows_stats(p)
                 for rr in range(block):
@@ -220,9 +227,11 @@ def dq_pass(mem, p, grid, block, causal, dtype, bc=32):
                     empty = l[rr] == 0 or row >= sq
                     lse[rr] = -np.inf if empty else m[rr]
                     lsum[rr] = 1.0 if empty else l[rr]
+                    delta[rr] = 0.0 if empty else dsum[rr] / l[rr]
                     if row < sq:
                         mem.write(int(p["lse_acc"]), [off["delta"] + row], [lse[rr]])
                         mem.write(int(p["lse_acc"]), [off["delta"] + row + n_rows], [lsum[rr]])
+                        mem.write(int(p["delta"]), [off["delta"] + row], [delta[rr]])
             for t in range(n_tiles):
                 key0 = t * bc
                 k_s = _tile(mem, int(p["k"]), off["k"], key0, bc, sk, int(p["k_sr"]), d, db + 1)

@@ -561,6 +561,7 @@ def test_bench_backward_arguments():
     bench = _bench()
     args = bench.parse_args(["--pass", "backward"])
     assert args.pass_ == "backward" and args.impl == bench.BACKWARD_IMPLS
+    assert args.s == bench.BACKWARD_DEFAULT_S
     args = bench.parse_args(["--pass", "backward", "--dtype", "float32"])
     assert args.impl == bench.BACKWARD_FLOAT32_IMPLS
     assert bench.parse_args([]).pass_ == "forward"

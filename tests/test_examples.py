@@ -9,7 +9,7 @@ import pytest
 from conftest import GPU, NO_GPU_REASON
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_EXAMPLES = ["worked_example.py", "cpu_path.py"]
+CPU_EXAMPLES = ["worked_example.py", "cpu_path.py", "gradients.py"]
 GPU_EXAMPLES = ["cupy_basic.py", "dlpack_interop.py"]
 
 
@@ -29,6 +29,12 @@ def test_worked_example_prints_the_documented_numbers():
 
 def test_cpu_path_example():
     _run("cpu_path.py")
+
+
+def test_gradients_example():
+    """Runs on the GPU when there is one, else on the NumPy path; exits 1 on a FAIL."""
+    out = _run("gradients.py")
+    assert "dk (2, 1, 256, 64)" in out and "FAIL" not in out
 
 
 @pytest.mark.gpu
