@@ -56,9 +56,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         forces the scalar audit kernel (float32/float64 arithmetic, accurate exp);
         ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
         float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0 and D <= 128 for precision
-        "highest", D <= 256 for "high") and ``"hopper"`` the TMA/wgmma
-        kernel (compute capability 9.0, float16/bfloat16, 64 <= D <= 256); both need D == Dv and
-        16-byte aligned rows, and raise ValueError, saying why, if the inputs do not qualify.
+        "highest" (96 on compute capability 8.x), D <= 256 for "high") and ``"hopper"`` the
+        TMA/wgmma kernel (compute capability 9.0, float16/bfloat16, 64 <= D <= 256); both need
+        D == Dv and 16-byte aligned rows, and raise ValueError, saying why, if the inputs do not
+        qualify.
     precision : {None, "default", "highest", "high"}, optional
         How accurate the products of float32 inputs must be (the names of JAX's
         ``jax.lax.Precision`` and PyTorch's float32 matmul precision; JAX's enum members are

@@ -117,9 +117,30 @@ TC_F32_CONFIGS = {
 }
 
 
-def f32_head_dims(precision: str):
-    """Padded head dims of the float32 tensor-core kernel in this precision mode."""
-    return sorted(dp for dp, mode in TC_F32_CONFIGS if mode == precision)
+#: float32 exceptions for sm_8x (applied below compute capability 9.0), in the format of
+#: TC_F32_CONFIGS; None: no tensor-core form there (the generic kernel runs). NVRTC 13.0, the
+#: oldest the cuda13 extra allows, spilled 124-768 bytes for sm_80 with the staged epilogue at
+#: D = 64 ("highest"), 128 and 256 ("high"), and for every tile shape of D = 128 "highest"
+#: (2026-12-01; NVRTC 13.5 compiled them without spills). Not run on an sm_8x GPU.
+TC_F32_ARCH_CONFIGS = {
+    80: {(64, "highest"): (64, 4, 1, 2, False), (128, "highest"): None,
+         (128, "high"): (64, 4, 1, 2, False), (256, "high"): (64, 4, 1, 1, False)},
+    90: {},
+}
+
+
+def _f32_config(dpad: int, precision: str, compute_capability: int):
+    arch = max((a for a in TC_F32_ARCH_CONFIGS if a <= compute_capability), default=None)
+    if arch is not None and (dpad, precision) in TC_F32_ARCH_CONFIGS[arch]:
+        return TC_F32_ARCH_CONFIGS[arch][(dpad, precision)]
+    return TC_F32_CONFIGS.get((dpad, precision))
+
+
+def f32_head_dims(precision: str, compute_capability: int = 90):
+    """Padded head dims of the float32 tensor-core kernel in this precision mode on a device of
+    this compute capability."""
+    return sorted(dp for dp, mode in TC_F32_CONFIGS
+                  if mode == precision and _f32_config(dp, mode, compute_capability) is not None)
 
 
 #: Precision modes of float32 inputs (the `precision=` argument): the number of tensor-core
@@ -133,7 +154,7 @@ def tensorcore_config(dpad: int, compute_capability: int, dtype_name: str = "flo
                       precision: str = "highest"):
     """(BN, warps, MT, min blocks per SM, staged O) for a padded head dim on a device."""
     if dtype_name == "float32":
-        return TC_F32_CONFIGS[(dpad, precision)]
+        return _f32_config(dpad, precision, compute_capability)
     arch = max((a for a in TC_ARCH_CONFIGS if a <= compute_capability), default=None)
     if arch is not None and dpad in TC_ARCH_CONFIGS[arch]:
         return TC_ARCH_CONFIGS[arch][dpad]
@@ -145,7 +166,7 @@ def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: i
     """The mma.sync kernel for these inputs. float32 takes the TF32 form with the products of
     `precision` (F32_TERMS); 16-bit dtypes ignore it (their products are exact in float32)."""
     f32 = dtype_name == "float32"
-    dpad = head_dim_bucket(d, f32_head_dims(precision) if f32 else TC_CONFIGS)
+    dpad = head_dim_bucket(d, f32_head_dims(precision, compute_capability) if f32 else TC_CONFIGS)
     bn, nwarps, mt, minb, stage_o = tensorcore_config(dpad, compute_capability, dtype_name,
                                                       precision)
     terms, mode = F32_TERMS[precision] if f32 else (1, None)
@@ -184,10 +205,12 @@ def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     if prob.d % multiple:
         return (f"it needs a head dim that is a multiple of {multiple} for {prob.dtype_name} "
                 f"(got {prob.d})")
-    if prob.dtype_name == "float32" and prob.d > max(f32_head_dims(prob.precision)):
+    f32_dims = f32_head_dims(prob.precision, compute_capability)
+    if prob.dtype_name == "float32" and (not f32_dims or prob.d > max(f32_dims)):
         return (f"its float32 form with precision={prob.precision!r} takes head dims up to "
-                f"{max(f32_head_dims(prob.precision))} (got {prob.d}): the accumulators of "
-                "larger ones do not fit in registers")
+                f"{max(f32_dims) if f32_dims else 0} on compute capability "
+                f"{compute_capability} (got {prob.d}): the accumulators of larger ones do not "
+                "fit in registers")
     if not prob.scale > 0:
         return f"it folds a positive scale into exp2 (got scale={prob.scale})"
     bufs = [prob.q, prob.k, prob.v] + ([prob.out] if prob.out is not None else [])
@@ -331,7 +354,8 @@ def all_specialisations(compute_capability: int = 90):
     for dt in TC_DTYPES:
         modes = F32_TERMS if dt == "float32" else ("highest",)
         for precision in modes:
-            for dpad in (f32_head_dims(precision) if dt == "float32" else TC_CONFIGS):
+            for dpad in (f32_head_dims(precision, compute_capability) if dt == "float32"
+                         else TC_CONFIGS):
                 for causal in (False, True):
                     plans.append(tensorcore_plan(dt, dpad, causal, compute_capability, precision))
     if compute_capability == 90:
