@@ -26,19 +26,9 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ._cpu import _acc_dtype, _compensated_add
+from .reference import _sum_to_shape as _sum_to  # one broadcast-sum rule for both
 
 __all__ = ["attention_backward_numpy"]
-
-
-def _sum_to(x: np.ndarray, shape) -> np.ndarray:
-    """``x`` (full batch + last two axes) summed over the axes ``shape`` broadcasts along."""
-    lead = x.ndim - len(shape)
-    if lead:
-        x = x.sum(axis=tuple(range(lead)))
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
-    if axes:
-        x = x.sum(axis=axes, keepdims=True)
-    return x.reshape(shape)
 
 
 def _tiles(sq, sk, causal, block_k):
