@@ -707,6 +707,8 @@ class BackwardCheckSet:
 
     def __init__(self, env, pt, s, scale, n_slices, seed):
         self.env, self.dtype = env, pt["dtype"]
+        # The a-priori bound models the forward only; gradients are judged by the threshold.
+        self.last_bound_ratio = None
         cp = env.cupy
         rng = np.random.default_rng(seed)
         pairs = [(b, h) for b in range(pt["B"]) for h in range(pt["H"])]

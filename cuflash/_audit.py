@@ -613,7 +613,9 @@ def _peer_torch(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
 
 
 def _peer_jax(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
-    """jax.nn.dot_product_attention on JAX's default device (heads as (B, T, N=1, H))."""
+    """jax.nn.dot_product_attention on JAX's default device (heads as (B, T, N=1, H)), its
+    matmuls at ``precision="highest"``: JAX's default float32 precision on a GPU is one TF32 pass
+    (error ~1e-3 at D = 64), which would compare a TF32 peer with cuflash's float32 path."""
     import os
 
     # JAX would otherwise take 75% of the GPU's memory at its first use, leaving cuflash's own
@@ -631,7 +633,8 @@ def _peer_jax(device: Device, q, k, v, causal, scale, dtype) -> np.ndarray:
     mask = None
     if causal:
         mask = jnp.asarray(reference._causal_mask(q.shape[-2], k.shape[-2]))[None, None]
-    o = jax.nn.dot_product_attention(jq, jk, jv, mask=mask, scale=scale)
+    with jax.default_matmul_precision("highest"):
+        o = jax.nn.dot_product_attention(jq, jk, jv, mask=mask, scale=scale)
     return np.asarray(o, dtype=np.float64)[:, :, 0, :].reshape(batch + (q.shape[-2], v.shape[-1]))
 
 
@@ -1155,7 +1158,7 @@ class CaseTable:
     With ``peers`` it has two more columns: the peer with the smallest error and cuflash's error
     divided by it."""
 
-    COLUMNS = [("dtype", 8, False), ("kernel", 10, False), ("shape (B,H,Sq,Sk,D,Dv)", 22, False),
+    COLUMNS = [("dtype", 8, False), ("kernel", 17, False), ("shape (B,H,Sq,Sk,D,Dv)", 22, False),
                ("causal", 6, False), ("max abs err", 11, True), ("rel err", 8, True),
                ("naive err", 9, True), ("threshold", 9, True), ("err/thr", 7, True),
                ("err/bound", 9, True), ("lse err", 8, True)]

@@ -139,10 +139,12 @@ def _plot_seqlen(cases: List[Dict[str, Any]], path: str) -> None:
     n = max(1, len(dtypes))
     fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 4.2), squeeze=False,
                              layout="constrained")
-    kernels = sorted({c["kernel"].split("<", 1)[0] for c in cases})
+    # float32's product modes (3xtf32, tf32) are series of their own: errors 1e4 apart.
+    from cuflash._audit import short_kernel
+    kernels = sorted({short_kernel(c["kernel"]) for c in cases})
     for ax, dtype in zip(axes[0], dtypes):
         for ki, kern in enumerate(kernels):
-            sel = [c for c in cases if c["dtype"] == dtype and c["kernel"].startswith(kern)
+            sel = [c for c in cases if c["dtype"] == dtype and short_kernel(c["kernel"]) == kern
                    and _dims(c["shape"])]
             if not sel:
                 continue
