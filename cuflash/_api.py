@@ -339,8 +339,10 @@ def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, dete
 
 def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=False,
                            kernel="auto"):
-    """The name of the backward plan `attention_backward` would run, e.g. ``"cpu-numpy"`` or
-    ``"generic-bwd<float16,D64,full>"``. Validates like `attention_backward`; launches nothing."""
+    """The name of the backward plan `attention_backward` would run, e.g. ``"cpu-numpy"``,
+    ``"tensorcore-bwd<float16,D64,BM64,BN64,causal>"`` (``det,`` in it for deterministic=True) or
+    ``"generic-bwd<float32,D64,full>"``; when ``kernel="auto"`` falls back to the generic backward
+    the reason follows in brackets. Validates like `attention_backward`; launches nothing."""
     prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=None,
                                   deterministic=deterministic, out=None, workspace=None,
                                   stream=None, kernel=kernel)
@@ -349,4 +351,6 @@ def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=F
     from . import _dispatch, _launch
 
     cc = _launch.device_attributes(prob.device_id)["compute_capability"]
-    return _dispatch.backward_plan_for(prob, cc).label
+    label = _dispatch.backward_plan_for(prob, cc).label
+    why = _dispatch.backward_fallback_reason(prob, cc)
+    return label if why is None else f"{label} (tensor-core backward not used: {why})"
