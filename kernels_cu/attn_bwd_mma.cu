@@ -24,15 +24,17 @@
 //
 // dq accumulation. DET = false: float atomicAdd (order-dependent in the last bits). DET = true:
 // the blocks that add into one dq tile (one q batch entry, one query tile of BM rows) take turns
-// in key-block order: a turn counter per tile (an int in the padding column DPAD of the tile's
-// first dq_accum row, zeroed by the preprocess) says how many key blocks have added; key block n
-// waits until it reads n, adds, fences and stores n + 1. Under the causal mask the key blocks that
-// touch a query tile are 0 .. n_last, so the turns are dense. Every element of dq is then
-// ((0 + c_0) + c_1) + ... in key-block order, whatever the grid and the scheduling: bitwise
-// reproducible and independent of the batch size. A block only ever waits for a block of lower
-// index (key block n - 1 of the same batch entry), which was dispatched before it, so the wait
-// cannot deadlock. Cost: the blocks of one batch entry start staggered by one query tile each
-// (notes/BACKWARD.md: the cost model).
+// in descending key-block order: a turn counter per tile (an int in the padding column DPAD of the
+// tile's first dq_accum row, zeroed by the preprocess) says how many key blocks have added; with
+// n_last the last key block the tile sees (keys_needed), key block n waits until it reads
+// n_last - n, adds, fences and stores n_last - n + 1. The key blocks that touch a query tile are
+// 0 .. n_last (causal or not), so the turns are dense. Every element of dq is then
+// ((0 + c_last) + c_last-1) + ... in a fixed order, whatever the grid and the scheduling: bitwise
+// reproducible and independent of the batch size. Key blocks are numbered from the end of the grid
+// (blockIdx 0 is the last key block of a batch entry), so a block only ever waits for blocks of
+// lower index, dispatched before it: the wait cannot deadlock. Cost (notes/BACKWARD.md): under the
+// causal mask the diagonal block reaches a tile first anyway; without it the blocks of a batch
+// entry start staggered by one dQ phase each.
 //
 // Pipeline (STAGES = 2): Q, dO, lse and delta of the next query tile are requested (cp.async)
 // right after the barrier that opens the current one, into the other buffer. STAGES = 1: after
@@ -114,12 +116,17 @@ struct BwdMmaOps {
         for (int kk = 0; kk < DPAD / 16; ++kk) {
             unsigned int a[4];
             ldmatrix_x4(a_tile + a_rows + kk * 16 * 2, a[0], a[1], a[2], a[3]);
+            // All B fragments of the step first, then the products: the loads are in flight
+            // together instead of each product waiting for its own.
+            unsigned int b[NT / 2][4];
+#pragma unroll
+            for (int nn = 0; nn < NT / 2; ++nn)
+                ldmatrix_x4(b_tile + b_rows + (nn * 16 * Cfg::SD + kk * 16) * 2, b[nn][0],
+                            b[nn][1], b[nn][2], b[nn][3]);
 #pragma unroll
             for (int nn = 0; nn < NT / 2; ++nn) {
-                unsigned int b0, b1, b2, b3;
-                ldmatrix_x4(b_tile + b_rows + (nn * 16 * Cfg::SD + kk * 16) * 2, b0, b1, b2, b3);
-                Mma<T>::run(acc[2 * nn], a, b0, b1);
-                Mma<T>::run(acc[2 * nn + 1], a, b2, b3);
+                Mma<T>::run(acc[2 * nn], a, b[nn][0], b[nn][1]);
+                Mma<T>::run(acc[2 * nn + 1], a, b[nn][2], b[nn][3]);
             }
         }
     }
@@ -168,6 +175,18 @@ struct BwdMmaOps {
     }
 };
 
+// dst[0] += a, dst[1] += b in global memory (float atomics; dst 8-byte aligned): one vector
+// reduction on sm_90, two scalar ones before.
+__device__ __forceinline__ void bwd_red_add2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n"
+                 :: "l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
+
 // The turn counter of a dq tile (DET): acquire / release on an int in global memory.
 __device__ __forceinline__ int bwd_turn_load(const int* p) {
     int v;
@@ -198,7 +217,10 @@ cuflash_bwd_mma(const BwdParams p) {
     const int g = lane / 4, t4 = lane % 4;
     const unsigned int nn_blocks = static_cast<unsigned int>(p.n_nblocks);
     const unsigned int owner = blockIdx.x / nn_blocks;
-    const int nblock = static_cast<int>(blockIdx.x % nn_blocks);
+    // Key blocks in reverse order: the turns (DET) go from the last key block that a query tile
+    // sees down to key block 0, so a block only waits for blocks of higher key index, which are
+    // dispatched before it.
+    const int nblock = static_cast<int>(nn_blocks - 1 - blockIdx.x % nn_blocks);
     const int key0 = nblock * BN;
     const int sq = static_cast<int>(p.sq), sk = static_cast<int>(p.sk);
     const int d = static_cast<int>(p.d);
@@ -345,8 +367,13 @@ cuflash_bwd_mma(const BwdParams p) {
         // Turn (DET): wait until the key blocks before this one have added into this dq tile.
         float* dqa = p.dq_accum + bwd_offsets(p, bwd_index(p, p.kv_red, owner, red)).dqa;
         int* turn = reinterpret_cast<int*>(dqa + static_cast<long long>(i0) * p.dqa_sr + DPAD);
+        // Turns of a query tile: its last key block (the diagonal one under the causal mask)
+        // first, key block 0 last. With every block starting together, that is the order in
+        // which they reach the tile (block n - 1 starts BN / BM query tiles earlier), so in the
+        // steady state nobody waits.
+        const int my_turn = (keys_needed<CAUSAL>(i0, BM, sq, sk) - 1) / BN - nblock;
         if (DET && tid == 0) {
-            while (bwd_turn_load(turn) != nblock) __nanosleep(64);
+            while (bwd_turn_load(turn) != my_turn) __nanosleep(32);
         }
         __syncthreads();  // dS^T complete; Q/dO of this tile no longer read; (DET) our turn
         if (STAGES == 1 && it + 1 < n_iter) {
@@ -369,15 +396,14 @@ cuflash_bwd_mma(const BwdParams p) {
                     if (row < sq) {
                         float* dst = dqa + static_cast<long long>(row) * p.dqa_sr + col0 +
                                      nt * 8 + 2 * t4;
-                        atomicAdd(dst, acc[nt][2 * h]);
-                        atomicAdd(dst + 1, acc[nt][2 * h + 1]);
+                        bwd_red_add2(dst, acc[nt][2 * h], acc[nt][2 * h + 1]);
                     }
                 }
         }
         if (DET) {
             __threadfence();
             __syncthreads();  // every thread's additions are visible before the next turn
-            if (tid == 0) bwd_turn_store(turn, nblock + 1);
+            if (tid == 0) bwd_turn_store(turn, my_turn + 1);
         }
     }
     cp_async_wait<0>();  // nothing in flight when the block exits

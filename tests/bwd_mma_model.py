@@ -150,7 +150,8 @@ def _dq_chunk(smem, c, offs, ds_tile, k_tile):
 
 def bwd_mma_kernel(mem, p, grid, c, causal, det):
     """Every block of cuflash_bwd_mma, in block-index order (the order the hardware dispatches
-    them, which the turn counters rely on)."""
+    them, which the turn counters rely on: a block waits only for blocks dispatched before it,
+    so running them one after another must find every turn ready)."""
     sq, sk, d = int(p["sq"]), int(p["sk"]), int(p["d"])
     diag = sk - sq
     nn_blocks = int(p["n_nblocks"])
@@ -162,7 +163,7 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det):
     dqa_sr = int(p["dqa_sr"])
     offs = _lane_offsets(c)
     for bid in range(grid):
-        owner, nblock = bid // nn_blocks, bid % nn_blocks
+        owner, nblock = bid // nn_blocks, nn_blocks - 1 - bid % nn_blocks
         key0 = nblock * c.bn
         first_row = max(key0 - diag, 0) if causal else 0
         m_first = n_mtiles if first_row >= sq else first_row // c.bm
@@ -247,9 +248,11 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det):
             dqa = int(p["dq_accum"])
             dqa_off = bwd_offsets(p, bwd_index(p, kv_red, owner, red))["dqa"]
             turn_at = dqa_off + i0 * dqa_sr + c.dpad
+            n_keys = min(sk, min(i0 + c.bm, sq) - 1 + diag + 1) if causal else sk
+            my_turn = (n_keys - 1) // c.bn - nblock
             if det:
                 got = mem.read(dqa, [turn_at])[0]
-                assert got == nblock, f"block {bid}: turn {got} at tile {i0} != key block {nblock}"
+                assert got == my_turn, f"block {bid}: turn {got} at tile {i0} != {my_turn}"
             if c.stages == 1 and it + 1 < n_iter:
                 load_rows_after = True
             else:
@@ -269,7 +272,7 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det):
                                 cur = mem.read(dqa, at)
                                 mem.write(dqa, at, cur + acc[nt][2 * h + j][ok])
             if det:
-                mem.write(dqa, [turn_at], [nblock + 1])
+                mem.write(dqa, [turn_at], [my_turn + 1])
             if load_rows_after:
                 load_rows(it + 1)
             elif c.stages == 2 and it + 1 < n_iter:
