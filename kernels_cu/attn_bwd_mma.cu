@@ -22,12 +22,13 @@
 // At the end dk = scale * dK and dv = dV are written once (keys past Sk are not written; keys no
 // row sees get zeros).
 //
-// dq accumulation. DET = false: float atomicAdd (order-dependent in the last bits). DET = true:
+// dq accumulation. DET = false: float atomics (bwd_red_add2; order-dependent in the last bits).
+// DET = true:
 // the blocks that add into one dq tile (one q batch entry, one query tile of BM rows) take turns
 // in descending key-block order: a turn counter per tile (an int in the padding column DPAD of the
 // tile's first dq_accum row, zeroed by the preprocess) says how many key blocks have added; with
 // n_last the last key block the tile sees (keys_needed), key block n waits until it reads
-// n_last - n, adds, fences and stores n_last - n + 1. The key blocks that touch a query tile are
+// n_last - n, adds, and after its next barrier thread 0 fences and stores n_last - n + 1. The key blocks that touch a query tile are
 // 0 .. n_last (causal or not), so the turns are dense. Every element of dq is then
 // ((0 + c_last) + c_last-1) + ... in a fixed order, whatever the grid and the scheduling: bitwise
 // reproducible and independent of the batch size. Key blocks are numbered from the end of the grid
