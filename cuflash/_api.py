@@ -253,9 +253,13 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         As in `attention`; default ``1 / sqrt(D)``.
     deterministic : bool, optional
         Demand bitwise-identical results from run to run, independent of the launch
-        configuration (no order-dependent float atomics). The generic GPU kernels and the NumPy
-        path are always deterministic (a query-parallel dq pass and a key-parallel dk/dv pass,
-        each summing in a fixed order), so it costs nothing with them.
+        configuration (no order-dependent float atomics). The tensor-core backward (float16,
+        bfloat16) accumulates dq with float32 atomics by default; with ``deterministic=True``
+        its key blocks add into each dq tile in a fixed order (turn counters; a broadcast q then
+        takes the generic backward), which cost 1.2-1.45x in time on an H200
+        (notes/BACKWARD.md). The generic GPU kernels and the NumPy path are always
+        deterministic (a query-parallel dq pass and a key-parallel dk/dv pass, each summing in a
+        fixed order), so it costs nothing with them.
     out : (dq, dk, dv), optional
         Buffers with q's, k's and v's shapes and the input dtype on the inputs' device, each
         with a contiguous last axis and no overlapping elements (not broadcast views), and not
@@ -265,16 +269,21 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         bytes, 256-byte aligned (any freshly allocated CuPy array is). Without it the call allocates
         that workspace: ``delta`` (batch x Sq, float32; float64 for float64 inputs), for float32 and
         float64 also the recomputed row max and sum (twice that), and for kernels that accumulate dq
-        with atomics a float32 dq accumulator (batch x Sq x D). With ``out=`` and ``workspace=``
+        with atomics a float32 dq accumulator (batch x Sq x row, row = the padded head dim + 4
+        for the tensor-core backward). With ``out=`` and ``workspace=``
         nothing is allocated and the call can be captured in a CUDA graph, except in two rare
         layouts that take temporaries: k and v broadcasting along different batch axes, and more
         than three batch axes that no stride pattern merges.
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on (default: CuPy's current stream). Never synchronises.
-    kernel : {"auto", "generic"}, optional
-        GPU only. ``"auto"`` lets the dispatcher pick; ``"generic"`` forces the scalar audit
-        kernels (float32/float64 arithmetic, accurate exp). ``"tensorcore"`` and ``"hopper"``
-        raise ValueError until backward kernels of those families exist.
+    kernel : {"auto", "generic", "tensorcore"}, optional
+        GPU only. ``"auto"`` lets the dispatcher pick: the tensor-core backward (mma.sync,
+        compute capability 8.0+, float16/bfloat16, D == Dv, D % 8 == 0, D <= 128, 16-byte
+        aligned rows) where it applies, else the generic one (`backward_dispatch_info` says
+        why); ``"generic"`` forces the scalar audit kernels (float32/float64 arithmetic,
+        accurate exp); ``"tensorcore"`` demands the tensor-core backward and raises ValueError,
+        saying why, when the inputs do not qualify. ``"hopper"`` raises ValueError until a
+        Hopper backward exists.
 
     Returns
     -------
@@ -339,8 +348,10 @@ def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, dete
 
 def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=False,
                            kernel="auto"):
-    """The name of the backward plan `attention_backward` would run, e.g. ``"cpu-numpy"`` or
-    ``"generic-bwd<float16,D64,full>"``. Validates like `attention_backward`; launches nothing."""
+    """The name of the backward plan `attention_backward` would run, e.g. ``"cpu-numpy"``,
+    ``"tensorcore-bwd<float16,D64,BM64,BN64,causal>"`` (``det,`` in it for deterministic=True) or
+    ``"generic-bwd<float32,D64,full>"``; when ``kernel="auto"`` falls back to the generic backward
+    the reason follows in brackets. Validates like `attention_backward`; launches nothing."""
     prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=None,
                                   deterministic=deterministic, out=None, workspace=None,
                                   stream=None, kernel=kernel)
@@ -349,4 +360,6 @@ def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=F
     from . import _dispatch, _launch
 
     cc = _launch.device_attributes(prob.device_id)["compute_capability"]
-    return _dispatch.backward_plan_for(prob, cc).label
+    label = _dispatch.backward_plan_for(prob, cc).label
+    why = _dispatch.backward_fallback_reason(prob, cc)
+    return label if why is None else f"{label} (tensor-core backward not used: {why})"

@@ -134,7 +134,8 @@ def _kernels(device, args, causal) -> List[Tuple[str, str]]:
                 name = backward_dispatch_info(*args, causal=causal, kernel=arg)
             except ValueError:  # no such backward for these inputs
                 continue
-            if all(name != n for _, n in pairs):
+            # (auto's label may carry the reason it fell back: compare the plan names)
+            if all(name.split(" (")[0] != n.split(" (")[0] for _, n in pairs):
                 pairs.append((arg, name))
     return pairs
 

@@ -19,6 +19,7 @@ rows unwritten, which the GPU tests catch by poisoning every output with NaN.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -150,15 +151,21 @@ def f32_head_dims(precision: str, compute_capability: int = 90):
 F32_TERMS = {"highest": (3, "3xtf32"), "high": (1, "tf32")}
 
 
+def _arch_config(table, arch_table, key, compute_capability):
+    """table[key], or the exception arch_table[a][key] of the newest architecture a <= the
+    device's compute capability that has one."""
+    arch = max((a for a in arch_table if a <= compute_capability), default=None)
+    if arch is not None and key in arch_table[arch]:
+        return arch_table[arch][key]
+    return table[key]
+
+
 def tensorcore_config(dpad: int, compute_capability: int, dtype_name: str = "float16",
                       precision: str = "highest"):
     """(BN, warps, MT, min blocks per SM, staged O) for a padded head dim on a device."""
     if dtype_name == "float32":
         return _f32_config(dpad, precision, compute_capability)
-    arch = max((a for a in TC_ARCH_CONFIGS if a <= compute_capability), default=None)
-    if arch is not None and dpad in TC_ARCH_CONFIGS[arch]:
-        return TC_ARCH_CONFIGS[arch][dpad]
-    return TC_CONFIGS[dpad]
+    return _arch_config(TC_CONFIGS, TC_ARCH_CONFIGS, dpad, compute_capability)
 
 
 def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: int,
@@ -191,16 +198,25 @@ def _aligned16(x) -> bool:
     return all(st % 16 == 0 for n, st in zip(x.shape[:-1], x.strides[:-1]) if n > 1)
 
 
-def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
-    """Why the tensor-core kernel cannot run these inputs, or None if it can."""
-    if prob.backend != "gpu":
+def _sm80_reason(prob, compute_capability: Optional[int], dtypes) -> Optional[str]:
+    """The checks every mma.sync kernel shares: GPU inputs, sm_80+, one of `dtypes`, D == Dv."""
+    if getattr(prob, "backend", "gpu") != "gpu":
         return "the inputs are on the CPU"
     if compute_capability is None or compute_capability < 80:
         return f"it needs compute capability 8.0 or newer (this GPU: {compute_capability})"
-    if prob.dtype_name not in TC_DTYPES:
-        return f"it takes float16, bfloat16 and float32 inputs, not {prob.dtype_name}"
+    if prob.dtype_name not in dtypes:
+        names = ", ".join(dtypes[:-1]) + (" and " if len(dtypes) > 1 else "") + dtypes[-1]
+        return f"it takes {names} inputs, not {prob.dtype_name}"
     if prob.d != prob.dv:
         return f"it needs D == Dv (got D={prob.d}, Dv={prob.dv})"
+    return None
+
+
+def tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
+    """Why the tensor-core kernel cannot run these inputs, or None if it can."""
+    why = _sm80_reason(prob, compute_capability, TC_DTYPES)
+    if why is not None:
+        return why
     multiple = 4 if prob.dtype_name == "float32" else 8  # 16-byte rows
     if prob.d % multiple:
         return (f"it needs a head dim that is a multiple of {multiple} for {prob.dtype_name} "
@@ -456,16 +472,114 @@ def bwd_generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Backward
                         deterministic=True, lse_acc=dtype_name in ("float32", "float64"))
 
 
+#: Tensor-core backward tiles per padded head dim (kernels_cu/attn_bwd_mma.cu: BwdMmaConfig):
+#: (BM query rows per tile, warps per block (BN = 16 * warps keys), Q/dO stages, min blocks per
+#: SM). Shared memory: D = 64 64 KiB, D = 128 155 KiB (BN = 128, two stages; an A100 allows
+#: 163 KiB, an H200 227 KiB).
+TC_BWD_CONFIGS = {
+    64: (64, 4, 2, 2),
+    128: (32, 8, 2, 1),
+}
+#: Per-architecture exceptions, {first compute capability: {dpad: config}}, applied when the
+#: device's compute capability is below the next key: sm_86 / sm_89 allow 99 KiB of shared memory
+#: per block, so D = 128 takes 64-key blocks and one Q/dO stage (78 KiB).
+TC_BWD_ARCH_CONFIGS = {
+    80: {},
+    86: {128: (32, 4, 1, 1)},
+    90: {},
+}
+TC_BWD_DTYPES = ("float16", "bfloat16")
+#: Padding column of a dq accumulator row past DPAD (the turn counters of deterministic mode sit
+#: at column DPAD of each query tile's first row; 4 keeps rows 16-byte aligned).
+TC_BWD_DQ_PAD = 4
+
+
+def bwd_tensorcore_config(dpad: int, compute_capability: int):
+    """(BM, warps, stages, min blocks per SM) of the tensor-core backward on a device."""
+    return _arch_config(TC_BWD_CONFIGS, TC_BWD_ARCH_CONFIGS, dpad, compute_capability)
+
+
+def bwd_tensorcore_smem(dpad: int, bm: int, nwarps: int, stages: int) -> int:
+    """Shared-memory bytes of cuflash_bwd_mma (BwdMmaConfig::SMEM_BYTES)."""
+    bn, sd = 16 * nwarps, dpad + 8
+    half = 2 * bn * sd + 2 * stages * bm * sd + bn * (bm + 8)
+    return half * 2 + stages * 2 * bm * 4
+
+
+def bwd_tensorcore_plan(dtype_name: str, d: int, causal: bool, deterministic: bool,
+                        compute_capability: int) -> BackwardPlan:
+    """The mma.sync backward (attn_bwd_mma.cu): one key-parallel kernel that accumulates dq in
+    float32 (atomics; with `deterministic`, in key-block order through turn counters), then the
+    dq conversion."""
+    dpad = head_dim_bucket(d, TC_BWD_CONFIGS)
+    bm, nwarps, stages, minb = bwd_tensorcore_config(dpad, compute_capability)
+    bn = 16 * nwarps
+    cxx_bool = {True: "true", False: "false"}
+    mask = "causal" if causal else "full"
+    name = (f"cuflash::cuflash_bwd_mma<{_CXX_TYPE[dtype_name]}, {dpad}, {bm}, {bn}, {nwarps}, "
+            f"{stages}, {minb}, {cxx_bool[bool(causal)]}, {cxx_bool[bool(deterministic)]}>")
+    det = "det," if deterministic else ""
+    kern = Plan(label=f"bwd_mma<{dtype_name},D{dpad},BM{bm},BN{bn},S{stages},{det}{mask}>",
+                spec=Specialisation("attn_bwd_mma", name), block_m=bm, block_n=bn,
+                threads=32 * nwarps, smem_bytes=bwd_tensorcore_smem(dpad, bm, nwarps, stages))
+    return BackwardPlan(
+        label=f"tensorcore-bwd<{dtype_name},D{dpad},BM{bm},BN{bn},{det}{mask}>",
+        preprocess=bwd_preprocess_plan(dtype_name),
+        passes=(("keys", kern), ("dq_convert", bwd_convert_dq_plan(dtype_name))),
+        dq_accum_row=dpad + TC_BWD_DQ_PAD, deterministic=bool(deterministic), lse_acc=False)
+
+
+def bwd_tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
+    """Why the tensor-core backward cannot run these inputs, or None if it can."""
+    why = _sm80_reason(prob, compute_capability, TC_BWD_DTYPES)
+    if why is not None:
+        return why
+    if prob.d % 8:
+        return f"it needs a head dim that is a multiple of 8 (got {prob.d})"
+    if prob.d > max(TC_BWD_CONFIGS):
+        return (f"it takes head dims up to {max(TC_BWD_CONFIGS)} (got {prob.d}): the dk and dv "
+                "accumulators of larger ones do not fit in registers")
+    q = getattr(prob, "q", None)
+    if q is None:  # a bare description (tests): nothing more to check
+        return None
+    if prob.deterministic and math.prod(q.shape[:-2]) != math.prod(prob.batch_shape):
+        return ("deterministic=True with a broadcast q: several k/v batch entries add into one "
+                "dq row, which its turn counters do not order")
+    bufs = [prob.q, prob.k, prob.v, prob.do]
+    if prob.out_grads is not None:
+        bufs += list(prob.out_grads[1:])
+    if not all(_aligned16(x) for x in bufs):
+        return "every row of q, k, v, do (and of the dk, dv buffers) must start on a 16-byte boundary"
+    return None
+
+
 def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
     """The backward plan for a validated `BackwardProblem` on a device of this compute capability.
 
-    ``kernel="generic"`` (and, until a faster backward exists for the inputs, ``"auto"``) gives
-    the generic backward; ``"tensorcore"`` and ``"hopper"`` raise ValueError saying why.
+    ``kernel="generic"`` gives the generic backward; ``"auto"`` the tensor-core backward where
+    the inputs qualify (`bwd_tensorcore_reason`), else the generic one; ``"tensorcore"`` demands
+    the tensor-core backward and raises ValueError saying why it cannot run; ``"hopper"`` raises
+    (no Hopper backward yet). `backward_fallback_reason` says why ``"auto"`` fell back.
     """
-    if prob.kernel in ("tensorcore", "hopper"):
-        raise ValueError(f"kernel={prob.kernel!r} has no backward kernel yet; "
-                         "use kernel='auto' or 'generic'")
+    if prob.kernel == "hopper":
+        raise ValueError("kernel='hopper' has no backward kernel yet; "
+                         "use kernel='auto', 'tensorcore' or 'generic'")
+    if prob.kernel in ("auto", "tensorcore"):
+        why_not = bwd_tensorcore_reason(prob, compute_capability)
+        if why_not is None:
+            return bwd_tensorcore_plan(prob.dtype_name, prob.d, prob.causal,
+                                       bool(getattr(prob, "deterministic", False)),
+                                       compute_capability)
+        if prob.kernel == "tensorcore":
+            raise ValueError(f"kernel='tensorcore' cannot run this backward: {why_not}")
     return bwd_generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
+
+
+def backward_fallback_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
+    """Why ``kernel="auto"`` runs the generic backward for these inputs (None when it does not)."""
+    if prob.kernel != "auto":
+        return None
+    return bwd_tensorcore_reason(prob, compute_capability)
 
 
 def all_backward_specialisations(compute_capability: int = 90):
@@ -476,6 +590,17 @@ def all_backward_specialisations(compute_capability: int = 90):
         for db in (32, 64, 128, 256):
             for causal in (False, True):
                 plans.append(bwd_generic_plan(dt, db, db, causal))
+    # Tensor-core plans of this architecture and of those it stands for in the compile check
+    # (sm_80 also builds the sm_86 / sm_89 tiles).
+    archs = [compute_capability] + ([86] if compute_capability == 80 else [])
+    for cc in archs:
+        for dt in TC_BWD_DTYPES:
+            for dpad in TC_BWD_CONFIGS:
+                for causal in (False, True):
+                    for det in (False, True):
+                        bp = bwd_tensorcore_plan(dt, dpad, causal, det, cc)
+                        if all(bp.label != x.label or bp.passes != x.passes for x in plans):
+                            plans.append(bp)
     return plans
 
 

@@ -3,7 +3,7 @@
 // cuflash_bwd_preprocess<T, Acc>: delta[b, i] = sum_c dout[b, i, c] * o[b, i, c] in the
 //   accumulator type (float; double for float64), for every row of the full batch, into the
 //   delta workspace; and, when the plan accumulates dq with atomics (p.dq_accum != null), zeroes
-//   columns 0..d-1 of every dq_accum row. One warp per row (lanes over the Dv columns, then a warp
+//   every dq_accum row (all dqa_sr columns: the padding holds turn counters, attn_bwd_mma.cu). One warp per row (lanes over the Dv columns, then a warp
 //   sum), 8 rows per block; grid = ceil(Sq / 8) * nbatch, the row block varying fastest.
 // cuflash_bwd_convert_dq<T>: dq = scale * dq_accum, rounded to T, for kernels that accumulate dq
 //   in float32 with atomics. One warp per row, 8 rows per block; grid = ceil(Sq / 8) * (number of
@@ -37,8 +37,10 @@ __global__ void __launch_bounds__(256) cuflash_bwd_preprocess(const BwdParams p)
         if ((p.q_red & 2) && ix.i1 != 0) first = false;
         if ((p.q_red & 4) && ix.i2 != 0) first = false;
         if (first) {
+            // The whole row: columns past D may hold the tensor-core backward's turn counters
+            // (attn_bwd_mma.cu, deterministic mode), which must start at 0.
             float* acc = p.dq_accum + off.dqa + row * p.dqa_sr;
-            for (long long c = lane; c < p.d; c += 32) acc[c] = 0.0f;
+            for (long long c = lane; c < p.dqa_sr; c += 32) acc[c] = 0.0f;
         }
     }
 }

@@ -78,44 +78,7 @@ struct MmaConfig {
     static_assert(NT_O % OG == 0, "output groups must tile the head dim");
 };
 
-// Copy rows [row0, row0 + ROWS) of a (rows x d) matrix with row stride `ld` into shared memory
-// (row stride STRIDE elements), zero-filling rows >= n_rows and columns >= d, in 16-byte chunks of
-// EPC elements (d is a multiple of EPC: a chunk is all in or all out).
-// Row indices are 32-bit (the host checks Sq, Sk < 2^31); offsets into memory are 64-bit.
-// When the threads divide evenly into rows of chunks, each thread copies the same column chunk of
-// rows r0, r0 + RSTEP, ...: one 64-bit offset and one 64-bit step per tile instead of a 64-bit
-// address per chunk held across the main loop (that cost ~30 registers).
-template <int ROWS, int CHUNKS, int STRIDE, int THREADS, typename T>
-__device__ __forceinline__ void load_tile(T* smem, const T* g, long long ld, int row0, int n_rows,
-                                          int d, int tid) {
-    constexpr int EPC = 16 / static_cast<int>(sizeof(T));
-    constexpr int ROW_BYTES = STRIDE * static_cast<int>(sizeof(T));
-    if constexpr (THREADS % CHUNKS == 0) {
-        constexpr int RSTEP = THREADS / CHUNKS;
-        const int r0 = tid / CHUNKS, c = tid % CHUNKS;
-        const bool col_ok = c * EPC < d;
-        const T* src = g + static_cast<long long>(row0 + r0) * ld + c * EPC;
-        const long long step = RSTEP * ld;
-        const unsigned int dst = smem_addr(smem + r0 * STRIDE + c * EPC);
-#pragma unroll
-        for (int n = 0; n < (ROWS + RSTEP - 1) / RSTEP; ++n) {
-            if (ROWS % RSTEP == 0 || r0 + n * RSTEP < ROWS) {
-                const bool ok = col_ok && row0 + r0 + n * RSTEP < n_rows;
-                cp_async16(dst + n * RSTEP * ROW_BYTES, ok ? src : g, ok ? 16 : 0);
-            }
-            src += step;
-        }
-    } else {
-        const T* base = g + static_cast<long long>(row0) * ld;
-#pragma unroll
-        for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
-            const int r = i / CHUNKS, c = i % CHUNKS;
-            const bool ok = row0 + r < n_rows && c * EPC < d;
-            const T* src = ok ? base + r * ld + c * EPC : g;  // a valid address when zero-filling
-            cp_async16(smem_addr(smem + r * STRIDE + c * EPC), src, ok ? 16 : 0);
-        }
-    }
-}
+// load_tile: common.cuh (shared with the tensor-core backward, attn_bwd_mma.cu).
 
 // ---- the products of one K/V tile, 16-bit operands (ldmatrix + mma.sync m16n8k16).
 template <typename T, int DPAD, int BN, int NWARPS, int MT>

@@ -283,6 +283,45 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int addr, unsigned in
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
+// Copy rows [row0, row0 + ROWS) of a (rows x d) matrix with row stride `ld` into shared memory
+// (row stride STRIDE elements), zero-filling rows >= n_rows and columns >= d, in 16-byte chunks of
+// EPC elements (d is a multiple of EPC: a chunk is all in or all out).
+// Row indices are 32-bit (the host checks Sq, Sk < 2^31); offsets into memory are 64-bit.
+// When the threads divide evenly into rows of chunks, each thread copies the same column chunk of
+// rows r0, r0 + RSTEP, ...: one 64-bit offset and one 64-bit step per tile instead of a 64-bit
+// address per chunk held across the main loop (that cost ~30 registers).
+template <int ROWS, int CHUNKS, int STRIDE, int THREADS, typename T>
+__device__ __forceinline__ void load_tile(T* smem, const T* g, long long ld, int row0, int n_rows,
+                                          int d, int tid) {
+    constexpr int EPC = 16 / static_cast<int>(sizeof(T));
+    constexpr int ROW_BYTES = STRIDE * static_cast<int>(sizeof(T));
+    if constexpr (THREADS % CHUNKS == 0) {
+        constexpr int RSTEP = THREADS / CHUNKS;
+        const int r0 = tid / CHUNKS, c = tid % CHUNKS;
+        const bool col_ok = c * EPC < d;
+        const T* src = g + static_cast<long long>(row0 + r0) * ld + c * EPC;
+        const long long step = RSTEP * ld;
+        const unsigned int dst = smem_addr(smem + r0 * STRIDE + c * EPC);
+#pragma unroll
+        for (int n = 0; n < (ROWS + RSTEP - 1) / RSTEP; ++n) {
+            if (ROWS % RSTEP == 0 || r0 + n * RSTEP < ROWS) {
+                const bool ok = col_ok && row0 + r0 + n * RSTEP < n_rows;
+                cp_async16(dst + n * RSTEP * ROW_BYTES, ok ? src : g, ok ? 16 : 0);
+            }
+            src += step;
+        }
+    } else {
+        const T* base = g + static_cast<long long>(row0) * ld;
+#pragma unroll
+        for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const bool ok = row0 + r < n_rows && c * EPC < d;
+            const T* src = ok ? base + r * ld + c * EPC : g;  // a valid address when zero-filling
+            cp_async16(smem_addr(smem + r * STRIDE + c * EPC), src, ok ? 16 : 0);
+        }
+    }
+}
+
 // D = A * B + D for a 16x16 (row) by 16x8 (col) product, fp32 accumulators.
 template <typename T> struct Mma;
 template <> struct Mma<fp16_t> {
@@ -604,7 +643,7 @@ namespace cuflash {
 //   dq_accum: float32 workspace for kernels that accumulate dq with atomics (null otherwise), laid
 //     out by dqa_* strides (0 on the axes in q_red, so atomics from every batch entry of a
 //     broadcast q land in one row); holds sum_j dS_ij k_j WITHOUT the softmax scale. The
-//     preprocess kernel zeroes its columns 0..d-1, cuflash_bwd_convert_dq writes dq = scale * it.
+//     preprocess kernel zeroes its rows (all dqa_sr columns), cuflash_bwd_convert_dq writes dq = scale * it.
 //   q_red: bit a set when dq sums over collapsed batch axis a (q broadcasts there);
 //   kv_red: bit a set when dk and dv both sum over axis a. (The host never launches with k and v
 //     broadcasting differently; it falls back to full-batch temporaries for that rare case.)

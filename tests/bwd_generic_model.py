@@ -138,26 +138,33 @@ def _tile(mem, ptr, base, first, rows, n_rows, row_stride, cols, stride):
     return out
 
 
-def preprocess(mem, p, grid, rows_per_block=8):
-    sq, dv, d = int(p["sq"]), int(p["dv_dim"]), int(p["d"])
+def prep_rows(p, grid, rows_per_block=8):
+    """(batch or owner index, row) of every warp of the row-per-warp kernels
+    (cuflash_bwd_preprocess, cuflash_bwd_convert_dq) that has a row below Sq."""
+    sq = int(p["sq"])
     nblk = (sq + rows_per_block - 1) // rows_per_block
     for bid in range(grid):
-        b = bid // nblk
         for w in range(rows_per_block):
             row = (bid % nblk) * rows_per_block + w
-            if row >= sq:
-                continue
-            c = bwd_index(p, 0, b, 0)
-            off = bwd_offsets(p, c)
-            cols = np.arange(dv)
-            o = mem.read(int(p["o"]), off["o"] + row * int(p["o_sr"]) + cols)
-            do = mem.read(int(p["dout"]), off["do"] + row * int(p["do_sr"]) + cols)
-            mem.write(int(p["delta"]), [off["delta"] + row], [np.dot(o, do)])
-            if int(p["dq_accum"]):
-                red = int(p["q_red"])
-                if all(not ((red >> a) & 1) or c[a] == 0 for a in range(3)):
-                    mem.write(int(p["dq_accum"]), off["dqa"] + row * int(p["dqa_sr"])
-                              + np.arange(d), np.zeros(d))
+            if row < sq:
+                yield bid // nblk, row
+
+
+def preprocess(mem, p, grid, rows_per_block=8):
+    dv = int(p["dv_dim"])
+    for b, row in prep_rows(p, grid, rows_per_block):
+        c = bwd_index(p, 0, b, 0)
+        off = bwd_offsets(p, c)
+        cols = np.arange(dv)
+        o = mem.read(int(p["o"]), off["o"] + row * int(p["o_sr"]) + cols)
+        do = mem.read(int(p["dout"]), off["do"] + row * int(p["do_sr"]) + cols)
+        mem.write(int(p["delta"]), [off["delta"] + row], [np.dot(o, do)])
+        if int(p["dq_accum"]):
+            red = int(p["q_red"])
+            if all(not ((red >> a) & 1) or c[a] == 0 for a in range(3)):
+                # the whole row: the padding holds turn counters (attn_bwd_mma.cu)
+                n = int(p["dqa_sr"])
+                mem.write(int(p["dq_accum"]), off["dqa"] + row * n + np.arange(n), np.zeros(n))
 
 
 def _rows_stats(p):

@@ -436,22 +436,51 @@ def test_shared_memory_is_checked(launches):
 
 def test_backward_plans():
     plans = _dispatch.all_backward_specialisations(90)
-    assert len(plans) == 4 * 4 * 2
-    for bp in plans:
+    generic = [bp for bp in plans if bp.label.startswith("generic-bwd")]
+    tc = [bp for bp in plans if bp.label.startswith("tensorcore-bwd")]
+    assert len(generic) == 4 * 4 * 2
+    assert len(tc) == 2 * len(_dispatch.TC_BWD_CONFIGS) * 2 * 2  # dtypes, D, mask, determinism
+    for bp in generic:
         assert bp.deterministic and bp.dq_accum_row == 0
         assert [g for g, _ in bp.passes] == ["rows", "keys"]
         for _, plan in bp.passes:
             assert plan.smem_bytes <= 163 * 1024, plan.label  # fits an A100 as well
             assert plan.threads in (64, 128)
-    prob = types.SimpleNamespace(kernel="tensorcore", dtype_name="float16", d=64, dv=64,
-                                 causal=False)
+    for cc, limit in ((80, 163 * 1024), (86, 99 * 1024), (90, 227 * 1024)):
+        for dpad in _dispatch.TC_BWD_CONFIGS:
+            bp = _dispatch.bwd_tensorcore_plan("float16", dpad, True, True, cc)
+            assert [g for g, _ in bp.passes] == ["keys", "dq_convert"]
+            assert bp.dq_accum_row == dpad + _dispatch.TC_BWD_DQ_PAD and not bp.lse_acc
+            kern = bp.passes[0][1]
+            assert kern.smem_bytes <= limit, (cc, kern.label)
+            assert kern.threads <= 1024 and kern.block_n == kern.threads // 2
+            assert "cuflash_bwd_mma<cuflash::fp16_t" in kern.spec.name
+    prob = types.SimpleNamespace(kernel="hopper", dtype_name="float16", d=64, dv=64,
+                                 causal=False, deterministic=False)
     with pytest.raises(ValueError, match="no backward kernel yet"):
         _dispatch.backward_plan_for(prob, 90)
     prob.kernel = "auto"
+    assert _dispatch.backward_plan_for(prob, 90).label == \
+        "tensorcore-bwd<float16,D64,BM64,BN64,full>"
+    assert _dispatch.backward_plan_for(prob, 75).label == "generic-bwd<float16,D64,full>"
+    prob.deterministic = True
+    bp = _dispatch.backward_plan_for(prob, 90)
+    assert bp.deterministic and "det" in bp.label
+    prob.kernel = "generic"
     assert _dispatch.backward_plan_for(prob, 90).label == "generic-bwd<float16,D64,full>"
+    for edit, why in ((dict(dtype_name="float32"), "float16 and bfloat16"),
+                      (dict(d=256, dv=256), "up to 128"), (dict(dv=32), "D == Dv"),
+                      (dict(d=60, dv=60), "multiple of 8")):
+        bad = types.SimpleNamespace(**dict(vars(prob), kernel="tensorcore", **edit))
+        with pytest.raises(ValueError, match=why):
+            _dispatch.backward_plan_for(bad, 90)
+        bad.kernel = "auto"
+        assert _dispatch.backward_plan_for(bad, 90).label.startswith("generic-bwd")
+        assert why in _dispatch.backward_fallback_reason(bad, 90)
     specs = _dispatch.backward_kernel_specs(90)
     assert len(specs) == len(set(specs))
     assert any("cuflash_bwd_convert_dq" in s.name for s in specs)
+    assert any("cuflash_bwd_mma" in s.name for s in specs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,16 +610,23 @@ MODEL_CASES = [  # (dtype, q batch, k batch, v batch, Sq, Sk, D, Dv, causal, lay
 ]
 
 
+def _model_inputs(rng, dtype, qb, kb, vb, sq, sk, d, dv, causal):
+    """q, k, v, do (_problem), o rounded to dtype, lse rounded to float32, the exact lse, and the
+    broadcast batch shape."""
+    q, k, v, do = _problem(rng, dtype, qb, kb, vb, sq, sk, d, dv)
+    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal)
+    o = ref.round_to(o_ref, dtype)
+    lse = ref.round_to(lse_ref, "float32")
+    return q, k, v, do, o, lse, lse_ref, tuple(np.broadcast_shapes(qb, kb, vb))
+
+
 @pytest.mark.parametrize("dtype,qb,kb,vb,sq,sk,d,dv,causal,layout", MODEL_CASES)
 def test_generic_kernels_model(dtype, qb, kb, vb, sq, sk, d, dv, causal, layout, monkeypatch):
     import bwd_generic_model as model
 
     rng = _rng("model", dtype, qb, kb, vb, sq, sk, d, dv, causal)
-    q, k, v, do = _problem(rng, dtype, qb, kb, vb, sq, sk, d, dv)
-    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal)
-    o = ref.round_to(o_ref, dtype)
-    lse = ref.round_to(lse_ref, "float32")
-    batch = tuple(np.broadcast_shapes(qb, kb, vb))
+    q, k, v, do, o, lse, lse_ref, batch = _model_inputs(rng, dtype, qb, kb, vb, sq, sk, d, dv,
+                                                        causal)
     item = 8 if dtype == "float64" else (4 if dtype == "float32" else 2)
     mem = model.Memory()
 
@@ -612,7 +648,16 @@ def test_generic_kernels_model(dtype, qb, kb, vb, sq, sk, d, dv, causal, layout,
                                  stream=None, device_id=0, deterministic=True, causal=causal,
                                  kernel="generic")
     bp = _dispatch.bwd_generic_plan(dtype, d, dv, causal)
-    acc = 8 if dtype == "float64" else 4
+    launches = _record_launches(bp, prob, grads, mem, monkeypatch)
+    model.run_plan_launches(mem, launches, causal, dtype)
+    _check_model_grads(grads, do, q, k, v, causal, dtype, lse_ref,
+                       lse_term=dtype not in ("float32", "float64"))
+
+
+def _record_launches(bp, prob, grads, mem, monkeypatch):
+    """launch_backward for plan bp on FakeArrays, with a workspace in mem; returns the launches
+    (spec name, grid, threads, parameter block) instead of running them."""
+    acc = 8 if prob.dtype_name == "float64" else 4
     ws_bytes = _launch.backward_workspace_bytes(bp, prob)
     ws = types.SimpleNamespace(nbytes=ws_bytes, data=types.SimpleNamespace(
         ptr=mem.alloc(ws_bytes // acc, acc)))
@@ -626,12 +671,16 @@ def test_generic_kernels_model(dtype, qb, kb, vb, sq, sk, d, dv, causal, layout,
     monkeypatch.setattr(_compile, "get_kernel", get_kernel)
     monkeypatch.setattr(_launch, "_stream_ptr", lambda s: None)
     _launch.launch_backward(bp, prob, *grads, ws, ATTRS)
-    model.run_plan_launches(mem, launches, causal, dtype)
+    return launches
 
+
+def _check_model_grads(grads, do, q, k, v, causal, dtype, lse_ref, lse_term):
+    """A model's gradients (float64 arithmetic) against the float64 reference: every element
+    written, errors within the input roundings (o to dtype, lse to float32 when lse_term)."""
     g_ref = ref.attention_backward_ref(do, q, k, v, causal=causal)
     u = ref.unit_roundoff(dtype)
-    lse_rel = 0.0 if dtype in ("float32", "float64") else 8 * 2.0 ** -24 * max(
-        1.0, float(np.max(np.abs(lse_ref[np.isfinite(lse_ref)]))))
+    lse_rel = 8 * 2.0 ** -24 * max(1.0, float(np.max(np.abs(lse_ref[np.isfinite(lse_ref)])))) \
+        if lse_term else 0.0
     for name, g, r in zip(("dq", "dk", "dv"), grads, g_ref):
         got = g.values()
         assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} elements unwritten"
@@ -641,3 +690,71 @@ def test_generic_kernels_model(dtype, qb, kb, vb, sq, sk, d, dv, causal, layout,
         tol = (2 * u + lse_rel + 64 * 2.0 ** -53) * max(scale_r, 1.0) * 8
         err = float(np.max(np.abs(got - r)))
         assert err <= tol, f"{name}: model error {err:.3e} > {tol:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor-core backward's fragment layouts and indexing, through a lane-level NumPy model
+# (tests/bwd_mma_model.py: ldmatrix / mma.sync fragment semantics, the kernel's shared-memory
+# layout and addresses) run on the parameter block launch_backward builds
+
+MMA_MODEL_CASES = [  # (dtype, q batch, k batch, Sq, Sk, D, causal, deterministic, cc, layout)
+    ("float16", (2,), (2,), 70, 45, 64, True, False, 90, "contiguous"),   # tails, Sq != Sk
+    ("bfloat16", (1, 3), (1, 1), 33, 100, 40, False, True, 90, "contiguous"),  # MQA, D padded
+    ("float16", (2,), (2,), 130, 60, 64, True, True, 90, "bshd"),  # rows without keys, strided
+    ("float16", (1,), (1,), 20, 150, 128, True, True, 90, "contiguous"),  # BN = 128, 8 warps
+    ("bfloat16", (2,), (2,), 100, 70, 96, False, False, 86, "bshd"),  # one stage (sm_86 tiles)
+    ("float16", (3,), (1,), 7, 1, 64, True, False, 80, "contiguous"),  # one key
+]
+
+
+@pytest.mark.parametrize("dtype,qb,kb,sq,sk,d,causal,det,cc,layout", MMA_MODEL_CASES)
+def test_tensorcore_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, cc, layout, monkeypatch):
+    import bwd_generic_model as gmodel
+    import bwd_mma_model as model
+
+    rng = _rng("mma-model", dtype, qb, kb, sq, sk, d, causal, det, cc)
+    q, k, v, do, o, lse, lse_ref, batch = _model_inputs(rng, dtype, qb, kb, kb, sq, sk, d, d,
+                                                        causal)
+    mem = gmodel.Memory()
+
+    def arr(x, itemsize=2):
+        if layout == "bshd" and x.ndim == 3:  # (S, H, D) memory seen as (H, S, D)
+            h, s_, c = x.shape
+            return gmodel.FakeArray(mem, x, itemsize, [c, h * c, 1])
+        return gmodel.FakeArray(mem, x, itemsize)
+
+    fq, fk, fv, fo, fdo = (arr(x) for x in (q, k, v, o, do))
+    flse = gmodel.FakeArray(mem, lse, 4)
+    grads = [arr(np.zeros(x.shape)) for x in (q, k, v)]
+    for g in grads:  # poison: unwritten elements stay NaN
+        g.mem.write(g.data.ptr, np.arange(g.nbytes // 2), np.full(g.nbytes // 2, np.nan))
+
+    prob = types.SimpleNamespace(q=fq, k=fk, v=fv, o=fo, do=fdo, lse=flse, batch_shape=batch,
+                                 sq=sq, sk=sk, d=d, dv=d, dtype_name=dtype, scale=d ** -0.5,
+                                 stream=None, device_id=0, deterministic=det, causal=causal,
+                                 kernel="tensorcore", backend="gpu", out_grads=None)
+    monkeypatch.setattr(_dispatch, "_aligned16", lambda x: True)  # FakeArrays: no real pointers
+    bp = _dispatch.backward_plan_for(prob, cc)
+    assert bp.label.startswith("tensorcore-bwd") and bp.deterministic == det
+    launches = _record_launches(bp, prob, grads, mem, monkeypatch)
+    model.run_plan_launches(mem, launches, bp, causal)
+    _check_model_grads(grads, do, q, k, v, causal, dtype, lse_ref, lse_term=True)
+
+
+def test_tensorcore_model_catches_a_layout_error(monkeypatch):
+    """The model is sharp: swapping two ldmatrix matrices of the dS^T read (a plausible slip)
+    gives a wrong dq."""
+    import bwd_mma_model as model
+
+    real = model._lane_offsets
+
+    def swapped(c):
+        a_rows, b_rows, b_trans, a_trans_ds = real(c)
+        lr, lm = model.LANE % 8, model.LANE // 8
+        wrong = ((lr + 8 * (lm % 2)) * c.sds + 8 * (lm // 2)) * 2
+        return a_rows, b_rows, b_trans, wrong
+
+    monkeypatch.setattr(model, "_lane_offsets", swapped)
+    with pytest.raises(AssertionError, match="dq: model error"):
+        test_tensorcore_kernel_model("float16", (1,), (1,), 40, 40, 64, False, False, 90,
+                                     "contiguous", monkeypatch)

@@ -32,10 +32,26 @@ def _skip_unsupported(dtype):
         pytest.skip("bfloat16 on the GPU needs ml_dtypes (CuPy's bfloat16 dtype)")
 
 
-def _backward_kernels():
+def _backward_kernels(dtype=None, d=64, dv=None):
     """Backward kernels to force besides "auto": the generic one always; the tensor-core one
-    where it exists (it plugs into backward_plan_for as kernel="tensorcore")."""
+    for the inputs it takes (float16 / bfloat16, D == Dv, D % 8 == 0, D <= 128: see
+    _dispatch.bwd_tensorcore_reason), or for every dtype when none is given (tests that take the
+    kernel as a parameter skip it where it does not apply: _skip_kernel)."""
+    if dtype is None or _tensorcore_applies(dtype, d, d if dv is None else dv):
+        return ["generic", "tensorcore"]
     return ["generic"]
+
+
+def _tensorcore_applies(dtype, d, dv):
+    from cuflash import _dispatch
+
+    return (dtype in _dispatch.TC_BWD_DTYPES and d == dv and d % 8 == 0
+            and d <= max(_dispatch.TC_BWD_CONFIGS))
+
+
+def _skip_kernel(kernel, dtype, d, dv=None):
+    if kernel == "tensorcore" and not _tensorcore_applies(dtype, d, d if dv is None else dv):
+        pytest.skip(f"the tensor-core backward does not take {dtype}, D={d}")
 
 
 def _gpu_inputs(q, k, v, do, dtype, *, causal, scale):
@@ -77,6 +93,7 @@ def _case(key, make):
 def test_backward_matches_reference(sq, sk, dtype, causal, kernel):
     _skip_unsupported(dtype)
     d = [64, 128, 256, 96][(sq + sk) % 4]
+    _skip_kernel(kernel, dtype, d)
     batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
     scale = 1 / math.sqrt(d)
 
@@ -91,6 +108,8 @@ def test_backward_matches_reference(sq, sk, dtype, causal, kernel):
     grads, label = _run_bwd(inputs, dtype, causal=causal, kernel=kernel)
     if kernel == "generic":
         assert label.startswith("generic-bwd"), label
+    if kernel == "tensorcore" or (kernel == "auto" and _tensorcore_applies(dtype, d, d)):
+        assert label.startswith("tensorcore-bwd"), label
     check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=scale, dtype=dtype,
                                   ref=ref, label=label)
 
@@ -103,7 +122,7 @@ def test_backward_head_dims(d, dtype, causal):
     q, k, v, do = random_backward_inputs(_rng("hd", d, dtype, causal), (2,), (2,), 113, 200, d,
                                          d, dtype)
     inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
-    for kernel in ["auto"] + _backward_kernels():
+    for kernel in ["auto"] + _backward_kernels(dtype, d):
         grads, label = _run_bwd(inputs, dtype, causal=causal, kernel=kernel)
         check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
                                       dtype=dtype, label=label)
@@ -138,7 +157,7 @@ def test_backward_broadcast_axes_are_summed(qb, kb, vb, dtype, causal):
                                          64, 64, dtype, batch_v=vb)
     inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=0.3)
     ref = grad_reference(do, q, k, v, causal=causal, scale=0.3, dtype=dtype)
-    for kernel in ["auto"] + _backward_kernels():
+    for kernel in ["auto"] + _backward_kernels(dtype, 64):
         grads, label = _run_bwd(inputs, dtype, causal=causal, scale=0.3, kernel=kernel)
         check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=0.3, dtype=dtype,
                                       ref=ref, label=label)
@@ -184,6 +203,7 @@ def test_backward_rows_without_keys(kernel, dtype):
     """Causal with Sq > Sk: the first Sq - Sk rows see no key: their dq is exactly 0, no NaN
     anywhere, and they add nothing to dk, dv."""
     _skip_unsupported(dtype)
+    _skip_kernel(kernel, dtype, 64)
     q, k, v, do = random_backward_inputs(_rng("nokey", kernel, dtype), (2,), (2,), 200, 30, 64,
                                          64, dtype)
     inputs = _gpu_inputs(q, k, v, do, dtype, causal=True, scale=None)
@@ -201,7 +221,7 @@ def test_backward_long_sequences(sq, sk, d, causal):
                                          d, d, "float16")
     inputs = _gpu_inputs(q, k, v, do, "float16", causal=causal, scale=None)
     ref = grad_reference(do, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype="float16")
-    for kernel in ["auto"] + _backward_kernels():
+    for kernel in ["auto"] + _backward_kernels("float16", d):
         grads, label = _run_bwd(inputs, "float16", causal=causal, kernel=kernel)
         check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
                                       dtype="float16", ref=ref, label=label)
@@ -218,6 +238,7 @@ def test_backward_bitwise_reproducible(dtype, kernel, deterministic):
     cp = cupy()
     from cuflash import _dispatch, _launch
 
+    _skip_kernel(kernel, dtype, 128)
     q, k, v, do = random_backward_inputs(_rng("det", dtype, kernel), (2, 4), (2, 4), 1000, 1000,
                                          128, 128, dtype)
     inputs = _gpu_inputs(q, k, v, do, dtype, causal=True, scale=None)
@@ -250,18 +271,21 @@ def test_backward_bitwise_reproducible(dtype, kernel, deterministic):
 
 def test_backward_workspace_no_allocation_and_cuda_graph():
     """With out= and workspace= nothing is allocated, so the call can be captured in a CUDA graph
-    on a stream; the replay gives the same bits as a direct call."""
+    on a stream; the replay gives the same bits as a direct call (deterministic=True: the
+    default tensor-core plan adds dq with float atomics, whose order may differ between runs)."""
     cp = cupy()
     q, k, v, do = random_backward_inputs(_rng("graph"), (2, 4), (2, 4), 256, 300, 64, 64,
                                          "float16")
     qg, kg, vg, dog, o, lse = _gpu_inputs(q, k, v, do, "float16", causal=True, scale=None)
-    size = cuflash.attention_backward_workspace_size(dog, qg, kg, vg, o, lse, causal=True)
+    size = cuflash.attention_backward_workspace_size(dog, qg, kg, vg, o, lse, causal=True,
+                                                     deterministic=True)
     assert size >= 2 * 4 * 256 * 4  # delta, float32
     ws = cp.empty(size, dtype=cp.uint8)
     outs = tuple(poisoned(x.shape, "float16") for x in (qg, kg, vg))
     s = cp.cuda.Stream(non_blocking=True)
     args = (dog, qg, kg, vg, o, lse)
-    cuflash.attention_backward(*args, causal=True, out=outs, workspace=ws, stream=s)  # compile
+    cuflash.attention_backward(*args, causal=True, out=outs, workspace=ws, stream=s,
+                               deterministic=True)  # compile
     s.synchronize()
     direct = [x.copy() for x in outs]
     pool = cp.get_default_memory_pool()
@@ -271,7 +295,8 @@ def test_backward_workspace_no_allocation_and_cuda_graph():
     before = pool.used_bytes()
     with s:
         s.begin_capture()
-        cuflash.attention_backward(*args, causal=True, out=outs, workspace=ws)
+        cuflash.attention_backward(*args, causal=True, out=outs, workspace=ws,
+                                   deterministic=True)
         graph = s.end_capture()
     assert pool.used_bytes() == before, "no allocation with out= and workspace="
     graph.launch(stream=s)
@@ -328,3 +353,85 @@ def test_backward_errors_on_gpu():
         cuflash.attention_backward(o64, x64, x64, x64, o64, lse64, kernel="tensorcore")
     with pytest.raises(TypeError, match="lse has dtype float16"):
         cuflash.attention_backward(o, x, x, x, o, lse.astype(cp.float16))
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor-core backward (kernels_cu/attn_bwd_mma.cu) specifically
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [16, 40, 64, 72, 96, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensorcore_backward_head_dims_and_modes(dtype, d, causal, deterministic):
+    """Every padded head dim, both masks, both dq modes; Sq != Sk with tails on both sides."""
+    _skip_unsupported(dtype)
+    q, k, v, do = random_backward_inputs(_rng("tc", dtype, d, causal, deterministic), (2, 3),
+                                         (2, 3), 177, 113, d, d, dtype)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
+    grads, label = _run_bwd(inputs, dtype, causal=causal, kernel="auto",
+                            deterministic=deterministic)
+    assert label.startswith("tensorcore-bwd"), label
+    assert ("det," in label) == deterministic, label
+    check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                                  dtype=dtype, label=label)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensorcore_deterministic_mqa_is_bitwise_and_grid_independent(dtype, causal):
+    """MQA (dk, dv summed over 8 query heads inside a block; dq tiles of each query head
+    ordered by their turn counters): repeated calls give the same bits, and the first batch
+    entry alone (a smaller grid) gives the same bits as in the full batch."""
+    _skip_unsupported(dtype)
+    cp = cupy()
+    q, k, v, do = random_backward_inputs(_rng("tcdet", dtype, causal), (3, 8), (3, 1), 1000,
+                                         700, 64, 64, dtype)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
+    first, label = _run_bwd(inputs, dtype, causal=causal, deterministic=True)
+    assert label.startswith("tensorcore-bwd") and "det," in label, label
+    for _ in range(2):
+        again, _ = _run_bwd(inputs, dtype, causal=causal, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), f"{label}: {name} differs"
+    qg, kg, vg, dog, o, lse = inputs
+    one = cuflash.attention_backward(dog[:1], qg[:1], kg[:1], vg[:1], o[:1], lse[:1],
+                                     causal=causal, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), first, one):
+        assert bool(cp.all(a[:1].view(cp.uint8) == b.view(cp.uint8))), \
+            f"{label}: {name} of batch entry 0 depends on the batch size"
+    check_grads_against_reference(first, do, q, k, v, causal=causal, scale=1 / 8, dtype=dtype,
+                                  label=label)
+
+
+def test_tensorcore_backward_fallbacks_say_why():
+    """Inputs the tensor-core backward does not take run the generic one under "auto", with the
+    reason in backward_dispatch_info, and raise under kernel="tensorcore"."""
+    cp = cupy()
+    rng = _rng("tcfall")
+    # rows that do not start on 16-byte boundaries: a view one element into a wider buffer
+    wide = [to_gpu(reference.round_to(rng.standard_normal((2, 90, 72)), "float16"), "float16")
+            for _ in range(4)]
+    q, k, v, do = (x[..., 1:65] for x in wide)
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    info = cuflash.backward_dispatch_info(do, q, k, v, o, lse)
+    assert info.startswith("generic-bwd") and "16-byte" in info, info
+    with pytest.raises(ValueError, match="16-byte"):
+        cuflash.attention_backward(do, q, k, v, o, lse, kernel="tensorcore")
+    grads = cuflash.attention_backward(do, q, k, v, o, lse)
+    h = [to_host64(x) for x in (q, k, v, do)]
+    check_grads_against_reference(grads, h[3], *h[:3], causal=False, scale=1 / 8,
+                                  dtype="float16", label=info)
+    # deterministic with a broadcast q (dq summed over the batch): generic
+    x = cp.asarray(rng.standard_normal((1, 4, 50, 64)).astype(np.float16))
+    kv = cp.asarray(rng.standard_normal((3, 4, 50, 64)).astype(np.float16))
+    o, lse = cuflash.attention(x, kv, kv, return_lse=True)
+    info = cuflash.backward_dispatch_info(o, x, kv, kv, o, lse, deterministic=True)
+    assert info.startswith("generic-bwd") and "broadcast q" in info, info
+    assert cuflash.backward_dispatch_info(o, x, kv, kv, o, lse).startswith("tensorcore-bwd")
+    # D = 256 and float32: generic, with the reason
+    for shape, dt, why in (((2, 40, 256), cp.float16, "up to 128"),
+                           ((2, 40, 64), cp.float32, "float16 and bfloat16")):
+        y = cp.asarray(rng.standard_normal(shape)).astype(dt)
+        o, lse = cuflash.attention(y, y, y, return_lse=True)
+        info = cuflash.backward_dispatch_info(o, y, y, y, o, lse)
+        assert info.startswith("generic-bwd") and why in info, info
