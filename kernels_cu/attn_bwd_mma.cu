@@ -140,17 +140,12 @@ struct BwdMmaOps {
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
 #pragma unroll
-            for (int n2 = 0; n2 < DPAD / 32; ++n2) {  // two loads in flight, then four products
-                unsigned int b[2][4];
-#pragma unroll
-                for (int u = 0; u < 2; ++u)
-                    ldmatrix_x4_trans(b_tile + b_trans + (kk * 16 * Cfg::SD + (2 * n2 + u) * 16) * 2,
-                                      b[u][0], b[u][1], b[u][2], b[u][3]);
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    Mma<T>::run(acc[4 * n2 + 2 * u], x[kk], b[u][0], b[u][1]);
-                    Mma<T>::run(acc[4 * n2 + 2 * u + 1], x[kk], b[u][2], b[u][3]);
-                }
+            for (int nn = 0; nn < DPAD / 16; ++nn) {
+                unsigned int b0, b1, b2, b3;
+                ldmatrix_x4_trans(b_tile + b_trans + (kk * 16 * Cfg::SD + nn * 16) * 2, b0, b1,
+                                  b2, b3);
+                Mma<T>::run(acc[2 * nn], x[kk], b0, b1);
+                Mma<T>::run(acc[2 * nn + 1], x[kk], b2, b3);
             }
         }
     }
@@ -292,19 +287,6 @@ cuflash_bwd_mma(const BwdParams p) {
     // dQ split: warp -> query m-tile mq, column group cg.
     const int mq = warp % Cfg::MT_Q, cg = warp / Cfg::MT_Q;
 
-    // (DET) The turn this block hands on once a barrier has ordered all its additions before
-    // the hand-over: thread 0 releases it after the next barrier, so that no warp waits for the
-    // fence of the release (cumulative through bar.sync, as a grid-wide barrier releases).
-    int* pending = nullptr;
-    int pending_turn = 0;
-    const auto hand_on = [&]() {
-        if (DET && tid == 0 && pending != nullptr) {
-            __threadfence();
-            bwd_turn_store(pending, pending_turn);
-        }
-        pending = nullptr;
-    };
-
     for (int it = 0; it < n_iter; ++it) {
         const int buf = STAGES == 2 ? it % 2 : 0;
         const int red = it / (n_mtiles - m_first);
@@ -312,7 +294,6 @@ cuflash_bwd_mma(const BwdParams p) {
         const int i0 = mtile * BM;
         cp_async_wait<0>();
         __syncthreads();  // this tile's Q/dO/lse/delta landed (K, V too); the previous dQ is done
-        hand_on();
         if (STAGES == 2 && it + 1 < n_iter) load_rows(it + 1);
         cp_async_commit();
         const unsigned int q_t = smem_addr(smem + Cfg::Q_OFF + buf * BM * Cfg::SD);
@@ -421,13 +402,10 @@ cuflash_bwd_mma(const BwdParams p) {
                 }
         }
         if (DET) {
-            pending = turn;
-            pending_turn = my_turn + 1;
+            __threadfence();
+            __syncthreads();  // every thread's additions are visible before the next turn
+            if (tid == 0) bwd_turn_store(turn, my_turn + 1);
         }
-    }
-    if (DET) {
-        __syncthreads();  // every warp's additions to the last tile are ordered before the release
-        hand_on();
     }
     cp_async_wait<0>();  // nothing in flight when the block exits
 
