@@ -28,8 +28,8 @@
 // in descending key-block order: a turn counter per tile (an int in the padding column DPAD of the
 // tile's first dq_accum row, zeroed by the preprocess) says how many key blocks have added; with
 // n_last the last key block the tile sees (keys_needed), key block n waits until it reads
-// n_last - n, adds, and after its next barrier thread 0 fences and stores n_last - n + 1. The key blocks that touch a query tile are
-// 0 .. n_last (causal or not), so the turns are dense. Every element of dq is then
+// n_last - n, adds, every thread fences, and after a barrier thread 0 stores n_last - n + 1.
+// The key blocks that touch a query tile are 0 .. n_last (causal or not), so the turns are dense. Every element of dq is then
 // ((0 + c_last) + c_last-1) + ... in a fixed order, whatever the grid and the scheduling: bitwise
 // reproducible and independent of the batch size. Key blocks are numbered from the end of the grid
 // (blockIdx 0 is the last key block of a batch entry), so a block only ever waits for blocks of
