@@ -36,6 +36,16 @@ def hopper_schedule_table(table, overlap, pingpong, consumers, q_stages, persist
     return out
 
 
+@pytest.fixture(autouse=True)
+def _fresh_call_cache():
+    """Each test starts without recorded call signatures (cuflash/_callcache.py): tests that
+    swap dispatch tables must see their own plans."""
+    from cuflash import _callcache
+
+    _callcache.clear()
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU:
         return
