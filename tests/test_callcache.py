@@ -137,3 +137,41 @@ def test_errors_still_raise_after_a_recorded_call(fake):
         cuflash.attention(q, k, v, out=FakeArray((2, 4, 100, 32)))
     with pytest.raises(TypeError, match="stream"):
         cuflash.attention(q, k, v, stream=object())  # the stream is resolved on every call
+
+
+def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
+    """The Hopper kernel's tensor maps hold the pointers: a hit with new pointers builds the
+    same block the full path builds for them (maps included); the last pointers reuse it."""
+    from cuflash import _tma
+    import hashlib
+
+    encoded = []
+
+    def encode(dtype_name, address, dims, strides, box):
+        encoded.append(address)
+        return hashlib.sha256(repr((address, dims, strides, box)).encode()).digest() * 4
+
+    monkeypatch.setattr(_tma, "encode_tiled", encode)
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    monkeypatch.setitem(_launch._DEVICE_ATTRS, 0, {"compute_capability": 90,
+                                                  "max_smem_optin": 232448, "sm_count": 132})
+    assert cuflash.dispatch_info(*_qkv(), causal=True).startswith("hopper")
+    o = FakeArray((2, 4, 100, 64), ptr=3 << 36)
+    cuflash.attention(*_qkv(), causal=True, out=o)
+    q2 = _qkv(base=1 << 33)
+    n = len(encoded)
+    cuflash.attention(*q2, causal=True, out=o)
+    assert fake["checks"] == 2  # dispatch_info and the first call
+    assert encoded[n:] == [x.data.ptr for x in q2]
+    hit = fake["launches"][-1]
+    cuflash.attention(*q2, causal=True, out=o)  # the same pointers: no new maps
+    assert len(encoded) == n + 3 and fake["launches"][-1] == hit
+    _callcache.clear()
+    monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
+    cuflash.attention(*q2, causal=True, out=o)
+    assert fake["checks"] == 3 and fake["launches"][-1] == hit
+
+
+def test_signature_refuses_other_array_types():
+    q = np.zeros((4, 8), np.float32)
+    assert _callcache.signature(q, q, q, False, None, False, None, "auto", None) is None
