@@ -1,4 +1,4 @@
-"""What a repeated `attention` call on CuPy arrays has already established, kept by signature.
+"""What a repeated `attention` call on GPU arrays has already established, kept by signature.
 
 A forward call on GPU arrays spends most of its host time establishing things that depend only
 on its *signature*: the checks of `_checks.check_attention`, the dispatcher's plan, the device's
@@ -7,12 +7,12 @@ module keys those on everything they are computed from and, when the same signat
 again, goes straight to the launch with the pointers of this call.
 
 Why no check is dropped: the key holds, for q, k, v and the ``out`` buffers, the exact type
-(plain ``cupy.ndarray`` or plain ``torch.Tensor``; anything else takes the full path), shape,
-strides, dtype, device and the data pointer's alignment modulo 16 bytes (for torch tensors also
-``requires_grad``, the negation and conjugation bits and the layout, which decide whether DLPack
-export succeeds), and ``causal``, ``scale``, ``return_lse``, ``kernel`` and ``precision`` with
-their types, and the identity of the dispatcher's tables. Every check and every dispatch decision is a
-function of those (the 16-byte alignment rules read ``ptr % 16`` and the strides; the
+(plain ``cupy.ndarray``, or for q, k, v a plain ``torch.Tensor``; anything else takes the full
+path), shape, strides, dtype, device and the data pointer's alignment modulo 16 bytes (for torch
+tensors also ``requires_grad``, the negation and conjugation bits and the layout, which decide
+whether DLPack export succeeds), ``causal``, ``scale``, ``return_lse``, ``kernel`` and
+``precision`` with their types, and the identity of the dispatcher's tables. Every check and
+every dispatch decision is a function of those (the 16-byte alignment rules read ``ptr % 16`` and the strides; the
 tensor-map API's availability is fixed per process; the stream is resolved on each call, as on
 the full path). A signature is recorded only after its full-path call succeeded without copying
 an input (no non-contiguous last axis, no unmergeable batch axes), so a hit repeats a call that
@@ -141,12 +141,13 @@ def signature(q, k, v, causal, scale, return_lse, out, kernel, precision):
     torch = sys.modules.get("torch")
     tt = getattr(torch, "Tensor", None) if torch is not None else None
     try:
+        # out: CuPy arrays only (the full path returns CuPy views of other types' buffers)
         if out is None:
             ok = None
         elif isinstance(out, (tuple, list)):
-            ok = (type(out), len(out)) + tuple(_arr_key(b, nd, tt) for b in out)
+            ok = (type(out), len(out)) + tuple(_arr_key(b, nd, None) for b in out)
         else:
-            ok = _arr_key(out, nd, tt)
+            ok = _arr_key(out, nd, None)
         key = (_arr_key(q, nd, tt), _arr_key(k, nd, tt), _arr_key(v, nd, tt), ok, type(causal),
                causal, type(scale), scale, type(return_lse), return_lse, type(kernel), kernel,
                type(precision), precision, tuple(map(id, _tables())))
