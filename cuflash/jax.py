@@ -232,13 +232,19 @@ def _fwd_callback(cfg, with_lse):
             res = (o, lse)
         else:
             res = _view(_as_array(out, stream), hk)
-        _api.attention(qv, kv, vv, causal=causal, scale=scale, precision=precision,
-                       kernel=kernel, return_lse=with_lse, out=res, stream=stream)
-        if stream is not None:
-            rec = _callcache.lookup(_callcache.signature(qv, kv, vv, causal, scale, with_lse,
-                                                         res, kernel, precision))
-            if rec is not None:
-                records[sig] = rec
+        kw = dict(causal=causal, scale=scale, precision=precision, kernel=kernel,
+                  return_lse=with_lse, out=res)
+        if stream is None:
+            _api.attention(qv, kv, vv, **kw)
+            return
+        # Copies cuflash may make (batch axes that do not merge, as vmap over some arguments
+        # with grouped heads gives) must run on XLA's stream too, and come from its pool arena.
+        with _cupy().cuda.ExternalStream(stream):
+            _api.attention(qv, kv, vv, stream=stream, **kw)
+        rec = _callcache.lookup(_callcache.signature(qv, kv, vv, causal, scale, with_lse, res,
+                                                     kernel, precision))
+        if rec is not None:
+            records[sig] = rec
     return callback
 
 
@@ -264,9 +270,15 @@ def _bwd_callback(cfg):
                    for x in (dov, ov))
         if lsev.shape[:-1] != batch:
             lsev = xp.broadcast_to(lsev, batch + lsev.shape[-1:])
-        _api.attention_backward(dov, *xs, ov, lsev, causal=causal, scale=scale,
-                                deterministic=deterministic, kernel=bkernel, out=(dq, dk, dv),
-                                stream=stream)
+        kw = dict(causal=causal, scale=scale, deterministic=deterministic, kernel=bkernel,
+                  out=(dq, dk, dv))
+        if stream is None:
+            _api.attention_backward(dov, *xs, ov, lsev, **kw)
+            return
+        # The workspace comes from CuPy's pool, which hands a freed block only to later work
+        # on the stream it was allocated under: make that XLA's stream.
+        with xp.cuda.ExternalStream(stream):
+            _api.attention_backward(dov, *xs, ov, lsev, stream=stream, **kw)
     return callback
 
 

@@ -352,8 +352,15 @@ def test_gpu_forward_and_grad(dtype, sq, sk, causal, hk):
                           64)
     doj = _j(do, dtype)
     args = [_j(x, dtype) for x in (q, k, v)]
-    o, lse = jax.jit(lambda *a: cj.attention(*a, causal=causal, return_lse=True))(*args)
+    f = jax.jit(lambda *a: cj.attention(*a, causal=causal, return_lse=True))
+    o, lse = f(*args)
     _check_forward(o, q, k, v, causal=causal, dtype=dtype, lse=lse)
+    # the same signature again, on fresh inputs: the callback launches the recorded call with
+    # the new buffers' pointers (cuflash/_callcache.py)
+    q2, k2, v2, _ = _inputs(_rng("gpu2", dtype, sq, sk, causal), dtype, (2,), sq, sk, 4, hk, 64,
+                            64)
+    o2, lse2 = f(*(_j(x, dtype) for x in (q2, k2, v2)))
+    _check_forward(o2, q2, k2, v2, causal=causal, dtype=dtype, lse=lse2)
     loss = lambda *a: jnp.sum(cj.attention(*a, causal=causal).astype(jnp.float32)  # noqa
                               * doj.astype(jnp.float32))
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
