@@ -10,7 +10,8 @@ Why no check is dropped: the key holds, for q, k, v and the ``out`` buffers, the
 (plain ``cupy.ndarray``, or for q, k, v a plain ``torch.Tensor``; anything else takes the full
 path), shape, strides, dtype, device and the data pointer's alignment modulo 16 bytes (for torch
 tensors also ``requires_grad``, the negation and conjugation bits and the layout, which decide
-whether DLPack export succeeds), ``causal``, ``scale``, ``return_lse``, ``kernel`` and
+whether DLPack export succeeds; and a torch hit needs torch's current stream to be the launch
+stream, since the full path's DLPack import would order the launch after torch's stream), ``causal``, ``scale``, ``return_lse``, ``kernel`` and
 ``precision`` with their types, and the identity of the dispatcher's tables. Every check and
 every dispatch decision is a function of those (the 16-byte alignment rules read ``ptr % 16`` and the strides; the
 tensor-map API's availability is fixed per process; the stream is resolved on each call, as on
@@ -197,11 +198,19 @@ def run(key, q, k, v, out, stream):
     else:
         o, lse = out, None
     with cupy.cuda.Device(prob.device_id):
+        launch_stream = _launch._stream_ptr(stream)
+        if hasattr(q, "data_ptr") or hasattr(k, "data_ptr") or hasattr(v, "data_ptr"):
+            # torch tensors: the full path's DLPack import makes the launch stream wait for
+            # torch's current stream; skipping it is only right when they are the same stream.
+            torch = sys.modules["torch"]
+            if torch.cuda.current_stream(prob.device_id).cuda_stream != launch_stream.ptr:
+                return None
         if o is None:
             o = cupy.empty(rec.o_shape, dtype=rec.dtype)
         if prob.return_lse and lse is None:
             lse = cupy.empty(rec.lse_shape, dtype=cupy.float32)
-        rec.launch((_ptr(q), _ptr(k), _ptr(v), _ptr(o), 0 if lse is None else _ptr(lse)), stream)
+        rec.launch((_ptr(q), _ptr(k), _ptr(v), _ptr(o), 0 if lse is None else _ptr(lse)),
+                   launch_stream)
     return (o, lse) if prob.return_lse else o
 
 

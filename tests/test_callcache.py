@@ -48,7 +48,8 @@ def fake(monkeypatch):
     cp.ndarray = FakeArray
     cp.float32 = np.float32
     cp.empty = lambda shape, dtype: FakeArray(shape, dtype, ptr=next(ptrs))
-    cp.cuda = types.SimpleNamespace(Device=Device, get_current_stream=lambda: "stream")
+    cp.cuda = types.SimpleNamespace(Device=Device,
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0))
     monkeypatch.setitem(sys.modules, "cupy", cp)
 
     def kernel(grid, block, args, shared_mem=0, stream=None):
