@@ -16,7 +16,11 @@ with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty bu
     python benchmarks/host_time.py [--calls 2000] [--s 16] [--d 64] [--dtype float16]
 """
 import argparse
+import os
 import time
+
+# CuPy, torch and JAX share the GPU in this process: JAX must not take 75% of it at start.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _time(fn, sync, calls):
