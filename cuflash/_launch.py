@@ -104,6 +104,26 @@ def launch_forward(plan, prob, o, lse, device_attrs):
         kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
              stream=_stream_ptr(prob.stream))
         return
+    params, grid, (q, k, v) = forward_params(plan, prob, q, k, v, o, lse, device_attrs)
+    if q is prob.q and k is prob.k and v is prob.v:  # no copies were made for this call
+        _PARAM_CACHE[key] = (params, grid)
+        if len(_PARAM_CACHE) > _PARAM_CACHE_SIZE:
+            _PARAM_CACHE.popitem(last=False)
+    kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
+    kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
+         stream=_stream_ptr(prob.stream))
+
+
+def forward_params(plan, prob, q, k, v, o, lse, device_attrs):
+    """The forward's parameter block for these buffers, after the launch-configuration checks.
+
+    Returns ``(params, grid, (q, k, v))``: the block (a NumPy structured scalar), the number of
+    blocks, and the inputs it points at (contiguous full-batch copies when more than three
+    batch axes do not merge). Everything but the five pointers (and, for the Hopper kernel, the
+    tensor maps made from them) is a function of the plan, the shapes, strides and scale.
+    """
+    import cupy
+
     sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
     if len(sizes) > 3:
         # More than three batch axes that no stride pattern merges: materialise the inputs once
@@ -154,14 +174,7 @@ def launch_forward(plan, prob, o, lse, device_attrs):
         grid = -(-n_mblocks // 2) * nbatch
     if plan.persistent:  # one block per SM, each looping over work items (attn_wgmma.cu)
         grid = min(grid, device_attrs["sm_count"])
-    params = p[()]
-    if q is prob.q and k is prob.k and v is prob.v:  # no copies were made for this call
-        _PARAM_CACHE[key] = (params, grid)
-        if len(_PARAM_CACHE) > _PARAM_CACHE_SIZE:
-            _PARAM_CACHE.popitem(last=False)
-    kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
-    kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
-         stream=_stream_ptr(prob.stream))
+    return p[()], grid, (q, k, v)
 
 
 #: Parameter blocks of recent launches, keyed on everything they are made from (plan, pointers,

@@ -3,9 +3,15 @@
 GPU tests carry the ``gpu`` marker and skip, with the reason shown in pytest's summary (``-rs``),
 when CuPy or a CUDA device is missing. The NVRTC compile check needs no GPU and always runs.
 """
+import os
+
 import pytest
 
 import cuflash
+
+# JAX (tests/test_jax.py, the audit's JAX peer) would otherwise take 75% of the GPU's memory when
+# its backend starts, leaving CuPy's pool, and so every other GPU test, the rest.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 GPU = cuflash.gpu_available()
 NO_GPU_REASON = "no CUDA GPU visible to CuPy (or CuPy not installed): GPU tests skipped"
@@ -34,6 +40,16 @@ def hopper_schedule_table(table, overlap, pingpong, consumers, q_stages, persist
             t = t._replace(q_stages=1)
         out[key] = (t, persistent)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh_call_cache():
+    """Each test starts without recorded call signatures (cuflash/_callcache.py): tests that
+    swap dispatch tables must see their own plans."""
+    from cuflash import _callcache
+
+    _callcache.clear()
+    yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -37,6 +37,13 @@ def test_gradients_example():
     assert "dk (2, 1, 256, 64)" in out and "FAIL" not in out
 
 
+def test_jax_transformer_example_trains():
+    """cuflash.jax.attention inside a jitted training step (the NumPy path on a CPU)."""
+    pytest.importorskip("jax", reason="JAX is not installed (pip install 'cuflash[jax]')")
+    out = _run("jax_transformer.py")
+    assert "went down" in out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("name", GPU_EXAMPLES)

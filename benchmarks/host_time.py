@@ -1,0 +1,126 @@
+"""Host time per attention call: wall clock over N calls of a tiny problem, one final sync.
+
+A tiny problem (default B=1, H=1, S=16, D=64, float16) makes the GPU time negligible, so the
+per-call time is what the host spends in Python, the library and the driver to enqueue one
+launch. All rows run in this one process, back to back:
+
+- cuflash on CuPy arrays, allocating the output, and with ``out=``;
+- cuflash on torch tensors (DLPack/CUDA array interface), and torch's SDPA on the same tensors;
+- JAX, each inside one ``jax.jit``-compiled function called N times: ``cuflash.jax.attention``,
+  an empty ``buffer_callback`` with the same operands (the floor of that route), and
+  ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+Peers that are not installed are skipped (and say why). Targets (issue 13): <= 10 us for CuPy
+with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty buffer_callback.
+
+    python benchmarks/host_time.py [--calls 2000] [--s 16] [--d 64] [--dtype float16]
+"""
+import argparse
+import os
+import time
+
+# CuPy, torch and JAX share the GPU in this process: JAX must not take 75% of it at start.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def _time(fn, sync, calls):
+    fn()
+    sync()  # warm: compile, plan, caches
+    for _ in range(10):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def cupy_rows(args):
+    import cupy as cp
+
+    import cuflash
+
+    shape = (1, 1, args.s, args.d)
+    q, k, v = (cp.random.standard_normal(shape).astype(args.dtype) for _ in range(3))
+    out = cp.empty_like(q)
+    sync = cp.cuda.Stream.null.synchronize
+    return [("cuflash, CuPy arrays", _time(lambda: cuflash.attention(q, k, v), sync, args.calls)),
+            ("cuflash, CuPy arrays, out=",
+             _time(lambda: cuflash.attention(q, k, v, out=out), sync, args.calls))]
+
+
+def torch_rows(args):
+    import torch
+    import torch.nn.functional as F
+
+    import cuflash
+
+    dt = getattr(torch, args.dtype)
+    q, k, v = (torch.randn(1, 1, args.s, args.d, device="cuda", dtype=dt) for _ in range(3))
+    sync = torch.cuda.synchronize
+    return [("cuflash, torch tensors", _time(lambda: cuflash.attention(q, k, v), sync,
+                                             args.calls)),
+            ("torch SDPA (its default backend)",
+             _time(lambda: F.scaled_dot_product_attention(q, k, v), sync, args.calls))]
+
+
+def jax_rows(args):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.buffer_callback import buffer_callback
+
+    import cuflash.jax as cj
+
+    if jax.default_backend() != "gpu":
+        raise RuntimeError(f"JAX's default backend is {jax.default_backend()}, not a GPU")
+    shape = (1, args.s, 1, args.d)  # JAX layout (B, S, H, D)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(kk, shape, dtype=args.dtype) for kk in keys)
+    rows = []
+    res = {}
+
+    def call(f):
+        def run():
+            res["o"] = f(q, k, v)
+        return run
+
+    sync = lambda: jax.block_until_ready(res["o"])  # noqa: E731
+    f = jax.jit(lambda q, k, v: cj.attention(q, k, v))
+    rows.append(("JAX jit: cuflash.jax.attention", _time(call(f), sync, args.calls)))
+    empty = buffer_callback(lambda ctx, out, *a: None, jax.ShapeDtypeStruct(shape, q.dtype))
+    g = jax.jit(lambda q, k, v: empty(q, k, v))
+    rows.append(("JAX jit: empty buffer_callback", _time(call(g), sync, args.calls)))
+    try:
+        h = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                                 implementation="cudnn"))
+        rows.append(("JAX jit: dot_product_attention cudnn", _time(call(h), sync, args.calls)))
+    except Exception as exc:  # cuDNN attention unavailable for this dtype/shape/version
+        rows.append(("JAX jit: dot_product_attention cudnn", f"skipped: {type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0][:80]}"))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--s", type=int, default=16)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    args = ap.parse_args()
+    print(f"host time per call, {args.calls} calls, (1, 1, {args.s}, {args.d}) {args.dtype}, "
+          "one sync at the end")
+    rows = []
+    for name, fn in (("CuPy", cupy_rows), ("torch", torch_rows), ("JAX", jax_rows)):
+        try:
+            rows += fn(args)
+        except Exception as exc:  # a peer that is missing or has no GPU here
+            rows.append((f"{name} rows", f"skipped: {type(exc).__name__}: {exc}"[:120]))
+    width = max(len(r[0]) for r in rows)
+    print(f"{'':{width}s}  us/call")
+    for name, t in rows:
+        print(f"{name:{width}s}  {t:8.1f}" if isinstance(t, float) else f"{name:{width}s}  {t}")
+
+
+if __name__ == "__main__":
+    main()

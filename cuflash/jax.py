@@ -1,0 +1,357 @@
+"""cuflash from JAX: `attention` in JAX's layout, under ``jax.jit``, ``jax.vmap`` and ``jax.grad``.
+
+Needs the ``jax`` extra (``pip install "cuflash[jax]"``; for the GPU, a CUDA build of jaxlib and
+the ``cuda13``/``cuda12`` extra). This is the only module of cuflash that imports JAX.
+
+Layout. JAX's attention (``jax.nn.dot_product_attention``) takes ``q (..., Sq, H, D)``,
+``k (..., Sk, Hk, D)``, ``v (..., Sk, Hk, Dv)``: sequence before heads. cuflash's own functions take
+heads before the sequence, ``(..., H, S, D)``, but read rows through strides, so no data is moved:
+inside XLA's computation the buffers are viewed as ``(..., Hk, H // Hk, S, D)`` (q, o) and
+``(..., Hk, 1, S, D)`` (k, v), and grouped-query attention (``H`` a multiple of ``Hk``) becomes
+cuflash's broadcasting over the size-1 axis.
+
+How it runs. Each call is one ``jax.experimental.buffer_callback`` (JAX >= 0.6.1): XLA hands the
+callback its own device buffers and, on the GPU, its compute stream; the callback views them as
+CuPy arrays (no copy, no host round trip) and calls `cuflash.attention` /
+`cuflash.attention_backward` with ``out=`` on that stream, so the kernels run in XLA's order.
+On the CPU the same callback views the buffers as NumPy arrays and runs cuflash's NumPy path.
+Gradients: ``jax.custom_vjp``, the forward saving ``o`` and ``lse``, the backward one more
+buffer callback onto `cuflash.attention_backward`. ``vmap``: the callback is batched with
+``vmap_method="expand_dims"`` (the mapped axes become leading batch axes, which cuflash accepts
+and broadcasts).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from . import _api, _callcache, _checks
+
+__all__ = ["attention", "merge_states"]
+
+
+def attention(q, k, v, *, causal=False, scale=None, precision=None, return_lse=False,
+              kernel="auto", deterministic=False):
+    """Exact scaled-dot-product attention on JAX arrays, ``softmax(scale * q @ k^T) @ v``.
+
+    The same computation and rules as `cuflash.attention` (tiled online softmax, float32
+    accumulation, bottom-right causal mask, NaN/inf semantics), in JAX's layout, as a JAX
+    operation that composes with ``jax.jit``, ``jax.vmap``, ``jax.grad`` (``jax.custom_vjp`` onto
+    `cuflash.attention_backward`) and ``jax.value_and_grad``.
+
+    Parameters
+    ----------
+    q : jax.Array, shape (..., Sq, H, D)
+    k : jax.Array, shape (..., Sk, Hk, D)
+    v : jax.Array, shape (..., Sk, Hk, Dv)
+        float16, bfloat16, float32 (float64 with ``jax_enable_x64``), one dtype. The layout of
+        ``jax.nn.dot_product_attention``: sequence, then heads, then head dim. ``H`` must be a
+        multiple of ``Hk`` (``Hk == 1``: multi-query, ``1 < Hk < H``: grouped-query attention,
+        query head ``h`` using key/value head ``h // (H // Hk)``). Leading axes ``...`` (at least
+        none: 3-D inputs are one batch entry) broadcast NumPy-style. ``1 <= D, Dv <= 256``.
+    causal : bool, optional
+        Bottom-right aligned mask (query ``i`` sees keys ``j <= i + Sk - Sq``), as in
+        `cuflash.attention`; rows that see no key give 0 and ``lse = -inf``.
+    scale : float, optional
+        A Python number (static); default ``1 / sqrt(D)``.
+    precision : {None, "default", "highest", "high"} or jax.lax.Precision, optional
+        float32 product mode, as in `cuflash.attention`.
+    return_lse : bool, optional
+        Also return ``lse``, float32 of shape ``(..., Sq, H)`` (o's shape without its last
+        axis): the natural log of each row's softmax denominator, for `merge_states`. Gradients
+        flow through it too (at the cost of one more forward and backward, see Notes).
+    kernel : {"auto", "generic", "tensorcore", "hopper"}, optional
+        The forward kernel on the GPU, as in `cuflash.attention` (the backward takes
+        ``"generic"`` for ``"generic"`` and ``"auto"`` otherwise). Only ``"auto"`` on the CPU.
+    deterministic : bool, optional
+        Passed to `cuflash.attention_backward`.
+
+    Returns
+    -------
+    o : jax.Array, shape (..., Sq, H, Dv), the input dtype
+    lse : jax.Array, shape (..., Sq, H), float32
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        At trace time, for what `cuflash.attention` rejects on these shapes and dtypes (checked
+        by its own checks), for fewer than 3 dimensions and for ``H`` not a multiple of ``Hk``.
+
+    Notes
+    -----
+    Nothing is copied: on the GPU the kernels read and write XLA's buffers in place, on XLA's
+    stream. The backward allocates its workspace (``delta``, float32 row statistics; O(batch x
+    Sq)) from CuPy's memory pool, beside XLA's own pool. A cotangent on ``lse`` (``dlse``) adds
+    ``dlse_i p_ij`` to the score gradient; it costs one more forward (``P k``, for dq) and
+    backward (``P^T (dlse q)``, for dk), with ``dlse q`` rounded to the input dtype.
+    """
+    cfg = _config(q, k, v, causal=causal, scale=scale, precision=precision,
+                  return_lse=return_lse, kernel=kernel, deterministic=deterministic)
+    return _attention_fn(cfg)(q, k, v)
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Combine two attention results over disjoint key sets (JAX layout, differentiable):
+    ``o (..., Sq, H, Dv)`` and ``lse (..., Sq, H)`` as `attention` returns them; see
+    `cuflash.merge_states`. A part that saw no key (``o = 0, lse = -inf``) is the identity."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+    wa = jnp.where(jnp.isneginf(lse_a), 0.0, jnp.exp(lse_a - safe))
+    wb = jnp.where(jnp.isneginf(lse_b), 0.0, jnp.exp(lse_b - safe))
+    acc = jnp.promote_types(o_a.dtype, jnp.float32)
+    o = o_a.astype(acc) * wa[..., None].astype(acc) + o_b.astype(acc) * wb[..., None].astype(acc)
+    return o.astype(o_a.dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace-time checks: cuflash's own, on NumPy stand-ins of the cuflash-layout views.
+
+_KDLCPU = 1
+
+
+def _standin(shape, dtype):
+    """A NumPy array of `shape` and `dtype` that owns one element (stride 0 elsewhere, last axis
+    contiguous as the real views are), for running cuflash's checks on shapes alone."""
+    base = np.zeros(shape[-1:], dtype=dtype)
+    return np.lib.stride_tricks.as_strided(base, shape, (0,) * (len(shape) - 1) + base.strides)
+
+
+def _cf_shape(shape, hk):
+    """JAX-layout shape (..., S, H, D) -> the cuflash view's (..., hk, H // hk, S, D)."""
+    *lead, s, h, d = shape
+    return tuple(lead) + (hk, h // hk, s, d)
+
+
+def _config(q, k, v, **kw):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be a JAX array (or array-like with shape and dtype), "
+                            f"got {type(x).__name__}")
+        if len(x.shape) < 3:
+            raise ValueError(f"{name} must have shape (..., S, H, D) (JAX's layout, at least 3 "
+                             f"dimensions); got {tuple(x.shape)}")
+    h, hk, hv = q.shape[-2], k.shape[-2], v.shape[-2]
+    if hv != hk:
+        raise ValueError(f"k has {hk} heads (axis -2) but v has {hv}: they must match")
+    if hk == 0 or h % hk:
+        raise ValueError(f"q has {h} heads and k, v {hk}: the query heads must be a multiple of "
+                         "the key/value heads (grouped-query attention)")
+    kernel = kw["kernel"]
+    _checks._check_kernel(kernel, "gpu")
+    precision = _checks.check_precision(kw["precision"])
+    try:
+        stand = [_standin(_cf_shape(tuple(x.shape), hk), np.dtype(x.dtype)) for x in (q, k, v)]
+    except TypeError as exc:
+        raise TypeError(f"unsupported dtype among q, k, v ({q.dtype}, {k.dtype}, {v.dtype}): "
+                        f"{exc}") from None
+    prob = _checks.check_attention(*stand, causal=kw["causal"], scale=kw["scale"],
+                                   return_lse=kw["return_lse"], out=None, stream=None,
+                                   kernel="auto", precision=precision)
+    if not isinstance(kw["deterministic"], (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(kw['deterministic']).__name__}")
+    return (bool(kw["causal"]), prob.scale, precision,
+            bool(kw["return_lse"]), kernel, bool(kw["deterministic"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The buffer callbacks: XLA buffers -> cuflash views -> cuflash call with out=.
+
+def _platform(ctx, buf):
+    """XLA's CUDA stream handle on the GPU, None on the CPU (read from a buffer's DLPack device:
+    asking a CPU context for its stream raises, which costs more than the call)."""
+    if buf.__dlpack_device__()[0] == _KDLCPU:
+        return None
+    return ctx.stream
+
+
+def _as_array(buf, stream):
+    """An XLA buffer as a NumPy (CPU) or CuPy (GPU) array, without a copy. On the GPU the array
+    is built from the buffer's pointer with the buffer's own dtype: __cuda_array_interface__
+    has no bfloat16 type code."""
+    if stream is None:
+        return np.asarray(buf)
+    import cupy
+
+    ptr = buf.__cuda_array_interface__["data"][0]
+    dtype = np.dtype(buf.dtype)
+    shape = tuple(buf.shape)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, buf)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _view(x, hk):
+    """(..., S, H, D) -> (..., hk, H // hk, S, D), a view."""
+    *lead, s, h, d = x.shape
+    nl = len(lead)
+    y = x.reshape(tuple(lead) + (s, hk, h // hk, d))
+    return y.transpose(tuple(range(nl)) + (nl + 1, nl + 2, nl, nl + 3))
+
+
+def _lse_view(x, hk):
+    """(..., H, Sq) -> (..., hk, H // hk, Sq), a view (C-contiguous)."""
+    *lead, h, s = x.shape
+    return x.reshape(tuple(lead) + (hk, h // hk, s))
+
+
+def _fwd_callback(cfg, with_lse):
+    causal, scale, precision, _, kernel, _ = cfg
+    # GPU: buffer signature (device, shapes, dtypes, pointer alignment) -> the record that
+    # cuflash's call cache made for the first call (_callcache): later calls launch it with the
+    # pointers of XLA's buffers, skipping the views and the cuflash call around the launch.
+    records = {}
+
+    def callback(ctx, out, q, k, v):
+        dev = q.__dlpack_device__()
+        stream = None if dev[0] == _KDLCPU else ctx.stream
+        bufs = (q, k, v) + (tuple(out) if with_lse else (out,))
+        if stream is not None:
+            ptrs = [b.__cuda_array_interface__["data"][0] for b in bufs]
+            sig = (dev[1],) + tuple((b.shape, b.dtype, p & 15) for b, p in zip(bufs, ptrs))
+            rec = records.get(sig)
+            if rec is not None and rec.valid():
+                with _cupy().cuda.Device(dev[1]):
+                    rec.launch((*ptrs, 0) if len(ptrs) == 4 else tuple(ptrs), stream)
+                return
+        hk = k.shape[-2]
+        qv, kv, vv = (_view(_as_array(x, stream), hk) for x in (q, k, v))
+        if with_lse:
+            o = _view(_as_array(bufs[3], stream), hk)
+            lse = _lse_view(_as_array(bufs[4], stream), hk)
+            res = (o, lse)
+        else:
+            res = _view(_as_array(out, stream), hk)
+        kw = dict(causal=causal, scale=scale, precision=precision, kernel=kernel,
+                  return_lse=with_lse, out=res)
+        if stream is None:
+            _api.attention(qv, kv, vv, **kw)
+            return
+        # Copies cuflash may make (batch axes that do not merge, as vmap over some arguments
+        # with grouped heads gives) must run on XLA's stream too, and come from its pool arena.
+        with _cupy().cuda.ExternalStream(stream):
+            _api.attention(qv, kv, vv, stream=stream, **kw)
+        rec = _callcache.lookup(_callcache.signature(qv, kv, vv, causal, scale, with_lse, res,
+                                                     kernel, precision))
+        if rec is not None:
+            records[sig] = rec
+    return callback
+
+
+def _bwd_callback(cfg):
+    causal, scale, _, _, kernel, deterministic = cfg
+    bkernel = "generic" if kernel == "generic" else "auto"
+
+    def callback(ctx, out, do, q, k, v, o, lse):
+        stream = _platform(ctx, q)
+        hk = k.shape[-2]
+        dq, dk, dv = (_view(_as_array(x, stream), hk) for x in out)
+        xs = [_view(_as_array(x, stream), hk) for x in (q, k, v)]
+        dov, ov = (_view(_as_array(x, stream), hk) for x in (do, o))
+        lsev = _lse_view(_as_array(lse, stream), hk)
+        # Under vmap an argument that is not mapped arrives with size-1 leading axes while the
+        # gradients are per mapped entry: read it broadcast (stride 0) to the full shape.
+        xp = np if stream is None else _cupy()
+        xs = [x if x.shape == g.shape else xp.broadcast_to(x, g.shape)
+              for x, g in zip(xs, (dq, dk, dv))]
+        batch = np.broadcast_shapes(*(x.shape[:-2] for x in (dq, dk, dv, dov, ov)),
+                                    lsev.shape[:-1])
+        dov, ov = (x if x.shape[:-2] == batch else xp.broadcast_to(x, batch + x.shape[-2:])
+                   for x in (dov, ov))
+        if lsev.shape[:-1] != batch:
+            lsev = xp.broadcast_to(lsev, batch + lsev.shape[-1:])
+        kw = dict(causal=causal, scale=scale, deterministic=deterministic, kernel=bkernel,
+                  out=(dq, dk, dv))
+        if stream is None:
+            _api.attention_backward(dov, *xs, ov, lsev, **kw)
+            return
+        # The workspace comes from CuPy's pool, which hands a freed block only to later work
+        # on the stream it was allocated under: make that XLA's stream.
+        with xp.cuda.ExternalStream(stream):
+            _api.attention_backward(dov, *xs, ov, lsev, stream=stream, **kw)
+    return callback
+
+
+def _lead(*xs):
+    return tuple(np.broadcast_shapes(*(tuple(x.shape[:-3]) for x in xs)))
+
+
+def _forward(cfg, q, k, v, with_lse):
+    lead = _lead(q, k, v)
+    sq, h = q.shape[-3], q.shape[-2]
+    o_t = jax.ShapeDtypeStruct(lead + (sq, h, v.shape[-1]), q.dtype)
+    if not with_lse:
+        return buffer_callback(_fwd_callback(cfg, False), o_t, vmap_method="expand_dims")(q, k, v), None
+    lse_t = jax.ShapeDtypeStruct(lead + (h, sq), jnp.float32)
+    o, lse = buffer_callback(_fwd_callback(cfg, True), (o_t, lse_t),
+                             vmap_method="expand_dims")(q, k, v)
+    return o, lse
+
+
+def _backward(cfg, do, q, k, v, o, lse):
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    return buffer_callback(_bwd_callback(cfg), shapes, vmap_method="expand_dims")(
+        do, q, k, v, o, lse)
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_fn(cfg):
+    """The custom_vjp function of (q, k, v) for one static configuration."""
+    return_lse = cfg[3]
+
+    @jax.custom_vjp
+    def f(q, k, v):
+        o, lse = _forward(cfg, q, k, v, return_lse)
+        return (o, jnp.swapaxes(lse, -1, -2)) if return_lse else o
+
+    def fwd(q, k, v):
+        q, k, v = q.value, k.value, v.value
+        o, lse = _forward(cfg, q, k, v, True)
+        res = (q, k, v, o, lse)
+        return ((o, jnp.swapaxes(lse, -1, -2)) if return_lse else o), res
+
+    def bwd(res, g):
+        q, k, v, o, lse = res
+        do, dlse = g if return_lse else (g, None)
+        if isinstance(do, jax.custom_derivatives.SymbolicZero):
+            do = None
+        if dlse is not None and not isinstance(dlse, jax.custom_derivatives.SymbolicZero):
+            return _backward_with_dlse(cfg, do, dlse, q, k, v, o, lse)
+        if do is None:
+            return tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
+        return _backward(cfg, do.astype(o.dtype), q, k, v, o, lse)
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
+    return f
+
+
+def _backward_with_dlse(cfg, do, dlse, q, k, v, o, lse):
+    """Gradients with a cotangent on lse too. d lse_i / d s_ij = p_ij, so the score gradient
+    gains ``dlse_i p_ij``: dq gains ``scale dlse_i sum_j p_ij k_j``, a forward attention with
+    v = k, and dk gains ``scale sum_i p_ij dlse_i q_i``, the ``P^T do`` (dv) of a backward with
+    do = dlse q and v = k. (cuflash's backward recomputes delta = sum_j p_ij dP_ij for float32
+    and float64, so the extra term cannot ride in an extra column of v and do.)"""
+    scale = cfg[1]
+    dt = o.dtype
+    if do is None:  # only lse is differentiated
+        dq, dk, dv = (jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
+    else:
+        dq, dk, dv = _backward(cfg, do.astype(dt), q, k, v, o, lse)
+    o_kk, _ = _forward(cfg, q, k, k, False)
+    dlse_col = dlse.astype(jnp.float32)[..., None]
+    dq_lse = scale * dlse_col * o_kk.astype(jnp.float32)
+    _, _, pt_dlse_q = _backward(cfg, (dlse_col * q.astype(jnp.float32)).astype(dt), q, k, k,
+                                o_kk, lse)
+    dq = (dq.astype(jnp.float32) + dq_lse).astype(dt)
+    dk = (dk.astype(jnp.float32) + scale * pt_dlse_q.astype(jnp.float32)).astype(dt)
+    return dq, dk, dv
