@@ -241,3 +241,28 @@ def test_schedule_waits_before_reading(world, causal):
     grads = ring.ring_attention_backward(sh["do"], sh["q"], sh["k"], sh["v"], o, lse,
                                          transport=tr, causal=causal, seq_len=s)
     _check_backward([ring.unshard(g) for g in grads], do, q, k, v, causal=causal, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher (its NCCL part needs GPUs: tests/test_ring_nccl.py)
+
+def test_launcher_environment_and_exit_status(tmp_path):
+    """Every child gets its rank, the world, the id and one visible device; a failing child's
+    status is returned and the others are stopped."""
+    from cuflash.ring import launch
+
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "r = int(os.environ['CUFLASH_RING_RANK'])\n"
+        "open(os.path.join(sys.argv[1], f'{r}.txt'), 'w').write(' '.join(\n"
+        "    [os.environ['CUFLASH_RING_WORLD'], os.environ['CUFLASH_RING_NCCL_ID'],\n"
+        "     os.environ['CUDA_VISIBLE_DEVICES']]))\n"
+        "if len(sys.argv) > 2 and r == int(sys.argv[2]): sys.exit(3)\n"
+        "if len(sys.argv) > 2: time.sleep(60)\n")
+    uid = tuple(range(-3, 5))
+    assert launch.launch(3, str(script), [str(tmp_path)], devices=[5, 6, 7], unique_id=uid) == 0
+    for r in range(3):
+        world, ident, dev = (tmp_path / f"{r}.txt").read_text().split()
+        assert (world, ident, dev) == ("3", ",".join(map(str, uid)), str(5 + r))
+    assert launch.launch(3, str(script), [str(tmp_path), "1"], unique_id=uid, timeout=30) == 3
