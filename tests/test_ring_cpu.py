@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from cuflash import reference, ring
-from cuflash.ring import _layout
 from cuflash.ring.transport import SimTransport
 
 try:

@@ -46,6 +46,7 @@ def test_forward_strided_shared_head_user_stream(causal):
     q, k, v = random_inputs(rng, (2, 4), (2, 1), s, s, 64, 32, dtype)
     qg = to_gpu(np.ascontiguousarray(np.swapaxes(q, 1, 2)), dtype).swapaxes(1, 2)
     kg, vg = to_gpu(k, dtype), to_gpu(v, dtype)
+    cp.cuda.Device().synchronize()  # the inputs were made on the default stream
     stream = cp.cuda.Stream(non_blocking=True)
     o, lse = ring.ring_attention_local(qg, kg, vg, world=world, causal=causal, scale=0.2,
                                        return_lse=True, stream=stream)

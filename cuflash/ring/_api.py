@@ -149,10 +149,10 @@ def ring_attention_local(q, k, v, *, world, causal=False, scale=None, return_lse
     xp = _xp(prob.backend)
     transport = _local_transport(prob.backend, world, stream)
     ops = _ops_for(prob.backend)
-    qs, ks, vs = (_shard_all(layout, x, xp) for x in (prob.q, prob.k, prob.v))
-    os_, lses = ring_forward(transport, ops, layout, qs, ks, vs, causal=prob.causal,
-                             scale=prob.scale)
-    with transport.compute():
+    with transport.compute():  # the split and the join on the compute stream too
+        qs, ks, vs = (_shard_all(layout, x, xp) for x in (prob.q, prob.k, prob.v))
+        os_, lses = ring_forward(transport, ops, layout, qs, ks, vs, causal=prob.causal,
+                                 scale=prob.scale)
         o = _unshard_all(layout, os_, xp)
         lse = layout.unshard_rows([lses[r] for r in range(world)], xp)
     return (o, lse) if return_lse else o
@@ -186,11 +186,11 @@ def ring_attention_backward_local(do, q, k, v, o, lse, *, world, causal=False, s
     xp = _xp(prob.backend)
     transport = _local_transport(prob.backend, world, stream)
     ops = _ops_for(prob.backend)
-    sh = [_shard_all(layout, x, xp) for x in (prob.do, prob.q, prob.k, prob.v, prob.o)]
-    lses = {r: layout.shard(prob.lse[..., None], r, xp)[..., 0] for r in range(world)}
-    dqs, dks, dvs = ring_backward(transport, ops, layout, *sh, lses, causal=prob.causal,
-                                  scale=prob.scale)
     with transport.compute():
+        sh = [_shard_all(layout, x, xp) for x in (prob.do, prob.q, prob.k, prob.v, prob.o)]
+        lses = {r: layout.shard(prob.lse[..., None], r, xp)[..., 0] for r in range(world)}
+        dqs, dks, dvs = ring_backward(transport, ops, layout, *sh, lses, causal=prob.causal,
+                                      scale=prob.scale)
         return tuple(_unshard_all(layout, d, xp) for d in (dqs, dks, dvs))
 
 
