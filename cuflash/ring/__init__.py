@@ -17,10 +17,11 @@ split, the merge order and what has been run.
 """
 from ._api import (BACKWARD_DTYPES, FORWARD_DTYPES, ring_attention, ring_attention_backward,
                    ring_attention_backward_local, ring_attention_local, shard, unshard)
+from . import launch
 from ._layout import ZigzagLayout, chunk_bounds, pair_calls, step_work
 from .transport import LocalGPUTransport, NcclTransport, NullTransport, SimTransport
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_attention_local",
            "ring_attention_backward_local", "shard", "unshard", "ZigzagLayout", "chunk_bounds",
            "pair_calls", "step_work", "SimTransport", "LocalGPUTransport", "NcclTransport",
-           "NullTransport", "FORWARD_DTYPES", "BACKWARD_DTYPES"]
+           "NullTransport", "FORWARD_DTYPES", "BACKWARD_DTYPES", "launch"]
