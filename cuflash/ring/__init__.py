@@ -12,6 +12,8 @@ split, the merge order and what has been run.
   whole sequence in and out, all ranks on this device (NumPy: the simulation; CuPy: one GPU).
 - `ring_attention(q, k, v, transport=..., ...)`, `ring_attention_backward(...)`: this
   process's shard(s), any transport.
+- `cuflash.ring.jax_ring.ring_attention_jax`: the JAX form (``shard_map`` + ``ppermute``),
+  imported on demand so that JAX stays optional.
 - `shard`, `unshard`, `ZigzagLayout`, `pair_calls`, `step_work`: the split and the schedule's
   per-step calls and work.
 """
