@@ -265,3 +265,17 @@ def test_launcher_environment_and_exit_status(tmp_path):
         world, ident, dev = (tmp_path / f"{r}.txt").read_text().split()
         assert (world, ident, dev) == ("3", ",".join(map(str, uid)), str(5 + r))
     assert launch.launch(3, str(script), [str(tmp_path), "1"], unique_id=uid, timeout=30) == 3
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("extra", [0, 1, 7])
+def test_forward_shortest_sequences(world, extra):
+    """S = 2R (one row per chunk: every diagonal block 1 x 1) and a few rows more."""
+    rng = np.random.default_rng([world, extra, 5])
+    s = 2 * world + extra
+    for causal in (False, True):
+        q, k, v = _inputs(rng, (3,), (3,), s, 8, 8, "float16")
+        o, lse = ring.ring_attention_local(_as(q, "float16"), _as(k, "float16"),
+                                           _as(v, "float16"), world=world, causal=causal,
+                                           return_lse=True)
+        _check_forward(o, lse, q, k, v, causal=causal, dtype="float16")

@@ -36,6 +36,19 @@ def test_forward_one_gpu(dtype, world, causal, s, d):
     check_against_reference(o, lse, q, k, v, causal=causal, scale=None, dtype=dtype)
 
 
+@pytest.mark.parametrize("world,s", [(1, 2), (1, 7), (3, 6), (3, 7), (8, 16), (8, 113)])
+def test_forward_one_gpu_short(world, s):
+    """The shortest sequences (S = 2R: one row per chunk) and tails, causal and not."""
+    for causal in (False, True):
+        rng = _rng("short", world, s, causal)
+        q, k, v = random_inputs(rng, (3,), (3,), s, s, 64, 64, "float16")
+        qg, kg, vg = (to_gpu(x, "float16") for x in (q, k, v))
+        o, lse = ring.ring_attention_local(qg, kg, vg, world=world, causal=causal,
+                                           return_lse=True)
+        cupy().cuda.get_current_stream().synchronize()
+        check_against_reference(o, lse, q, k, v, causal=causal, scale=None, dtype="float16")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_strided_shared_head_user_stream(causal):
     """A (B, S, H, D) buffer passed as its (B, H, S, D) view, one key/value head for four query

@@ -50,8 +50,8 @@ def _check_backward_args(do, q, k, v, o, lse, causal, scale):
     return prob
 
 
-def _ops_for(backend):
-    return NumPyOps() if backend in ("cpu", "numpy") else CuPyOps()
+def _ops_for(backend, device_id=None):
+    return NumPyOps() if backend in ("cpu", "numpy") else CuPyOps(device_id)
 
 
 def _xp(backend):
@@ -88,12 +88,15 @@ def _unshard_all(layout, d, xp):
     return _unbits(layout.unshard([s for s, _ in b], xp), b[0][1])
 
 
-def _local_transport(backend, world, stream):
-    if backend == "cpu":
+def _local_transport(prob, world, stream):
+    if prob.backend == "cpu":
         if stream is not None:
             raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
         return SimTransport(world)
-    return LocalGPUTransport(world, stream=_stream(stream))
+    import cupy
+
+    with cupy.cuda.Device(prob.device_id):  # the inputs' device, and a stream of it
+        return LocalGPUTransport(world, device=prob.device_id, stream=_stream(stream))
 
 
 def _stream(stream):
@@ -147,8 +150,8 @@ def ring_attention_local(q, k, v, *, world, causal=False, scale=None, return_lse
     prob = _check_forward(q, k, v, causal, scale)
     layout = ZigzagLayout(prob.sq, world)
     xp = _xp(prob.backend)
-    transport = _local_transport(prob.backend, world, stream)
-    ops = _ops_for(prob.backend)
+    transport = _local_transport(prob, world, stream)
+    ops = _ops_for(prob.backend, prob.device_id)
     with transport.compute():  # the split and the join on the compute stream too
         qs, ks, vs = (_shard_all(layout, x, xp) for x in (prob.q, prob.k, prob.v))
         os_, lses = ring_forward(transport, ops, layout, qs, ks, vs, causal=prob.causal,
@@ -184,8 +187,8 @@ def ring_attention_backward_local(do, q, k, v, o, lse, *, world, causal=False, s
     prob = _check_backward_args(do, q, k, v, o, lse, causal, scale)
     layout = ZigzagLayout(prob.sq, world)
     xp = _xp(prob.backend)
-    transport = _local_transport(prob.backend, world, stream)
-    ops = _ops_for(prob.backend)
+    transport = _local_transport(prob, world, stream)
+    ops = _ops_for(prob.backend, prob.device_id)
     with transport.compute():
         sh = [_shard_all(layout, x, xp) for x in (prob.do, prob.q, prob.k, prob.v, prob.o)]
         lses = {r: layout.shard(prob.lse[..., None], r, xp)[..., 0] for r in range(world)}
@@ -265,7 +268,7 @@ def ring_attention(q, k, v, *, transport, causal=False, scale=None, seq_len=None
     _check_backend(transport, probs)
     layout = _shard_layout(transport, qs, seq_len)
     p0 = next(iter(probs.values()))
-    os_, lses = ring_forward(transport, _ops_for(transport.backend), layout,
+    os_, lses = ring_forward(transport, _ops_for(transport.backend, p0.device_id), layout,
                              {r: p.q for r, p in probs.items()},
                              {r: p.k for r, p in probs.items()},
                              {r: p.v for r, p in probs.items()}, causal=p0.causal,
@@ -287,9 +290,10 @@ def ring_attention_backward(do, q, k, v, o, lse, *, transport, causal=False, sca
     layout = _shard_layout(transport, args[1], seq_len)
     p0 = next(iter(probs.values()))
     pick = lambda name: {r: getattr(p, name) for r, p in probs.items()}  # noqa: E731
-    dqs, dks, dvs = ring_backward(transport, _ops_for(transport.backend), layout, pick("do"),
-                                  pick("q"), pick("k"), pick("v"), pick("o"), pick("lse"),
-                                  causal=p0.causal, scale=p0.scale)
+    ops = _ops_for(transport.backend, p0.device_id)
+    dqs, dks, dvs = ring_backward(transport, ops, layout, pick("do"), pick("q"), pick("k"),
+                                  pick("v"), pick("o"), pick("lse"), causal=p0.causal,
+                                  scale=p0.scale)
     return tuple(_unwrap(transport, d) for d in (dqs, dks, dvs))
 
 

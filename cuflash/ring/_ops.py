@@ -69,11 +69,11 @@ class CuPyOps:
 
     backend = "cupy"
 
-    def __init__(self):
+    def __init__(self, device_id=None):
         import cupy
 
         self.xp = cupy
-        self.device_id = cupy.cuda.Device().id
+        self.device_id = cupy.cuda.Device().id if device_id is None else int(device_id)
 
     def attention(self, q, k, v, *, causal, scale):
         return cuflash.attention(q, k, v, causal=causal, scale=scale, return_lse=True)

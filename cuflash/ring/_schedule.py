@@ -32,11 +32,14 @@ def _halves(x, n0):
 
 
 def _row_buffers(ops, xs, rows, copy_from=None):
-    """Buffers shaped like each of ``xs`` with ``rows`` rows (contiguous, x's dtype); the first
-    rows filled from ``copy_from`` (the rank's own shard) when given."""
+    """Zeroed buffers shaped like each of ``xs`` with ``rows`` rows (contiguous, x's dtype); the
+    first rows filled from ``copy_from`` (the rank's own shard) when given. Zeroed, so that no
+    step ever reads unwritten memory (rows past a shorter shard, or `NullTransport`'s buffers,
+    which nothing sends into)."""
     out = []
     for i, x in enumerate(xs):
         b = ops.empty(x.shape[:-2] + (rows, x.shape[-1]), x.dtype)
+        b.view(ops.xp.uint8)[...] = 0
         if copy_from is not None:
             _copy(ops, b[..., : x.shape[-2], :], copy_from[i])
         out.append(b)
