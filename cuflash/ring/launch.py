@@ -7,7 +7,9 @@ The launcher makes an NCCL unique id (``ncclGetUniqueId``; the launcher process 
 bootstrap root, so it stays alive until every child exits) and starts ``n`` children with::
 
     CUFLASH_RING_RANK=r  CUFLASH_RING_WORLD=n  CUFLASH_RING_NCCL_ID=<the id>
-    CUDA_VISIBLE_DEVICES=<the r-th device>       (so each child sees its GPU as device 0)
+    CUDA_VISIBLE_DEVICES=<the r-th device>       (so each child sees its GPU as device 0;
+                                                 the devices: --devices, else the parent's
+                                                 CUDA_VISIBLE_DEVICES, else 0 .. n-1)
 
 A child calls `transport_from_env()` to build its `NcclTransport`. If a child fails, the
 others are terminated; the exit status is the first non-zero child status (0 when all pass).
@@ -69,7 +71,10 @@ def launch(n, target, args, *, module=False, devices=None, timeout=None, unique_
     """Run ``target`` (a script path, or a module with ``module=True``) in ``n`` processes;
     returns the exit status (0 when every child exited with 0). ``unique_id``: the NCCL id to
     hand the children (default: a new one from ``ncclGetUniqueId``; the tests pass a dummy)."""
-    devices = list(devices) if devices is not None else list(range(n))
+    if devices is None:  # the GPUs this process may use, in order
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else list(range(n))
+    devices = [str(d).strip() for d in devices]
     if len(devices) < n:
         raise ValueError(f"{n} processes need {n} devices; got {devices}")
     if unique_id is None:
