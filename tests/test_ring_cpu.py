@@ -279,3 +279,35 @@ def test_forward_shortest_sequences(world, extra):
                                            _as(v, "float16"), world=world, causal=causal,
                                            return_lse=True)
         _check_forward(o, lse, q, k, v, causal=causal, dtype="float16")
+
+
+def test_selftest_judge_on_simulated_ranks(tmp_path, monkeypatch):
+    """The NCCL self-test's assembly and judging, fed by the CPU simulation's per-rank results
+    in the files the ranks would write (so that a multi-GPU run can only fail on the GPUs).
+    Its first two cases (float16, causal and not, with the backward), to keep CI short."""
+    from cuflash.ring import selftest
+
+    world = 2
+    cases = selftest._cases(world, True)[:2]
+    assert [c[0] for c in cases] == ["float16"] * 2 and all(c[3] for c in cases)
+    monkeypatch.setattr(selftest, "_cases", lambda w, quick: cases)
+    tr = SimTransport(world)
+    for i, (dt, causal, s, bwd) in enumerate(selftest._cases(world, True)):
+        x64 = selftest._inputs(i, dt, s)
+        q, k, v, do = ([ring.shard(_as(x, dt), world=world, rank=r) for r in range(world)]
+                       for x in x64)
+        o, lse = ring.ring_attention(q, k, v, transport=tr, causal=causal, seq_len=s,
+                                     return_lse=True)
+        res = [{"o": o[r], "lse": lse[r]} for r in range(world)]
+        if bwd:
+            grads = ring.ring_attention_backward(do, q, k, v, o, lse, transport=tr,
+                                                 causal=causal, seq_len=s)
+            for r in range(world):
+                res[r].update(dq=grads[0][r], dk=grads[1][r], dv=grads[2][r])
+        for r in range(world):
+            np.savez(tmp_path / f"case{i}_rank{r}.npz",
+                     **{n: x.astype(np.float64) for n, x in res[r].items()})
+    assert selftest.judge(str(tmp_path), world, True) == []
+    np.savez(tmp_path / "case0_rank1.npz", **{n: x * 1.01 for n, x in  # a wrong rank fails
+                                               np.load(tmp_path / "case0_rank1.npz").items()})
+    assert len(selftest.judge(str(tmp_path), world, True)) == 1
