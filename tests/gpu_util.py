@@ -153,3 +153,17 @@ def check_grads_against_reference(grads, do, q, k, v, *, causal, scale, dtype, r
                 f"{'...' if bad_rows.size > 10 else ''}")
         errs.append(err)
     return errs
+
+
+def seeded_rng(seed, *key):
+    """A generator for one test case: the session's `seed` (printed on failure) and the case's
+    parameters."""
+    return np.random.default_rng([seed % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+
+
+def skip_unsupported_dtype(dtype):
+    """pytest.skip for bfloat16 when ml_dtypes (CuPy's bfloat16 dtype) is missing."""
+    import pytest
+
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes (CuPy's bfloat16 dtype)")
