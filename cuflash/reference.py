@@ -59,8 +59,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+import functools
+
 import numpy as np
 from scipy.special import logsumexp, softmax
+
+from . import _gqa
 
 __all__ = [
     "attention_ref",
@@ -125,6 +129,35 @@ def unit_roundoff(dtype) -> float:
     return _UNIT_ROUNDOFF[_dtype_name(dtype)]
 
 
+def _grouped_heads(results):
+    """Decorator: accept grouped-query heads (q with H heads, k/v with Hkv dividing H on axis -3;
+    query head h uses kv head h // (H / Hkv)) in a function written for broadcast batch axes.
+
+    The head axes are split into (Hkv, g) views (`cuflash._gqa`), under which the grouping is
+    a plain broadcast, and the results are put back into the caller's shapes: ``results`` is
+    "o" (one output-shaped array), "o_lse" (a pair), "grads" (dq, dk, dv, first argument do)
+    or "bwd_scalars" (first argument do, results that need no reshaping)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            first = 1 if results in ("grads", "bwd_scalars") else 0
+            arrs = [np.asarray(a) for a in args[first:first + 3]]
+            g, q, k, v = _gqa.split_all(*arrs)
+            if g is None:
+                return fn(*args, **kwargs)
+            lead = (g.split(np.asarray(args[0])),) if first else ()
+            out = fn(*lead, q, k, v, *args[first + 3:], **kwargs)
+            if results == "bwd_scalars":
+                return out
+            if results == "o":
+                return g.merge(out)
+            if results == "o_lse":
+                return g.merge(out[0]), g.merge(out[1], -2)
+            return tuple(x.reshape(a.shape) for x, a in zip(out, arrs))
+        return inner
+    return wrap
+
+
 def _causal_mask(sq: int, sk: int) -> np.ndarray:
     """Boolean (sq, sk) array, True where query i may see key j (bottom-right aligned: j <= i + sk - sq)."""
     i = np.arange(sq)[:, None]
@@ -154,6 +187,7 @@ def _scores_f64(q, k, scale, causal):
 # float64 truth
 # ---------------------------------------------------------------------------------------------
 
+@_grouped_heads("o_lse")
 def attention_ref(q, k, v, *, causal: bool = False, scale: Optional[float] = None):
     """Attention and log-sum-exp in float64 (SciPy softmax / logsumexp): the ground truth.
 
@@ -312,6 +346,7 @@ def round_to_tf32(x) -> np.ndarray:
     return out.astype(np.float64)
 
 
+@_grouped_heads("o")
 def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
                     precision: Optional[str] = None):
     """Unfused attention computed the way a user would write it by hand in ``dtype``.
@@ -549,6 +584,7 @@ def _bound_one(w, o, a, sd, sig, mx, n_vis, v1, d, dtype, key_tile, rounded_scor
     return np.where(np.asarray(n_vis)[..., None] > 0, out, 0.0)
 
 
+@_grouped_heads("o")
 def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
                 key_tile: int = MIN_KEY_TILE, rounded_scores: bool = False,
                 precision: Optional[str] = None) -> np.ndarray:
@@ -1089,6 +1125,7 @@ def _scale_or_default(scale, d):
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
 
+@_grouped_heads("grads")
 def attention_backward_ref(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
     """Gradients of ``L = sum(do * attention(q, k, v))`` in float64, from SciPy's softmax.
 
@@ -1163,6 +1200,7 @@ def attention_backward_fd(do, q, k, v, *, causal: bool = False, scale: Optional[
     return tuple(grads)
 
 
+@_grouped_heads("grads")
 def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
                              dtype):
     """The backward a user gets from the unfused attention written by hand in ``dtype``.
@@ -1222,6 +1260,7 @@ def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Option
     return tuple(out)
 
 
+@_grouped_heads("bwd_scalars")
 def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
     """``(A_dq, A_dk, A_dv)``: the size of the terms each element of dq, dk, dv sums.
 

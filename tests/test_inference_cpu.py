@@ -1,0 +1,128 @@
+"""CPU tests of the inference features (issue 14): grouped-query heads through `attention` and
+`attention_backward`, and the float64 references' grouping rule, against an explicit
+head-repeat (np.repeat) that does not use the broadcast split."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+
+SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+
+
+def _rng(*key):
+    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+
+
+def _inputs(rng, qshape, kshape, vshape, dtype):
+    return tuple(reference.round_to(rng.standard_normal(s), dtype) for s in (qshape, kshape, vshape))
+
+
+def _repeat_heads(x, h):
+    """x (..., Hkv, S, D) with each head repeated H / Hkv times: the GQA rule written out."""
+    return np.repeat(x, h // x.shape[-3], axis=-3) if x.ndim >= 3 else x
+
+
+@pytest.mark.parametrize("group", [1, 4, 8, 32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_grouping_is_head_repeat(group, causal):
+    rng = _rng("ref", group, causal)
+    hkv = 32 // group if group < 32 else 1
+    h = hkv * group
+    q, k, v = _inputs(rng, (2, h, 5, 16), (2, hkv, 7, 16), (2, hkv, 7, 8), "float64")
+    o, lse = reference.attention_ref(q, k, v, causal=causal)
+    o2, lse2 = reference.attention_ref(q, _repeat_heads(k, h), _repeat_heads(v, h), causal=causal)
+    assert o.shape == (2, h, 5, 8) and lse.shape == (2, h, 5)
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(lse, lse2)
+    do = rng.standard_normal(o.shape)
+    dq, dk, dv = reference.attention_backward_ref(do, q, k, v, causal=causal)
+    dq2, dk2, dv2 = reference.attention_backward_ref(do, q, _repeat_heads(k, h),
+                                                     _repeat_heads(v, h), causal=causal)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    np.testing.assert_allclose(dq, dq2, rtol=0, atol=1e-13)
+    sum_groups = lambda x: x.reshape(2, hkv, group, *x.shape[-2:]).sum(axis=2)  # noqa: E731
+    np.testing.assert_allclose(dk, sum_groups(dk2), rtol=0, atol=1e-13)
+    np.testing.assert_allclose(dv, sum_groups(dv2), rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,hkv,sq,sk", [(8, 2, 1, 1000), (32, 8, 7, 113), (4, 1, 113, 7),
+                                         (32, 1, 3, 64), (6, 3, 1, 1)])
+def test_cpu_forward_gqa(h, hkv, sq, sk, causal, dtype):
+    rng = _rng("fwd", h, hkv, sq, sk, causal, dtype)
+    q, k, v = _inputs(rng, (2, h, sq, 32), (2, hkv, sk, 32), (2, hkv, sk, 32), dtype)
+    o = np.full((2, h, sq, 32), np.nan, dtype=dtype)
+    lse = np.full((2, h, sq), np.nan, dtype=np.float32)
+    res = cuflash.attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), causal=causal,
+                            return_lse=True, out=(o, lse))
+    assert res[0] is o and res[1] is lse
+    rule = reference.pass_threshold(q, _repeat_heads(k, h), _repeat_heads(v, h), causal=causal,
+                                    dtype=dtype)
+    verdict = rule.judge(o.astype(np.float64))
+    assert verdict.passed, verdict.reasons
+    _, lse_ref = reference.attention_ref(q, k, v, causal=causal)
+    fin = np.isfinite(lse_ref)
+    assert np.array_equal(np.isneginf(lse), ~fin)
+    assert np.all(np.abs(lse[fin] - lse_ref[fin]) <= 1e-4 + 1e-5 * np.abs(lse_ref[fin]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_backward_gqa(dtype, causal):
+    rng = _rng("bwd", dtype, causal)
+    h, hkv = 8, 2
+    q, k, v = _inputs(rng, (2, h, 9, 16), (2, hkv, 20, 16), (2, hkv, 20, 16), dtype)
+    do = reference.round_to(rng.standard_normal((2, h, 9, 16)), dtype)
+    args = [x.astype(dtype) for x in (q, k, v)]
+    o, lse = cuflash.attention(*args, causal=causal, return_lse=True)
+    outs = tuple(np.full(x.shape, np.nan, dtype=dtype) for x in (q, k, v))
+    grads = cuflash.attention_backward(do.astype(dtype), *args, o, lse, causal=causal, out=outs)
+    assert all(g is b for g, b in zip(grads, outs))
+    ref = reference.attention_backward_ref(do, q, k, v, causal=causal)
+    tols, _ = reference.grad_pass_threshold(do, q, k, v, causal=causal, dtype=dtype, ref=ref)
+    for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref, tols):
+        assert g.shape == r.shape
+        err = np.abs(g.astype(np.float64) - r).max()
+        assert err <= t, f"{name}: {err:.3e} > {t:.3e}"
+
+
+def test_gqa_bshd_layout_and_broadcast_batch():
+    """(B, S, H, D) buffers passed as transposed views, and a kv without the batch axis."""
+    rng = _rng("layout")
+    q = rng.standard_normal((2, 5, 8, 16)).transpose(0, 2, 1, 3)   # (B, H, S, D) view
+    k = rng.standard_normal((11, 2, 16)).transpose(1, 0, 2)        # (Hkv, Sk, D) view
+    v = rng.standard_normal((11, 2, 16)).transpose(1, 0, 2)
+    o = cuflash.attention(q, k, v)
+    o_ref, _ = reference.attention_ref(np.ascontiguousarray(q), _repeat_heads(k, 8),
+                                       _repeat_heads(v, 8))
+    assert o.shape == (2, 8, 5, 16)
+    np.testing.assert_allclose(o, o_ref, rtol=0, atol=1e-12)
+
+
+def test_gqa_errors():
+    q = np.zeros((2, 8, 4, 16), np.float32) + 1
+    k3 = np.ones((2, 3, 4, 16), np.float32)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        cuflash.attention(q, k3, k3)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        cuflash.attention(q[:, :4], np.ones((2, 8, 4, 16), np.float32),
+                          np.ones((2, 8, 4, 16), np.float32))
+    k2, k4 = (np.ones((2, n, 4, 16), np.float32) for n in (2, 4))
+    with pytest.raises(ValueError, match="different numbers of grouped heads"):
+        cuflash.attention(q, k2, k4)
+    with pytest.raises(ValueError, match="out has shape"):
+        cuflash.attention(q, k2, k2, out=np.empty((2, 2, 4, 4, 16), np.float32))
+    o, lse = cuflash.attention(q, k2, k2, return_lse=True)
+    with pytest.raises(ValueError, match="lse has shape"):
+        cuflash.attention_backward(o, q, k2, k2, o, lse[:, :2])
+
+
+def test_plain_broadcast_still_works():
+    """A query head axis of size 1 against many kv heads is plain broadcasting, not grouping."""
+    rng = _rng("bcast")
+    q, k, v = (rng.standard_normal(s) for s in ((1, 1, 3, 8), (1, 4, 6, 8), (1, 4, 6, 8)))
+    o = cuflash.attention(q, k, v)
+    np.testing.assert_allclose(o, reference.attention_ref(q, k, v)[0], rtol=0, atol=1e-12)
+    assert o.shape == (1, 4, 3, 8)

@@ -1,0 +1,88 @@
+"""GPU tests of the inference features (issue 14) against the float64 reference, on fresh random
+inputs, with every output poisoned with NaN so an unwritten element fails. Skipped without a GPU."""
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+
+from gpu_util import (bf16_dtype, check_against_reference, check_grads_against_reference, cupy,
+                      poisoned, to_gpu, to_host64)
+
+pytestmark = pytest.mark.gpu
+
+SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+
+
+def _rng(*key):
+    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+
+
+def _skip(dtype):
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes (CuPy's bfloat16 dtype)")
+
+
+def _cc():
+    return int(cupy().cuda.Device().compute_capability)
+
+
+def _kernels():
+    ks = ["auto", "generic"]
+    if cuflash.gpu_available() and _cc() >= 80:
+        ks.append("tensorcore")
+    if cuflash.gpu_available() and _cc() == 90:
+        ks.append("hopper")
+    return ks
+
+
+def _rnd(rng, shape, dtype):
+    return reference.round_to(rng.standard_normal(shape), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped-query heads through `attention` and `attention_backward`
+
+@pytest.mark.parametrize("kernel", ["auto", "generic", "tensorcore", "hopper"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("h,hkv,sq,sk", [(32, 32, 1, 1000), (32, 8, 1, 113), (32, 1, 7, 1000),
+                                         (8, 2, 113, 1000), (32, 4, 1000, 7)])
+def test_gqa_forward(h, hkv, sq, sk, dtype, causal, kernel):
+    _skip(dtype)
+    if kernel not in _kernels():
+        pytest.skip(f"kernel={kernel!r} does not run on this GPU")
+    if kernel == "hopper" and dtype == "float32":
+        pytest.skip("the Hopper kernel takes 16-bit inputs")
+    rng = _rng("gqa", h, hkv, sq, sk, dtype, causal, kernel)
+    d = 128 if sq * sk < 100000 else 64
+    q, k, v = (_rnd(rng, s, dtype) for s in ((2, h, sq, d), (2, hkv, sk, d), (2, hkv, sk, d)))
+    # q as a (B, S, H, D) buffer seen through a transposed view
+    qg = to_gpu(np.ascontiguousarray(q.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
+    kg, vg = to_gpu(k, dtype), to_gpu(v, dtype)
+    o, lse = poisoned((2, h, sq, d), dtype), poisoned((2, h, sq), "float32")
+    res = cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse),
+                            kernel=kernel)
+    assert res[0] is o and res[1] is lse
+    cupy().cuda.get_current_stream().synchronize()
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("h,hkv,sq,sk", [(8, 2, 7, 113), (32, 8, 1, 1000), (4, 1, 113, 7)])
+def test_gqa_backward(h, hkv, sq, sk, dtype, causal):
+    rng = _rng("gqa-bwd", h, hkv, sq, sk, dtype, causal)
+    d = 64
+    q, k, v = (_rnd(rng, s, dtype) for s in ((2, h, sq, d), (2, hkv, sk, d), (2, hkv, sk, d)))
+    do = _rnd(rng, (2, h, sq, d), dtype)
+    qg, kg, vg, dog = (to_gpu(x, dtype) for x in (q, k, v, do))
+    o, lse = cuflash.attention(qg, kg, vg, causal=causal, return_lse=True)
+    outs = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
+    grads = cuflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal, out=outs)
+    assert all(g is b for g, b in zip(grads, outs))
+    cupy().cuda.get_current_stream().synchronize()
+    check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                                  dtype=dtype, label="gqa")
