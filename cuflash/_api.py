@@ -58,8 +58,13 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on. Default: CuPy's current stream. The call never
         synchronises the device.
-    kernel : {"auto", "generic", "tensorcore", "hopper"}, optional
-        GPU only. ``"auto"`` lets the dispatcher pick the fastest correct kernel; ``"generic"``
+    kernel : {"auto", "generic", "tensorcore", "hopper", "decode"}, optional
+        GPU only. ``"auto"`` lets the dispatcher pick the fastest correct kernel (the decode
+        kernel for at most 16 query rows and at most 128 query rows per kv head, counting the
+        query heads of a group); ``"decode"`` demands the decode kernel (float16/bfloat16,
+        compute capability 8.0+, D == Dv, D % 8 == 0, 16-byte aligned rows: it packs the query
+        heads of a grouped-query group into one tile and splits the keys across blocks, see
+        notes/INFERENCE.md); ``"generic"``
         forces the scalar audit kernel (float32/float64 arithmetic, accurate exp);
         ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
         float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0 and D <= 128 for precision

@@ -23,7 +23,7 @@ MAX_HEAD_DIM = 256
 #: dtypes accepted by `attention`, by NumPy/CuPy dtype name.
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-KERNEL_CHOICES = ("auto", "generic", "tensorcore", "hopper")
+KERNEL_CHOICES = ("auto", "generic", "tensorcore", "hopper", "decode")
 
 #: Values of `precision=` (case-insensitive; JAX's `jax.lax.Precision` members are accepted by name).
 #: "default" is "highest": float32 inputs get float32-accurate products unless "high" is asked for.

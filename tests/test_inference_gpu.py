@@ -86,3 +86,49 @@ def test_gqa_backward(h, hkv, sq, sk, dtype, causal):
     cupy().cuda.get_current_stream().synchronize()
     check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
                                   dtype=dtype, label="gqa")
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode kernel (kernels_cu/attn_decode.cu) through `attention(kernel="decode")`
+
+DECODE_CASES = [  # (B, H, Hkv, Sq, Sk, D)
+    (1, 32, 8, 1, 1000, 128),    # B = 1: many splits
+    (2, 32, 32, 1, 113, 128),    # plain multi-head, tail tile
+    (3, 32, 1, 1, 7, 64),        # one kv head, 32 query heads: two row tiles
+    (2, 8, 2, 7, 1000, 256),     # Sq > 1
+    (1, 4, 4, 1, 1, 128),        # one key
+    (2, 16, 4, 16, 300, 96),     # 64 packed rows, padded head dim
+    (1, 32, 4, 3, 8192, 128),    # long keys, 24 rows, splits
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("b,h,hkv,sq,sk,d", DECODE_CASES)
+def test_decode_kernel(b, h, hkv, sq, sk, d, dtype, causal):
+    _skip(dtype)
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    rng = _rng("decode", b, h, hkv, sq, sk, d, dtype, causal)
+    q, k, v = (_rnd(rng, s, dtype) for s in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d)))
+    # K and V as (B, Sk, Hkv, D) cache-like buffers seen through transposed views
+    qg = to_gpu(q, dtype)
+    kg = to_gpu(np.ascontiguousarray(k.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
+    vg = to_gpu(np.ascontiguousarray(v.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
+    assert cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel="decode").startswith("decode")
+    o, lse = poisoned((b, h, sq, d), dtype), poisoned((b, h, sq), "float32")
+    cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), kernel="decode")
+    o2 = cuflash.attention(qg, kg, vg, causal=causal, kernel="decode")
+    cupy().cuda.get_current_stream().synchronize()
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+    assert cupy().array_equal(o.view(cupy().uint16), o2.view(cupy().uint16)), \
+        "decode results differ between two runs"
+
+
+def test_decode_is_auto_for_single_token_gqa():
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    cp = cupy()
+    q = cp.ones((1, 32, 1, 128), cp.float16)
+    k = cp.ones((1, 8, 4096, 128), cp.float16)
+    assert cuflash.dispatch_info(q, k, k).startswith("decode<float16,D128")
