@@ -10,7 +10,6 @@ allocation is the split workspace (float32 partial outputs), taken from CuPy's p
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 

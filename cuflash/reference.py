@@ -91,6 +91,8 @@ __all__ = [
     "online_softmax",
     "merge_normalized",
     "unstable_softmax",
+    "gather_kv_cache",
+    "attention_with_kvcache_ref",
 ]
 
 _UNIT_ROUNDOFF = {
@@ -1370,3 +1372,56 @@ def grad_pass_threshold(do, q, k, v, *, causal: bool = False, scale: Optional[fl
     tols = tuple(tolerance(dtype, r, e, out_scale=a) + lse_rel * a
                  for r, e, a in zip(ref, errs, scales))
     return tols, errs
+
+
+# ---------------------------------------------------------------------------------------------
+# KV caches and packed variable-length batches (notes/INFERENCE.md)
+# ---------------------------------------------------------------------------------------------
+
+def gather_kv_cache(k_cache, v_cache, length: int, seq: int, block_table=None):
+    """The first ``length`` keys and values of sequence ``seq`` of a KV cache, ``(length, Hkv, D)``
+    each: rows ``seq`` of a contiguous cache ``(B, Smax, Hkv, D)``, or for a paged cache
+    ``(num_pages, page_size, Hkv, D)`` key ``j`` at page ``block_table[seq, j // page_size]``, row
+    ``j % page_size``."""
+    k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
+    keys = np.arange(int(length))
+    if block_table is None:
+        return k_cache[seq, keys], v_cache[seq, keys]
+    page = k_cache.shape[1]
+    pages = np.asarray(block_table)[seq, keys // page]
+    return k_cache[pages, keys % page], v_cache[pages, keys % page]
+
+
+def attention_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
+                               k_new=None, v_new=None, causal: bool = False,
+                               scale: Optional[float] = None):
+    """float64 truth of ``cuflash.attention_with_kvcache`` (the caches are not modified).
+
+    Sequence ``b`` attends to its ``cache_seqlens[b]`` cached keys followed by its ``Snew`` new
+    ones (``k_new[b]``, ``v_new[b]``); q ``(B, Sq, H, D)``, caches ``(B, Smax, Hkv, D)`` or paged
+    ``(num_pages, page_size, Hkv, D)`` with ``block_table`` ``(B, max_pages)``; grouped heads as
+    in :func:`attention_ref`; the causal mask bottom-right aligned per sequence.
+
+    Returns
+    -------
+    o : ndarray, float64, (B, Sq, H, Dv)
+    lse : ndarray, float64, (B, H, Sq); a sequence with no key gives o = 0, lse = -inf.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    b, sq, h, _ = q.shape
+    dv = np.shape(v_cache)[-1]
+    lens = np.broadcast_to(np.asarray(cache_seqlens), (b,))
+    o = np.zeros((b, sq, h, dv))
+    lse = np.full((b, h, sq), -np.inf)
+    for i in range(b):
+        k_i, v_i = gather_kv_cache(k_cache, v_cache, int(lens[i]), i, block_table)
+        if k_new is not None:
+            k_i = np.concatenate([k_i, np.asarray(k_new)[i]], axis=0)
+            v_i = np.concatenate([v_i, np.asarray(v_new)[i]], axis=0)
+        if k_i.shape[0] == 0:
+            continue
+        o_i, lse_i = attention_ref(q[i].transpose(1, 0, 2), k_i.transpose(1, 0, 2),
+                                   v_i.transpose(1, 0, 2), causal=causal, scale=scale)
+        o[i] = o_i.transpose(1, 0, 2)
+        lse[i] = lse_i
+    return o, lse

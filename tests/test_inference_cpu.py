@@ -126,3 +126,70 @@ def test_plain_broadcast_still_works():
     o = cuflash.attention(q, k, v)
     np.testing.assert_allclose(o, reference.attention_ref(q, k, v)[0], rtol=0, atol=1e-12)
     assert o.shape == (1, 4, 3, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_with_kvcache, CPU path
+
+from kvcache_util import check_kvcache_result, make_cache  # noqa: E402
+
+
+@pytest.mark.parametrize("page", [None, 16, 32, 256])
+@pytest.mark.parametrize("snew", [0, 1, 5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("group", [1, 4])
+def test_kvcache_cpu(page, snew, causal, group):
+    dtype = "float32"
+    rng = _rng("kv", page, snew, causal, group)
+    b, hkv, d, sq = 4, 2, 16, 3
+    lens = np.array([0, 1, 15, 40], np.int32)   # empty, one key, an append crossing a page
+    k, v, bt = make_cache(rng, b=b, hkv=hkv, d=d, lens=lens, snew=snew, page=page, dtype=dtype)
+    q = reference.round_to(rng.standard_normal((b, sq, hkv * group, d)), dtype)
+    kn = vn = None
+    if snew:
+        kn, vn = (reference.round_to(rng.standard_normal((b, snew, hkv, d)), dtype)
+                  for _ in range(2))
+    k32, v32 = k.astype(dtype), v.astype(dtype)
+    o = np.full((b, sq, hkv * group, d), np.nan, dtype)
+    lse = np.full((b, hkv * group, sq), np.nan, np.float32)
+    res = cuflash.attention_with_kvcache(
+        q.astype(dtype), k32, v32, lens, block_table=bt,
+        k_new=None if kn is None else kn.astype(dtype),
+        v_new=None if vn is None else vn.astype(dtype), causal=causal, return_lse=True,
+        out=(o, lse))
+    assert res[0] is o and res[1] is lse
+    check_kvcache_result(o.astype(np.float64), lse.astype(np.float64), q, k, v, lens,
+                         block_table=bt, k_new=kn, v_new=vn, causal=causal, dtype=dtype)
+    if snew:  # appended in place
+        for i in range(b):
+            k_i, v_i = reference.gather_kv_cache(k32, v32, int(lens[i]) + snew, i, bt)
+            np.testing.assert_array_equal(k_i[lens[i]:], kn[i].astype(dtype))
+            np.testing.assert_array_equal(v_i[lens[i]:], vn[i].astype(dtype))
+
+
+def test_kvcache_errors():
+    q = np.ones((2, 1, 8, 16), np.float32)
+    kc = np.ones((2, 32, 2, 16), np.float32)
+    lens = np.array([3, 4], np.int32)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        cuflash.attention_with_kvcache(q[:, :, :3], kc, kc, lens)
+    with pytest.raises(TypeError, match="cache_seqlens has dtype int64"):
+        cuflash.attention_with_kvcache(q, kc, kc, lens.astype(np.int64))
+    with pytest.raises(ValueError, match="power of two"):
+        cuflash.attention_with_kvcache(q, np.ones((4, 24, 2, 16), np.float32),
+                                       np.ones((4, 24, 2, 16), np.float32), lens,
+                                       block_table=np.zeros((2, 2), np.int32))
+    with pytest.raises(ValueError, match="lie in"):
+        cuflash.attention_with_kvcache(q, kc, kc, np.array([3, 33], np.int32))
+    with pytest.raises(ValueError, match="lie in"):
+        cuflash.attention_with_kvcache(q, kc, kc, np.array([30, 3], np.int32),
+                                       k_new=np.ones((2, 3, 2, 16), np.float32),
+                                       v_new=np.ones((2, 3, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="both or neither"):
+        cuflash.attention_with_kvcache(q, kc, kc, lens, k_new=np.ones((2, 1, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="names pages outside"):
+        cuflash.attention_with_kvcache(q, np.ones((4, 16, 2, 16), np.float32),
+                                       np.ones((4, 16, 2, 16), np.float32), lens,
+                                       block_table=np.array([[0], [7]], np.int32))
+    with pytest.raises(ValueError, match="inputs are on the CPU"):
+        cuflash.attention_with_kvcache(q, kc, kc, lens, kernel="decode")

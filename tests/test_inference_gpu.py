@@ -132,3 +132,78 @@ def test_decode_is_auto_for_single_token_gqa():
     q = cp.ones((1, 32, 1, 128), cp.float16)
     k = cp.ones((1, 8, 4096, 128), cp.float16)
     assert cuflash.dispatch_info(q, k, k).startswith("decode<float16,D128")
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_with_kvcache on the GPU (decode kernel through the block table, in-place append)
+
+from kvcache_util import check_kvcache_result, make_cache  # noqa: E402
+
+KV_CASES = [  # (page or None, group, Sq, Snew, lens)
+    (None, 4, 1, 0, (0, 1, 7, 1000)),
+    (None, 8, 1, 1, (0, 1, 113, 5000)),
+    (16, 1, 1, 1, (0, 15, 16, 1000)),      # appends at a page end and crossing one
+    (16, 4, 4, 4, (1, 14, 30, 3000)),      # Sq > 1 with as many new keys (speculative)
+    (32, 8, 1, 0, (1, 7, 113, 1000)),
+    (64, 32, 2, 3, (0, 62, 63, 2000)),     # group of 32: 64 packed rows
+    (256, 4, 1, 1, (255, 1, 300, 9000)),
+    (16, 4, 16, 16, (0, 5, 200, 1500)),    # 64 packed rows, new keys spanning pages
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("page,group,sq,snew,lens", KV_CASES)
+def test_kvcache_gpu(page, group, sq, snew, lens, dtype, causal):
+    _skip(dtype)
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    cp = cupy()
+    rng = _rng("kvgpu", page, group, sq, snew, lens, dtype, causal)
+    hkv, d = 2, 128
+    lens = np.array(lens, np.int32)
+    b = lens.size
+    k, v, bt = make_cache(rng, b=b, hkv=hkv, d=d, lens=lens, snew=snew, page=page, dtype=dtype)
+    q = _rnd(rng, (b, sq, hkv * group, d), dtype)
+    kn = vn = None
+    if snew:
+        kn, vn = (_rnd(rng, (b, snew, hkv, d), dtype) for _ in range(2))
+    kg, vg = to_gpu(k, dtype), to_gpu(v, dtype)
+    o, lse = poisoned((b, sq, hkv * group, d), dtype), poisoned((b, hkv * group, sq), "float32")
+    res = cuflash.attention_with_kvcache(
+        to_gpu(q, dtype), kg, vg, cp.asarray(lens), block_table=None if bt is None else
+        cp.asarray(bt), k_new=None if kn is None else to_gpu(kn, dtype),
+        v_new=None if vn is None else to_gpu(vn, dtype), causal=causal, return_lse=True,
+        out=(o, lse))
+    assert res[0] is o and res[1] is lse
+    cp.cuda.get_current_stream().synchronize()
+    check_kvcache_result(to_host64(o), to_host64(lse), q, k, v, lens, block_table=bt, k_new=kn,
+                         v_new=vn, causal=causal, dtype=dtype)
+    if snew:  # the append happened in place, into the right pages
+        kh, vh = to_host64(kg), to_host64(vg)
+        for i in range(b):
+            k_i, v_i = reference.gather_kv_cache(kh, vh, int(lens[i]) + snew, i, bt)
+            np.testing.assert_array_equal(k_i[lens[i]:], kn[i])
+            np.testing.assert_array_equal(v_i[lens[i]:], vn[i])
+
+
+def test_kvcache_paged_matches_contiguous_bitwise():
+    """The same keys in a contiguous and in a paged (page 16) cache give identical results."""
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    cp = cupy()
+    rng = _rng("paged-eq")
+    b, hkv, g, d, page = 3, 8, 4, 128, 16
+    lens = np.array([1, 777, 4096], np.int32)
+    k, v, bt = make_cache(rng, b=b, hkv=hkv, d=d, lens=lens, snew=0, page=page, dtype="float16")
+    kc = np.zeros((b, 4096, hkv, d))
+    vc = np.zeros_like(kc)
+    for i in range(b):
+        k_i, v_i = reference.gather_kv_cache(k, v, int(lens[i]), i, bt)
+        kc[i, :lens[i]], vc[i, :lens[i]] = k_i, v_i
+    q = to_gpu(_rnd(rng, (b, 1, hkv * g, d), "float16"), "float16")
+    o1 = cuflash.attention_with_kvcache(q, to_gpu(k, "float16"), to_gpu(v, "float16"),
+                                        cp.asarray(lens), block_table=cp.asarray(bt))
+    o2 = cuflash.attention_with_kvcache(q, to_gpu(kc, "float16"), to_gpu(vc, "float16"),
+                                        cp.asarray(lens))
+    assert cp.array_equal(o1.view(cp.uint16), o2.view(cp.uint16))
