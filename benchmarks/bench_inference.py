@@ -160,21 +160,70 @@ def bench_paged(grid, args, rows):
                 kc = vc = kp = vp = None
 
 
+def bench_varlen(args, rows):
+    """Varlen prefill: random lengths 1..8k up to 64k tokens (8k with --quick), causal, H = 32,
+    Hkv = 8, D = 128, float16: cuflash.attention_varlen against cuflash.attention on dense
+    (B, H, 8192, D) batches of the same token count, in TFLOP/s of the causal work."""
+    import cupy as cp
+
+    rng = np.random.default_rng(1)
+    total = 8192 if args.quick else 65536
+    lens = []
+    while sum(lens) < total:
+        lens.append(int(rng.integers(1, 8193)))
+    lens[-1] -= sum(lens) - total
+    lens = [x for x in lens if x > 0]
+    cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    hkv = 8
+    q = cp.random.standard_normal((total, H, D), dtype=cp.float32).astype(cp.float16)
+    k = cp.random.standard_normal((total, hkv, D), dtype=cp.float32).astype(cp.float16)
+    v = cp.random.standard_normal((total, hkv, D), dtype=cp.float32).astype(cp.float16)
+    flops = sum(2.0 * 2 * L * (L + 1) / 2 * D * H for L in lens)
+    res = {}
+    o = cuflash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    s0 = int(np.argmin(lens))  # check the shortest and the first sequences
+    for s in sorted({s0, 0}):
+        a, b = int(cu[s]), int(cu[s + 1])
+        qs, ks, vs = (_host(x[a:b]).transpose(1, 0, 2) for x in (q, k, v))
+        rule = reference.pass_threshold(qs, ks, vs, causal=True, dtype="float16")
+        verdict = rule.judge(_host(o[a:b]).transpose(1, 0, 2))
+        if not verdict.passed:
+            res["cuflash-varlen"] = "FAILED " + "; ".join(verdict.reasons)
+    if "cuflash-varlen" not in res:
+        t = _events(lambda: cuflash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens),
+                                                     causal=True), args.warmup, args.repeats)
+        res["cuflash-varlen"] = flops / t / 1e12
+    bd = total // 8192
+    qd = q.reshape(bd, 8192, H, D).transpose(0, 2, 1, 3)
+    kd = k.reshape(bd, 8192, hkv, D).transpose(0, 2, 1, 3)
+    vd = v.reshape(bd, 8192, hkv, D).transpose(0, 2, 1, 3)
+    t = _events(lambda: cuflash.attention(qd, kd, vd, causal=True), args.warmup, args.repeats)
+    res["cuflash-dense-8k"] = bd * 2.0 * 2 * 8192 * 8193 / 2 * D * H / t / 1e12
+    rows.append(("varlen", len(lens), total, hkv, res, cuflash.dispatch_info(qd, kd, vd,
+                                                                               causal=True)))
+    _print_row(rows[-1])
+
+
 def _print_row(row):
     kind, b, sk, hkv, res, label = row
     cells = "  ".join(f"{k}={v:7.0f}" if isinstance(v, float) else f"{k}={v}"
                       for k, v in res.items())
-    print(f"{kind:8s} B={b:<3d} Sk={sk:<7d} Hkv={hkv:<3d} GB/s: {cells}  {label}", flush=True)
+    unit = "TFLOP/s" if kind == "varlen" else "GB/s"
+    print(f"{kind:8s} B={b:<3d} Sk={sk:<7d} Hkv={hkv:<3d} {unit}: {cells}  {label}", flush=True)
 
 
 def _markdown(rows):
     out = []
-    for kind in ("decode", "kvcache"):
+    for kind in ("decode", "kvcache", "varlen"):
         sel = [r for r in rows if r[0] == kind]
         if not sel:
             continue
         impls = list(sel[0][4])
-        out.append(f"\n{kind} (H = {H}, D = {D}, float16, Sq = 1), GB/s of K + V\n")
+        if kind == "varlen":
+            out.append(f"\nvarlen prefill (causal, H = {H}, D = {D}, float16), TFLOP/s; B = "
+                       "sequences, Sk = total tokens\n")
+        else:
+            out.append(f"\n{kind} (H = {H}, D = {D}, float16, Sq = 1), GB/s of K + V\n")
         out.append("| B | Sk | Hkv | " + " | ".join(impls) + " |")
         out.append("|" + " --- |" * (3 + len(impls)))
         for _, b, sk, hkv, res, _ in sel:
@@ -197,7 +246,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a few points (< 60 s)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--only", default="decode,kvcache", help="decode,kvcache")
+    ap.add_argument("--only", default="decode,kvcache,varlen", help="decode,kvcache,varlen")
     ap.add_argument("--markdown", default=None, help="write the tables to this file")
     args = ap.parse_args(argv)
     if not cuflash.gpu_available():
@@ -212,6 +261,8 @@ def main(argv=None):
         bench_decode(grid, args, rows)
     if "kvcache" in parts:
         bench_paged(grid, args, rows)
+    if "varlen" in parts:
+        bench_varlen(args, rows)
     md = _markdown(rows)
     print(md)
     print(f"\n{time.time() - t0:.0f} s", file=sys.stderr)

@@ -10,7 +10,7 @@ allocation is the split workspace (float32 partial outputs), taken from CuPy's p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -20,13 +20,14 @@ from ._dispatch import _CXX_TYPE, Plan, _aligned16, head_dim_bucket, tensorcore_
 
 _LOG2E = 1.4426950408889634
 
-_DEC_PTRS = ("q", "k", "v", "o", "lse", "o_part", "lse_part", "seqlens", "block_table")
+_DEC_PTRS = ("q", "k", "v", "o", "lse", "o_part", "lse_part", "seqlens", "block_table", "cu_q",
+             "cu_k")
 _DEC_INTS = (("sq", "sk", "d", "g", "nb0", "nb1", "nb2",
               "q_s0", "q_s1", "q_s2", "q_sg", "q_sr", "k_s0", "k_s1", "k_s2", "k_sr",
               "v_s0", "v_s1", "v_s2", "v_sr", "o_s0", "o_s1", "o_s2", "o_sg", "o_sr",
               "l_s0", "l_s1", "l_s2", "l_sg", "l_sr", "n_rtiles", "n_splits", "split_tiles",
               "page_log2", "bt_stride", "k_page", "v_page"))
-#: kernels_cu/attn_decode.cu: DecodeParams (47 fields of 8 bytes).
+#: kernels_cu/attn_decode.cu: DecodeParams (49 fields of 8 bytes).
 DECODE_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _DEC_PTRS]
                                + [(f, np.int64) for f in _DEC_INTS]
                                + [("scale_log2", np.float64)])
@@ -99,13 +100,19 @@ def all_decode_specialisations():
 
 
 def choose_splits(entries_tiles: int, n_key_tiles: int, sm_count: int, smem_bytes: int) -> int:
-    """Key splits per (entry, row tile): enough blocks to fill every SM about once at the
-    occupancy shared memory allows, but at least MIN_TILES_PER_WARP tiles per warp and split.
-    A function of the problem and the SM count only (so results are reproducible run to run)."""
+    """Key splits per (entry, row tile), from the problem and the SM count only (so results are
+    reproducible run to run). With ``slots`` blocks resident at once (the occupancy shared memory
+    allows), s splits take ``ceil(blocks * s / slots)`` waves of blocks each 1/s as long: the
+    smallest s within 3% of the least such time wins, with at least MIN_TILES_PER_WARP key tiles
+    per warp and split (below that the combine costs more than the split saves)."""
     per_sm = max(1, _SM_SMEM // (smem_bytes + 1024))
-    want = -(-sm_count * per_sm // max(1, entries_tiles))
+    slots = sm_count * per_sm
+    base = max(1, entries_tiles)
     cap = max(1, -(-n_key_tiles // (DECODE_WARPS * MIN_TILES_PER_WARP)))
-    return max(1, min(want, cap))
+    cap = min(cap, max(1, -(-8 * slots // base)))  # no more than ~8 waves of blocks
+    cost = {s: -(-base * s // slots) / s for s in range(1, cap + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= best * 1.03)
 
 
 @dataclass
@@ -127,7 +134,8 @@ class DecodeGeometry:
     page: int = 0
     k_page: int = 0
     v_page: int = 0
-    extra: dict = field(default_factory=dict)
+    cu_q: object = None          # CuPy int32 (nb1 + 1,): packed variable-length batch, or None
+    cu_k: object = None
 
     @property
     def entries(self):
@@ -158,33 +166,27 @@ def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, attrs, work
         raise ValueError(f"{plan.label}: {grid} blocks is too many for one launch")
     dpad = head_dim_bucket(geom.d, DECODE_DPADS)
 
-    p = np.zeros((), dtype=DECODE_PARAMS_DTYPE)
-    p["q"], p["k"], p["v"], p["o"] = q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr
-    p["lse"] = 0 if lse is None else lse.data.ptr
+    o_part = lse_part = 0
     if splits > 1:
         rpad = 16 * n_rtiles
         need = entries * splits * rpad * (dpad + 1)
         if workspace is None or workspace.size < need:
             workspace = cupy.empty(need, dtype=cupy.float32)
-        p["o_part"] = workspace.data.ptr
-        p["lse_part"] = workspace.data.ptr + entries * splits * rpad * dpad * 4
-    p["seqlens"] = 0 if geom.seqlens is None else geom.seqlens.data.ptr
-    p["block_table"] = 0 if geom.block_table is None else geom.block_table.data.ptr
-    p["sq"], p["sk"], p["d"], p["g"] = geom.sq, geom.sk, geom.d, geom.g
-    p["nb0"], p["nb1"], p["nb2"] = geom.sizes
-    for name, vals in (("q", geom.q), ("o", geom.o), ("l", geom.l)):
-        for f, x in zip(("s0", "s1", "s2", "sg", "sr"), vals):
-            p[f"{name}_{f}"] = x
-    for name, vals in (("k", geom.k), ("v", geom.v)):
-        for f, x in zip(("s0", "s1", "s2", "sr"), vals):
-            p[f"{name}_{f}"] = x
-    p["n_rtiles"], p["n_splits"], p["split_tiles"] = n_rtiles, splits, split_tiles
-    if geom.block_table is not None:
-        p["page_log2"] = int(geom.page).bit_length() - 1
-        p["bt_stride"] = geom.block_table.shape[1]
-        p["k_page"], p["v_page"] = geom.k_page, geom.v_page
-    p["scale_log2"] = scale * _LOG2E
-    params = p[()]
+        o_part = workspace.data.ptr
+        lse_part = workspace.data.ptr + entries * splits * rpad * dpad * 4
+    paged = geom.block_table is not None
+    # One tuple in DecodeParams order (a structured array built field by field costs ~50 us).
+    params = np.array((
+        q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, 0 if lse is None else lse.data.ptr,
+        o_part, lse_part, 0 if geom.seqlens is None else geom.seqlens.data.ptr,
+        geom.block_table.data.ptr if paged else 0,
+        0 if geom.cu_q is None else geom.cu_q.data.ptr,
+        0 if geom.cu_k is None else geom.cu_k.data.ptr,
+        geom.sq, geom.sk, geom.d, geom.g, *geom.sizes, *geom.q, *geom.k, *geom.v, *geom.o,
+        *geom.l, n_rtiles, splits, split_tiles,
+        int(geom.page).bit_length() - 1 if paged else 0,
+        geom.block_table.shape[1] if paged else 0, geom.k_page if paged else 0,
+        geom.v_page if paged else 0, scale * _LOG2E), dtype=DECODE_PARAMS_DTYPE)[()]
     st = _stream_ptr(stream)
     kern = _compile.get_kernel(plan.spec, device_id, plan.smem_bytes)
     kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=st)
@@ -196,6 +198,35 @@ def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, attrs, work
 
 def _dtype_of(plan):
     return plan.label.split("<", 1)[1].split(",", 1)[0]
+
+
+def cache_reason(prob, compute_capability, buffers) -> Optional[str]:
+    """Why the decode kernel cannot run a KV-cache or varlen problem (anything with dtype_name,
+    d, dv, scale), or None. `buffers`: the GPU arrays it reads or writes (None entries skipped)."""
+    if compute_capability < 80:
+        return f"it needs compute capability 8.0 or newer (this GPU: {compute_capability})"
+    if prob.dtype_name not in DECODE_DTYPES:
+        return (f"the decode kernel takes float16 and bfloat16; {prob.dtype_name} runs on the "
+                "CPU path only for now")
+    if prob.d != prob.dv or prob.d % 8:
+        return f"it needs D == Dv and D % 8 == 0 (got D={prob.d}, Dv={prob.dv})"
+    if not prob.scale > 0:
+        return f"it folds a positive scale into exp2 (got scale={prob.scale})"
+    if not all(_aligned16(x) for x in buffers if x is not None):
+        return "every row of every input and output must start on a 16-byte boundary"
+    return None
+
+
+def attrs_or_raise(prob, entry_point, buffers):
+    """The device attributes of `prob`'s GPU, or ValueError naming `entry_point` and why the
+    decode kernel cannot run it (`cache_reason`)."""
+    from ._launch import device_attributes
+
+    attrs = device_attributes(prob.device_id)
+    why = cache_reason(prob, attrs["compute_capability"], buffers)
+    if why is not None:
+        raise ValueError(f"{entry_point} cannot run these GPU inputs: {why}")
+    return attrs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,8 +23,21 @@ KVCACHE_KERNELS = ("auto", "decode")
 MIN_PAGE = 16
 
 
+@dataclass(kw_only=True)
+class CallOptions:
+    """What every inference entry point carries besides its tensors (see check_call_options)."""
+
+    causal: bool
+    scale: float
+    return_lse: bool
+    out: Any
+    out_lse: Any
+    stream: Any
+    kernel: str
+
+
 @dataclass
-class KVCacheProblem:
+class KVCacheProblem(CallOptions):
     backend: str
     device_id: Optional[int]
     q: Any
@@ -44,13 +57,6 @@ class KVCacheProblem:
     snew: int
     page: int                    # 0 for a contiguous cache
     capacity: int                # keys a sequence can hold
-    causal: bool
-    scale: float
-    return_lse: bool
-    out: Any
-    out_lse: Any
-    stream: Any
-    kernel: str
 
 
 def _int32_array(name, x, backend, device_id, shape_desc, ndim):
@@ -64,6 +70,37 @@ def _int32_array(name, x, backend, device_id, shape_desc, ndim):
     if x.ndim != ndim:
         raise ValueError(f"{name} must have shape {shape_desc}; got {tuple(x.shape)}")
     return x
+
+
+def check_call_options(*, causal, return_lse, scale, d, dt, kernel, choices, backend, device_id,
+                       stream, out, o_shape, lse_shape):
+    """The checks the inference entry points share with `attention`: causal and return_lse
+    bools, the scale, the kernel choice, stream only for GPU inputs, and out (o or (o, lse))
+    of the given shapes. Returns (scale, o buffer or None, lse buffer or None)."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    scale = _checks.check_scale(scale, d, dt)
+    if kernel not in choices:
+        raise ValueError(f"kernel must be one of {choices}, got {kernel!r}")
+    if backend == "cpu" and kernel != "auto":
+        raise ValueError(f"kernel={kernel!r} selects a GPU kernel, but the inputs are on the CPU "
+                         "(NumPy); pass GPU arrays or kernel='auto'")
+    if stream is not None and backend == "cpu":
+        raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
+    out_o = out_lse = None
+    if out is not None:
+        if isinstance(out, (tuple, list)):
+            if not return_lse or len(out) != 2:
+                raise ValueError("out may be a pair (o, lse) only with return_lse=True")
+            out_o, out_lse = out
+        else:
+            out_o = out
+    out_o = _checks._check_out("out", out_o, o_shape, dt, backend, device_id)
+    out_lse = _checks._check_out("out[1] (lse)", out_lse, lse_shape, dt, backend, device_id,
+                                 check_dtype_name="float32")
+    return scale, out_o, out_lse
 
 
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_new, causal,
@@ -166,29 +203,10 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_n
                 if used.size and (used.min() < 0 or used.max() >= k_cache.shape[0]):
                     raise ValueError(f"block_table row {i} names pages outside "
                                      f"[0, {k_cache.shape[0]})")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    scale = _checks.check_scale(scale, d, dt)
-    if kernel not in KVCACHE_KERNELS:
-        raise ValueError(f"kernel must be one of {KVCACHE_KERNELS}, got {kernel!r}")
-    if backend == "cpu" and kernel != "auto":
-        raise ValueError(f"kernel={kernel!r} selects a GPU kernel, but the inputs are on the CPU "
-                         "(NumPy); pass GPU arrays or kernel='auto'")
-    if stream is not None and backend == "cpu":
-        raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
-    out_o = out_lse = None
-    if out is not None:
-        if isinstance(out, (tuple, list)):
-            if not return_lse or len(out) != 2:
-                raise ValueError("out may be a pair (o, lse) only with return_lse=True")
-            out_o, out_lse = out
-        else:
-            out_o = out
-    out_o = _checks._check_out("out", out_o, (b, sq, h, dv), dt, backend, device_id)
-    out_lse = _checks._check_out("out[1] (lse)", out_lse, (b, h, sq), dt, backend, device_id,
-                                 check_dtype_name="float32")
+    scale, out_o, out_lse = check_call_options(
+        causal=causal, return_lse=return_lse, scale=scale, d=d, dt=dt, kernel=kernel,
+        choices=KVCACHE_KERNELS, backend=backend, device_id=device_id, stream=stream, out=out,
+        o_shape=(b, sq, h, dv), lse_shape=(b, h, sq))
     if backend == "gpu":
         q, k_new, v_new = (None if x is None else _interop.last_axis_contiguous(x)
                            for x in (q, k_new, v_new))
@@ -198,7 +216,8 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_n
                                  "place, so it cannot be copied)")
     return KVCacheProblem(backend, device_id, q, k_cache, v_cache, cache_seqlens, block_table,
                           k_new, v_new, dt, b, sq, h, hkv, d, dv, snew, page, capacity,
-                          bool(causal), scale, bool(return_lse), out_o, out_lse, stream, kernel)
+                          causal=bool(causal), scale=scale, return_lse=bool(return_lse),
+                          out=out_o, out_lse=out_lse, stream=stream, kernel=kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,9 +236,22 @@ def _append_numpy(prob):
             prob.v_cache[pages, keys % prob.page] = prob.v_new[i]
 
 
+def one_sequence_numpy(q, k, v, *, causal, scale):
+    """One sequence in FlashAttention's layout on the CPU: q (Sq, H, D), k (Sk, Hkv, D),
+    v (Sk, Hkv, Dv) -> o (Sq, H, Dv), lse (H, Sq), grouped heads as in `attention`."""
+    from ._cpu import attention_numpy
+
+    sq, h = q.shape[:2]
+    qt, kt, vt = (x.transpose(1, 0, 2) for x in (q, k, v))
+    if k.shape[1] not in (1, h):
+        grp = _gqa.Grouping(h, k.shape[1])
+        qt, kt, vt = grp.split(qt), grp.split(kt), grp.split(vt)
+    o, lse = attention_numpy(qt, kt, vt, causal=causal, scale=scale, out=None, need_lse=True)
+    return o.reshape(h, sq, v.shape[-1]).transpose(1, 0, 2), lse.reshape(h, sq)
+
+
 def kvcache_numpy(prob):
     """The CPU path: append, then per sequence the NumPy recurrence over its keys."""
-    from ._cpu import attention_numpy
     from .reference import gather_kv_cache
 
     if prob.snew:
@@ -227,7 +259,6 @@ def kvcache_numpy(prob):
     o = prob.out if prob.out is not None else np.empty((prob.b, prob.sq, prob.h, prob.dv),
                                                         dtype=prob.q.dtype)
     lse = np.empty((prob.b, prob.h, prob.sq), dtype=np.float32)
-    grp = _gqa.Grouping(prob.h, prob.hkv) if prob.h != prob.hkv else None
     lens = np.asarray(prob.seqlens) + prob.snew
     for i in range(prob.b):
         if lens[i] == 0:
@@ -235,18 +266,17 @@ def kvcache_numpy(prob):
             lse[i] = -np.inf
             continue
         k_i, v_i = gather_kv_cache(prob.k_cache, prob.v_cache, int(lens[i]), i, prob.block_table)
-        q_i = prob.q[i].transpose(1, 0, 2)                 # (H, Sq, D)
-        k_i, v_i = k_i.transpose(1, 0, 2), v_i.transpose(1, 0, 2)
-        if grp is not None:
-            q_i, k_i, v_i = grp.split(q_i), grp.split(k_i), grp.split(v_i)
-        o_i, lse_i = attention_numpy(q_i, k_i, v_i, causal=prob.causal, scale=prob.scale,
-                                     out=None, need_lse=True)
-        o[i] = o_i.reshape(prob.h, prob.sq, prob.dv).transpose(1, 0, 2)
-        lse[i] = lse_i.reshape(prob.h, prob.sq)
-    if prob.out_lse is not None:
-        prob.out_lse[...] = lse
-        lse = prob.out_lse
-    return o, lse
+        o[i], lse[i] = one_sequence_numpy(prob.q[i], k_i, v_i, causal=prob.causal,
+                                          scale=prob.scale)
+    return o, into_out_lse(prob, lse)
+
+
+def into_out_lse(prob, lse):
+    """The CPU paths' lse, copied into the caller's lse buffer when one was given."""
+    if prob.out_lse is None:
+        return lse
+    prob.out_lse[...] = lse
+    return prob.out_lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,25 +288,8 @@ def kvcache_gpu(prob):
     from . import _compile, _decode, _launch
 
     with cupy.cuda.Device(prob.device_id):
-        attrs = _launch.device_attributes(prob.device_id)
-        cc = attrs["compute_capability"]
-        why = None
-        if cc < 80:
-            why = f"it needs compute capability 8.0 or newer (this GPU: {cc})"
-        elif prob.dtype_name not in _decode.DECODE_DTYPES:
-            why = (f"the decode kernel takes float16 and bfloat16; {prob.dtype_name} caches run "
-                   "on the CPU path only for now")
-        elif prob.d != prob.dv or prob.d % 8:
-            why = f"it needs D == Dv and D % 8 == 0 (got D={prob.d}, Dv={prob.dv})"
-        elif not prob.scale > 0:
-            why = f"it folds a positive scale into exp2 (got scale={prob.scale})"
-        else:
-            bufs = [prob.q, prob.k_cache, prob.v_cache] + [
-                x for x in (prob.k_new, prob.v_new, prob.out) if x is not None]
-            if not all(_decode._aligned16(x) for x in bufs):
-                why = "every row of q, the caches, k_new, v_new (and out) must be 16-byte aligned"
-        if why is not None:
-            raise ValueError(f"attention_with_kvcache cannot run these GPU inputs: {why}")
+        attrs = _decode.attrs_or_raise(prob, "attention_with_kvcache", [
+            prob.q, prob.k_cache, prob.v_cache, prob.k_new, prob.v_new, prob.out])
         st = _launch._stream_ptr(prob.stream)
         paged = prob.block_table is not None
         seqlens = prob.seqlens

@@ -93,6 +93,7 @@ __all__ = [
     "unstable_softmax",
     "gather_kv_cache",
     "attention_with_kvcache_ref",
+    "attention_varlen_ref",
 ]
 
 _UNIT_ROUNDOFF = {
@@ -1424,4 +1425,27 @@ def attention_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens, *, block_tabl
                                    v_i.transpose(1, 0, 2), causal=causal, scale=scale)
         o[i] = o_i.transpose(1, 0, 2)
         lse[i] = lse_i
+    return o, lse
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
+                         scale: Optional[float] = None):
+    """float64 truth of ``cuflash.attention_varlen``: q ``(total_q, H, D)``, k ``(total_k, Hkv,
+    D)``, v ``(total_k, Hkv, Dv)``, sequence ``s`` the rows ``cu[s]:cu[s + 1]``; grouped heads and
+    the per-sequence bottom-right causal mask as in :func:`attention_ref`.
+
+    Returns o ``(total_q, H, Dv)`` and lse ``(H, total_q)``, float64; rows of no sequence or of a
+    sequence with no key give o = 0, lse = -inf."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    o = np.zeros(q.shape[:2] + (v.shape[-1],))
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for s in range(cq.size - 1):
+        q0, q1, k0, k1 = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        o_s, lse_s = attention_ref(q[q0:q1].transpose(1, 0, 2), k[k0:k1].transpose(1, 0, 2),
+                                   v[k0:k1].transpose(1, 0, 2), causal=causal, scale=scale)
+        o[q0:q1] = o_s.transpose(1, 0, 2)
+        lse[:, q0:q1] = lse_s
     return o, lse

@@ -25,7 +25,11 @@
 // block_table[seq][j >> page_log2], row j & (page - 1); the page's first element is
 // page * k_page (v_page), its rows k_sr (v_sr) apart, axis 2 (the kv head) k_s2 (v_s2) apart.
 // A page holds at least BN keys and BN divides it, so each key tile lies in one page.
-// Causal masks are bottom-right aligned per sequence: query i sees keys j <= i + Sk_seq - Sq.
+// Packed variable-length batches (`cu_q`, `cu_k`, FlashAttention's cu_seqlens): sequence s has
+// cu_q[s + 1] - cu_q[s] query rows from row cu_q[s] of q (and o, lse) and cu_k[s + 1] - cu_k[s]
+// keys from row cu_k[s] of k and v; sq and sk are then the largest of them, the grid covers
+// ceil(G * sq / 16) row tiles per sequence and the tiles past a sequence's rows exit at once.
+// Causal masks are bottom-right aligned per sequence: query i sees keys j <= i + Sk_seq - Sq_seq.
 #include "common.cuh"
 
 namespace cuflash {
@@ -40,6 +44,8 @@ struct DecodeParams {
     float* lse_part;         // (entries, splits, RPAD) partial lse
     const int* seqlens;      // per sequence key counts, or null: every sequence has sk keys
     const int* block_table;  // paged cache, or null
+    const int* cu_q;         // packed variable-length batch: query rows of sequence s start at
+    const int* cu_k;         // cu_q[s] (keys at cu_k[s]), s = the index along axis 1; or null
     long long sq, sk, d, g;  // queries, keys (max), head dim, query heads per kv head
     long long nb0, nb1, nb2;
     long long q_s0, q_s1, q_s2, q_sg, q_sr;
@@ -55,7 +61,7 @@ struct DecodeParams {
     long long k_page, v_page;
     double scale_log2;
 };
-static_assert(sizeof(DecodeParams) == 47 * 8, "DecodeParams must match cuflash/_decode.py");
+static_assert(sizeof(DecodeParams) == 49 * 8, "DecodeParams must match cuflash/_decode.py");
 
 template <int DPAD, int BN, int NWARPS>
 struct DecodeConfig {
@@ -86,11 +92,33 @@ __device__ __forceinline__ Entry entry_offsets(const DecodeParams& p, unsigned i
     return r;
 }
 
+// A sequence's query rows and keys, moving the entry's offsets to its first row when packed.
+struct SeqRange { int sq, sk; };
+__device__ __forceinline__ SeqRange seq_range(const DecodeParams& p, Entry& off) {
+    SeqRange r{static_cast<int>(p.sq), p.seqlens ? p.seqlens[off.seq] : static_cast<int>(p.sk)};
+    if (p.cu_q) {
+        const long long q0 = p.cu_q[off.seq];
+        r.sq = p.cu_q[off.seq + 1] - static_cast<int>(q0);
+        off.q += q0 * p.q_sr;
+        off.o += q0 * p.o_sr;
+        off.l += q0 * p.l_sr;
+    }
+    if (p.cu_k) {
+        const long long k0 = p.cu_k[off.seq];
+        r.sk = p.cu_k[off.seq + 1] - static_cast<int>(k0);
+        off.k += k0 * p.k_sr;
+        off.v += k0 * p.v_sr;
+    }
+    return r;
+}
+
 // One warp's copy of key tile `tile` (BN keys from key0 = tile * BN) of K and V into `dst`
 // (K rows then V rows, stride S), zero-filling keys >= sk and columns >= d.
+// Paged: `page` is the tile's page number, read ahead by the caller (page_of) so that the
+// table's latency is not on the path of the copy.
 template <typename T, int DPAD, int BN, bool PAGED>
 __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, const T* k,
-                                             const T* v, int seq, int kvh, int tile, int sk,
+                                             const T* v, int kvh, int page, int tile, int sk,
                                              int d, int lane) {
     using Cfg = DecodeConfig<DPAD, BN, 1>;
     constexpr int EPC = 8, CHUNKS = DPAD / EPC;
@@ -98,7 +126,6 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, cons
     const T* kb;
     const T* vb;
     if constexpr (PAGED) {
-        const int page = p.block_table[seq * p.bt_stride + (key0 >> p.page_log2)];
         const long long in_page = key0 & ((1 << p.page_log2) - 1);
         kb = static_cast<const T*>(p.k) + page * p.k_page + kvh * p.k_s2 + in_page * p.k_sr;
         vb = static_cast<const T*>(p.v) + page * p.v_page + kvh * p.v_s2 + in_page * p.v_sr;
@@ -117,6 +144,13 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, cons
     }
 }
 
+// The page holding key tile `tile` of sequence `seq` (0 when not paged or past the tiles).
+template <int BN, bool PAGED>
+__device__ __forceinline__ int page_of(const DecodeParams& p, int seq, int tile, int t_end) {
+    if constexpr (!PAGED) return 0;
+    return tile < t_end ? p.block_table[seq * p.bt_stride + ((tile * BN) >> p.page_log2)] : 0;
+}
+
 template <typename T, int DPAD, int BN, int NWARPS, bool CAUSAL, bool PAGED>
 __global__ void __launch_bounds__(32 * NWARPS)
 cuflash_attn_decode(const DecodeParams p) {
@@ -133,14 +167,16 @@ cuflash_attn_decode(const DecodeParams p) {
     const unsigned int er = flat / static_cast<unsigned int>(p.n_splits);
     const unsigned int rtile = er % static_cast<unsigned int>(p.n_rtiles);
     const unsigned int entry = er / static_cast<unsigned int>(p.n_rtiles);
-    const Entry off = entry_offsets(p, entry);
+    Entry off = entry_offsets(p, entry);
+    const int d = static_cast<int>(p.d), G = static_cast<int>(p.g);
+    const SeqRange sr = seq_range(p, off);
+    const int sq = sr.sq, sk = sr.sk;
+    const int rows = G * sq;
+    const int r0 = static_cast<int>(rtile) * 16;
+    if (r0 >= rows) return;  // a row tile past this sequence's rows (the whole block leaves)
     const T* q = static_cast<const T*>(p.q) + off.q;
     const T* k = static_cast<const T*>(p.k) + off.k;
     const T* v = static_cast<const T*>(p.v) + off.v;
-    const int sq = static_cast<int>(p.sq), d = static_cast<int>(p.d), G = static_cast<int>(p.g);
-    const int sk = p.seqlens ? p.seqlens[off.seq] : static_cast<int>(p.sk);
-    const int rows = G * sq;
-    const int r0 = static_cast<int>(rtile) * 16;
 
     // Q tile: packed row r -> (query r / G, head r % G); rows >= G * Sq are zero.
     {
@@ -177,7 +213,10 @@ cuflash_attn_decode(const DecodeParams p) {
     const unsigned int v_off = ((BN + lr + 8 * (lm % 2)) * Cfg::S + 8 * (lm / 2)) * 2;
 
     int t = t_begin + warp;
-    if (t < t_end) load_kv_tile<T, DPAD, BN, PAGED>(my, p, k, v, off.seq, off.kvh, t, sk, d, lane);
+    int page_next = page_of<BN, PAGED>(p, off.seq, t + NWARPS, t_end);  // one tile ahead
+    if (t < t_end)
+        load_kv_tile<T, DPAD, BN, PAGED>(my, p, k, v, off.kvh, page_of<BN, PAGED>(p, off.seq, t,
+                                         t_end), t, sk, d, lane);
     cp_async_commit();
     cp_async_wait<1>();  // this thread's Q chunks have landed (its first K/V tile may not)
     __syncthreads();     // and everyone's: the whole Q tile is visible
@@ -185,9 +224,11 @@ cuflash_attn_decode(const DecodeParams p) {
 #pragma unroll 1
     for (; t < t_end; t += NWARPS) {
         const int tn = t + NWARPS;
+        const int page_tn = page_next;
+        page_next = page_of<BN, PAGED>(p, off.seq, tn + NWARPS, t_end);  // used next iteration
         if (tn < t_end)
-            load_kv_tile<T, DPAD, BN, PAGED>(my + (stage ^ 1) * Cfg::STAGE, p, k, v, off.seq,
-                                             off.kvh, tn, sk, d, lane);
+            load_kv_tile<T, DPAD, BN, PAGED>(my + (stage ^ 1) * Cfg::STAGE, p, k, v, off.kvh,
+                                             page_tn, tn, sk, d, lane);
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed for this lane ...
         __syncwarp();        // ... and for the whole warp, which alone reads it
@@ -303,7 +344,8 @@ template <typename T, int DPAD>
 __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams p) {
     const unsigned int rows = static_cast<unsigned int>(p.g * p.sq);
     const unsigned int entry = blockIdx.x / rows, pr = blockIdx.x % rows;
-    const Entry off = entry_offsets(p, entry);
+    Entry off = entry_offsets(p, entry);
+    if (pr >= static_cast<unsigned int>(p.g * seq_range(p, off).sq)) return;
     const int ns = static_cast<int>(p.n_splits);
     const long long rpad = 16 * p.n_rtiles;
     const long long base = static_cast<long long>(entry) * ns * rpad + pr;

@@ -193,3 +193,43 @@ def test_kvcache_errors():
                                        block_table=np.array([[0], [7]], np.int32))
     with pytest.raises(ValueError, match="inputs are on the CPU"):
         cuflash.attention_with_kvcache(q, kc, kc, lens, kernel="decode")
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen, CPU path
+
+from varlen_util import check_varlen_result, make_varlen  # noqa: E402
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("h,hkv", [(4, 4), (8, 2)])
+def test_varlen_cpu(h, hkv, dtype, causal):
+    rng = _rng("varlen", h, hkv, dtype, causal)
+    lens_q = np.array([1, 7, 0, 113, 30])
+    lens_k = np.array([1, 7, 5, 113, 50])      # Sq != Sk in the last; an empty query set
+    q, k, v, cu_q, cu_k = make_varlen(rng, lens_q, lens_k, h, hkv, 16, dtype)
+    o = np.full((q.shape[0], h, 16), np.nan, dtype)
+    lse = np.full((h, q.shape[0]), np.nan, np.float32)
+    res = cuflash.attention_varlen(q.astype(dtype), k.astype(dtype), v.astype(dtype), cu_q, cu_k,
+                                   113, 113, causal=causal, return_lse=True, out=(o, lse))
+    assert res[0] is o and res[1] is lse
+    check_varlen_result(o.astype(np.float64), lse.astype(np.float64), q, k, v, cu_q, cu_k,
+                        causal=causal, dtype=dtype)
+
+
+def test_varlen_errors():
+    q = np.ones((10, 4, 16), np.float32)
+    cu = np.array([0, 4, 10], np.int32)
+    with pytest.raises(TypeError, match="cu_seqlens_q has dtype int64"):
+        cuflash.attention_varlen(q, q, q, cu.astype(np.int64), cu, 6, 6)
+    with pytest.raises(ValueError, match="must start at 0"):
+        cuflash.attention_varlen(q, q, q, np.array([0, 4, 11], np.int32), cu, 7, 6)
+    with pytest.raises(ValueError, match="more than max_seqlen"):
+        cuflash.attention_varlen(q, q, q, cu, cu, 5, 6)
+    with pytest.raises(ValueError, match="B \\+ 1 >= 2"):
+        cuflash.attention_varlen(q, q, q, cu, cu[:2], 6, 6)
+    with pytest.raises(ValueError, match="total_tokens"):
+        cuflash.attention_varlen(q[None], q, q, cu, cu, 6, 6)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        cuflash.attention_varlen(q, q[:, :3], q[:, :3], cu, cu, 6, 6)

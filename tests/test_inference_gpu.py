@@ -207,3 +207,34 @@ def test_kvcache_paged_matches_contiguous_bitwise():
     o2 = cuflash.attention_with_kvcache(q, to_gpu(kc, "float16"), to_gpu(vc, "float16"),
                                         cp.asarray(lens))
     assert cp.array_equal(o1.view(cp.uint16), o2.view(cp.uint16))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen on the GPU (decode kernel family with per-sequence offsets)
+
+from varlen_util import check_varlen_result, make_varlen  # noqa: E402
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("h,hkv,d,lens_q,lens_k", [
+    (8, 8, 128, (1, 7, 113, 1000), (1, 7, 113, 1000)),
+    (32, 8, 128, (1, 300, 5, 2000), (64, 300, 7, 2000)),     # Sq != Sk
+    (4, 1, 64, (3, 0, 17), (3, 9, 0)),                        # no queries; no keys
+    (16, 4, 256, (250, 1), (250, 4096)),
+])
+def test_varlen_gpu(h, hkv, d, lens_q, lens_k, dtype, causal):
+    _skip(dtype)
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    cp = cupy()
+    rng = _rng("varlen-gpu", h, hkv, d, lens_q, dtype, causal)
+    q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens_q), np.array(lens_k), h, hkv, d, dtype)
+    o, lse = poisoned((q.shape[0], h, d), dtype), poisoned((h, q.shape[0]), "float32")
+    res = cuflash.attention_varlen(to_gpu(q, dtype), to_gpu(k, dtype), to_gpu(v, dtype),
+                                   cp.asarray(cu_q), cp.asarray(cu_k), max(lens_q), max(lens_k),
+                                   causal=causal, return_lse=True, out=(o, lse))
+    assert res[0] is o and res[1] is lse
+    cp.cuda.get_current_stream().synchronize()
+    check_varlen_result(to_host64(o), to_host64(lse), q, k, v, cu_q, cu_k, causal=causal,
+                        dtype=dtype)
