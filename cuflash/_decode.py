@@ -49,6 +49,8 @@ DECODE_DPADS = (64, 128, 256)
 DECODE_MAX_SQ = 16
 #: ... and this many packed rows (query heads of a group x query rows) per kv head.
 DECODE_MAX_ROWS = 128
+#: Most splits (attn_decode.cu: MAX_SPLITS, the combine's shared weights).
+MAX_SPLITS = 256
 #: Fewest key tiles a warp walks per split (below it the combine costs more than it saves).
 MIN_TILES_PER_WARP = 4
 #: Shared memory an SM offers (H100/H200: 228 KiB, 1 KiB of it reserved per block).
@@ -109,7 +111,7 @@ def choose_splits(entries_tiles: int, n_key_tiles: int, sm_count: int, smem_byte
     slots = sm_count * per_sm
     base = max(1, entries_tiles)
     cap = max(1, -(-n_key_tiles // (DECODE_WARPS * MIN_TILES_PER_WARP)))
-    cap = min(cap, max(1, -(-8 * slots // base)))  # no more than ~8 waves of blocks
+    cap = min(cap, max(1, -(-8 * slots // base)), MAX_SPLITS)  # <= ~8 waves of blocks
     cost = {s: -(-base * s // slots) / s for s in range(1, cap + 1)}
     best = min(cost.values())
     return min(s for s, c in cost.items() if c <= best * 1.03)

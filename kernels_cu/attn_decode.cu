@@ -340,8 +340,13 @@ cuflash_attn_decode(const DecodeParams p) {
 
 // Merge the splits' partial (o, lse) of each packed row, in split order (merge.cu's operator):
 // lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. One block of 128 threads per row.
+// The split weights go through shared memory once (a loop of dependent global loads per
+// thread cost ~1 us per split); the o_s loads of a thread are independent and unrolled.
+constexpr int MAX_SPLITS = 256;  // cuflash/_decode.py caps the split count here
 template <typename T, int DPAD>
 __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams p) {
+    __shared__ float w_s[MAX_SPLITS];
+    __shared__ float red[2];
     const unsigned int rows = static_cast<unsigned int>(p.g * p.sq);
     const unsigned int entry = blockIdx.x / rows, pr = blockIdx.x % rows;
     Entry off = entry_offsets(p, entry);
@@ -349,21 +354,29 @@ __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams
     const int ns = static_cast<int>(p.n_splits);
     const long long rpad = 16 * p.n_rtiles;
     const long long base = static_cast<long long>(entry) * ns * rpad + pr;
-    float mx = neg_inf<float>();
-    for (int s = 0; s < ns; ++s) mx = fmaxf(mx, p.lse_part[base + s * rpad]);
-    float sum = 0.f;
-    if (mx != neg_inf<float>())
-        for (int s = 0; s < ns; ++s) sum += expf(p.lse_part[base + s * rpad] - mx);
+    for (int s = threadIdx.x; s < ns; s += 128) w_s[s] = p.lse_part[base + s * rpad];
+    __syncthreads();
+    if (threadIdx.x == 0) {  // fixed order: bitwise reproducible
+        float mx = neg_inf<float>();
+        for (int s = 0; s < ns; ++s) mx = fmaxf(mx, w_s[s]);
+        float sum = 0.f;
+        if (mx != neg_inf<float>())
+            for (int s = 0; s < ns; ++s) sum += expf(w_s[s] - mx);
+        red[0] = mx;
+        red[1] = sum;
+    }
+    __syncthreads();
+    const float mx = red[0], sum = red[1];
+    for (int s = threadIdx.x; s < ns; s += 128)
+        w_s[s] = (sum > 0.f && w_s[s] != neg_inf<float>()) ? expf(w_s[s] - mx) / sum : 0.f;
+    __syncthreads();
     const int qi = pr / static_cast<unsigned int>(p.g), hj = pr % static_cast<unsigned int>(p.g);
     T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi * p.o_sr;
+    const float* op = p.o_part + base * DPAD;
     for (int col = threadIdx.x; col < p.d; col += 128) {
         float acc = 0.f;
-        if (sum > 0.f)
-            for (int s = 0; s < ns; ++s) {
-                const float ls = p.lse_part[base + s * rpad];
-                if (ls != neg_inf<float>())
-                    acc += expf(ls - mx) / sum * p.o_part[(base + s * rpad) * DPAD + col];
-            }
+#pragma unroll 8
+        for (int s = 0; s < ns; ++s) acc += w_s[s] * op[s * rpad * DPAD + col];
         o[col] = from_acc<T>(acc);
     }
     if (threadIdx.x == 0 && p.lse)
