@@ -233,3 +233,34 @@ def test_varlen_errors():
         cuflash.attention_varlen(q[None], q, q, cu, cu, 6, 6)
     with pytest.raises(ValueError, match="multiple of the key/value heads"):
         cuflash.attention_varlen(q, q[:, :3], q[:, :3], cu, cu, 6, 6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode kernel's host side (no GPU needed)
+
+def test_decode_param_blocks_mirror_the_kernel_structs():
+    import re
+
+    from cuflash import _decode
+    from kernels_cu import SOURCE_DIR
+
+    src = (SOURCE_DIR / "attn_decode.cu").read_text()
+    for struct, dt in (("DecodeParams", _decode.DECODE_PARAMS_DTYPE),
+                       ("AppendParams", _decode.APPEND_PARAMS_DTYPE)):
+        n = int(re.search(rf"sizeof\({struct}\) == (\d+) \* 8", src).group(1))
+        assert dt.itemsize == 8 * n and len(dt.names) == n, struct
+        body = re.search(rf"struct {struct} {{(.*?)\n}};", src, re.S).group(1)
+        fields = re.findall(r"(\w+)(?:,|;)", re.sub(r"//[^\n]*", "", body))
+        assert tuple(fields) == dt.names, struct
+
+
+@pytest.mark.parametrize("entries,tiles,sms", [(8, 8192, 132), (512, 512, 132), (1, 1, 132),
+                                               (32, 64, 108), (4096, 4, 132)])
+def test_choose_splits(entries, tiles, sms):
+    from cuflash import _decode
+
+    smem = _decode.decode_smem_bytes(128)
+    s = _decode.choose_splits(entries, tiles, sms, smem)
+    assert s == _decode.choose_splits(entries, tiles, sms, smem)  # a function of its inputs
+    assert 1 <= s <= _decode.MAX_SPLITS
+    assert s == 1 or -(-tiles // s) >= _decode.DECODE_WARPS * _decode.MIN_TILES_PER_WARP // 2
