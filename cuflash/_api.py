@@ -60,8 +60,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         synchronises the device.
     kernel : {"auto", "generic", "tensorcore", "hopper", "decode"}, optional
         GPU only. ``"auto"`` lets the dispatcher pick the fastest correct kernel (the decode
-        kernel for at most 16 query rows and at most 128 query rows per kv head, counting the
-        query heads of a group); ``"decode"`` demands the decode kernel (float16/bfloat16,
+        kernel for at most 16 query rows, one if causal, and at most 128 query rows per kv head,
+        counting the query heads of a group); ``"decode"`` demands the decode kernel (float16/bfloat16,
         compute capability 8.0+, D == Dv, D % 8 == 0, 16-byte aligned rows: it packs the query
         heads of a grouped-query group into one tile and splits the keys across blocks, see
         notes/INFERENCE.md); ``"generic"``

@@ -272,6 +272,11 @@ def wants_decode(prob, compute_capability) -> bool:
     query heads of a group packed into at most DECODE_MAX_ROWS rows, and the kernel able to run."""
     if prob.sq > DECODE_MAX_SQ or prob.backend != "gpu":
         return False
+    if prob.causal and prob.sq > 1:
+        # Under a causal mask with Sq > 1 some rows cannot see the last keys, and the tensor-core
+        # P.V would add 0 * NaN from a non-finite V there (the Hopper kernel's known defect);
+        # the dense kernels keep NaN out of hidden rows, so auto leaves these to them.
+        return False
     if decode_reason(prob, compute_capability) is not None:
         return False
     g = _batch_geometry(prob, prob.q, None)[1]

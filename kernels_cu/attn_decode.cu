@@ -310,8 +310,12 @@ cuflash_attn_decode(const DecodeParams p) {
         const int pr = r0 + r;
         if (pr >= rows || col >= d) continue;
         float mx = neg_inf<float>();
+        bool nan_row = false;  // a NaN (or +inf) score: l is NaN, and so is the row's result
 #pragma unroll
-        for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, mb[w * 16 + r]);
+        for (int w = 0; w < NWARPS; ++w) {
+            mx = fmaxf(mx, mb[w * 16 + r]);
+            nan_row = nan_row || isnan(lb[w * 16 + r]);
+        }
         float l = 0.f, acc = 0.f;
         if (mx != neg_inf<float>()) {
 #pragma unroll
@@ -322,8 +326,9 @@ cuflash_attn_decode(const DecodeParams p) {
                 acc += f * ob[(w * 16 + r) * Cfg::OS + col];
             }
         }
-        const float val = l > 0.f ? acc / l : 0.f;
-        const float lse = l > 0.f ? (mx + __log2f(l)) * 0.6931471805599453f : neg_inf<float>();
+        float val = l > 0.f ? acc / l : 0.f;
+        float lse = l > 0.f ? (mx + __log2f(l)) * 0.6931471805599453f : neg_inf<float>();
+        if (nan_row) val = lse = __int_as_float(0x7fc00000);
         const int qi = pr / G, hj = pr % G;
         if (one) {
             T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi * p.o_sr;
@@ -346,7 +351,7 @@ constexpr int MAX_SPLITS = 256;  // cuflash/_decode.py caps the split count here
 template <typename T, int DPAD>
 __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams p) {
     __shared__ float w_s[MAX_SPLITS];
-    __shared__ float red[2];
+    __shared__ float red[3];
     const unsigned int rows = static_cast<unsigned int>(p.g * p.sq);
     const unsigned int entry = blockIdx.x / rows, pr = blockIdx.x % rows;
     Entry off = entry_offsets(p, entry);
@@ -358,15 +363,21 @@ __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams
     __syncthreads();
     if (threadIdx.x == 0) {  // fixed order: bitwise reproducible
         float mx = neg_inf<float>();
-        for (int s = 0; s < ns; ++s) mx = fmaxf(mx, w_s[s]);
+        bool nan = false;    // a split whose row met a NaN score: the row is NaN
+        for (int s = 0; s < ns; ++s) {
+            mx = fmaxf(mx, w_s[s]);
+            nan = nan || isnan(w_s[s]);
+        }
         float sum = 0.f;
-        if (mx != neg_inf<float>())
+        if (mx != neg_inf<float>() && !nan)
             for (int s = 0; s < ns; ++s) sum += expf(w_s[s] - mx);
         red[0] = mx;
         red[1] = sum;
+        red[2] = nan ? 1.f : 0.f;
     }
     __syncthreads();
     const float mx = red[0], sum = red[1];
+    const bool nan_row = red[2] != 0.f;
     for (int s = threadIdx.x; s < ns; s += 128)
         w_s[s] = (sum > 0.f && w_s[s] != neg_inf<float>()) ? expf(w_s[s] - mx) / sum : 0.f;
     __syncthreads();
@@ -377,11 +388,11 @@ __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams
         float acc = 0.f;
 #pragma unroll 8
         for (int s = 0; s < ns; ++s) acc += w_s[s] * op[s * rpad * DPAD + col];
-        o[col] = from_acc<T>(acc);
+        o[col] = from_acc<T>(nan_row ? __int_as_float(0x7fc00000) : acc);
     }
     if (threadIdx.x == 0 && p.lse)
         p.lse[off.l + hj * p.l_sg + (long long)qi * p.l_sr] =
-            sum > 0.f ? mx + logf(sum) : neg_inf<float>();
+            nan_row ? __int_as_float(0x7fc00000) : sum > 0.f ? mx + logf(sum) : neg_inf<float>();
 }
 
 // Append new keys and values to a KV cache in place: row n of k_new (seq b, kv head h) goes to

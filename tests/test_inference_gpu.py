@@ -238,3 +238,29 @@ def test_varlen_gpu(h, hkv, d, lens_q, lens_k, dtype, causal):
     cp.cuda.get_current_stream().synchronize()
     check_varlen_result(to_host64(o), to_host64(lse), q, k, v, cu_q, cu_k, causal=causal,
                         dtype=dtype)
+
+
+@pytest.mark.parametrize("sk", [64, 8192])       # one split; many splits (the combine)
+@pytest.mark.parametrize("where", ["q-head3", "k-key200-inf", "v-key100-nan", "v-key100-inf"])
+def test_decode_nonfinite(where, sk):
+    """NaN and inf reach exactly the rows (and columns) the float64 reference puts them in."""
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    rng = _rng("decode-nonfinite", where, sk)
+    b, h, hkv, d = 1, 8, 2, 128
+    q, k, v = (_rnd(rng, s, "float16") for s in ((b, h, 1, d), (b, hkv, sk, d), (b, hkv, sk, d)))
+    if where == "q-head3":
+        q[0, 3, 0, :] = np.nan
+    elif where == "k-key200-inf":
+        k[0, 0, min(200, sk - 1), 7] = np.inf
+    else:
+        v[0, 1, 100, 5] = np.nan if where.endswith("nan") else np.inf
+    o, lse = poisoned((b, h, 1, d), "float16"), poisoned((b, h, 1), "float32")
+    cuflash.attention(*(to_gpu(x, "float16") for x in (q, k, v)), return_lse=True,
+                      out=(o, lse), kernel="decode")
+    cupy().cuda.get_current_stream().synchronize()
+    oh = to_host64(o)
+    rule = reference.pass_threshold(q, k, v, dtype="float16")
+    assert np.array_equal(np.isnan(oh), np.isnan(rule.o_ref)), "NaN positions differ"
+    verdict = rule.judge(oh)
+    assert verdict.passed, "; ".join(verdict.reasons)
