@@ -8,8 +8,11 @@ float64 SciPy ground truth; ``cuflash-check`` audits the kernels against it.
 """
 from ._api import (attention, attention_backward, attention_backward_workspace_size,
                    backward_dispatch_info, dispatch_info, gpu_available, merge_states)
+from ._kvcache import attention_with_kvcache
+from ._varlen import attention_varlen
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_backward", "attention_backward_workspace_size", "merge_states",
-           "dispatch_info", "backward_dispatch_info", "gpu_available", "__version__"]
+           "dispatch_info", "backward_dispatch_info", "gpu_available", "attention_with_kvcache",
+           "attention_varlen", "__version__"]

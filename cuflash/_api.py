@@ -23,6 +23,13 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         multi-query attention; 2-D inputs are a single head. Any ``Sq, Sk >= 1``;
         ``1 <= D, Dv <= 256``.
 
+        *Grouped-query heads.* Beside broadcasting, the head axis (axis -3, the one before the
+        sequence axis) may hold ``H`` query heads in q and ``Hkv`` key/value heads in k and v
+        with ``1 < Hkv < H`` and ``H % Hkv == 0``: query head ``h`` then attends to key/value
+        head ``h // (H // Hkv)`` (FlashAttention's and PyTorch's ``enable_gqa`` rule). It is
+        computed as a broadcast over the head axis split into ``(Hkv, H // Hkv)`` (a view: no
+        copy, K and V are not repeated), and o and lse have q's ``H`` heads.
+
         *Where they run.* NumPy arrays (and CPU DLPack objects) run the same tiled recurrence on
         the CPU in NumPy. CuPy arrays, and GPU arrays exposing ``__cuda_array_interface__``
         (Numba, PyTorch) or ``__dlpack__`` (PyTorch, JAX), run on their GPU, viewed without a
@@ -51,8 +58,13 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on. Default: CuPy's current stream. The call never
         synchronises the device.
-    kernel : {"auto", "generic", "tensorcore", "hopper"}, optional
-        GPU only. ``"auto"`` lets the dispatcher pick the fastest correct kernel; ``"generic"``
+    kernel : {"auto", "generic", "tensorcore", "hopper", "decode"}, optional
+        GPU only. ``"auto"`` lets the dispatcher pick the fastest correct kernel (the decode
+        kernel for at most 16 query rows, one if causal, and at most 128 query rows per kv head,
+        counting the query heads of a group); ``"decode"`` demands the decode kernel (float16/bfloat16,
+        compute capability 8.0+, D == Dv, D % 8 == 0, 16-byte aligned rows: it packs the query
+        heads of a grouped-query group into one tile and splits the keys across blocks, see
+        notes/INFERENCE.md); ``"generic"``
         forces the scalar audit kernel (float32/float64 arithmetic, accurate exp);
         ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
         float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0 and D <= 128 for precision
@@ -124,6 +136,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         if prob.return_lse and prob.out_lse is not None:
             prob.out_lse[...] = lse
             lse = prob.out_lse
+        o, lse = _checks.public_forward(prob, o, lse)
         return (o, lse) if prob.return_lse else o
     return _attention_gpu(prob, key)
 
@@ -145,7 +158,10 @@ def _attention_gpu(prob, key=None):
             if lse is None:
                 lse = cupy.empty(prob.lse_shape, dtype=cupy.float32)
         _launch.launch_forward(plan, prob, o, lse, attrs)
-        _callcache.record(key, prob, plan, attrs, o, lse)
+        if prob.gqa is None and plan.spec.family != "attn_decode":
+            # (a grouped-query call returns reshaped views; the decode path launches two kernels)
+            _callcache.record(key, prob, plan, attrs, o, lse)
+    o, lse = _checks.public_forward(prob, o, lse)
     return (o, lse) if prob.return_lse else o
 
 
@@ -299,7 +315,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
     dk : array, k's shape and dtype
     dv : array, v's shape and dtype
         Summed over the batch axes along which q, k or v were broadcast (a shared key/value
-        head gets the sum over the query heads that use it). NumPy arrays for CPU inputs, CuPy
+        head gets the sum over the query heads that use it, also for grouped-query heads: dk
+        and dv of kv head ``j`` sum over its group of ``H // Hkv`` query heads). NumPy arrays for CPU inputs, CuPy
         arrays for GPU inputs; ``out``'s buffers when given.
 
     Raises
@@ -317,10 +334,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
     if prob.backend == "cpu":
         from ._cpu_backward import attention_backward_numpy
 
-        return attention_backward_numpy(prob.do, prob.q, prob.k, prob.v, prob.o, prob.lse,
+        grads = attention_backward_numpy(prob.do, prob.q, prob.k, prob.v, prob.o, prob.lse,
                                          causal=prob.causal, scale=prob.scale,
                                          out=prob.out_grads)
-    return _attention_backward_gpu(prob)
+        return _checks.public_grads(prob, *grads)
+    return _checks.public_grads(prob, *_attention_backward_gpu(prob))
 
 
 def _attention_backward_gpu(prob):

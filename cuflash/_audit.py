@@ -1020,6 +1020,9 @@ def property_audits(device: Device, dtypes: Sequence[str], seed: int) -> List[Pr
     results += _prop_fp16_overflow(device, rng)
     results += _prop_alpha_underflow_device(device, dtypes, rng)
     results += _prop_merge_device(device, dtypes, rng)
+    from ._audit_inference import inference_audits  # GQA, KV cache, varlen (issue 14)
+
+    results += inference_audits(device, dtypes, rng)
     return results
 
 

@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from . import _interop
+from . import _gqa, _interop
 
 #: Largest head dimension (D and Dv) any kernel accepts.
 MAX_HEAD_DIM = 256
@@ -23,7 +23,7 @@ MAX_HEAD_DIM = 256
 #: dtypes accepted by `attention`, by NumPy/CuPy dtype name.
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-KERNEL_CHOICES = ("auto", "generic", "tensorcore", "hopper")
+KERNEL_CHOICES = ("auto", "generic", "tensorcore", "hopper", "decode")
 
 #: Values of `precision=` (case-insensitive; JAX's `jax.lax.Precision` members are accepted by name).
 #: "default" is "highest": float32 inputs get float32-accurate products unless "high" is asked for.
@@ -54,6 +54,10 @@ class Problem:
     kernel: str
     device_id: Optional[int] = None
     precision: str = "highest"   # "highest" or "high" (see check_precision)
+    # Grouped-query heads (cuflash/_gqa.py): None, or the head split applied to q, k, v, out and
+    # lse, whose ``batch_shape`` is then the split one; `public` undoes it on results.
+    gqa: Optional[_gqa.Grouping] = None
+    out_public: Any = None       # the caller's out (o or (o, lse)) when gqa split it
 
     @property
     def o_shape(self):
@@ -76,6 +80,7 @@ class BackwardProblem(Problem):
     deterministic: bool = False
     out_grads: Any = None          # None or (dq, dk, dv) buffers with q's, k's, v's shapes
     workspace: Any = None          # None or a GPU byte buffer (see attention_backward)
+    grad_shapes_public: Any = None  # the caller's q, k, v shapes (before a gqa split)
 
     @property
     def grad_shapes(self):
@@ -214,6 +219,8 @@ def _check_qkv(q, k, v):
     if len(set(names)) != 1:
         raise TypeError(f"q, k and v must have the same dtype; got {names[0]}, {names[1]}, {names[2]}")
     dt = names[0]
+    # Grouped-query heads become a broadcast over a split head axis (views; _gqa.py).
+    _, q, k, v = _gqa.split_all(q, k, v)
 
     sq, d = q.shape[-2:]
     sk, dk = k.shape[-2:]
@@ -237,7 +244,10 @@ def _check_qkv(q, k, v):
 def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
                     precision=None) -> Problem:
     """Validate the arguments of `cuflash.attention` and return a `Problem`."""
+    q0, k0, v0 = q, k, v
     backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
+    gqa = _gqa.grouping(tuple(np.shape(q0)), tuple(np.shape(k0)), tuple(np.shape(v0)))
+    pub = gqa.public_batch(batch) if gqa else batch
 
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -256,12 +266,17 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
             out_o, out_lse = out
         else:
             out_o = out
-    o_shape = batch + (sq, dv)
+    o_shape = pub + (sq, dv)
     out_o = _check_out("out", out_o, o_shape, dt, backend, device_id)
-    out_lse = _check_out("out[1] (lse)", out_lse, batch + (sq,), dt, backend, device_id,
+    out_lse = _check_out("out[1] (lse)", out_lse, pub + (sq,), dt, backend, device_id,
                          check_dtype_name="float32")
     if out_lse is not None and not out_lse.flags.c_contiguous:
         raise ValueError("out[1] (lse) must be C-contiguous")
+    out_public = None
+    if gqa is not None and (out_o is not None or out_lse is not None):
+        out_public = (out_o, out_lse)
+        out_o = None if out_o is None else gqa.split(out_o)
+        out_lse = None if out_lse is None else gqa.split(out_lse, -2)
 
     if stream is not None and backend == "cpu":
         raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
@@ -273,7 +288,8 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
     return Problem(backend=backend, q=q, k=k, v=v, dtype_name=dt, batch_shape=batch, sq=int(sq),
                    sk=int(sk), d=int(d), dv=int(dv), causal=bool(causal), scale=scale,
                    return_lse=bool(return_lse), out=out_o, out_lse=out_lse, stream=stream,
-                   kernel=kernel, device_id=device_id, precision=precision)
+                   kernel=kernel, device_id=device_id, precision=precision, gqa=gqa,
+                   out_public=out_public)
 
 
 def _no_self_overlap(name, buf):
@@ -293,8 +309,11 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
     returned for them: o and do of shape (..., Sq, Dv) and the inputs' dtype, lse float32 of
     shape (..., Sq), ``...`` the broadcast batch shape, all on the inputs' device.
     """
+    shapes0 = tuple(tuple(np.shape(x)) for x in (q, k, v))
     backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
-    o_shape, lse_shape = batch + (sq, dv), batch + (sq,)
+    gqa = _gqa.grouping(*shapes0)
+    pub = gqa.public_batch(batch) if gqa else batch
+    o_shape, lse_shape = pub + (sq, dv), pub + (sq,)
     arrays = {}
     for name, x, shape, want in (("o", o, o_shape, dt), ("do", do, o_shape, dt),
                                  ("lse", lse, lse_shape, "float32")):
@@ -325,8 +344,8 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise ValueError("out must be a tuple (dq, dk, dv) of three buffers")
         grads = tuple(
-            _no_self_overlap(n, _check_out(n, buf, tuple(x.shape), dt, backend, device_id))
-            for n, buf, x in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out, (q, k, v)))
+            _no_self_overlap(n, _check_out(n, buf, shape, dt, backend, device_id))
+            for n, buf, shape in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out, shapes0))
 
     if stream is not None and backend == "cpu":
         raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
@@ -343,6 +362,11 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
         workspace = workspace.reshape(-1).view("uint8")
 
     o, do, lse = arrays["o"], arrays["do"], arrays["lse"]
+    out_public = None
+    if gqa is not None:
+        o, do, lse = gqa.split(o), gqa.split(do), gqa.split(lse, -2)
+        if grads is not None:
+            out_public, grads = grads, tuple(gqa.split(g) for g in grads)
     if backend == "gpu":
         # lse is read through its strides (BwdParams.lse_sr); the others need a contiguous last axis.
         q, k, v, o, do = (_interop.last_axis_contiguous(x) for x in (q, k, v, o, do))
@@ -351,7 +375,8 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
         backend=backend, q=q, k=k, v=v, dtype_name=dt, batch_shape=batch, sq=sq, sk=sk, d=d,
         dv=dv, causal=bool(causal), scale=scale, return_lse=False, out=None, out_lse=None,
         stream=stream, kernel=kernel, device_id=device_id, o=o, do=do, lse=lse,
-        deterministic=bool(deterministic), out_grads=grads, workspace=workspace)
+        deterministic=bool(deterministic), out_grads=grads, workspace=workspace, gqa=gqa,
+        out_public=out_public, grad_shapes_public=shapes0)
 
 
 def check_merge(o_a, lse_a, o_b, lse_b):
@@ -379,3 +404,25 @@ def check_merge(o_a, lse_a, o_b, lse_b):
     if da != db:
         raise TypeError(f"o_a and o_b must have the same dtype; got {da} and {db}")
     return backend, device_id, (o_a, lse_a, o_b, lse_b), da
+
+
+def public_forward(prob, o, lse):
+    """The results of a forward `prob` in the caller's shapes: undoes a grouped-query split
+    (returning the caller's own ``out`` buffers when given)."""
+    g = prob.gqa
+    if g is None:
+        return o, lse
+    pub_o, pub_lse = prob.out_public or (None, None)
+    o = pub_o if pub_o is not None else g.merge(o)
+    if lse is not None:
+        lse = pub_lse if pub_lse is not None else g.merge(lse, -2)
+    return o, lse
+
+
+def public_grads(prob, dq, dk, dv):
+    """(dq, dk, dv) of a `BackwardProblem` in the caller's q, k, v shapes."""
+    if prob.gqa is None:
+        return dq, dk, dv
+    if prob.out_public is not None:
+        return tuple(prob.out_public)
+    return tuple(x.reshape(s) for x, s in zip((dq, dk, dv), prob.grad_shapes_public))

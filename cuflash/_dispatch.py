@@ -344,6 +344,15 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     """The plan for a validated `Problem` on a device of the given compute capability (e.g. 90)."""
     if prob.kernel == "generic":
         return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
+    if prob.kernel in ("auto", "decode"):  # few query rows: kernels_cu/attn_decode.cu
+        from . import _decode
+
+        if prob.kernel == "decode":
+            why_not = _decode.decode_reason(prob, compute_capability)
+            if why_not is not None:
+                raise ValueError(f"kernel='decode' cannot run these inputs: {why_not}")
+        if prob.kernel == "decode" or _decode.wants_decode(prob, compute_capability):
+            return _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False)
     if prob.kernel in ("auto", "hopper"):
         why_not = hopper_reason(prob, compute_capability)
         if why_not is None:

@@ -92,6 +92,11 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     """
     import cupy
 
+    if plan.spec.family == "attn_decode":  # few query rows, split keys (cuflash/_decode.py)
+        from . import _decode
+
+        _decode.launch_dense(plan, prob, o, lse, device_attrs)
+        return
     q, k, v = prob.q, prob.k, prob.v
     key = (plan, prob.device_id, prob.sq, prob.sk, prob.d, prob.dv, prob.scale, prob.batch_shape,
            *((x.data.ptr, x.shape, x.strides) for x in (q, k, v, o)),

@@ -59,8 +59,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+import functools
+
 import numpy as np
 from scipy.special import logsumexp, softmax
+
+from . import _gqa
 
 __all__ = [
     "attention_ref",
@@ -87,6 +91,9 @@ __all__ = [
     "online_softmax",
     "merge_normalized",
     "unstable_softmax",
+    "gather_kv_cache",
+    "attention_with_kvcache_ref",
+    "attention_varlen_ref",
 ]
 
 _UNIT_ROUNDOFF = {
@@ -125,6 +132,35 @@ def unit_roundoff(dtype) -> float:
     return _UNIT_ROUNDOFF[_dtype_name(dtype)]
 
 
+def _grouped_heads(results):
+    """Decorator: accept grouped-query heads (q with H heads, k/v with Hkv dividing H on axis -3;
+    query head h uses kv head h // (H / Hkv)) in a function written for broadcast batch axes.
+
+    The head axes are split into (Hkv, g) views (`cuflash._gqa`), under which the grouping is
+    a plain broadcast, and the results are put back into the caller's shapes: ``results`` is
+    "o" (one output-shaped array), "o_lse" (a pair), "grads" (dq, dk, dv, first argument do)
+    or "bwd_scalars" (first argument do, results that need no reshaping)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            first = 1 if results in ("grads", "bwd_scalars") else 0
+            arrs = [np.asarray(a) for a in args[first:first + 3]]
+            g, q, k, v = _gqa.split_all(*arrs)
+            if g is None:
+                return fn(*args, **kwargs)
+            lead = (g.split(np.asarray(args[0])),) if first else ()
+            out = fn(*lead, q, k, v, *args[first + 3:], **kwargs)
+            if results == "bwd_scalars":
+                return out
+            if results == "o":
+                return g.merge(out)
+            if results == "o_lse":
+                return g.merge(out[0]), g.merge(out[1], -2)
+            return tuple(x.reshape(a.shape) for x, a in zip(out, arrs))
+        return inner
+    return wrap
+
+
 def _causal_mask(sq: int, sk: int) -> np.ndarray:
     """Boolean (sq, sk) array, True where query i may see key j (bottom-right aligned: j <= i + sk - sq)."""
     i = np.arange(sq)[:, None]
@@ -154,6 +190,7 @@ def _scores_f64(q, k, scale, causal):
 # float64 truth
 # ---------------------------------------------------------------------------------------------
 
+@_grouped_heads("o_lse")
 def attention_ref(q, k, v, *, causal: bool = False, scale: Optional[float] = None):
     """Attention and log-sum-exp in float64 (SciPy softmax / logsumexp): the ground truth.
 
@@ -312,6 +349,7 @@ def round_to_tf32(x) -> np.ndarray:
     return out.astype(np.float64)
 
 
+@_grouped_heads("o")
 def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
                     precision: Optional[str] = None):
     """Unfused attention computed the way a user would write it by hand in ``dtype``.
@@ -549,6 +587,7 @@ def _bound_one(w, o, a, sd, sig, mx, n_vis, v1, d, dtype, key_tile, rounded_scor
     return np.where(np.asarray(n_vis)[..., None] > 0, out, 0.0)
 
 
+@_grouped_heads("o")
 def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
                 key_tile: int = MIN_KEY_TILE, rounded_scores: bool = False,
                 precision: Optional[str] = None) -> np.ndarray:
@@ -1089,6 +1128,7 @@ def _scale_or_default(scale, d):
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
 
+@_grouped_heads("grads")
 def attention_backward_ref(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
     """Gradients of ``L = sum(do * attention(q, k, v))`` in float64, from SciPy's softmax.
 
@@ -1163,6 +1203,7 @@ def attention_backward_fd(do, q, k, v, *, causal: bool = False, scale: Optional[
     return tuple(grads)
 
 
+@_grouped_heads("grads")
 def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
                              dtype):
     """The backward a user gets from the unfused attention written by hand in ``dtype``.
@@ -1222,6 +1263,7 @@ def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Option
     return tuple(out)
 
 
+@_grouped_heads("bwd_scalars")
 def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
     """``(A_dq, A_dk, A_dv)``: the size of the terms each element of dq, dk, dv sums.
 
@@ -1331,3 +1373,79 @@ def grad_pass_threshold(do, q, k, v, *, causal: bool = False, scale: Optional[fl
     tols = tuple(tolerance(dtype, r, e, out_scale=a) + lse_rel * a
                  for r, e, a in zip(ref, errs, scales))
     return tols, errs
+
+
+# ---------------------------------------------------------------------------------------------
+# KV caches and packed variable-length batches (notes/INFERENCE.md)
+# ---------------------------------------------------------------------------------------------
+
+def gather_kv_cache(k_cache, v_cache, length: int, seq: int, block_table=None):
+    """The first ``length`` keys and values of sequence ``seq`` of a KV cache, ``(length, Hkv, D)``
+    each: rows ``seq`` of a contiguous cache ``(B, Smax, Hkv, D)``, or for a paged cache
+    ``(num_pages, page_size, Hkv, D)`` key ``j`` at page ``block_table[seq, j // page_size]``, row
+    ``j % page_size``."""
+    k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
+    keys = np.arange(int(length))
+    if block_table is None:
+        return k_cache[seq, keys], v_cache[seq, keys]
+    page = k_cache.shape[1]
+    pages = np.asarray(block_table)[seq, keys // page]
+    return k_cache[pages, keys % page], v_cache[pages, keys % page]
+
+
+def attention_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
+                               k_new=None, v_new=None, causal: bool = False,
+                               scale: Optional[float] = None):
+    """float64 truth of ``cuflash.attention_with_kvcache`` (the caches are not modified).
+
+    Sequence ``b`` attends to its ``cache_seqlens[b]`` cached keys followed by its ``Snew`` new
+    ones (``k_new[b]``, ``v_new[b]``); q ``(B, Sq, H, D)``, caches ``(B, Smax, Hkv, D)`` or paged
+    ``(num_pages, page_size, Hkv, D)`` with ``block_table`` ``(B, max_pages)``; grouped heads as
+    in :func:`attention_ref`; the causal mask bottom-right aligned per sequence.
+
+    Returns
+    -------
+    o : ndarray, float64, (B, Sq, H, Dv)
+    lse : ndarray, float64, (B, H, Sq); a sequence with no key gives o = 0, lse = -inf.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    b, sq, h, _ = q.shape
+    dv = np.shape(v_cache)[-1]
+    lens = np.broadcast_to(np.asarray(cache_seqlens), (b,))
+    o = np.zeros((b, sq, h, dv))
+    lse = np.full((b, h, sq), -np.inf)
+    for i in range(b):
+        k_i, v_i = gather_kv_cache(k_cache, v_cache, int(lens[i]), i, block_table)
+        if k_new is not None:
+            k_i = np.concatenate([k_i, np.asarray(k_new)[i]], axis=0)
+            v_i = np.concatenate([v_i, np.asarray(v_new)[i]], axis=0)
+        if k_i.shape[0] == 0:
+            continue
+        o_i, lse_i = attention_ref(q[i].transpose(1, 0, 2), k_i.transpose(1, 0, 2),
+                                   v_i.transpose(1, 0, 2), causal=causal, scale=scale)
+        o[i] = o_i.transpose(1, 0, 2)
+        lse[i] = lse_i
+    return o, lse
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
+                         scale: Optional[float] = None):
+    """float64 truth of ``cuflash.attention_varlen``: q ``(total_q, H, D)``, k ``(total_k, Hkv,
+    D)``, v ``(total_k, Hkv, Dv)``, sequence ``s`` the rows ``cu[s]:cu[s + 1]``; grouped heads and
+    the per-sequence bottom-right causal mask as in :func:`attention_ref`.
+
+    Returns o ``(total_q, H, Dv)`` and lse ``(H, total_q)``, float64; rows of no sequence or of a
+    sequence with no key give o = 0, lse = -inf."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    o = np.zeros(q.shape[:2] + (v.shape[-1],))
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for s in range(cq.size - 1):
+        q0, q1, k0, k1 = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        o_s, lse_s = attention_ref(q[q0:q1].transpose(1, 0, 2), k[k0:k1].transpose(1, 0, 2),
+                                   v[k0:k1].transpose(1, 0, 2), causal=causal, scale=scale)
+        o[q0:q1] = o_s.transpose(1, 0, 2)
+        lse[:, q0:q1] = lse_s
+    return o, lse

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _compile, _dispatch
+from cuflash import _compile, _decode, _dispatch
 
 from conftest import COMPILE_REPORTS, HOPPER_SCHEDULES, hopper_schedule_table
 
@@ -16,6 +16,7 @@ ARCHS = ("sm_80", "sm_90")
 def _specs(cc):
     specs = [plan.spec for plan in _dispatch.all_specialisations(cc)]
     specs += _dispatch.backward_kernel_specs(cc)  # the backward's kernels (notes/BACKWARD.md)
+    specs += _decode.all_decode_specialisations()  # attn_decode.cu (notes/INFERENCE.md)
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))

@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""Inference benchmark (issue 14): decoding (Sq = 1) in GB/s of K and V read, cuflash against
+PyTorch SDPA's cuDNN and FLASH backends (enable_gqa) in the same run; cuflash's paged cache
+(page 16) against its contiguous one; varlen prefill against the same batch through cuflash's
+dense kernel (and torch's, padded) when cuflash.attention_varlen exists.
+
+Run from the repository root::
+
+    PYTHONPATH=. python benchmarks/bench_inference.py --quick      # < 60 s on an H200
+    PYTHONPATH=. python benchmarks/bench_inference.py              # the issue's grid
+    PYTHONPATH=. python benchmarks/bench_inference.py --markdown /tmp/inference.md
+
+Every result is checked before it is timed: two (batch, kv head) slices of the output (the
+first and the last), with their query heads, against the float64 reference under the project's
+pass rule (cuflash.reference.pass_threshold). A failing implementation is reported, not timed.
+Time: the median of --repeats calls each between CUDA events, after --warmup calls. GB/s counts
+the bytes of K and V of every sequence once (B * Sk * Hkv * D * 2 * itemsize); the copy ceiling
+of an H200 is about 4.3 TB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+import cuflash
+from cuflash import reference
+
+H, D = 32, 128
+FULL = dict(b=(1, 8, 64), sk=(1024, 8192, 32768, 131072), hkv=(32, 8, 1))
+QUICK = dict(b=(1, 64), sk=(8192, 131072), hkv=(8,))
+MAX_KV_BYTES = 40 * 2**30  # skip points whose K + V exceed this
+
+
+def _events(fn, warmup, repeats):
+    import cupy as cp
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+    return float(np.median(times))
+
+
+def _host(x):
+    import cupy as cp
+
+    return cp.asnumpy(cp.asarray(x).astype(cp.float32)).astype(np.float64)
+
+
+def _check(o, q, k, v, b, hkv):
+    """o, q: (B, H, 1, D); k, v: (B, Hkv, Sk, D) (CuPy views). Judge slices (0, 0), (B-1, Hkv-1)."""
+    g = q.shape[1] // hkv
+    for bi, hi in ((0, 0), (b - 1, hkv - 1)):
+        qs = _host(q[bi, hi * g:(hi + 1) * g])
+        ks, vs = _host(k[bi, hi:hi + 1]), _host(v[bi, hi:hi + 1])
+        rule = reference.pass_threshold(qs, ks, vs, dtype="float16")
+        verdict = rule.judge(_host(o[bi, hi * g:(hi + 1) * g]))
+        if not verdict.passed:
+            return "; ".join(verdict.reasons)
+    return None
+
+
+def _torch_impls():
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception:
+        return {}
+    out = {}
+    for name, be in (("torch-cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("torch-flash", SDPBackend.FLASH_ATTENTION)):
+        def run(q, k, v, be=be):
+            with sdpa_kernel([be]):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+        out[name] = run
+    return out
+
+
+def bench_decode(grid, args, rows):
+    import cupy as cp
+    import torch
+
+    torch_impls = _torch_impls()
+    for b in grid["b"]:
+        for sk in grid["sk"]:
+            for hkv in grid["hkv"]:
+                kv_bytes = 2 * b * sk * hkv * D * 2
+                if kv_bytes > MAX_KV_BYTES:
+                    continue
+                tq = torch.randn(b, H, 1, D, device="cuda", dtype=torch.float16)
+                tk = torch.randn(b, hkv, sk, D, device="cuda", dtype=torch.float16)
+                tv = torch.randn(b, hkv, sk, D, device="cuda", dtype=torch.float16)
+                q, k, v = (cp.from_dlpack(x) for x in (tq, tk, tv))
+                res = {}
+                o = cp.empty((b, H, 1, D), dtype=cp.float16)
+                fn = lambda: cuflash.attention(q, k, v, out=o)  # noqa: E731
+                fn()
+                why = _check(o, q, k, v, b, hkv)
+                res["cuflash"] = why or kv_bytes / _events(fn, args.warmup, args.repeats) / 1e9
+                for name, run in torch_impls.items():
+                    try:
+                        to = run(tq, tk, tv)
+                        why = _check(cp.from_dlpack(to), q, k, v, b, hkv)
+                        res[name] = why or kv_bytes / _events(lambda: run(tq, tk, tv),
+                                                              args.warmup, args.repeats) / 1e9
+                    except Exception as exc:  # backend refuses the shape
+                        res[name] = f"n/a ({type(exc).__name__})"
+                label = cuflash.dispatch_info(q, k, v)
+                rows.append(("decode", b, sk, hkv, res, label))
+                _print_row(rows[-1])
+                tq = tk = tv = q = k = v = o = None
+                torch.cuda.empty_cache()
+
+
+def bench_paged(grid, args, rows):
+    """attention_with_kvcache, contiguous (B, Sk, Hkv, D) vs paged (page 16, shuffled pages)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(0)
+    for b in grid["b"]:
+        for sk in grid["sk"]:
+            for hkv in grid["hkv"]:
+                kv_bytes = 2 * b * sk * hkv * D * 2
+                if 2 * kv_bytes > MAX_KV_BYTES:
+                    continue
+                q = cp.random.standard_normal((b, 1, H, D), dtype=cp.float32).astype(cp.float16)
+                kc = cp.random.standard_normal((b, sk, hkv, D), dtype=cp.float32).astype(cp.float16)
+                vc = cp.random.standard_normal((b, sk, hkv, D), dtype=cp.float32).astype(cp.float16)
+                lens = cp.full((b,), sk, dtype=cp.int32)
+                page = 16
+                per = sk // page
+                perm = rng.permutation(b * per).astype(np.int32)
+                bt = cp.asarray(perm.reshape(b, per))
+                kp = cp.empty((b * per, page, hkv, D), dtype=cp.float16)
+                vp = cp.empty_like(kp)
+                kp[bt.ravel()] = kc.reshape(b * per, page, hkv, D)
+                vp[bt.ravel()] = vc.reshape(b * per, page, hkv, D)
+                res = {}
+                for name, kk, vv, tab in (("contiguous", kc, vc, None), ("paged16", kp, vp, bt)):
+                    o = cp.empty((b, 1, H, D), dtype=cp.float16)
+                    fn = lambda: cuflash.attention_with_kvcache(  # noqa: E731
+                        q, kk, vv, lens, block_table=tab, out=o)
+                    fn()
+                    why = _check(o.transpose(0, 2, 1, 3), q.transpose(0, 2, 1, 3),
+                                 kc.transpose(0, 2, 1, 3), vc.transpose(0, 2, 1, 3), b, hkv)
+                    res[name] = why or kv_bytes / _events(fn, args.warmup, args.repeats) / 1e9
+                rows.append(("kvcache", b, sk, hkv, res, ""))
+                _print_row(rows[-1])
+                kc = vc = kp = vp = None
+
+
+def bench_varlen(args, rows):
+    """Varlen prefill: random lengths 1..8k up to 64k tokens (8k with --quick), causal, H = 32,
+    Hkv = 8, D = 128, float16: cuflash.attention_varlen against cuflash.attention on dense
+    (B, H, 8192, D) batches of the same token count, in TFLOP/s of the causal work."""
+    import cupy as cp
+
+    rng = np.random.default_rng(1)
+    total = 8192 if args.quick else 65536
+    lens = []
+    while sum(lens) < total:
+        lens.append(int(rng.integers(1, 8193)))
+    lens[-1] -= sum(lens) - total
+    lens = [x for x in lens if x > 0]
+    cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    hkv = 8
+    q = cp.random.standard_normal((total, H, D), dtype=cp.float32).astype(cp.float16)
+    k = cp.random.standard_normal((total, hkv, D), dtype=cp.float32).astype(cp.float16)
+    v = cp.random.standard_normal((total, hkv, D), dtype=cp.float32).astype(cp.float16)
+    flops = sum(2.0 * 2 * L * (L + 1) / 2 * D * H for L in lens)
+    res = {}
+    o = cuflash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    s0 = int(np.argmin(lens))  # check the shortest and the first sequences
+    for s in sorted({s0, 0}):
+        a, b = int(cu[s]), int(cu[s + 1])
+        qs, ks, vs = (_host(x[a:b]).transpose(1, 0, 2) for x in (q, k, v))
+        rule = reference.pass_threshold(qs, ks, vs, causal=True, dtype="float16")
+        verdict = rule.judge(_host(o[a:b]).transpose(1, 0, 2))
+        if not verdict.passed:
+            res["cuflash-varlen"] = "FAILED " + "; ".join(verdict.reasons)
+    if "cuflash-varlen" not in res:
+        t = _events(lambda: cuflash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens),
+                                                     causal=True), args.warmup, args.repeats)
+        res["cuflash-varlen"] = flops / t / 1e12
+    bd = total // 8192
+    qd = q.reshape(bd, 8192, H, D).transpose(0, 2, 1, 3)
+    kd = k.reshape(bd, 8192, hkv, D).transpose(0, 2, 1, 3)
+    vd = v.reshape(bd, 8192, hkv, D).transpose(0, 2, 1, 3)
+    t = _events(lambda: cuflash.attention(qd, kd, vd, causal=True), args.warmup, args.repeats)
+    res["cuflash-dense-8k"] = bd * 2.0 * 2 * 8192 * 8193 / 2 * D * H / t / 1e12
+    rows.append(("varlen", len(lens), total, hkv, res, cuflash.dispatch_info(qd, kd, vd,
+                                                                               causal=True)))
+    _print_row(rows[-1])
+
+
+def _print_row(row):
+    kind, b, sk, hkv, res, label = row
+    cells = "  ".join(f"{k}={v:7.0f}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in res.items())
+    unit = "TFLOP/s" if kind == "varlen" else "GB/s"
+    print(f"{kind:8s} B={b:<3d} Sk={sk:<7d} Hkv={hkv:<3d} {unit}: {cells}  {label}", flush=True)
+
+
+def _markdown(rows):
+    out = []
+    for kind in ("decode", "kvcache", "varlen"):
+        sel = [r for r in rows if r[0] == kind]
+        if not sel:
+            continue
+        impls = list(sel[0][4])
+        if kind == "varlen":
+            out.append(f"\nvarlen prefill (causal, H = {H}, D = {D}, float16), TFLOP/s; B = "
+                       "sequences, Sk = total tokens\n")
+        else:
+            out.append(f"\n{kind} (H = {H}, D = {D}, float16, Sq = 1), GB/s of K + V\n")
+        out.append("| B | Sk | Hkv | " + " | ".join(impls) + " |")
+        out.append("|" + " --- |" * (3 + len(impls)))
+        for _, b, sk, hkv, res, _ in sel:
+            cells = [f"{res[i]:.0f}" if isinstance(res[i], float) else str(res[i])
+                     for i in impls]
+            out.append(f"| {b} | {sk} | {hkv} | " + " | ".join(cells) + " |")
+        if kind == "decode" and "torch-cudnn" in impls:
+            ratios = [r[4]["cuflash"] / r[4]["torch-cudnn"] for r in sel
+                      if isinstance(r[4]["cuflash"], float)
+                      and isinstance(r[4].get("torch-cudnn"), float)]
+            if ratios:
+                gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                out.append(f"\ncuflash / cuDNN: geometric mean {gm:.2f}x, min {min(ratios):.2f}x "
+                           f"over {len(ratios)} points")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few points (< 60 s)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--only", default="decode,kvcache,varlen", help="decode,kvcache,varlen")
+    ap.add_argument("--markdown", default=None, help="write the tables to this file")
+    args = ap.parse_args(argv)
+    if not cuflash.gpu_available():
+        print("no GPU: nothing to benchmark", file=sys.stderr)
+        return 1
+    args.repeats = args.repeats or (5 if args.quick else 20)
+    grid = QUICK if args.quick else FULL
+    rows = []
+    t0 = time.time()
+    parts = args.only.split(",")
+    if "decode" in parts:
+        bench_decode(grid, args, rows)
+    if "kvcache" in parts:
+        bench_paged(grid, args, rows)
+    if "varlen" in parts:
+        bench_varlen(args, rows)
+    md = _markdown(rows)
+    print(md)
+    print(f"\n{time.time() - t0:.0f} s", file=sys.stderr)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Host side of the decode kernel family (kernels_cu/attn_decode.cu): plans, the split choice,
+the parameter blocks and the launches, for `attention` (dense K/V, few query rows) and for
+`attention_with_kvcache` (contiguous or paged caches, in-place append).
+
+The geometry a launch needs is a `DecodeGeometry`: up to three batch ("entry") axes, each with a
+stride per tensor, a group axis of ``g`` query heads that share one kv head (stride 0 for K and
+V), ``Sq`` query rows, and the K/V addressing (dense strides, or a cache with per-sequence
+lengths along entry axis 1 and optionally a block table). Nothing here synchronises; the only
+allocation is the split workspace (float32 partial outputs), taken from CuPy's pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _compile
+from ._dispatch import _CXX_TYPE, Plan, _aligned16, head_dim_bucket, tensorcore_reason
+
+_LOG2E = 1.4426950408889634
+
+_DEC_PTRS = ("q", "k", "v", "o", "lse", "o_part", "lse_part", "seqlens", "block_table", "cu_q",
+             "cu_k")
+_DEC_INTS = (("sq", "sk", "d", "g", "nb0", "nb1", "nb2",
+              "q_s0", "q_s1", "q_s2", "q_sg", "q_sr", "k_s0", "k_s1", "k_s2", "k_sr",
+              "v_s0", "v_s1", "v_s2", "v_sr", "o_s0", "o_s1", "o_s2", "o_sg", "o_sr",
+              "l_s0", "l_s1", "l_s2", "l_sg", "l_sr", "n_rtiles", "n_splits", "split_tiles",
+              "page_log2", "bt_stride", "k_page", "v_page"))
+#: kernels_cu/attn_decode.cu: DecodeParams (49 fields of 8 bytes).
+DECODE_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _DEC_PTRS]
+                               + [(f, np.int64) for f in _DEC_INTS]
+                               + [("scale_log2", np.float64)])
+_APP_PTRS = ("k_new", "v_new", "k", "v", "seqlens", "block_table")
+_APP_INTS = ("b", "snew", "hkv", "d", "nk_s1", "nk_sr", "nk_s2", "nv_s1", "nv_sr", "nv_s2",
+             "k_s1", "k_sr", "k_s2", "v_s1", "v_sr", "v_s2", "page_log2", "bt_stride", "k_page",
+             "v_page")
+#: kernels_cu/attn_decode.cu: AppendParams (26 fields of 8 bytes).
+APPEND_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _APP_PTRS]
+                               + [(f, np.int64) for f in _APP_INTS])
+
+DECODE_DTYPES = ("float16", "bfloat16")
+#: Keys per K/V tile and warps per block. A tile never straddles a cache page (pages >= BN).
+DECODE_BN = 16
+DECODE_WARPS = 4
+#: Head-dim buckets of the decode kernel (smaller head dims are zero-padded).
+DECODE_DPADS = (64, 128, 256)
+#: `attention(kernel="auto")` takes the decode kernel up to this many query rows ...
+DECODE_MAX_SQ = 16
+#: ... and this many packed rows (query heads of a group x query rows) per kv head.
+DECODE_MAX_ROWS = 128
+#: Most splits (attn_decode.cu: MAX_SPLITS, the combine's shared weights).
+MAX_SPLITS = 256
+#: Fewest key tiles a warp walks per split (below it the combine costs more than it saves).
+MIN_TILES_PER_WARP = 4
+#: Shared memory an SM offers (H100/H200: 228 KiB, 1 KiB of it reserved per block).
+_SM_SMEM = 228 * 1024
+
+
+def decode_smem_bytes(dpad: int, bn: int = DECODE_BN, nwarps: int = DECODE_WARPS) -> int:
+    """Dynamic shared memory of one block: the Q tile, then the warps' K/V stages, which the
+    epilogue reuses for the warps' O, m and l (whichever is larger)."""
+    s = dpad + 8
+    q = 16 * s * 2
+    kv = nwarps * 2 * 2 * bn * s * 2
+    epi = nwarps * 16 * (dpad + 4) * 4 + 2 * nwarps * 16 * 4
+    return q + max(kv, epi)
+
+
+def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool) -> Plan:
+    dpad = head_dim_bucket(d, DECODE_DPADS)
+    name = (f"cuflash::cuflash_attn_decode<{_CXX_TYPE[dtype_name]}, {dpad}, {DECODE_BN}, "
+            f"{DECODE_WARPS}, {'true' if causal else 'false'}, {'true' if paged else 'false'}>")
+    label = (f"decode<{dtype_name},D{dpad},BN{DECODE_BN},W{DECODE_WARPS},"
+             f"{'paged' if paged else 'dense'},{'causal' if causal else 'full'}>")
+    return Plan(label, _compile.Specialisation("attn_decode", name), 16, DECODE_BN,
+                32 * DECODE_WARPS, decode_smem_bytes(dpad))
+
+
+def combine_spec(dtype_name: str, dpad: int):
+    return _compile.Specialisation(
+        "attn_decode", f"cuflash::cuflash_decode_combine<{_CXX_TYPE[dtype_name]}, {dpad}>")
+
+
+def append_spec(dtype_name: str, paged: bool):
+    return _compile.Specialisation(
+        "attn_decode",
+        f"cuflash::cuflash_kv_append<{_CXX_TYPE[dtype_name]}, {'true' if paged else 'false'}>")
+
+
+def all_decode_specialisations():
+    """Every specialisation of the family, for the compile check."""
+    out = []
+    for dt in DECODE_DTYPES:
+        for dpad in DECODE_DPADS:
+            for causal in (False, True):
+                for paged in (False, True):
+                    out.append(decode_plan(dt, dpad, causal, paged).spec)
+            out.append(combine_spec(dt, dpad))
+        out.extend(append_spec(dt, paged) for paged in (False, True))
+    return out
+
+
+def choose_splits(entries_tiles: int, n_key_tiles: int, sm_count: int, smem_bytes: int) -> int:
+    """Key splits per (entry, row tile), from the problem and the SM count only (so results are
+    reproducible run to run). With ``slots`` blocks resident at once (the occupancy shared memory
+    allows), s splits take ``ceil(blocks * s / slots)`` waves of blocks each 1/s as long: the
+    smallest s within 3% of the least such time wins, with at least MIN_TILES_PER_WARP key tiles
+    per warp and split (below that the combine costs more than the split saves)."""
+    per_sm = max(1, _SM_SMEM // (smem_bytes + 1024))
+    slots = sm_count * per_sm
+    base = max(1, entries_tiles)
+    cap = max(1, -(-n_key_tiles // (DECODE_WARPS * MIN_TILES_PER_WARP)))
+    cap = min(cap, max(1, -(-8 * slots // base)), MAX_SPLITS)  # <= ~8 waves of blocks
+    cost = {s: -(-base * s // slots) / s for s in range(1, cap + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= best * 1.03)
+
+
+@dataclass
+class DecodeGeometry:
+    """Everything a decode launch addresses: see the module docstring and DecodeParams."""
+
+    sizes: tuple                 # (nb0, nb1, nb2) entry axes
+    g: int
+    sq: int
+    sk: int                      # keys (the largest sequence's for a cache)
+    d: int
+    q: tuple                     # strides (s0, s1, s2, sg, sr)
+    o: tuple                     # (s0, s1, s2, sg, sr)
+    l: tuple                     # (s0, s1, s2, sg, sr); zeros when no lse
+    k: tuple                     # (s0, s1, s2, sr)
+    v: tuple
+    seqlens: object = None       # CuPy int32 (nb1,) or None
+    block_table: object = None   # CuPy int32 (nb1, max_pages) or None
+    page: int = 0
+    k_page: int = 0
+    v_page: int = 0
+    cu_q: object = None          # CuPy int32 (nb1 + 1,): packed variable-length batch, or None
+    cu_k: object = None
+
+    @property
+    def entries(self):
+        return self.sizes[0] * self.sizes[1] * self.sizes[2]
+
+
+def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, attrs, workspace=None):
+    """Launch the decode kernel (and, with more than one split, the combine) for `geom`."""
+    import cupy
+
+    from ._launch import MAX_GRID_X, _stream_ptr
+
+    rows = geom.g * geom.sq
+    n_rtiles = -(-rows // 16)
+    n_key_tiles = -(-geom.sk // DECODE_BN)
+    entries = geom.entries
+    if max(geom.sq, geom.sk, rows) >= 2**31 - 1024:
+        raise ValueError(f"Sq, Sk and G * Sq must be below 2**31 - 1024 (got {geom.sq}, "
+                         f"{geom.sk}, {rows})")
+    if plan.smem_bytes > attrs["max_smem_optin"]:
+        raise ValueError(f"{plan.label} needs {plan.smem_bytes} bytes of shared memory per "
+                         f"block; this GPU allows {attrs['max_smem_optin']}")
+    splits = choose_splits(entries * n_rtiles, n_key_tiles, attrs["sm_count"], plan.smem_bytes)
+    split_tiles = max(1, -(-n_key_tiles // splits))
+    splits = max(1, -(-n_key_tiles // split_tiles))
+    grid = entries * n_rtiles * splits
+    if grid > MAX_GRID_X or entries * rows > MAX_GRID_X:
+        raise ValueError(f"{plan.label}: {grid} blocks is too many for one launch")
+    dpad = head_dim_bucket(geom.d, DECODE_DPADS)
+
+    o_part = lse_part = 0
+    if splits > 1:
+        rpad = 16 * n_rtiles
+        need = entries * splits * rpad * (dpad + 1)
+        if workspace is None or workspace.size < need:
+            workspace = cupy.empty(need, dtype=cupy.float32)
+        o_part = workspace.data.ptr
+        lse_part = workspace.data.ptr + entries * splits * rpad * dpad * 4
+    paged = geom.block_table is not None
+    # One tuple in DecodeParams order (a structured array built field by field costs ~50 us).
+    params = np.array((
+        q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, 0 if lse is None else lse.data.ptr,
+        o_part, lse_part, 0 if geom.seqlens is None else geom.seqlens.data.ptr,
+        geom.block_table.data.ptr if paged else 0,
+        0 if geom.cu_q is None else geom.cu_q.data.ptr,
+        0 if geom.cu_k is None else geom.cu_k.data.ptr,
+        geom.sq, geom.sk, geom.d, geom.g, *geom.sizes, *geom.q, *geom.k, *geom.v, *geom.o,
+        *geom.l, n_rtiles, splits, split_tiles,
+        int(geom.page).bit_length() - 1 if paged else 0,
+        geom.block_table.shape[1] if paged else 0, geom.k_page if paged else 0,
+        geom.v_page if paged else 0, scale * _LOG2E), dtype=DECODE_PARAMS_DTYPE)[()]
+    st = _stream_ptr(stream)
+    kern = _compile.get_kernel(plan.spec, device_id, plan.smem_bytes)
+    kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=st)
+    if splits > 1:
+        comb = _compile.get_kernel(combine_spec(_dtype_of(plan), dpad), device_id)
+        comb((entries * rows,), (128,), (params,), stream=st)
+    return splits
+
+
+def _dtype_of(plan):
+    return plan.label.split("<", 1)[1].split(",", 1)[0]
+
+
+def cache_reason(prob, compute_capability, buffers) -> Optional[str]:
+    """Why the decode kernel cannot run a KV-cache or varlen problem (anything with dtype_name,
+    d, dv, scale), or None. `buffers`: the GPU arrays it reads or writes (None entries skipped)."""
+    if compute_capability < 80:
+        return f"it needs compute capability 8.0 or newer (this GPU: {compute_capability})"
+    if prob.dtype_name not in DECODE_DTYPES:
+        return (f"the decode kernel takes float16 and bfloat16; {prob.dtype_name} runs on the "
+                "CPU path only for now")
+    if prob.d != prob.dv or prob.d % 8:
+        return f"it needs D == Dv and D % 8 == 0 (got D={prob.d}, Dv={prob.dv})"
+    if not prob.scale > 0:
+        return f"it folds a positive scale into exp2 (got scale={prob.scale})"
+    if not all(_aligned16(x) for x in buffers if x is not None):
+        return "every row of every input and output must start on a 16-byte boundary"
+    return None
+
+
+def attrs_or_raise(prob, entry_point, buffers):
+    """The device attributes of `prob`'s GPU, or ValueError naming `entry_point` and why the
+    decode kernel cannot run it (`cache_reason`)."""
+    from ._launch import device_attributes
+
+    attrs = device_attributes(prob.device_id)
+    why = cache_reason(prob, attrs["compute_capability"], buffers)
+    if why is not None:
+        raise ValueError(f"{entry_point} cannot run these GPU inputs: {why}")
+    return attrs
+
+
+# ---------------------------------------------------------------------------------------------
+# `attention` through the decode kernel
+
+def _batch_geometry(prob, o, lse):
+    """(sizes, g, strides per tensor) of a dense problem as entries x group, or a reason string
+    when its collapsed batch layout has no such form."""
+    from ._launch import _RowsView, collapse_batch
+
+    tensors = [prob.q, prob.k, prob.v, o] + ([_RowsView(lse)] if lse is not None else [])
+    sizes, bstr, rstr = collapse_batch(prob.batch_shape, *tensors)
+    g, sg = 1, [0] * len(tensors)
+    if sizes and bstr[1][-1] == 0 and bstr[2][-1] == 0 and bstr[0][-1] != 0:
+        g = sizes.pop()
+        sg = [s.pop() for s in bstr]
+    if len(sizes) > 3:
+        return "more than three batch axes that no stride pattern merges"
+    while len(sizes) < 3:
+        sizes.insert(0, 1)
+        for s in bstr:
+            s.insert(0, 0)
+    return sizes, g, bstr, rstr, sg
+
+
+def decode_reason(prob, compute_capability, o=None, lse=None) -> Optional[str]:
+    """Why the decode kernel cannot run this `attention` problem, or None if it can."""
+    why = tensorcore_reason(prob, compute_capability)
+    if why is not None:
+        return why
+    if prob.dtype_name not in DECODE_DTYPES:
+        return f"it takes float16 and bfloat16 inputs, not {prob.dtype_name}"
+    geo = _batch_geometry(prob, prob.q if o is None else o, lse)
+    if isinstance(geo, str):
+        return geo
+    return None
+
+
+def wants_decode(prob, compute_capability) -> bool:
+    """Whether `attention(kernel="auto")` should take the decode kernel: few query rows, the
+    query heads of a group packed into at most DECODE_MAX_ROWS rows, and the kernel able to run."""
+    if prob.sq > DECODE_MAX_SQ or prob.backend != "gpu":
+        return False
+    if prob.causal and prob.sq > 1:
+        # Under a causal mask with Sq > 1 some rows cannot see the last keys, and the tensor-core
+        # P.V would add 0 * NaN from a non-finite V there (the Hopper kernel's known defect);
+        # the dense kernels keep NaN out of hidden rows, so auto leaves these to them.
+        return False
+    if decode_reason(prob, compute_capability) is not None:
+        return False
+    g = _batch_geometry(prob, prob.q, None)[1]
+    return g * prob.sq <= DECODE_MAX_ROWS
+
+
+def launch_dense(plan, prob, o, lse, attrs):
+    """`attention` on the decode kernel: K and V are the dense tensors of `prob`."""
+    if any(not _aligned16(x) for x in (o,)):
+        raise ValueError("out: every row must start on a 16-byte boundary for the decode kernel")
+    geo = _batch_geometry(prob, o, lse)
+    if isinstance(geo, str):
+        raise ValueError(f"{plan.label} cannot address these buffers: {geo}")
+    sizes, g, bstr, rstr, sg = geo
+    l_str = (tuple(bstr[4]) + (sg[4], rstr[4])) if lse is not None else (0, 0, 0, 0, 0)
+    geom = DecodeGeometry(
+        sizes=tuple(sizes), g=g, sq=prob.sq, sk=prob.sk, d=prob.d,
+        q=tuple(bstr[0]) + (sg[0], rstr[0]), o=tuple(bstr[3]) + (sg[3], rstr[3]), l=l_str,
+        k=tuple(bstr[1]) + (rstr[1],), v=tuple(bstr[2]) + (rstr[2],))
+    return launch(plan, geom, prob.q, prob.k, prob.v, o, lse, scale=prob.scale,
+                  device_id=prob.device_id, stream=prob.stream, attrs=attrs)

@@ -1,0 +1,422 @@
+"""`attention_with_kvcache`: decoding against a contiguous or paged KV cache, with an in-place
+append of new keys and values (notes/INFERENCE.md).
+
+Layouts (FlashAttention's): q ``(B, Sq, H, D)``; a contiguous cache ``(B, Smax, Hkv, D)`` or a
+paged one ``(num_pages, page_size, Hkv, D)`` with ``block_table`` ``(B, max_pages)`` int32;
+``cache_seqlens`` ``(B,)`` int32; ``k_new``/``v_new`` ``(B, Snew, Hkv, D)``; o ``(B, Sq, H, D)``
+and lse ``(B, H, Sq)``. The GPU path runs kernels_cu/attn_decode.cu (append kernel, decode
+kernel through the block table, combine); the CPU path appends with NumPy and runs the NumPy
+recurrence per sequence.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _checks, _gqa, _interop
+
+KVCACHE_KERNELS = ("auto", "decode")
+#: Smallest page of a paged cache: one key tile of the decode kernel (pages are powers of two).
+MIN_PAGE = 16
+
+
+@dataclass(kw_only=True)
+class CallOptions:
+    """What every inference entry point carries besides its tensors (see check_call_options)."""
+
+    causal: bool
+    scale: float
+    return_lse: bool
+    out: Any
+    out_lse: Any
+    stream: Any
+    kernel: str
+
+
+@dataclass
+class KVCacheProblem(CallOptions):
+    backend: str
+    device_id: Optional[int]
+    q: Any
+    k_cache: Any
+    v_cache: Any
+    seqlens: Any                 # backend int32 array (B,)
+    block_table: Any             # backend int32 (B, max_pages) or None
+    k_new: Any
+    v_new: Any
+    dtype_name: str
+    b: int
+    sq: int
+    h: int
+    hkv: int
+    d: int
+    dv: int
+    snew: int
+    page: int                    # 0 for a contiguous cache
+    capacity: int                # keys a sequence can hold
+
+
+def _int32_array(name, x, backend, device_id, shape_desc, ndim):
+    b, dev = _interop.backend_of(x, name)
+    if (b, dev) != (backend, device_id):
+        raise ValueError(f"{name} is on {_interop.describe(b, dev)} but q is on "
+                         f"{_interop.describe(backend, device_id)}")
+    x = _interop.as_backend_array(x, backend)
+    if x.dtype != np.int32:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected int32")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have shape {shape_desc}; got {tuple(x.shape)}")
+    return x
+
+
+def check_call_options(*, causal, return_lse, scale, d, dt, kernel, choices, backend, device_id,
+                       stream, out, o_shape, lse_shape):
+    """The checks the inference entry points share with `attention`: causal and return_lse
+    bools, the scale, the kernel choice, stream only for GPU inputs, and out (o or (o, lse))
+    of the given shapes. Returns (scale, o buffer or None, lse buffer or None)."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    scale = _checks.check_scale(scale, d, dt)
+    if kernel not in choices:
+        raise ValueError(f"kernel must be one of {choices}, got {kernel!r}")
+    if backend == "cpu" and kernel != "auto":
+        raise ValueError(f"kernel={kernel!r} selects a GPU kernel, but the inputs are on the CPU "
+                         "(NumPy); pass GPU arrays or kernel='auto'")
+    if stream is not None and backend == "cpu":
+        raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
+    out_o = out_lse = None
+    if out is not None:
+        if isinstance(out, (tuple, list)):
+            if not return_lse or len(out) != 2:
+                raise ValueError("out may be a pair (o, lse) only with return_lse=True")
+            out_o, out_lse = out
+        else:
+            out_o = out
+    out_o = _checks._check_out("out", out_o, o_shape, dt, backend, device_id)
+    out_lse = _checks._check_out("out[1] (lse)", out_lse, lse_shape, dt, backend, device_id,
+                                 check_dtype_name="float32")
+    return scale, out_o, out_lse
+
+
+def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_new, causal,
+                  scale, return_lse, out, stream, kernel) -> KVCacheProblem:
+    """Validate `attention_with_kvcache`'s arguments (no launch, no device synchronisation)."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _checks._refuse_subclass(name, x)
+    backends = [_interop.backend_of(x, n) for x, n in
+                ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
+    if len(set(backends)) != 1:
+        raise ValueError("q, k_cache and v_cache must be on the same device; got "
+                         + ", ".join(f"{n} on {_interop.describe(*b)}"
+                                     for n, b in zip(("q", "k_cache", "v_cache"), backends)))
+    backend, device_id = backends[0]
+    q, k_cache, v_cache = (_interop.as_backend_array(x, backend) for x in (q, k_cache, v_cache))
+    if q.ndim != 4:
+        raise ValueError(f"q must have shape (B, Sq, H, D); got {tuple(q.shape)}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have shape (B, Smax, Hkv, D) or, paged, (num_pages, "
+                             f"page_size, Hkv, D); got {tuple(x.shape)}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if 0 in x.shape:
+            raise ValueError(f"{name} has a zero-length axis: shape {tuple(x.shape)}")
+    names = [_checks._check_array_dtype(n, x) for n, x in
+             (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))]
+    if len(set(names)) != 1:
+        raise TypeError(f"q, k_cache and v_cache must have the same dtype; got {', '.join(names)}")
+    dt = names[0]
+    b, sq, h, d = (int(n) for n in q.shape)
+    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "must agree on all axes but the last")
+    hkv, dk, dv = int(k_cache.shape[2]), int(k_cache.shape[3]), int(v_cache.shape[3])
+    if dk != d:
+        raise ValueError(f"k_cache has head dim {dk} but q has {d}")
+    for what, n in (("head dim D", d), ("head dim Dv of v_cache", dv)):
+        if n > _checks.MAX_HEAD_DIM:
+            raise ValueError(f"{what} is {n}; at most {_checks.MAX_HEAD_DIM} is supported")
+    if h % hkv:
+        raise ValueError(f"q has {h} heads and the cache {hkv}: the query heads must be a "
+                         "multiple of the key/value heads (query head i uses kv head "
+                         "i // (H / Hkv))")
+    if block_table is None:
+        if k_cache.shape[0] != b:
+            raise ValueError(f"a contiguous cache has one row per sequence: k_cache has "
+                             f"{k_cache.shape[0]}, q has batch {b} (pass block_table= for a "
+                             "paged cache)")
+        page, capacity = 0, int(k_cache.shape[1])
+    else:
+        block_table = _int32_array("block_table", block_table, backend, device_id,
+                                   "(B, max_pages)", 2)
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows; q has batch {b}")
+        page = int(k_cache.shape[1])
+        if page < MIN_PAGE or page & (page - 1):
+            raise ValueError(f"the page size (axis 1 of a paged cache) must be a power of two >= "
+                             f"{MIN_PAGE}; got {page}")
+        capacity = page * int(block_table.shape[1])
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        xp = np if backend == "cpu" else _interop.cupy_or_none()
+        cache_seqlens = xp.full((b,), int(cache_seqlens), dtype=np.int32)
+    else:
+        cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, backend, device_id, "(B,)", 1)
+    if cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens has {cache_seqlens.shape[0]} entries; q has batch {b}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together: pass both or neither")
+    snew = 0
+    if k_new is not None:
+        news = []
+        for name, x, last in (("k_new", k_new, d), ("v_new", v_new, dv)):
+            _checks._refuse_subclass(name, x)
+            bx = _interop.backend_of(x, name)
+            if bx != (backend, device_id):
+                raise ValueError(f"{name} is on {_interop.describe(*bx)} but q is on "
+                                 f"{_interop.describe(backend, device_id)}")
+            x = _interop.as_backend_array(x, backend)
+            if x.ndim != 4 or x.shape[0] != b or x.shape[2] != hkv or x.shape[3] != last:
+                raise ValueError(f"{name} must have shape (B={b}, Snew, Hkv={hkv}, {last}); "
+                                 f"got {tuple(x.shape)}")
+            if _checks._check_array_dtype(name, x) != dt:
+                raise TypeError(f"{name} has dtype {x.dtype}; expected {dt}")
+            news.append(x)
+        k_new, v_new = news
+        if k_new.shape[1] != v_new.shape[1] or k_new.shape[1] == 0:
+            raise ValueError(f"k_new and v_new must hold the same number (>= 1) of new keys; got "
+                             f"{k_new.shape[1]} and {v_new.shape[1]}")
+        snew = int(k_new.shape[1])
+    if backend == "cpu":  # the lengths are on the host: check them (the GPU path cannot, see docs)
+        lens = np.asarray(cache_seqlens)
+        if lens.min() < 0 or lens.max() + snew > capacity:
+            raise ValueError(f"cache_seqlens must lie in [0, {capacity - snew}] (capacity "
+                             f"{capacity} keys{' with ' + str(snew) + ' appended' if snew else ''}"
+                             f"); got {lens.min()}..{lens.max()}")
+        if block_table is not None:
+            need = -(-(lens + snew) // page)
+            for i in range(b):
+                used = block_table[i, :need[i]]
+                if used.size and (used.min() < 0 or used.max() >= k_cache.shape[0]):
+                    raise ValueError(f"block_table row {i} names pages outside "
+                                     f"[0, {k_cache.shape[0]})")
+    scale, out_o, out_lse = check_call_options(
+        causal=causal, return_lse=return_lse, scale=scale, d=d, dt=dt, kernel=kernel,
+        choices=KVCACHE_KERNELS, backend=backend, device_id=device_id, stream=stream, out=out,
+        o_shape=(b, sq, h, dv), lse_shape=(b, h, sq))
+    if backend == "gpu":
+        q, k_new, v_new = (None if x is None else _interop.last_axis_contiguous(x)
+                           for x in (q, k_new, v_new))
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if x.strides[-1] != x.itemsize:
+                raise ValueError(f"{name} must have a contiguous last axis (it is written in "
+                                 "place, so it cannot be copied)")
+    return KVCacheProblem(backend, device_id, q, k_cache, v_cache, cache_seqlens, block_table,
+                          k_new, v_new, dt, b, sq, h, hkv, d, dv, snew, page, capacity,
+                          causal=bool(causal), scale=scale, return_lse=bool(return_lse),
+                          out=out_o, out_lse=out_lse, stream=stream, kernel=kernel)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU path
+
+def _append_numpy(prob):
+    lens = np.asarray(prob.seqlens)
+    for i in range(prob.b):
+        keys = np.arange(lens[i], lens[i] + prob.snew)
+        if prob.block_table is None:
+            prob.k_cache[i, keys] = prob.k_new[i]
+            prob.v_cache[i, keys] = prob.v_new[i]
+        else:
+            pages = prob.block_table[i, keys // prob.page]
+            prob.k_cache[pages, keys % prob.page] = prob.k_new[i]
+            prob.v_cache[pages, keys % prob.page] = prob.v_new[i]
+
+
+def one_sequence_numpy(q, k, v, *, causal, scale):
+    """One sequence in FlashAttention's layout on the CPU: q (Sq, H, D), k (Sk, Hkv, D),
+    v (Sk, Hkv, Dv) -> o (Sq, H, Dv), lse (H, Sq), grouped heads as in `attention`."""
+    from ._cpu import attention_numpy
+
+    sq, h = q.shape[:2]
+    qt, kt, vt = (x.transpose(1, 0, 2) for x in (q, k, v))
+    if k.shape[1] not in (1, h):
+        grp = _gqa.Grouping(h, k.shape[1])
+        qt, kt, vt = grp.split(qt), grp.split(kt), grp.split(vt)
+    o, lse = attention_numpy(qt, kt, vt, causal=causal, scale=scale, out=None, need_lse=True)
+    return o.reshape(h, sq, v.shape[-1]).transpose(1, 0, 2), lse.reshape(h, sq)
+
+
+def kvcache_numpy(prob):
+    """The CPU path: append, then per sequence the NumPy recurrence over its keys."""
+    from .reference import gather_kv_cache
+
+    if prob.snew:
+        _append_numpy(prob)
+    o = prob.out if prob.out is not None else np.empty((prob.b, prob.sq, prob.h, prob.dv),
+                                                        dtype=prob.q.dtype)
+    lse = np.empty((prob.b, prob.h, prob.sq), dtype=np.float32)
+    lens = np.asarray(prob.seqlens) + prob.snew
+    for i in range(prob.b):
+        if lens[i] == 0:
+            o[i] = 0
+            lse[i] = -np.inf
+            continue
+        k_i, v_i = gather_kv_cache(prob.k_cache, prob.v_cache, int(lens[i]), i, prob.block_table)
+        o[i], lse[i] = one_sequence_numpy(prob.q[i], k_i, v_i, causal=prob.causal,
+                                          scale=prob.scale)
+    return o, into_out_lse(prob, lse)
+
+
+def into_out_lse(prob, lse):
+    """The CPU paths' lse, copied into the caller's lse buffer when one was given."""
+    if prob.out_lse is None:
+        return lse
+    prob.out_lse[...] = lse
+    return prob.out_lse
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU path
+
+def kvcache_gpu(prob):
+    import cupy
+
+    from . import _compile, _decode, _launch
+
+    with cupy.cuda.Device(prob.device_id):
+        attrs = _decode.attrs_or_raise(prob, "attention_with_kvcache", [
+            prob.q, prob.k_cache, prob.v_cache, prob.k_new, prob.v_new, prob.out])
+        st = _launch._stream_ptr(prob.stream)
+        paged = prob.block_table is not None
+        seqlens = prob.seqlens
+        kc, vc = prob.k_cache, prob.v_cache
+        ie = [s // kc.itemsize for s in kc.strides]
+        ve = [s // vc.itemsize for s in vc.strides]
+        bt_stride = prob.block_table.shape[1] if paged else 0
+        page_log2 = prob.page.bit_length() - 1 if paged else 0
+        if prob.snew:
+            ap = np.zeros((), dtype=_decode.APPEND_PARAMS_DTYPE)
+            ap["k_new"], ap["v_new"] = prob.k_new.data.ptr, prob.v_new.data.ptr
+            ap["k"], ap["v"], ap["seqlens"] = kc.data.ptr, vc.data.ptr, seqlens.data.ptr
+            ap["block_table"] = prob.block_table.data.ptr if paged else 0
+            ap["b"], ap["snew"], ap["hkv"], ap["d"] = prob.b, prob.snew, prob.hkv, prob.d
+            for pre, x in (("nk", prob.k_new), ("nv", prob.v_new)):
+                e = [s // x.itemsize for s in x.strides]
+                ap[f"{pre}_s1"], ap[f"{pre}_sr"], ap[f"{pre}_s2"] = e[0], e[1], e[2]
+            if paged:
+                ap["k_sr"], ap["k_s2"], ap["v_sr"], ap["v_s2"] = ie[1], ie[2], ve[1], ve[2]
+                ap["k_page"], ap["v_page"] = ie[0], ve[0]
+            else:
+                ap["k_s1"], ap["k_sr"], ap["k_s2"] = ie[0], ie[1], ie[2]
+                ap["v_s1"], ap["v_sr"], ap["v_s2"] = ve[0], ve[1], ve[2]
+            ap["page_log2"], ap["bt_stride"] = page_log2, bt_stride
+            n = prob.b * prob.snew * prob.hkv * (prob.d // 8)
+            kern = _compile.get_kernel(_decode.append_spec(prob.dtype_name, paged), prob.device_id)
+            kern((-(-n // 256),), (256,), (ap[()],), stream=st)
+            with st:
+                seqlens = seqlens + np.int32(prob.snew)
+        o = prob.out if prob.out is not None else cupy.empty((prob.b, prob.sq, prob.h, prob.dv),
+                                                              dtype=prob.q.dtype)
+        lse = prob.out_lse
+        if prob.return_lse and lse is None:
+            lse = cupy.empty((prob.b, prob.h, prob.sq), dtype=cupy.float32)
+        g = prob.h // prob.hkv
+        qe = [s // prob.q.itemsize for s in prob.q.strides]
+        oe = [s // o.itemsize for s in o.strides]
+        le = [s // 4 for s in lse.strides] if lse is not None else [0, 0, 0]
+        if paged:
+            k_str, v_str = (0, 0, ie[2], ie[1]), (0, 0, ve[2], ve[1])
+        else:
+            k_str, v_str = (0, ie[0], ie[2], ie[1]), (0, ve[0], ve[2], ve[1])
+        geom = _decode.DecodeGeometry(
+            sizes=(1, prob.b, prob.hkv), g=g, sq=prob.sq, sk=prob.capacity, d=prob.d,
+            q=(0, qe[0], g * qe[2], qe[2], qe[1]), o=(0, oe[0], g * oe[2], oe[2], oe[1]),
+            l=(0, le[0], g * le[1], le[1], le[2]), k=k_str, v=v_str, seqlens=seqlens,
+            block_table=prob.block_table, page=prob.page, k_page=ie[0] if paged else 0,
+            v_page=ve[0] if paged else 0)
+        plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged)
+        _decode.launch(plan, geom, prob.q, kc, vc, o, lse, scale=prob.scale,
+                       device_id=prob.device_id, stream=prob.stream, attrs=attrs)
+    return o, lse
+
+
+def kvcache_dispatch_label(prob):
+    from . import _decode
+
+    if prob.backend == "cpu":
+        return "cpu-numpy"
+    return _decode.decode_plan(prob.dtype_name, prob.d, prob.causal,
+                               prob.block_table is not None).label
+
+
+# ---------------------------------------------------------------------------------------------
+# The public function
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None,
+                           v_new=None, causal=False, scale=None, return_lse=False, out=None,
+                           stream=None, kernel="auto"):
+    """Attention of new query rows against a KV cache, appending new keys and values first.
+
+    For each sequence ``b``, ``k_new[b]`` and ``v_new[b]`` (if given) are written into the cache
+    at key positions ``cache_seqlens[b] .. cache_seqlens[b] + Snew - 1`` (in place), and then
+    ``q[b]`` attends to the sequence's first ``L_b = cache_seqlens[b] + Snew`` keys. As
+    FlashAttention's ``flash_attn_with_kvcache``: ``cache_seqlens`` is not updated (add ``Snew``
+    yourself for the next step).
+
+    Parameters
+    ----------
+    q : array, shape (B, Sq, H, D)
+        FlashAttention's layout (sequence before heads), unlike `attention`'s (..., Sq, D).
+        float16, bfloat16, float32 or float64 (on the GPU: float16 and bfloat16).
+    k_cache, v_cache : array, shape (B, Smax, Hkv, D) or paged (num_pages, page_size, Hkv, D)
+        The cache, written in place when ``k_new`` is given (contiguous last axis). ``H`` must
+        be a multiple of ``Hkv``: query head ``h`` uses kv head ``h // (H // Hkv)``.
+    cache_seqlens : int or int32 array, shape (B,)
+        Keys already in each sequence's cache (0 is an empty cache).
+    block_table : int32 array, shape (B, max_pages), optional
+        Paged cache: key ``j`` of sequence ``b`` lives at page ``block_table[b, j // page_size]``,
+        row ``j % page_size``. The page size (axis 1 of the caches) may be any power of two from
+        16 up (16 is vLLM's; 16 is the decode kernel's key tile, which never straddles a page).
+    k_new, v_new : array, shape (B, Snew, Hkv, D), optional
+        Keys and values to append before attending (both or neither).
+    causal : bool, optional
+        Bottom-right aligned per sequence: query ``i`` sees keys ``j <= i + L_b - Sq`` (the new
+        queries are the last Sq positions).
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    return_lse : bool, optional
+        Also return lse, float32 of shape (B, H, Sq) (natural log).
+    out : array or (array, array), optional
+        o buffer (B, Sq, H, Dv), or with ``return_lse`` a pair (o, lse).
+    stream : optional
+        GPU only, as in `attention`.
+    kernel : {"auto", "decode"}, optional
+        GPU only; both run the decode kernel (kernels_cu/attn_decode.cu).
+
+    Returns
+    -------
+    o : array, shape (B, Sq, H, Dv), q's dtype
+    lse : array, shape (B, H, Sq), float32 (only with ``return_lse``)
+        A sequence with ``L_b = 0`` gives ``o = 0`` and ``lse = -inf`` (never NaN); so do rows
+        that the causal mask leaves without a key.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As `attention` for shapes, dtypes and devices, plus: a page size that is not a power of
+        two >= 16, block_table or cache_seqlens not int32 or of the wrong shape, k_new without
+        v_new. For NumPy inputs also lengths beyond the cache's capacity and page numbers
+        outside the cache. GPU inputs: the lengths live on the device and are not read back
+        (no synchronisation), so ``cache_seqlens[b] + Snew`` beyond the capacity, or a block
+        table naming pages outside the cache, is the caller's error and reads or writes out of
+        bounds, as in FlashAttention.
+    """
+    prob = check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                         k_new=k_new, v_new=v_new, causal=causal, scale=scale,
+                         return_lse=return_lse, out=out, stream=stream, kernel=kernel)
+    o, lse = kvcache_numpy(prob) if prob.backend == "cpu" else kvcache_gpu(prob)
+    return (o, lse) if prob.return_lse else o

@@ -1,0 +1,196 @@
+"""`attention_varlen`: attention over a packed batch of variable-length sequences
+(FlashAttention's ``cu_seqlens`` interface; notes/INFERENCE.md).
+
+q ``(total_q, H, D)``, k ``(total_k, Hkv, D)``, v ``(total_k, Hkv, Dv)``; sequence ``s`` is rows
+``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1`` of q and ``cu_seqlens_k[s] ..`` of k and v. o
+``(total_q, H, Dv)``, lse ``(H, total_q)`` (FlashAttention's softmax_lse layout). The GPU path
+runs the decode kernel family with per-sequence row and key offsets (kernels_cu/attn_decode.cu:
+cu_q, cu_k); the CPU path runs the NumPy recurrence per sequence.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _checks, _interop
+from ._kvcache import CallOptions, _int32_array, check_call_options, into_out_lse, one_sequence_numpy
+
+VARLEN_KERNELS = ("auto", "decode")
+
+
+@dataclass
+class VarlenProblem(CallOptions):
+    backend: str
+    device_id: Optional[int]
+    q: Any
+    k: Any
+    v: Any
+    cu_q: Any
+    cu_k: Any
+    max_q: int
+    max_k: int
+    dtype_name: str
+    nseq: int
+    h: int
+    hkv: int
+    d: int
+    dv: int
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
+                 scale, return_lse, out, stream, kernel) -> VarlenProblem:
+    """Validate `attention_varlen`'s arguments (no launch, no device synchronisation)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks._refuse_subclass(name, x)
+    backends = [_interop.backend_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    if len(set(backends)) != 1:
+        raise ValueError("q, k and v must be on the same device; got " + ", ".join(
+            f"{n} on {_interop.describe(*b)}" for n, b in zip("qkv", backends)))
+    backend, device_id = backends[0]
+    q, k, v = (_interop.as_backend_array(x, backend) for x in (q, k, v))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have shape (total_tokens, heads, head_dim); got "
+                             f"{tuple(x.shape)}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has a zero-length axis: shape {tuple(x.shape)}")
+    names = [_checks._check_array_dtype(n, x) for n, x in (("q", q), ("k", k), ("v", v))]
+    if len(set(names)) != 1:
+        raise TypeError(f"q, k and v must have the same dtype; got {', '.join(names)}")
+    dt = names[0]
+    total_q, h, d = (int(n) for n in q.shape)
+    total_k, hkv, dk = (int(n) for n in k.shape)
+    if tuple(v.shape[:2]) != (total_k, hkv):
+        raise ValueError(f"v has shape {tuple(v.shape)}; expected ({total_k}, {hkv}, Dv) like k")
+    dv = int(v.shape[2])
+    if dk != d:
+        raise ValueError(f"k has head dim {dk} but q has {d}")
+    for what, n in (("head dim D", d), ("head dim Dv of v", dv)):
+        if n > _checks.MAX_HEAD_DIM:
+            raise ValueError(f"{what} is {n}; at most {_checks.MAX_HEAD_DIM} is supported")
+    if h % hkv:
+        raise ValueError(f"q has {h} heads and k {hkv}: the query heads must be a multiple of the "
+                         "key/value heads (query head i uses kv head i // (H / Hkv))")
+    cu_q = _int32_array("cu_seqlens_q", cu_seqlens_q, backend, device_id, "(B + 1,)", 1)
+    cu_k = _int32_array("cu_seqlens_k", cu_seqlens_k, backend, device_id, "(B + 1,)", 1)
+    if cu_q.shape[0] != cu_k.shape[0] or cu_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have B + 1 >= 2 entries; got "
+                         f"{cu_q.shape[0]} and {cu_k.shape[0]}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+            raise ValueError(f"{name} must be a positive int, got {m!r}")
+    if backend == "cpu":  # offsets on the host: check them (the GPU path trusts them, see docs)
+        for name, cu, total, mx in (("cu_seqlens_q", cu_q, total_q, max_seqlen_q),
+                                    ("cu_seqlens_k", cu_k, total_k, max_seqlen_k)):
+            lens = np.diff(cu)
+            if cu[0] != 0 or (lens < 0).any() or cu[-1] > total:
+                raise ValueError(f"{name} must start at 0, not decrease and end at most at "
+                                 f"{total} (the rows of its tensor); got {cu.tolist()}")
+            if lens.max() > mx:
+                raise ValueError(f"a sequence has {lens.max()} rows in {name}, more than "
+                                 f"max_seqlen {mx}")
+    scale, out_o, out_lse = check_call_options(
+        causal=causal, return_lse=return_lse, scale=scale, d=d, dt=dt, kernel=kernel,
+        choices=VARLEN_KERNELS, backend=backend, device_id=device_id, stream=stream, out=out,
+        o_shape=(total_q, h, dv), lse_shape=(h, total_q))
+    if backend == "gpu":
+        q, k, v = (_interop.last_axis_contiguous(x) for x in (q, k, v))
+    return VarlenProblem(backend, device_id, q, k, v, cu_q, cu_k, int(max_seqlen_q),
+                         int(max_seqlen_k), dt, int(cu_q.shape[0]) - 1, h, hkv, d, dv,
+                         causal=bool(causal), scale=scale, return_lse=bool(return_lse),
+                         out=out_o, out_lse=out_lse, stream=stream, kernel=kernel)
+
+
+def varlen_numpy(prob):
+    """The CPU path: the NumPy recurrence per sequence; rows of no sequence are left 0."""
+    total_q = prob.q.shape[0]
+    o = prob.out if prob.out is not None else np.empty((total_q, prob.h, prob.dv),
+                                                        dtype=prob.q.dtype)
+    lse = np.full((prob.h, total_q), -np.inf, dtype=np.float32)
+    o[...] = 0
+    for s in range(prob.nseq):
+        q0, q1 = int(prob.cu_q[s]), int(prob.cu_q[s + 1])
+        k0, k1 = int(prob.cu_k[s]), int(prob.cu_k[s + 1])
+        if q1 > q0 and k1 > k0:
+            o[q0:q1], lse[:, q0:q1] = one_sequence_numpy(
+                prob.q[q0:q1], prob.k[k0:k1], prob.v[k0:k1], causal=prob.causal, scale=prob.scale)
+    return o, into_out_lse(prob, lse)
+
+
+def varlen_gpu(prob):
+    import cupy
+
+    from . import _decode
+
+    with cupy.cuda.Device(prob.device_id):
+        attrs = _decode.attrs_or_raise(prob, "attention_varlen", [prob.q, prob.k, prob.v, prob.out])
+        total_q = prob.q.shape[0]
+        o = prob.out if prob.out is not None else cupy.empty((total_q, prob.h, prob.dv),
+                                                              dtype=prob.q.dtype)
+        lse = prob.out_lse
+        if prob.return_lse and lse is None:
+            lse = cupy.empty((prob.h, total_q), dtype=cupy.float32)
+        g = prob.h // prob.hkv
+        qe, oe, ke, ve = ([s // x.itemsize for s in x.strides] for x in (prob.q, o, prob.k, prob.v))
+        le = [s // 4 for s in lse.strides] if lse is not None else [0, 0]
+        geom = _decode.DecodeGeometry(
+            sizes=(1, prob.nseq, prob.hkv), g=g, sq=prob.max_q, sk=prob.max_k, d=prob.d,
+            q=(0, 0, g * qe[1], qe[1], qe[0]), o=(0, 0, g * oe[1], oe[1], oe[0]),
+            l=(0, 0, g * le[0], le[0], le[1]), k=(0, 0, ke[1], ke[0]), v=(0, 0, ve[1], ve[0]),
+            cu_q=prob.cu_q, cu_k=prob.cu_k)
+        plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False)
+        _decode.launch(plan, geom, prob.q, prob.k, prob.v, o, lse, scale=prob.scale,
+                       device_id=prob.device_id, stream=prob.stream, attrs=attrs)
+    return o, lse
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     causal=False, scale=None, return_lse=False, out=None, stream=None,
+                     kernel="auto"):
+    """Attention over a packed batch of variable-length sequences, with no padding work.
+
+    Parameters
+    ----------
+    q : array, shape (total_q, H, D)
+    k : array, shape (total_k, Hkv, D)
+    v : array, shape (total_k, Hkv, Dv)
+        The sequences' rows one after another (FlashAttention's varlen layout). float16,
+        bfloat16, float32, float64 (on the GPU: float16 and bfloat16, D == Dv, D % 8 == 0).
+        ``H % Hkv == 0``: query head ``h`` uses kv head ``h // (H // Hkv)``.
+    cu_seqlens_q, cu_seqlens_k : int32 array, shape (B + 1,)
+        Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of q and
+        ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of k and v (starting at 0, non-decreasing).
+    max_seqlen_q, max_seqlen_k : int
+        The longest sequence's rows in q and in k (they size the GPU grid).
+    causal : bool, optional
+        Bottom-right aligned per sequence: query ``i`` of a sequence sees its keys
+        ``j <= i + Sk_s - Sq_s``.
+    scale, return_lse, out, stream
+        As in `attention`; ``out`` is o (total_q, H, Dv) or with ``return_lse`` (o, lse).
+    kernel : {"auto", "decode"}, optional
+        GPU only; both run the decode kernel family with per-sequence offsets.
+
+    Returns
+    -------
+    o : array, shape (total_q, H, Dv)
+    lse : array, shape (H, total_q), float32 (FlashAttention's softmax_lse layout), only with
+        ``return_lse``. Rows of a sequence with no key give o = 0 and lse = -inf; query rows past
+        ``cu_seqlens_q[-1]`` belong to no sequence and are left unwritten on the GPU (0 and
+        -inf on the CPU).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As `attention`, plus cu_seqlens that are not int32 (B + 1,) arrays. For NumPy inputs
+        also offsets that do not start at 0, decrease, or pass the tensors' rows, and sequences
+        longer than max_seqlen. GPU inputs: the offsets live on the device and are not read back
+        (no synchronisation); wrong offsets or a too small max_seqlen are the caller's error.
+    """
+    prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        causal=causal, scale=scale, return_lse=return_lse, out=out,
+                        stream=stream, kernel=kernel)
+    o, lse = varlen_numpy(prob) if prob.backend == "cpu" else varlen_gpu(prob)
+    return (o, lse) if prob.return_lse else o

@@ -1,0 +1,443 @@
+// attn_decode.cu: decoding attention (few query rows, many keys) for float16 / bfloat16, sm_80+,
+// with the query heads of a grouped-query group packed into one tile, the keys split across
+// warps and blocks, and K/V read from a dense tensor, a contiguous KV cache or a paged one.
+//
+// Work split. A block owns one 16-row tile of "packed rows" of one (batch, kv head) entry and
+// one split of its keys. Packed row r = i * G + j is query i (< Sq) of query head j (< G) of the
+// group, so a K/V tile in shared memory feeds every query head that uses it: K and V are read
+// once per group (per 16-row tile when G * Sq > 16). Within the block each of the NWARPS warps
+// walks its own key tiles (tile t of the split goes to warp t % NWARPS) with its own two-stage
+// cp.async pipeline: no block-wide barrier in the main loop. Per tile a warp computes the 16 x BN
+// scores with mma.sync m16n8k16 (Q by ldmatrix from shared memory, K by ldmatrix), the online
+// softmax (common.cuh: softmax_step, lazy rescaling), and O += P V (V by ldmatrix.trans).
+//
+// Epilogue. The warps' states (m, l, O) merge through shared memory in warp order; the block
+// then writes either the final o and lse (one split) or a normalised partial (o, lse) in float32
+// to the workspace, which `cuflash_decode_combine` merges over the splits in split order with
+// the merge operator (merge.cu's rule). Nothing depends on timing: results are bitwise equal
+// from run to run for a given split count, which the host derives from the problem and the
+// device's SM count only.
+//
+// Addressing (DecodeParams). Batch entries are up to three collapsed axes (nb0, nb1, nb2) with a
+// stride each; the group axis has a stride for q, o and lse (K and V do not move along it).
+// KV cache: `seqlens` (int32 per index along axis 1, the sequence) gives each sequence's number
+// of keys, and `block_table` (int32, a row of page numbers per sequence) maps key j to page
+// block_table[seq][j >> page_log2], row j & (page - 1); the page's first element is
+// page * k_page (v_page), its rows k_sr (v_sr) apart, axis 2 (the kv head) k_s2 (v_s2) apart.
+// A page holds at least BN keys and BN divides it, so each key tile lies in one page.
+// Packed variable-length batches (`cu_q`, `cu_k`, FlashAttention's cu_seqlens): sequence s has
+// cu_q[s + 1] - cu_q[s] query rows from row cu_q[s] of q (and o, lse) and cu_k[s + 1] - cu_k[s]
+// keys from row cu_k[s] of k and v; sq and sk are then the largest of them, the grid covers
+// ceil(G * sq / 16) row tiles per sequence and the tiles past a sequence's rows exit at once.
+// Causal masks are bottom-right aligned per sequence: query i sees keys j <= i + Sk_seq - Sq_seq.
+#include "common.cuh"
+
+namespace cuflash {
+
+struct DecodeParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;              // null: no lse wanted (one split only)
+    float* o_part;           // (entries, splits, RPAD, DPAD) float32 partial outputs, or null
+    float* lse_part;         // (entries, splits, RPAD) partial lse
+    const int* seqlens;      // per sequence key counts, or null: every sequence has sk keys
+    const int* block_table;  // paged cache, or null
+    const int* cu_q;         // packed variable-length batch: query rows of sequence s start at
+    const int* cu_k;         // cu_q[s] (keys at cu_k[s]), s = the index along axis 1; or null
+    long long sq, sk, d, g;  // queries, keys (max), head dim, query heads per kv head
+    long long nb0, nb1, nb2;
+    long long q_s0, q_s1, q_s2, q_sg, q_sr;
+    long long k_s0, k_s1, k_s2, k_sr;
+    long long v_s0, v_s1, v_s2, v_sr;
+    long long o_s0, o_s1, o_s2, o_sg, o_sr;
+    long long l_s0, l_s1, l_s2, l_sg, l_sr;
+    long long n_rtiles;      // 16-row tiles per entry: ceil(G * Sq / 16)
+    long long n_splits;      // key splits per (entry, row tile)
+    long long split_tiles;   // key tiles of BN per split
+    long long page_log2;     // paged: log2(page size); bt_stride: pages per table row
+    long long bt_stride;
+    long long k_page, v_page;
+    double scale_log2;
+};
+static_assert(sizeof(DecodeParams) == 49 * 8, "DecodeParams must match cuflash/_decode.py");
+
+template <int DPAD, int BN, int NWARPS>
+struct DecodeConfig {
+    static constexpr int S = DPAD + 8;          // row stride (elements): conflict-free ldmatrix
+    static constexpr int THREADS = 32 * NWARPS;
+    static constexpr int NT_S = BN / 8;
+    static constexpr int NT_O = DPAD / 8;
+    static constexpr int STAGE = 2 * BN * S;    // K then V of one tile, elements
+    static constexpr int WARP_ELEMS = 2 * STAGE;  // two stages per warp
+    static constexpr int OS = DPAD + 4;         // float row stride of the epilogue's O
+    static_assert(DPAD % 16 == 0 && BN % 16 == 0, "tile shapes are multiples of 16");
+};
+
+struct Entry { long long q, k, v, o, l; int seq, kvh; };
+
+__device__ __forceinline__ Entry entry_offsets(const DecodeParams& p, unsigned int e) {
+    const unsigned int n2 = static_cast<unsigned int>(p.nb2), n1 = static_cast<unsigned int>(p.nb1);
+    const unsigned int i2 = e % n2, t = e / n2;
+    const unsigned int i1 = t % n1, i0 = t / n1;
+    Entry r;
+    r.q = i0 * p.q_s0 + i1 * p.q_s1 + (long long)i2 * p.q_s2;
+    r.k = i0 * p.k_s0 + i1 * p.k_s1 + (long long)i2 * p.k_s2;
+    r.v = i0 * p.v_s0 + i1 * p.v_s1 + (long long)i2 * p.v_s2;
+    r.o = i0 * p.o_s0 + i1 * p.o_s1 + (long long)i2 * p.o_s2;
+    r.l = i0 * p.l_s0 + i1 * p.l_s1 + (long long)i2 * p.l_s2;
+    r.seq = static_cast<int>(i1);
+    r.kvh = static_cast<int>(i2);
+    return r;
+}
+
+// A sequence's query rows and keys, moving the entry's offsets to its first row when packed.
+struct SeqRange { int sq, sk; };
+__device__ __forceinline__ SeqRange seq_range(const DecodeParams& p, Entry& off) {
+    SeqRange r{static_cast<int>(p.sq), p.seqlens ? p.seqlens[off.seq] : static_cast<int>(p.sk)};
+    if (p.cu_q) {
+        const long long q0 = p.cu_q[off.seq];
+        r.sq = p.cu_q[off.seq + 1] - static_cast<int>(q0);
+        off.q += q0 * p.q_sr;
+        off.o += q0 * p.o_sr;
+        off.l += q0 * p.l_sr;
+    }
+    if (p.cu_k) {
+        const long long k0 = p.cu_k[off.seq];
+        r.sk = p.cu_k[off.seq + 1] - static_cast<int>(k0);
+        off.k += k0 * p.k_sr;
+        off.v += k0 * p.v_sr;
+    }
+    return r;
+}
+
+// One warp's copy of key tile `tile` (BN keys from key0 = tile * BN) of K and V into `dst`
+// (K rows then V rows, stride S), zero-filling keys >= sk and columns >= d.
+// Paged: `page` is the tile's page number, read ahead by the caller (page_of) so that the
+// table's latency is not on the path of the copy.
+template <typename T, int DPAD, int BN, bool PAGED>
+__device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, const T* k,
+                                             const T* v, int kvh, int page, int tile, int sk,
+                                             int d, int lane) {
+    using Cfg = DecodeConfig<DPAD, BN, 1>;
+    constexpr int EPC = 8, CHUNKS = DPAD / EPC;
+    const int key0 = tile * BN;
+    const T* kb;
+    const T* vb;
+    if constexpr (PAGED) {
+        const long long in_page = key0 & ((1 << p.page_log2) - 1);
+        kb = static_cast<const T*>(p.k) + page * p.k_page + kvh * p.k_s2 + in_page * p.k_sr;
+        vb = static_cast<const T*>(p.v) + page * p.v_page + kvh * p.v_s2 + in_page * p.v_sr;
+    } else {
+        kb = k + key0 * p.k_sr;
+        vb = v + key0 * p.v_sr;
+    }
+#pragma unroll
+    for (int i = lane; i < BN * CHUNKS; i += 32) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        const bool ok = key0 + r < sk && c * EPC < d;
+        cp_async16(smem_addr(dst + r * Cfg::S + c * EPC), ok ? kb + r * p.k_sr + c * EPC : k,
+                   ok ? 16 : 0);
+        cp_async16(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
+                   ok ? vb + r * p.v_sr + c * EPC : v, ok ? 16 : 0);
+    }
+}
+
+// The page holding key tile `tile` of sequence `seq` (0 when not paged or past the tiles).
+template <int BN, bool PAGED>
+__device__ __forceinline__ int page_of(const DecodeParams& p, int seq, int tile, int t_end) {
+    if constexpr (!PAGED) return 0;
+    return tile < t_end ? p.block_table[seq * p.bt_stride + ((tile * BN) >> p.page_log2)] : 0;
+}
+
+template <typename T, int DPAD, int BN, int NWARPS, bool CAUSAL, bool PAGED>
+__global__ void __launch_bounds__(32 * NWARPS)
+cuflash_attn_decode(const DecodeParams p) {
+    using Cfg = DecodeConfig<DPAD, BN, NWARPS>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* q_s = reinterpret_cast<T*>(smem_raw);
+    T* kv_s = q_s + 16 * Cfg::S;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int gq = lane / 4, t4 = lane % 4;
+    // blockIdx.x = (entry * n_rtiles + rtile) * n_splits + split
+    const unsigned int flat = blockIdx.x;
+    const unsigned int split = flat % static_cast<unsigned int>(p.n_splits);
+    const unsigned int er = flat / static_cast<unsigned int>(p.n_splits);
+    const unsigned int rtile = er % static_cast<unsigned int>(p.n_rtiles);
+    const unsigned int entry = er / static_cast<unsigned int>(p.n_rtiles);
+    Entry off = entry_offsets(p, entry);
+    const int d = static_cast<int>(p.d), G = static_cast<int>(p.g);
+    const SeqRange sr = seq_range(p, off);
+    const int sq = sr.sq, sk = sr.sk;
+    const int rows = G * sq;
+    const int r0 = static_cast<int>(rtile) * 16;
+    if (r0 >= rows) return;  // a row tile past this sequence's rows (the whole block leaves)
+    const T* q = static_cast<const T*>(p.q) + off.q;
+    const T* k = static_cast<const T*>(p.k) + off.k;
+    const T* v = static_cast<const T*>(p.v) + off.v;
+
+    // Q tile: packed row r -> (query r / G, head r % G); rows >= G * Sq are zero.
+    {
+        constexpr int CHUNKS = DPAD / 8;
+        for (int i = tid; i < 16 * CHUNKS; i += Cfg::THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const int pr = r0 + r;
+            const bool ok = pr < rows && c * 8 < d;
+            const T* src = ok ? q + (pr % G) * p.q_sg + (long long)(pr / G) * p.q_sr + c * 8 : q;
+            cp_async16(smem_addr(q_s + r * Cfg::S + c * 8), src, ok ? 16 : 0);
+        }
+        cp_async_commit();
+    }
+
+    // This block's key tiles: split `split` of the keys its last query row can see.
+    const int last_q = min(sq - 1, (min(r0 + 16, rows) - 1) / G);
+    const int keys = CAUSAL ? max(0, min(sk, last_q + sk - sq + 1)) : sk;
+    const int n_tiles = (keys + BN - 1) / BN;
+    const int t_begin = static_cast<int>(split) * static_cast<int>(p.split_tiles);
+    const int t_end = min(n_tiles, t_begin + static_cast<int>(p.split_tiles));
+
+    T* my = kv_s + warp * Cfg::WARP_ELEMS;
+    float acc_o[Cfg::NT_O][4];
+#pragma unroll
+    for (int i = 0; i < Cfg::NT_O; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+    float m_run[2] = {neg_inf<float>(), neg_inf<float>()}, l_run[2] = {0.f, 0.f};
+    // Query index of this lane's two rows (gq and gq + 8 of the tile), for the causal mask.
+    const int qi0 = (r0 + gq) / G, qi1 = (r0 + gq + 8) / G;
+    const int diag = sk - sq;
+
+    const int lr = lane % 8, lm = lane / 8;
+    const unsigned int q_base = smem_addr(q_s + (lr + 8 * (lm % 2)) * Cfg::S + 8 * (lm / 2));
+    const unsigned int k_off = ((lr + 8 * (lm / 2)) * Cfg::S + 8 * (lm % 2)) * 2;
+    const unsigned int v_off = ((BN + lr + 8 * (lm % 2)) * Cfg::S + 8 * (lm / 2)) * 2;
+
+    int t = t_begin + warp;
+    int page_next = page_of<BN, PAGED>(p, off.seq, t + NWARPS, t_end);  // one tile ahead
+    if (t < t_end)
+        load_kv_tile<T, DPAD, BN, PAGED>(my, p, k, v, off.kvh, page_of<BN, PAGED>(p, off.seq, t,
+                                         t_end), t, sk, d, lane);
+    cp_async_commit();
+    cp_async_wait<1>();  // this thread's Q chunks have landed (its first K/V tile may not)
+    __syncthreads();     // and everyone's: the whole Q tile is visible
+    int stage = 0;
+#pragma unroll 1
+    for (; t < t_end; t += NWARPS) {
+        const int tn = t + NWARPS;
+        const int page_tn = page_next;
+        page_next = page_of<BN, PAGED>(p, off.seq, tn + NWARPS, t_end);  // used next iteration
+        if (tn < t_end)
+            load_kv_tile<T, DPAD, BN, PAGED>(my + (stage ^ 1) * Cfg::STAGE, p, k, v, off.kvh,
+                                             page_tn, tn, sk, d, lane);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile t has landed for this lane ...
+        __syncwarp();        // ... and for the whole warp, which alone reads it
+        const unsigned int kv_base = smem_addr(my + stage * Cfg::STAGE);
+        float s[Cfg::NT_S][4];
+#pragma unroll
+        for (int i = 0; i < Cfg::NT_S; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+            unsigned int a[4];
+            ldmatrix_x4(q_base + kk * 32, a[0], a[1], a[2], a[3]);
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                unsigned int b0, b1, b2, b3;
+                ldmatrix_x4(kv_base + k_off + (nn * 16 * Cfg::S + kk * 16) * 2, b0, b1, b2, b3);
+                Mma<T>::run(s[2 * nn], a, b0, b1);
+                Mma<T>::run(s[2 * nn + 1], a, b2, b3);
+            }
+        }
+        const int key0 = t * BN;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + nt * 8 + 2 * t4 + (e % 2);
+                bool ok = key < sk;
+                if (CAUSAL) ok = ok && key <= ((e / 2) ? qi1 : qi0) + diag;
+                s[nt][e] = ok ? s[nt][e] : neg_inf<float>();
+            }
+        float alpha[2];
+        softmax_step<Cfg::NT_S, false>(s, m_run, l_run, alpha, false, 0, t4, sk, 0, 0,
+                                       static_cast<float>(p.scale_log2));
+        rescale_rows<Cfg::NT_O>(acc_o, alpha);
+        unsigned int pk[BN / 16][4];
+        pack_p<T, Cfg::NT_S>(s, pk);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int nn = 0; nn < DPAD / 16; ++nn) {
+                unsigned int b0, b1, b2, b3;
+                ldmatrix_x4_trans(kv_base + v_off + (kk * 16 * Cfg::S + nn * 16) * 2, b0, b1, b2,
+                                  b3);
+                Mma<T>::run(acc_o[2 * nn], pk[kk], b0, b1);
+                Mma<T>::run(acc_o[2 * nn + 1], pk[kk], b2, b3);
+            }
+        __syncwarp();  // every lane is done with this stage before it is refilled
+        stage ^= 1;
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the row sums over the quad
+        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+    }
+    __syncthreads();  // every warp is out of its tiles: the K/V space holds the warps' O now
+
+    // Merge the warps' states in warp order. O of warp w: 16 x DPAD floats at ob + w * 16 * OS.
+    float* ob = reinterpret_cast<float*>(kv_s);
+    float* mb = ob + NWARPS * 16 * Cfg::OS;   // m (scaled to exp2 units) per warp and row
+    float* lb = mb + NWARPS * 16;             // l per warp and row
+    const float c = static_cast<float>(p.scale_log2);
+#pragma unroll
+    for (int nt = 0; nt < Cfg::NT_O; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            ob[(warp * 16 + gq + 8 * (e / 2)) * Cfg::OS + nt * 8 + 2 * t4 + (e % 2)] = acc_o[nt][e];
+    if (t4 == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mb[warp * 16 + gq + 8 * h] = m_run[h] == neg_inf<float>() ? m_run[h] : m_run[h] * c;
+            lb[warp * 16 + gq + 8 * h] = l_run[h];
+        }
+    }
+    __syncthreads();
+
+    const bool one = p.n_splits == 1;
+    for (int i = tid; i < 16 * DPAD; i += Cfg::THREADS) {
+        const int r = i / DPAD, col = i % DPAD;
+        const int pr = r0 + r;
+        if (pr >= rows || col >= d) continue;
+        float mx = neg_inf<float>();
+        bool nan_row = false;  // a NaN (or +inf) score: l is NaN, and so is the row's result
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            mx = fmaxf(mx, mb[w * 16 + r]);
+            nan_row = nan_row || isnan(lb[w * 16 + r]);
+        }
+        float l = 0.f, acc = 0.f;
+        if (mx != neg_inf<float>()) {
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) {
+                const float mw = mb[w * 16 + r];
+                const float f = mw == neg_inf<float>() ? 0.f : fast_exp2(mw - mx);
+                l += f * lb[w * 16 + r];
+                acc += f * ob[(w * 16 + r) * Cfg::OS + col];
+            }
+        }
+        float val = l > 0.f ? acc / l : 0.f;
+        float lse = l > 0.f ? (mx + __log2f(l)) * 0.6931471805599453f : neg_inf<float>();
+        if (nan_row) val = lse = __int_as_float(0x7fc00000);
+        const int qi = pr / G, hj = pr % G;
+        if (one) {
+            T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi * p.o_sr;
+            o[col] = from_acc<T>(val);
+            if (col == 0 && p.lse) p.lse[off.l + hj * p.l_sg + (long long)qi * p.l_sr] = lse;
+        } else {
+            const long long prow = (static_cast<long long>(entry) * p.n_splits + split)
+                                   * (16 * p.n_rtiles) + pr;
+            p.o_part[prow * DPAD + col] = val;
+            if (col == 0) p.lse_part[prow] = lse;
+        }
+    }
+}
+
+// Merge the splits' partial (o, lse) of each packed row, in split order (merge.cu's operator):
+// lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. One block of 128 threads per row.
+// The split weights go through shared memory once (a loop of dependent global loads per
+// thread cost ~1 us per split); the o_s loads of a thread are independent and unrolled.
+constexpr int MAX_SPLITS = 256;  // cuflash/_decode.py caps the split count here
+template <typename T, int DPAD>
+__global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams p) {
+    __shared__ float w_s[MAX_SPLITS];
+    __shared__ float red[3];
+    const unsigned int rows = static_cast<unsigned int>(p.g * p.sq);
+    const unsigned int entry = blockIdx.x / rows, pr = blockIdx.x % rows;
+    Entry off = entry_offsets(p, entry);
+    if (pr >= static_cast<unsigned int>(p.g * seq_range(p, off).sq)) return;
+    const int ns = static_cast<int>(p.n_splits);
+    const long long rpad = 16 * p.n_rtiles;
+    const long long base = static_cast<long long>(entry) * ns * rpad + pr;
+    for (int s = threadIdx.x; s < ns; s += 128) w_s[s] = p.lse_part[base + s * rpad];
+    __syncthreads();
+    if (threadIdx.x == 0) {  // fixed order: bitwise reproducible
+        float mx = neg_inf<float>();
+        bool nan = false;    // a split whose row met a NaN score: the row is NaN
+        for (int s = 0; s < ns; ++s) {
+            mx = fmaxf(mx, w_s[s]);
+            nan = nan || isnan(w_s[s]);
+        }
+        float sum = 0.f;
+        if (mx != neg_inf<float>() && !nan)
+            for (int s = 0; s < ns; ++s) sum += expf(w_s[s] - mx);
+        red[0] = mx;
+        red[1] = sum;
+        red[2] = nan ? 1.f : 0.f;
+    }
+    __syncthreads();
+    const float mx = red[0], sum = red[1];
+    const bool nan_row = red[2] != 0.f;
+    for (int s = threadIdx.x; s < ns; s += 128)
+        w_s[s] = (sum > 0.f && w_s[s] != neg_inf<float>()) ? expf(w_s[s] - mx) / sum : 0.f;
+    __syncthreads();
+    const int qi = pr / static_cast<unsigned int>(p.g), hj = pr % static_cast<unsigned int>(p.g);
+    T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi * p.o_sr;
+    const float* op = p.o_part + base * DPAD;
+    for (int col = threadIdx.x; col < p.d; col += 128) {
+        float acc = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < ns; ++s) acc += w_s[s] * op[s * rpad * DPAD + col];
+        o[col] = from_acc<T>(nan_row ? __int_as_float(0x7fc00000) : acc);
+    }
+    if (threadIdx.x == 0 && p.lse)
+        p.lse[off.l + hj * p.l_sg + (long long)qi * p.l_sr] =
+            nan_row ? __int_as_float(0x7fc00000) : sum > 0.f ? mx + logf(sum) : neg_inf<float>();
+}
+
+// Append new keys and values to a KV cache in place: row n of k_new (seq b, kv head h) goes to
+// key seqlens[b] + n of sequence b (through the block table when paged). One 16-byte chunk a
+// thread. k_new/v_new: (B, Snew, Hkv, D) with strides nk_s1 (seq), nk_sr (row), nk_s2 (head).
+struct AppendParams {
+    const void* k_new;
+    const void* v_new;
+    void* k;
+    void* v;
+    const int* seqlens;
+    const int* block_table;
+    long long b, snew, hkv, d;
+    long long nk_s1, nk_sr, nk_s2, nv_s1, nv_sr, nv_s2;
+    long long k_s1, k_sr, k_s2, v_s1, v_sr, v_s2;
+    long long page_log2, bt_stride, k_page, v_page;
+};
+static_assert(sizeof(AppendParams) == 26 * 8, "AppendParams must match cuflash/_decode.py");
+
+template <typename T, bool PAGED>
+__global__ void cuflash_kv_append(const AppendParams p) {
+    const long long chunks = p.d / 8;
+    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= p.b * p.snew * p.hkv * chunks) return;
+    const long long c = idx % chunks;
+    long long t = idx / chunks;
+    const long long h = t % p.hkv;
+    t /= p.hkv;
+    const long long n = t % p.snew;
+    const long long b = t / p.snew;
+    const long long key = p.seqlens[b] + n;
+    long long kdst, vdst;
+    if constexpr (PAGED) {
+        const long long page = p.block_table[b * p.bt_stride + (key >> p.page_log2)];
+        const long long in_page = key & ((1LL << p.page_log2) - 1);
+        kdst = page * p.k_page + in_page * p.k_sr + h * p.k_s2;
+        vdst = page * p.v_page + in_page * p.v_sr + h * p.v_s2;
+    } else {
+        kdst = b * p.k_s1 + key * p.k_sr + h * p.k_s2;
+        vdst = b * p.v_s1 + key * p.v_sr + h * p.v_s2;
+    }
+    const T* kn = static_cast<const T*>(p.k_new) + b * p.nk_s1 + n * p.nk_sr + h * p.nk_s2;
+    const T* vn = static_cast<const T*>(p.v_new) + b * p.nv_s1 + n * p.nv_sr + h * p.nv_s2;
+    reinterpret_cast<uint4*>(static_cast<T*>(p.k) + kdst)[c] = reinterpret_cast<const uint4*>(kn)[c];
+    reinterpret_cast<uint4*>(static_cast<T*>(p.v) + vdst)[c] = reinterpret_cast<const uint4*>(vn)[c];
+}
+
+}  // namespace cuflash

@@ -1,0 +1,266 @@
+"""GPU tests of the inference features (issue 14) against the float64 reference, on fresh random
+inputs, with every output poisoned with NaN so an unwritten element fails. Skipped without a GPU."""
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+
+from gpu_util import (bf16_dtype, check_against_reference, check_grads_against_reference, cupy,
+                      poisoned, to_gpu, to_host64)
+
+pytestmark = pytest.mark.gpu
+
+SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+
+
+def _rng(*key):
+    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+
+
+def _skip(dtype):
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes (CuPy's bfloat16 dtype)")
+
+
+def _cc():
+    return int(cupy().cuda.Device().compute_capability)
+
+
+def _kernels():
+    ks = ["auto", "generic"]
+    if cuflash.gpu_available() and _cc() >= 80:
+        ks.append("tensorcore")
+    if cuflash.gpu_available() and _cc() == 90:
+        ks.append("hopper")
+    return ks
+
+
+def _rnd(rng, shape, dtype):
+    return reference.round_to(rng.standard_normal(shape), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped-query heads through `attention` and `attention_backward`
+
+@pytest.mark.parametrize("kernel", ["auto", "generic", "tensorcore", "hopper"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("h,hkv,sq,sk", [(32, 32, 1, 1000), (32, 8, 1, 113), (32, 1, 7, 1000),
+                                         (8, 2, 113, 1000), (32, 4, 1000, 7)])
+def test_gqa_forward(h, hkv, sq, sk, dtype, causal, kernel):
+    _skip(dtype)
+    if kernel not in _kernels():
+        pytest.skip(f"kernel={kernel!r} does not run on this GPU")
+    if kernel == "hopper" and dtype == "float32":
+        pytest.skip("the Hopper kernel takes 16-bit inputs")
+    rng = _rng("gqa", h, hkv, sq, sk, dtype, causal, kernel)
+    d = 128 if sq * sk < 100000 else 64
+    q, k, v = (_rnd(rng, s, dtype) for s in ((2, h, sq, d), (2, hkv, sk, d), (2, hkv, sk, d)))
+    # q as a (B, S, H, D) buffer seen through a transposed view
+    qg = to_gpu(np.ascontiguousarray(q.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
+    kg, vg = to_gpu(k, dtype), to_gpu(v, dtype)
+    o, lse = poisoned((2, h, sq, d), dtype), poisoned((2, h, sq), "float32")
+    res = cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse),
+                            kernel=kernel)
+    assert res[0] is o and res[1] is lse
+    cupy().cuda.get_current_stream().synchronize()
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("h,hkv,sq,sk", [(8, 2, 7, 113), (32, 8, 1, 1000), (4, 1, 113, 7)])
+def test_gqa_backward(h, hkv, sq, sk, dtype, causal):
+    rng = _rng("gqa-bwd", h, hkv, sq, sk, dtype, causal)
+    d = 64
+    q, k, v = (_rnd(rng, s, dtype) for s in ((2, h, sq, d), (2, hkv, sk, d), (2, hkv, sk, d)))
+    do = _rnd(rng, (2, h, sq, d), dtype)
+    qg, kg, vg, dog = (to_gpu(x, dtype) for x in (q, k, v, do))
+    o, lse = cuflash.attention(qg, kg, vg, causal=causal, return_lse=True)
+    outs = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
+    grads = cuflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal, out=outs)
+    assert all(g is b for g, b in zip(grads, outs))
+    cupy().cuda.get_current_stream().synchronize()
+    check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                                  dtype=dtype, label="gqa")
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode kernel (kernels_cu/attn_decode.cu) through `attention(kernel="decode")`
+
+DECODE_CASES = [  # (B, H, Hkv, Sq, Sk, D)
+    (1, 32, 8, 1, 1000, 128),    # B = 1: many splits
+    (2, 32, 32, 1, 113, 128),    # plain multi-head, tail tile
+    (3, 32, 1, 1, 7, 64),        # one kv head, 32 query heads: two row tiles
+    (2, 8, 2, 7, 1000, 256),     # Sq > 1
+    (1, 4, 4, 1, 1, 128),        # one key
+    (2, 16, 4, 16, 300, 96),     # 64 packed rows, padded head dim
+    (1, 32, 4, 3, 8192, 128),    # long keys, 24 rows, splits
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("b,h,hkv,sq,sk,d", DECODE_CASES)
+def test_decode_kernel(b, h, hkv, sq, sk, d, dtype, causal):
+    _skip(dtype)
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    rng = _rng("decode", b, h, hkv, sq, sk, d, dtype, causal)
+    q, k, v = (_rnd(rng, s, dtype) for s in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d)))
+    # K and V as (B, Sk, Hkv, D) cache-like buffers seen through transposed views
+    qg = to_gpu(q, dtype)
+    kg = to_gpu(np.ascontiguousarray(k.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
+    vg = to_gpu(np.ascontiguousarray(v.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
+    assert cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel="decode").startswith("decode")
+    o, lse = poisoned((b, h, sq, d), dtype), poisoned((b, h, sq), "float32")
+    cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), kernel="decode")
+    o2 = cuflash.attention(qg, kg, vg, causal=causal, kernel="decode")
+    cupy().cuda.get_current_stream().synchronize()
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+    assert cupy().array_equal(o.view(cupy().uint16), o2.view(cupy().uint16)), \
+        "decode results differ between two runs"
+
+
+def test_decode_is_auto_for_single_token_gqa():
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    cp = cupy()
+    q = cp.ones((1, 32, 1, 128), cp.float16)
+    k = cp.ones((1, 8, 4096, 128), cp.float16)
+    assert cuflash.dispatch_info(q, k, k).startswith("decode<float16,D128")
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_with_kvcache on the GPU (decode kernel through the block table, in-place append)
+
+from kvcache_util import check_kvcache_result, make_cache  # noqa: E402
+
+KV_CASES = [  # (page or None, group, Sq, Snew, lens)
+    (None, 4, 1, 0, (0, 1, 7, 1000)),
+    (None, 8, 1, 1, (0, 1, 113, 5000)),
+    (16, 1, 1, 1, (0, 15, 16, 1000)),      # appends at a page end and crossing one
+    (16, 4, 4, 4, (1, 14, 30, 3000)),      # Sq > 1 with as many new keys (speculative)
+    (32, 8, 1, 0, (1, 7, 113, 1000)),
+    (64, 32, 2, 3, (0, 62, 63, 2000)),     # group of 32: 64 packed rows
+    (256, 4, 1, 1, (255, 1, 300, 9000)),
+    (16, 4, 16, 16, (0, 5, 200, 1500)),    # 64 packed rows, new keys spanning pages
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("page,group,sq,snew,lens", KV_CASES)
+def test_kvcache_gpu(page, group, sq, snew, lens, dtype, causal):
+    _skip(dtype)
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    cp = cupy()
+    rng = _rng("kvgpu", page, group, sq, snew, lens, dtype, causal)
+    hkv, d = 2, 128
+    lens = np.array(lens, np.int32)
+    b = lens.size
+    k, v, bt = make_cache(rng, b=b, hkv=hkv, d=d, lens=lens, snew=snew, page=page, dtype=dtype)
+    q = _rnd(rng, (b, sq, hkv * group, d), dtype)
+    kn = vn = None
+    if snew:
+        kn, vn = (_rnd(rng, (b, snew, hkv, d), dtype) for _ in range(2))
+    kg, vg = to_gpu(k, dtype), to_gpu(v, dtype)
+    o, lse = poisoned((b, sq, hkv * group, d), dtype), poisoned((b, hkv * group, sq), "float32")
+    res = cuflash.attention_with_kvcache(
+        to_gpu(q, dtype), kg, vg, cp.asarray(lens), block_table=None if bt is None else
+        cp.asarray(bt), k_new=None if kn is None else to_gpu(kn, dtype),
+        v_new=None if vn is None else to_gpu(vn, dtype), causal=causal, return_lse=True,
+        out=(o, lse))
+    assert res[0] is o and res[1] is lse
+    cp.cuda.get_current_stream().synchronize()
+    check_kvcache_result(to_host64(o), to_host64(lse), q, k, v, lens, block_table=bt, k_new=kn,
+                         v_new=vn, causal=causal, dtype=dtype)
+    if snew:  # the append happened in place, into the right pages
+        kh, vh = to_host64(kg), to_host64(vg)
+        for i in range(b):
+            k_i, v_i = reference.gather_kv_cache(kh, vh, int(lens[i]) + snew, i, bt)
+            np.testing.assert_array_equal(k_i[lens[i]:], kn[i])
+            np.testing.assert_array_equal(v_i[lens[i]:], vn[i])
+
+
+def test_kvcache_paged_matches_contiguous_bitwise():
+    """The same keys in a contiguous and in a paged (page 16) cache give identical results."""
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    cp = cupy()
+    rng = _rng("paged-eq")
+    b, hkv, g, d, page = 3, 8, 4, 128, 16
+    lens = np.array([1, 777, 4096], np.int32)
+    k, v, bt = make_cache(rng, b=b, hkv=hkv, d=d, lens=lens, snew=0, page=page, dtype="float16")
+    kc = np.zeros((b, 4096, hkv, d))
+    vc = np.zeros_like(kc)
+    for i in range(b):
+        k_i, v_i = reference.gather_kv_cache(k, v, int(lens[i]), i, bt)
+        kc[i, :lens[i]], vc[i, :lens[i]] = k_i, v_i
+    q = to_gpu(_rnd(rng, (b, 1, hkv * g, d), "float16"), "float16")
+    o1 = cuflash.attention_with_kvcache(q, to_gpu(k, "float16"), to_gpu(v, "float16"),
+                                        cp.asarray(lens), block_table=cp.asarray(bt))
+    o2 = cuflash.attention_with_kvcache(q, to_gpu(kc, "float16"), to_gpu(vc, "float16"),
+                                        cp.asarray(lens))
+    assert cp.array_equal(o1.view(cp.uint16), o2.view(cp.uint16))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen on the GPU (decode kernel family with per-sequence offsets)
+
+from varlen_util import check_varlen_result, make_varlen  # noqa: E402
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("h,hkv,d,lens_q,lens_k", [
+    (8, 8, 128, (1, 7, 113, 1000), (1, 7, 113, 1000)),
+    (32, 8, 128, (1, 300, 5, 2000), (64, 300, 7, 2000)),     # Sq != Sk
+    (4, 1, 64, (3, 0, 17), (3, 9, 0)),                        # no queries; no keys
+    (16, 4, 256, (250, 1), (250, 4096)),
+])
+def test_varlen_gpu(h, hkv, d, lens_q, lens_k, dtype, causal):
+    _skip(dtype)
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    cp = cupy()
+    rng = _rng("varlen-gpu", h, hkv, d, lens_q, dtype, causal)
+    q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens_q), np.array(lens_k), h, hkv, d, dtype)
+    o, lse = poisoned((q.shape[0], h, d), dtype), poisoned((h, q.shape[0]), "float32")
+    res = cuflash.attention_varlen(to_gpu(q, dtype), to_gpu(k, dtype), to_gpu(v, dtype),
+                                   cp.asarray(cu_q), cp.asarray(cu_k), max(lens_q), max(lens_k),
+                                   causal=causal, return_lse=True, out=(o, lse))
+    assert res[0] is o and res[1] is lse
+    cp.cuda.get_current_stream().synchronize()
+    check_varlen_result(to_host64(o), to_host64(lse), q, k, v, cu_q, cu_k, causal=causal,
+                        dtype=dtype)
+
+
+@pytest.mark.parametrize("sk", [64, 8192])       # one split; many splits (the combine)
+@pytest.mark.parametrize("where", ["q-head3", "k-key200-inf", "v-key100-nan", "v-key100-inf"])
+def test_decode_nonfinite(where, sk):
+    """NaN and inf reach exactly the rows (and columns) the float64 reference puts them in."""
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    rng = _rng("decode-nonfinite", where, sk)
+    b, h, hkv, d = 1, 8, 2, 128
+    q, k, v = (_rnd(rng, s, "float16") for s in ((b, h, 1, d), (b, hkv, sk, d), (b, hkv, sk, d)))
+    if where == "q-head3":
+        q[0, 3, 0, :] = np.nan
+    elif where == "k-key200-inf":
+        k[0, 0, min(200, sk - 1), 7] = np.inf
+    else:
+        v[0, 1, 100, 5] = np.nan if where.endswith("nan") else np.inf
+    o, lse = poisoned((b, h, 1, d), "float16"), poisoned((b, h, 1), "float32")
+    cuflash.attention(*(to_gpu(x, "float16") for x in (q, k, v)), return_lse=True,
+                      out=(o, lse), kernel="decode")
+    cupy().cuda.get_current_stream().synchronize()
+    oh = to_host64(o)
+    rule = reference.pass_threshold(q, k, v, dtype="float16")
+    assert np.array_equal(np.isnan(oh), np.isnan(rule.o_ref)), "NaN positions differ"
+    verdict = rule.judge(oh)
+    assert verdict.passed, "; ".join(verdict.reasons)

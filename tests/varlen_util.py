@@ -1,0 +1,38 @@
+"""Shared by the varlen tests: packed random batches and the per-sequence float64 check."""
+import numpy as np
+
+from cuflash import reference
+
+
+def make_varlen(rng, lens_q, lens_k, h, hkv, d, dtype):
+    """(q, k, v, cu_q, cu_k) float64 arrays holding `dtype` values, packed with no gaps."""
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = reference.round_to(rng.standard_normal((int(cu_q[-1]), h, d)), dtype)
+    k = reference.round_to(rng.standard_normal((int(cu_k[-1]), hkv, d)), dtype)
+    v = reference.round_to(rng.standard_normal((int(cu_k[-1]), hkv, d)), dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def check_varlen_result(o, lse, q, k, v, cu_q, cu_k, *, causal, dtype):
+    """Each sequence of o (total_q, H, Dv) under the pass rule; lse (H, total_q) tightly."""
+    assert not np.isnan(o).any(), f"{int(np.isnan(o).sum())} output elements NaN (unwritten?)"
+    assert not np.isnan(lse).any(), "lse has NaN (unwritten?)"
+    o_ref, lse_ref = reference.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal)
+    for s in range(cu_q.size - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]))
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            assert np.all(o[q0:q1] == 0) and np.all(np.isneginf(lse[:, q0:q1]))
+            continue
+        qt, kt, vt = (x.transpose(1, 0, 2) for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        rule = reference.pass_threshold(qt, kt, vt, causal=causal, dtype=dtype,
+                                        o_ref=o_ref[q0:q1].transpose(1, 0, 2))
+        verdict = rule.judge(o[q0:q1].transpose(1, 0, 2))
+        assert verdict.passed, f"sequence {s} ({q1 - q0} x {k1 - k0}): " + "; ".join(
+            verdict.reasons)
+    fin = np.isfinite(lse_ref)
+    assert np.array_equal(np.isneginf(lse), ~fin), "lse = -inf exactly where no key is visible"
+    err = np.abs(lse[fin] - lse_ref[fin])
+    assert np.all(err <= 1e-4 + 1e-5 * np.abs(lse_ref[fin])), f"lse error {err.max():.3e}"
