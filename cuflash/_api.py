@@ -6,7 +6,8 @@ from . import _checks, _interop
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, stream=None,
-              kernel="auto", precision=None):
+              kernel="auto", precision=None, window=None, softcap=None, alibi_slopes=None,
+              bias=None, mask=None):
     """Exact scaled-dot-product attention, ``softmax(scale * q @ k^T [+ mask]) @ v``.
 
     Computed with the tiled online-softmax recurrence: no ``Sq x Sk`` matrix is formed and the
@@ -76,6 +77,25 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         float16/bfloat16 products are exact in float32 on every path, so precision changes
         nothing for them; float64 is always computed in float64. `dispatch_info` names the
         mode that runs.
+    window : (int, int), optional
+        Sliding window ``(left, right)``, bottom-right aligned as ``causal``: query ``i`` sees
+        keys ``j`` with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; -1 leaves a side
+        unbounded (FlashAttention's ``window_size``). With ``causal=True`` the two intersect:
+        the window with ``right = 0``.
+    softcap : float, optional
+        ``c > 0``: each scaled score ``t = scale * q . k`` becomes ``c * tanh(t / c)`` (before
+        alibi, bias and the masks). None or 0: off.
+    alibi_slopes : array, shape (H,) or (B, H), float32, optional
+        Adds ``-slope * |i + Sk - Sq - j|`` after the cap. Aligned with the trailing batch axes:
+        ``(H,)`` with ``batch[-1]``, ``(B, H)`` with ``batch[-2:]`` (size 1 broadcasts), on the
+        inputs' device.
+    bias : array, optional
+        An additive score term broadcastable to ``(..., Sq, Sk)`` (``...`` the batch; it may
+        not enlarge it), float16, bfloat16, float32 or float64, on the inputs' device; read one
+        tile at a time, never materialised. ``-inf`` entries mask.
+    mask : array of bool, optional
+        Broadcastable to ``(..., Sq, Sk)``; True = keep. Rows that the variant leaves with no
+        key give 0 and ``lse = -inf`` (never NaN). All variant semantics: `cuflash.variants`.
 
     Returns
     -------
@@ -108,17 +128,23 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     NaN where it meets a weight that rounded to 0 or an inf of the other sign.
     """
     prob = _checks.check_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
-                                   out=out, stream=stream, kernel=kernel, precision=precision)
+                                   out=out, stream=stream, kernel=kernel, precision=precision,
+                                   variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
+                                                           mask))
     if prob.backend == "cpu":
         from ._cpu import attention_numpy
 
         o, lse = attention_numpy(prob.q, prob.k, prob.v, causal=prob.causal, scale=prob.scale,
-                                 out=prob.out, need_lse=prob.return_lse)
+                                 out=prob.out, need_lse=prob.return_lse, variant=prob.variant)
         if prob.return_lse and prob.out_lse is not None:
             prob.out_lse[...] = lse
             lse = prob.out_lse
         return (o, lse) if prob.return_lse else o
     return _attention_gpu(prob)
+
+
+def _variant_kwargs(window, softcap, alibi_slopes, bias, mask):
+    return dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
 
 
 def _attention_gpu(prob):
@@ -190,14 +216,19 @@ def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):
     return o, lse
 
 
-def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None):
+def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None, window=None,
+                  softcap=None, alibi_slopes=None, bias=None, mask=None):
     """The name of the kernel `attention` would run for these arguments, e.g.
     ``"cpu-numpy"``, ``"generic<float16,D64,full>"`` or
     ``"tensorcore<float32,3xtf32,D128,BM64,BN64,stagedO,full>"`` (float32 on the tensor cores names
-    its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"). Validates like
-    `attention`; launches nothing."""
+    its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"). With a variant
+    (window, softcap, alibi_slopes, bias, mask) the label names its parts and, where a faster
+    kernel was passed over, why, e.g. ``"generic<float16,D64,causal,window(8,-1)> (variants run
+    on the generic kernel only so far)"``. Validates like `attention`; launches nothing."""
     prob = _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=False,
-                                   out=None, stream=None, kernel=kernel, precision=precision)
+                                   out=None, stream=None, kernel=kernel, precision=precision,
+                                   variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
+                                                           mask))
     if prob.backend == "cpu":
         return "cpu-numpy"
     from . import _dispatch, _launch
@@ -218,7 +249,9 @@ def gpu_available():
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, deterministic=False,
-                       out=None, workspace=None, stream=None, kernel="auto"):
+                       out=None, workspace=None, stream=None, kernel="auto", window=None,
+                       softcap=None, alibi_slopes=None, bias=None, mask=None,
+                       return_dbias=False):
     """Gradients of `attention`: ``(dq, dk, dv)`` for an upstream gradient ``do = dL/do``.
 
     Recomputes the attention probabilities tile by tile from q, k and the forward's ``lse``
@@ -275,6 +308,14 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         GPU only. ``"auto"`` lets the dispatcher pick; ``"generic"`` forces the scalar audit
         kernels (float32/float64 arithmetic, accurate exp). ``"tensorcore"`` and ``"hopper"``
         raise ValueError until backward kernels of those families exist.
+    window, softcap, alibi_slopes, bias, mask : optional
+        The forward's variant, as in `attention` (pass the same values). Under softcap the
+        gradient of the scaled score is ``dS * (1 - tanh(t / c)^2)``.
+    return_dbias : bool, optional
+        Also return ``dbias``, the gradient with respect to ``bias`` (needs ``bias``): the
+        gradient of the final scores, ``dS = P * (dP - delta)``, summed over the axes along which
+        ``bias`` broadcasts (a ``(Sq, Sk)`` bias shared by every head gets the sum over heads),
+        in the working precision, then rounded once to bias's dtype.
 
     Returns
     -------
@@ -284,6 +325,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         Summed over the batch axes along which q, k or v were broadcast (a shared key/value
         head gets the sum over the query heads that use it). NumPy arrays for CPU inputs, CuPy
         arrays for GPU inputs; ``out``'s buffers when given.
+    dbias : array, bias's shape and dtype
+        Only with ``return_dbias=True``: then the result is ``(dq, dk, dv, dbias)``.
 
     Raises
     ------
@@ -296,13 +339,17 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
     """
     prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
                                   deterministic=deterministic, out=out, workspace=workspace,
-                                  stream=stream, kernel=kernel)
+                                  stream=stream, kernel=kernel,
+                                  variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
+                                                          mask),
+                                  return_dbias=return_dbias)
     if prob.backend == "cpu":
         from ._cpu_backward import attention_backward_numpy
 
         return attention_backward_numpy(prob.do, prob.q, prob.k, prob.v, prob.o, prob.lse,
                                          causal=prob.causal, scale=prob.scale,
-                                         out=prob.out_grads)
+                                         out=prob.out_grads, variant=prob.variant,
+                                         return_dbias=prob.return_dbias)
     return _attention_backward_gpu(prob)
 
 
@@ -338,12 +385,17 @@ def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, dete
 
 
 def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=False,
-                           kernel="auto"):
+                           kernel="auto", window=None, softcap=None, alibi_slopes=None,
+                           bias=None, mask=None, return_dbias=False):
     """The name of the backward plan `attention_backward` would run, e.g. ``"cpu-numpy"`` or
-    ``"generic-bwd<float16,D64,full>"``. Validates like `attention_backward`; launches nothing."""
+    ``"generic-bwd<float16,D64,full>"``. Validates like `attention_backward` (variant arguments
+    included); launches nothing."""
     prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=None,
                                   deterministic=deterministic, out=None, workspace=None,
-                                  stream=None, kernel=kernel)
+                                  stream=None, kernel=kernel,
+                                  variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
+                                                          mask),
+                                  return_dbias=return_dbias)
     if prob.backend == "cpu":
         return "cpu-numpy"
     from . import _dispatch, _launch

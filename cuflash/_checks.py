@@ -54,6 +54,7 @@ class Problem:
     kernel: str
     device_id: Optional[int] = None
     precision: str = "highest"   # "highest" or "high" (see check_precision)
+    variant: Any = None          # None (plain) or a cuflash.variants.Variant (see check_variant)
 
     @property
     def o_shape(self):
@@ -76,6 +77,7 @@ class BackwardProblem(Problem):
     deterministic: bool = False
     out_grads: Any = None          # None or (dq, dk, dv) buffers with q's, k's, v's shapes
     workspace: Any = None          # None or a GPU byte buffer (see attention_backward)
+    return_dbias: bool = False     # also compute dbias (needs variant.bias)
 
     @property
     def grad_shapes(self):
@@ -234,10 +236,28 @@ def _check_qkv(q, k, v):
     return backend, device_id, q, k, v, dt, batch, int(sq), int(sk), int(d), int(dv)
 
 
+def check_variant(variant, backend, device_id, batch, sq, sk):
+    """The variant keyword arguments (a dict of ``window``, ``softcap``, ``alibi_slopes``,
+    ``bias``, ``mask``; None or empty: plain) as a `cuflash.variants.Variant`, or None when
+    plain. Errors name the argument (see `cuflash.variants.variant_from_kwargs`)."""
+    if not variant:
+        return None
+    from .variants import VARIANT_ARGS, variant_from_kwargs
+
+    bad = sorted(set(variant) - set(VARIANT_ARGS))
+    if bad:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(bad)}")
+    var = variant_from_kwargs(**variant, backend=backend, device_id=device_id, batch=batch,
+                              sq=sq, sk=sk)
+    return None if var.is_plain else var
+
+
 def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
-                    precision=None) -> Problem:
-    """Validate the arguments of `cuflash.attention` and return a `Problem`."""
+                    precision=None, variant=None) -> Problem:
+    """Validate the arguments of `cuflash.attention` and return a `Problem`. ``variant``: a dict
+    of the variant keyword arguments (see `check_variant`)."""
     backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
+    var = check_variant(variant, backend, device_id, batch, sq, sk)
 
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -273,7 +293,7 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
     return Problem(backend=backend, q=q, k=k, v=v, dtype_name=dt, batch_shape=batch, sq=int(sq),
                    sk=int(sk), d=int(d), dv=int(dv), causal=bool(causal), scale=scale,
                    return_lse=bool(return_lse), out=out_o, out_lse=out_lse, stream=stream,
-                   kernel=kernel, device_id=device_id, precision=precision)
+                   kernel=kernel, device_id=device_id, precision=precision, variant=var)
 
 
 def _no_self_overlap(name, buf):
@@ -286,7 +306,7 @@ def _no_self_overlap(name, buf):
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, workspace, stream,
-                   kernel) -> BackwardProblem:
+                   kernel, variant=None, return_dbias=False) -> BackwardProblem:
     """Validate the arguments of `cuflash.attention_backward` and return a `BackwardProblem`.
 
     q, k, v go through the forward's checks (`_check_qkv`); o, do, lse must be what the forward
@@ -294,6 +314,11 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
     shape (..., Sq), ``...`` the broadcast batch shape, all on the inputs' device.
     """
     backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
+    var = check_variant(variant, backend, device_id, batch, sq, sk)
+    if not isinstance(return_dbias, (bool, np.bool_)):
+        raise TypeError(f"return_dbias must be a bool, got {type(return_dbias).__name__}")
+    if return_dbias and (var is None or var.bias is None):
+        raise ValueError("return_dbias=True needs bias= (the gradient of which bias?)")
     o_shape, lse_shape = batch + (sq, dv), batch + (sq,)
     arrays = {}
     for name, x, shape, want in (("o", o, o_shape, dt), ("do", do, o_shape, dt),
@@ -351,7 +376,8 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
         backend=backend, q=q, k=k, v=v, dtype_name=dt, batch_shape=batch, sq=sq, sk=sk, d=d,
         dv=dv, causal=bool(causal), scale=scale, return_lse=False, out=None, out_lse=None,
         stream=stream, kernel=kernel, device_id=device_id, o=o, do=do, lse=lse,
-        deterministic=bool(deterministic), out_grads=grads, workspace=workspace)
+        deterministic=bool(deterministic), out_grads=grads, workspace=workspace, variant=var,
+        return_dbias=bool(return_dbias))
 
 
 def check_merge(o_a, lse_a, o_b, lse_b):
