@@ -365,8 +365,8 @@ def _attention_backward_gpu(prob):
             dq, dk, dv = prob.out_grads
         else:
             dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (prob.q, prob.k, prob.v))
-        _launch.launch_backward(bplan, prob, dq, dk, dv, prob.workspace, attrs)
-    return dq, dk, dv
+        dbias = _launch.launch_backward(bplan, prob, dq, dk, dv, prob.workspace, attrs)
+    return (dq, dk, dv, dbias) if prob.return_dbias else (dq, dk, dv)
 
 
 def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, deterministic=False,

@@ -326,6 +326,9 @@ def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
 
 def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     """The plan for a validated `Problem` on a device of the given compute capability (e.g. 90)."""
+    if getattr(prob, "variant", None) is not None:   # window, softcap, alibi, bias, mask
+        from ._dispatch_variants import variant_plan_for
+        return variant_plan_for(prob)
     if prob.kernel == "generic":
         return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
     if prob.kernel in ("auto", "hopper"):
@@ -462,6 +465,9 @@ def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
     ``kernel="generic"`` (and, until a faster backward exists for the inputs, ``"auto"``) gives
     the generic backward; ``"tensorcore"`` and ``"hopper"`` raise ValueError saying why.
     """
+    if getattr(prob, "variant", None) is not None:   # window, softcap, alibi, bias, mask
+        from ._dispatch_variants import variant_backward_plan_for
+        return variant_backward_plan_for(prob)
     if prob.kernel in ("tensorcore", "hopper"):
         raise ValueError(f"kernel={prob.kernel!r} has no backward kernel yet; "
                          "use kernel='auto' or 'generic'")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from cuflash import _compile, _dispatch
+from cuflash._dispatch_variants import variant_backward_compile_specs, variant_compile_specs
 
 from conftest import COMPILE_REPORTS, HOPPER_SCHEDULES, hopper_schedule_table
 
@@ -16,6 +17,8 @@ ARCHS = ("sm_80", "sm_90")
 def _specs(cc):
     specs = [plan.spec for plan in _dispatch.all_specialisations(cc)]
     specs += _dispatch.backward_kernel_specs(cc)  # the backward's kernels (notes/BACKWARD.md)
+    if cc == 90:  # attention variants (notes/VARIANTS.md): the H200's architecture only
+        specs += variant_compile_specs() + variant_backward_compile_specs()
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))
