@@ -1020,6 +1020,8 @@ def property_audits(device: Device, dtypes: Sequence[str], seed: int) -> List[Pr
     results += _prop_fp16_overflow(device, rng)
     results += _prop_alpha_underflow_device(device, dtypes, rng)
     results += _prop_merge_device(device, dtypes, rng)
+    from ._audit_variants import variant_audits   # window, softcap, alibi, bias, mask
+    results += variant_audits(device, dtypes, rng, PropertyResult, numpy_dtype)
     return results
 
 
