@@ -6,7 +6,8 @@ from . import _callcache, _checks, _interop
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, stream=None,
-              kernel="auto", precision=None):
+              kernel="auto", precision=None, window=None, softcap=None, alibi_slopes=None,
+              bias=None, mask=None):
     """Exact scaled-dot-product attention, ``softmax(scale * q @ k^T [+ mask]) @ v``.
 
     Computed with the tiled online-softmax recurrence: no ``Sq x Sk`` matrix is formed and the
@@ -88,6 +89,25 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         float16/bfloat16 products are exact in float32 on every path, so precision changes
         nothing for them; float64 is always computed in float64. `dispatch_info` names the
         mode that runs.
+    window : (int, int), optional
+        Sliding window ``(left, right)``, bottom-right aligned as ``causal``: query ``i`` sees
+        keys ``j`` with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; -1 leaves a side
+        unbounded (FlashAttention's ``window_size``). With ``causal=True`` the two intersect:
+        the window with ``right = 0``.
+    softcap : float, optional
+        ``c > 0``: each scaled score ``t = scale * q . k`` becomes ``c * tanh(t / c)`` (before
+        alibi, bias and the masks). None or 0: off.
+    alibi_slopes : array, shape (H,) or (B, H), float32, optional
+        Adds ``-slope * |i + Sk - Sq - j|`` after the cap. Aligned with the trailing batch axes:
+        ``(H,)`` with ``batch[-1]``, ``(B, H)`` with ``batch[-2:]`` (size 1 broadcasts), on the
+        inputs' device.
+    bias : array, optional
+        An additive score term broadcastable to ``(..., Sq, Sk)`` (``...`` the batch; it may
+        not enlarge it), float16, bfloat16, float32 or float64, on the inputs' device; read one
+        tile at a time, never materialised. ``-inf`` entries mask.
+    mask : array of bool, optional
+        Broadcastable to ``(..., Sq, Sk)``; True = keep. Rows that the variant leaves with no
+        key give 0 and ``lse = -inf`` (never NaN). All variant semantics: `cuflash.variants`.
 
     Returns
     -------
@@ -121,24 +141,34 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     """
     # A signature (types, shapes, strides, dtypes, devices, alignment, flags) seen before has
     # passed every check and has its plan and parameter block: see _callcache.
-    key = _callcache.signature(q, k, v, causal, scale, return_lse, out, kernel, precision)
+    # Variant arguments are not part of a signature: such calls always take the full path.
+    plain = window is None and softcap is None and alibi_slopes is None and bias is None \
+        and mask is None
+    key = _callcache.signature(q, k, v, causal, scale, return_lse, out, kernel, precision) \
+        if plain else None
     if key is not None:
         res = _callcache.run(key, q, k, v, out, stream)
         if res is not None:
             return res
     prob = _checks.check_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
-                                   out=out, stream=stream, kernel=kernel, precision=precision)
+                                   out=out, stream=stream, kernel=kernel, precision=precision,
+                                   variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
+                                                           mask))
     if prob.backend == "cpu":
         from ._cpu import attention_numpy
 
         o, lse = attention_numpy(prob.q, prob.k, prob.v, causal=prob.causal, scale=prob.scale,
-                                 out=prob.out, need_lse=prob.return_lse)
+                                 out=prob.out, need_lse=prob.return_lse, variant=prob.variant)
         if prob.return_lse and prob.out_lse is not None:
             prob.out_lse[...] = lse
             lse = prob.out_lse
         o, lse = _checks.public_forward(prob, o, lse)
         return (o, lse) if prob.return_lse else o
     return _attention_gpu(prob, key)
+
+
+def _variant_kwargs(window, softcap, alibi_slopes, bias, mask):
+    return dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
 
 
 def _attention_gpu(prob, key=None):
@@ -214,14 +244,19 @@ def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):
     return o, lse
 
 
-def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None):
+def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None, window=None,
+                  softcap=None, alibi_slopes=None, bias=None, mask=None):
     """The name of the kernel `attention` would run for these arguments, e.g.
     ``"cpu-numpy"``, ``"generic<float16,D64,full>"`` or
     ``"tensorcore<float32,3xtf32,D128,BM64,BN64,stagedO,full>"`` (float32 on the tensor cores names
-    its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"). Validates like
-    `attention`; launches nothing."""
+    its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"). With a variant
+    (window, softcap, alibi_slopes, bias, mask) the label names its parts and, where a faster
+    kernel was passed over, why, e.g. ``"generic<float16,D64,causal,window(8,-1)> (variants run
+    on the generic kernel only so far)"``. Validates like `attention`; launches nothing."""
     prob = _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=False,
-                                   out=None, stream=None, kernel=kernel, precision=precision)
+                                   out=None, stream=None, kernel=kernel, precision=precision,
+                                   variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
+                                                           mask))
     if prob.backend == "cpu":
         return "cpu-numpy"
     from . import _dispatch, _launch
@@ -242,7 +277,9 @@ def gpu_available():
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, deterministic=False,
-                       out=None, workspace=None, stream=None, kernel="auto"):
+                       out=None, workspace=None, stream=None, kernel="auto", window=None,
+                       softcap=None, alibi_slopes=None, bias=None, mask=None,
+                       return_dbias=False):
     """Gradients of `attention`: ``(dq, dk, dv)`` for an upstream gradient ``do = dL/do``.
 
     Recomputes the attention probabilities tile by tile from q, k and the forward's ``lse``
@@ -307,7 +344,15 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         why); ``"generic"`` forces the scalar audit kernels (float32/float64 arithmetic,
         accurate exp); ``"tensorcore"`` demands the tensor-core backward and raises ValueError,
         saying why, when the inputs do not qualify. ``"hopper"`` raises ValueError until a
-        Hopper backward exists.
+        Hopper backward exists. With a variant the generic backward runs.
+    window, softcap, alibi_slopes, bias, mask : optional
+        The forward's variant, as in `attention` (pass the same values). Under softcap the
+        gradient of the scaled score is ``dS * (1 - tanh(t / c)^2)``.
+    return_dbias : bool, optional
+        Also return ``dbias``, the gradient with respect to ``bias`` (needs ``bias``): the
+        gradient of the final scores, ``dS = P * (dP - delta)``, summed over the axes along which
+        ``bias`` broadcasts (a ``(Sq, Sk)`` bias shared by every head gets the sum over heads),
+        in the working precision, then rounded once to bias's dtype.
 
     Returns
     -------
@@ -318,6 +363,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         head gets the sum over the query heads that use it, also for grouped-query heads: dk
         and dv of kv head ``j`` sum over its group of ``H // Hkv`` query heads). NumPy arrays for CPU inputs, CuPy
         arrays for GPU inputs; ``out``'s buffers when given.
+    dbias : array, bias's shape and dtype
+        Only with ``return_dbias=True``: then the result is ``(dq, dk, dv, dbias)``.
 
     Raises
     ------
@@ -330,13 +377,17 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
     """
     prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
                                   deterministic=deterministic, out=out, workspace=workspace,
-                                  stream=stream, kernel=kernel)
+                                  stream=stream, kernel=kernel,
+                                  variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
+                                                          mask),
+                                  return_dbias=return_dbias)
     if prob.backend == "cpu":
         from ._cpu_backward import attention_backward_numpy
 
         grads = attention_backward_numpy(prob.do, prob.q, prob.k, prob.v, prob.o, prob.lse,
                                          causal=prob.causal, scale=prob.scale,
-                                         out=prob.out_grads)
+                                         out=prob.out_grads, variant=prob.variant,
+                                         return_dbias=prob.return_dbias)
         return _checks.public_grads(prob, *grads)
     return _checks.public_grads(prob, *_attention_backward_gpu(prob))
 
@@ -353,8 +404,8 @@ def _attention_backward_gpu(prob):
             dq, dk, dv = prob.out_grads
         else:
             dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (prob.q, prob.k, prob.v))
-        _launch.launch_backward(bplan, prob, dq, dk, dv, prob.workspace, attrs)
-    return dq, dk, dv
+        dbias = _launch.launch_backward(bplan, prob, dq, dk, dv, prob.workspace, attrs)
+    return (dq, dk, dv, dbias) if prob.return_dbias else (dq, dk, dv)
 
 
 def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, deterministic=False,
@@ -373,14 +424,19 @@ def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, dete
 
 
 def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=False,
-                           kernel="auto"):
+                           kernel="auto", window=None, softcap=None, alibi_slopes=None,
+                           bias=None, mask=None, return_dbias=False):
     """The name of the backward plan `attention_backward` would run, e.g. ``"cpu-numpy"``,
     ``"tensorcore-bwd<float16,D64,BM64,BN64,causal>"`` (``det,`` in it for deterministic=True) or
     ``"generic-bwd<float32,D64,full>"``; when ``kernel="auto"`` falls back to the generic backward
-    the reason follows in brackets. Validates like `attention_backward`; launches nothing."""
+    the reason follows in brackets. Validates like `attention_backward` (variant arguments
+    included); launches nothing."""
     prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=None,
                                   deterministic=deterministic, out=None, workspace=None,
-                                  stream=None, kernel=kernel)
+                                  stream=None, kernel=kernel,
+                                  variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
+                                                          mask),
+                                  return_dbias=return_dbias)
     if prob.backend == "cpu":
         return "cpu-numpy"
     from . import _dispatch, _launch

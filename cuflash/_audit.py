@@ -1023,6 +1023,8 @@ def property_audits(device: Device, dtypes: Sequence[str], seed: int) -> List[Pr
     from ._audit_inference import inference_audits  # GQA, KV cache, varlen (issue 14)
 
     results += inference_audits(device, dtypes, rng)
+    from ._audit_variants import variant_audits   # window, softcap, alibi, bias, mask
+    results += variant_audits(device, dtypes, rng, PropertyResult, numpy_dtype)
     return results
 
 

@@ -110,7 +110,7 @@ class _Record:
             q, k, v, o, lse = arrs
             prob = copy.copy(self.prob)
             prob.q, prob.k, prob.v = q, k, v
-            params, _, _ = _launch.forward_params(plan, prob, q, k, v, o, lse, self.attrs)
+            params, _, _, _ = _launch.forward_params(plan, prob, q, k, v, o, lse, self.attrs)
             self.last = (tuple(ptrs), params)
         kern = _compile.get_kernel(plan.spec, self.prob.device_id, plan.smem_bytes)
         kern((self.grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
@@ -163,10 +163,12 @@ def record(key, prob, plan, attrs, o, lse):
     if key is None or prob.q is None:
         return
     try:
-        template, grid, qkv = _launch.forward_params(plan, prob, prob.q, prob.k, prob.v, o, lse,
-                                                     attrs)
+        template, grid, qkv, vparams = _launch.forward_params(plan, prob, prob.q, prob.k,
+                                                              prob.v, o, lse, attrs)
     except Exception:  # nothing to remember
         return
+    if vparams is not None:
+        return  # variants (window, bias, ...) are not in the signature: always the full path
     if any(a is not b for a, b in zip(qkv, (prob.q, prob.k, prob.v))):
         return  # the launch needed copies: always take the full path for this signature
     rec_prob = copy.copy(prob)

@@ -58,6 +58,7 @@ class Problem:
     # lse, whose ``batch_shape`` is then the split one; `public` undoes it on results.
     gqa: Optional[_gqa.Grouping] = None
     out_public: Any = None       # the caller's out (o or (o, lse)) when gqa split it
+    variant: Any = None          # None (plain) or a cuflash.variants.Variant (see check_variant)
 
     @property
     def o_shape(self):
@@ -81,6 +82,7 @@ class BackwardProblem(Problem):
     out_grads: Any = None          # None or (dq, dk, dv) buffers with q's, k's, v's shapes
     workspace: Any = None          # None or a GPU byte buffer (see attention_backward)
     grad_shapes_public: Any = None  # the caller's q, k, v shapes (before a gqa split)
+    return_dbias: bool = False     # also compute dbias (needs variant.bias)
 
     @property
     def grad_shapes(self):
@@ -241,12 +243,41 @@ def _check_qkv(q, k, v):
     return backend, device_id, q, k, v, dt, batch, int(sq), int(sk), int(d), int(dv)
 
 
+def check_variant(variant, backend, device_id, batch, sq, sk):
+    """The variant keyword arguments (a dict of ``window``, ``softcap``, ``alibi_slopes``,
+    ``bias``, ``mask``; None or empty: plain) as a `cuflash.variants.Variant`, or None when
+    plain. Errors name the argument (see `cuflash.variants.variant_from_kwargs`)."""
+    if not variant:
+        return None
+    from .variants import VARIANT_ARGS, variant_from_kwargs
+
+    bad = sorted(set(variant) - set(VARIANT_ARGS))
+    if bad:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(bad)}")
+    var = variant_from_kwargs(**variant, backend=backend, device_id=device_id, batch=batch,
+                              sq=sq, sk=sk)
+    return None if var.is_plain else var
+
+
+def _no_variant_with_gqa(gqa, variant):
+    """Grouped-query heads split the head axis; the variants' tensors (bias, mask, ALiBi slopes)
+    broadcast against the caller's axes. The two are not combined yet: refuse, never guess."""
+    if gqa is not None and variant and any(x is not None for x in variant.values()):
+        raise ValueError(
+            "grouped-query heads (q with more heads than k and v on axis -3) cannot be combined "
+            "with window/softcap/alibi_slopes/bias/mask yet; repeat k and v to q's head count "
+            "(or give them a size-1 head axis) to use a variant")
+
+
 def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
-                    precision=None) -> Problem:
-    """Validate the arguments of `cuflash.attention` and return a `Problem`."""
+                    precision=None, variant=None) -> Problem:
+    """Validate the arguments of `cuflash.attention` and return a `Problem`. ``variant``: a dict
+    of the variant keyword arguments (see `check_variant`)."""
     q0, k0, v0 = q, k, v
     backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
     gqa = _gqa.grouping(tuple(np.shape(q0)), tuple(np.shape(k0)), tuple(np.shape(v0)))
+    _no_variant_with_gqa(gqa, variant)
+    var = check_variant(variant, backend, device_id, batch, sq, sk)
     pub = gqa.public_batch(batch) if gqa else batch
 
     if not isinstance(causal, (bool, np.bool_)):
@@ -289,7 +320,7 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
                    sk=int(sk), d=int(d), dv=int(dv), causal=bool(causal), scale=scale,
                    return_lse=bool(return_lse), out=out_o, out_lse=out_lse, stream=stream,
                    kernel=kernel, device_id=device_id, precision=precision, gqa=gqa,
-                   out_public=out_public)
+                   out_public=out_public, variant=var)
 
 
 def _no_self_overlap(name, buf):
@@ -302,7 +333,7 @@ def _no_self_overlap(name, buf):
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, workspace, stream,
-                   kernel) -> BackwardProblem:
+                   kernel, variant=None, return_dbias=False) -> BackwardProblem:
     """Validate the arguments of `cuflash.attention_backward` and return a `BackwardProblem`.
 
     q, k, v go through the forward's checks (`_check_qkv`); o, do, lse must be what the forward
@@ -312,6 +343,12 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
     shapes0 = tuple(tuple(np.shape(x)) for x in (q, k, v))
     backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
     gqa = _gqa.grouping(*shapes0)
+    _no_variant_with_gqa(gqa, variant)
+    var = check_variant(variant, backend, device_id, batch, sq, sk)
+    if not isinstance(return_dbias, (bool, np.bool_)):
+        raise TypeError(f"return_dbias must be a bool, got {type(return_dbias).__name__}")
+    if return_dbias and (var is None or var.bias is None):
+        raise ValueError("return_dbias=True needs bias= (the gradient of which bias?)")
     pub = gqa.public_batch(batch) if gqa else batch
     o_shape, lse_shape = pub + (sq, dv), pub + (sq,)
     arrays = {}
@@ -376,7 +413,8 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
         dv=dv, causal=bool(causal), scale=scale, return_lse=False, out=None, out_lse=None,
         stream=stream, kernel=kernel, device_id=device_id, o=o, do=do, lse=lse,
         deterministic=bool(deterministic), out_grads=grads, workspace=workspace, gqa=gqa,
-        out_public=out_public, grad_shapes_public=shapes0)
+        out_public=out_public, grad_shapes_public=shapes0, variant=var,
+        return_dbias=bool(return_dbias))
 
 
 def check_merge(o_a, lse_a, o_b, lse_b):

@@ -62,7 +62,7 @@ def _gather(x: np.ndarray, batch, n0: int, n1: int, acc: np.dtype, scale=None) -
 
 def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool, scale: float,
                     out: Optional[np.ndarray], need_lse: bool,
-                    block_k: int = BLOCK_K) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+                    block_k: int = BLOCK_K, variant=None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """Exact attention on NumPy arrays by the tiled online-softmax recurrence.
 
     Parameters
@@ -83,6 +83,10 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
         Whether to compute and return the log-sum-exp.
     block_k : int
         Keys per tile (default 512).
+    variant : cuflash.variants.Variant, optional
+        window / softcap / alibi / bias / mask (semantics in :mod:`cuflash.variants`). Each key
+        tile touches only the rows its window reaches (tiles no row sees are skipped whole) and
+        reads only its own slice of bias and mask.
 
     Returns
     -------
@@ -115,6 +119,8 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
     scale_acc = acc.type(scale)
     zero = acc.type(0)
 
+    if variant is not None and variant.is_plain:
+        variant = None
     o_all = np.empty((n_heads, sq, dv), dtype=acc)
     lse_all = np.empty((n_heads, sq), dtype=np.float32) if need_lse else None
     buf = np.empty(hb * sq * block_k, dtype=acc)       # the score tile, reused
@@ -124,7 +130,7 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
         qc = _gather(q, batch, n0, n1, acc, scale=scale_acc)   # the scale, folded in once
         kc = _gather(k, batch, n0, n1, acc)
         vc = _gather(v, batch, n0, n1, acc)
-        v_finite = bool(np.isfinite(vc).all()) if causal else True
+        v_finite = bool(np.isfinite(vc).all()) if (causal or variant is not None) else True
         h = n1 - n0
         m = np.full((h, sq), -np.inf, dtype=acc)
         l = np.zeros((h, sq), dtype=acc)
@@ -137,18 +143,27 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
             # With causal masking, rows i < j0 - off see none of keys j0..j1-1: the tile lies
             # wholly above the diagonal for them, so they are not touched at all.
             r0 = max(0, j0 - off) if causal else 0
-            if r0 >= sq:
+            re = sq
+            if variant is not None:   # the rows the window reaches (causal included)
+                r0, re = variant.row_range(j0, j1, sq, sk, causal)
+            if r0 >= re:
                 continue
-            rows = sq - r0
+            rows = re - r0
             s = buf[: h * rows * (j1 - j0)].reshape(h, rows, j1 - j0)
-            np.matmul(qc[:, r0:, :], kc[:, j0:j1, :].swapaxes(-1, -2), out=s)
+            np.matmul(qc[:, r0:re, :], kc[:, j0:j1, :].swapaxes(-1, -2), out=s)
             r1 = min(sq, j1 - 1 - off) if causal else r0
+            vis_t = None
+            if variant is not None:
+                add, vis_t = variant.tile(batch, (n0, n1), r0, re, j0, j1, sq, sk, causal, acc)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    variant.apply(s, add, vis_t)
+                r1 = r0   # the variant's visibility replaces the causal band below
             if r1 > r0:
                 # Rows r0..r1-1 see only part of the tile (the tile crosses the diagonal there).
                 band = np.arange(j0, j1)[None, :] > np.arange(r0, r1)[:, None] + off
                 np.copyto(s[:, : r1 - r0, :], -np.inf, where=band)
 
-            m_old = m[:, r0:]
+            m_old = m[:, r0:re]
             m_new = np.maximum(m_old, s.max(axis=-1))
             # Every touched row sees at least one key of the tile, so m_new is -inf only where
             # the inputs themselves gave -inf scores; shift by 0 there so exp yields 0, not NaN.
@@ -157,8 +172,11 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
                 s -= shift[..., None]
                 alpha = np.exp(m_old - shift)
             np.exp(s, out=s)
-            m[:, r0:] = m_new
-            if r1 > r0 and not v_finite:
+            m[:, r0:re] = m_new
+            if vis_t is not None and not v_finite:
+                from .reference import masked_matmul
+                pv = masked_matmul(s, vc[:, j0:j1, :], vis_t).astype(acc, copy=False)
+            elif r1 > r0 and not v_finite:
                 # 0 * NaN from a masked key's value must not reach the rows that cannot see it.
                 from .reference import masked_matmul
                 vis = np.ones((rows, j1 - j0), dtype=bool)
@@ -168,10 +186,10 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
                 pv = np.matmul(s, vc[:, j0:j1, :])
             psum = s.sum(axis=-1)
 
-            l_rows, o_rows = l[:, r0:], o_acc[:, r0:, :]
+            l_rows, o_rows = l[:, r0:re], o_acc[:, r0:re, :]
             rescale = not bool(np.all(alpha == 1))
             if kahan:
-                lc_rows, oc_rows = l_comp[:, r0:], o_comp[:, r0:, :]
+                lc_rows, oc_rows = l_comp[:, r0:re], o_comp[:, r0:re, :]
                 if rescale:
                     l_rows *= alpha
                     lc_rows *= alpha

@@ -31,17 +31,32 @@ from .reference import _sum_to_shape as _sum_to  # one broadcast-sum rule for bo
 __all__ = ["attention_backward_numpy"]
 
 
-def _tiles(sq, sk, causal, block_k):
-    """(j0, j1, r0, r1) per key tile: rows r0.. see some key of the tile; rows r0..r1-1 only
-    part of it (the tile crosses the causal diagonal there)."""
+def _tiles(sq, sk, causal, block_k, variant=None):
+    """(j0, j1, r0, r1, re) per key tile: rows r0..re-1 see some key of the tile; rows
+    r0..r1-1 only part of it (the tile crosses the causal diagonal there; with a variant r1 = r0
+    and the variant's visibility masks). Tiles no row sees are skipped."""
     off = sk - sq
     for j0 in range(0, sk, block_k):
         j1 = min(j0 + block_k, sk)
         r0 = max(0, j0 - off) if causal else 0
-        if r0 >= sq:
+        re = sq
+        if variant is not None:
+            r0, re = variant.row_range(j0, j1, sq, sk, causal)
+        if r0 >= re:
             continue
-        r1 = min(sq, j1 - 1 - off) if causal else r0
-        yield j0, j1, r0, r1
+        r1 = min(sq, j1 - 1 - off) if causal and variant is None else r0
+        yield j0, j1, r0, r1, re
+
+
+def _variant_scores(s, variant, batch, r0, re, j0, j1, sq, sk, causal):
+    """Apply the variant to a tile of scaled scores; returns (s, tanh values or None)."""
+    if variant is None:
+        return s, None
+    s = np.array(np.broadcast_to(s, tuple(batch) + s.shape[-2:]))
+    add, vis = variant.tile(batch, None, r0, re, j0, j1, sq, sk, causal, s.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        th = variant.apply(s, add, vis)
+    return s, th
 
 
 def _mask_tile(s, j0, j1, r0, r1, off, fill):
@@ -51,7 +66,7 @@ def _mask_tile(s, j0, j1, r0, r1, off, fill):
         np.copyto(s[..., : r1 - r0, :], fill, where=cols > rows + off)
 
 
-def _row_stats(q_acc, k, v, do_acc, *, causal, scale, block_k, batch):
+def _row_stats(q_acc, k, v, do_acc, *, causal, scale, block_k, batch, variant=None):
     """Each row's softmax max m, sum l = sum exp(s - m) and delta = sum_j p_j dP_j, in the
     working precision, by the forward's recurrence with dP = do v^T in place of v; m = -inf,
     l = 1, delta = 0 for rows that see no key."""
@@ -60,19 +75,21 @@ def _row_stats(q_acc, k, v, do_acc, *, causal, scale, block_k, batch):
     m = np.full(batch + (sq,), -np.inf, dtype=acc)
     l = np.zeros(batch + (sq,), dtype=acc)
     dsum = np.zeros(batch + (sq,), dtype=acc)
-    for j0, j1, r0, r1 in _tiles(sq, sk, causal, block_k):
-        s = np.matmul(q_acc[..., r0:, :], np.swapaxes(k[..., j0:j1, :].astype(acc), -1, -2))
+    for j0, j1, r0, r1, re in _tiles(sq, sk, causal, block_k, variant):
+        s = np.matmul(q_acc[..., r0:re, :], np.swapaxes(k[..., j0:j1, :].astype(acc), -1, -2))
         s *= acc.type(scale)
+        s, _ = _variant_scores(s, variant, batch, r0, re, j0, j1, sq, sk, causal)
         _mask_tile(s, j0, j1, r0, r1, sk - sq, -np.inf)
-        dp = np.matmul(do_acc[..., r0:, :], np.swapaxes(v[..., j0:j1, :].astype(acc), -1, -2))
-        m_old = m[..., r0:]
+        dp = np.matmul(do_acc[..., r0:re, :], np.swapaxes(v[..., j0:j1, :].astype(acc), -1, -2))
+        m_old = m[..., r0:re]
         m_new = np.maximum(m_old, s.max(axis=-1))
         shift = np.where(m_new == -np.inf, acc.type(0), m_new)
         alpha = np.exp(m_old - shift)
         e = np.exp(s - shift[..., None])
-        l[..., r0:] = l[..., r0:] * alpha + e.sum(axis=-1)
-        dsum[..., r0:] = dsum[..., r0:] * alpha + np.where(e == 0, acc.type(0), e * dp).sum(axis=-1)
-        m[..., r0:] = m_new
+        l[..., r0:re] = l[..., r0:re] * alpha + e.sum(axis=-1)
+        dsum[..., r0:re] = (dsum[..., r0:re] * alpha
+                            + np.where(e == 0, acc.type(0), e * dp).sum(axis=-1))
+        m[..., r0:re] = m_new
     empty = l == 0
     l_safe = np.where(empty, acc.type(1), l)
     return (np.where(empty, -np.inf, m).astype(acc), l_safe.astype(acc),
@@ -82,7 +99,8 @@ def _row_stats(q_acc, k, v, do_acc, *, causal, scale, block_k, batch):
 def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                              o: np.ndarray, lse: np.ndarray, *, causal: bool, scale: float,
                              out: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None,
-                             block_k: int = 128) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+                             block_k: int = 128, variant=None, return_dbias: bool = False,
+                             out_dbias: Optional[np.ndarray] = None) -> tuple:
     """Gradients of attention on NumPy arrays by the tiled backward recurrence.
 
     Parameters
@@ -102,11 +120,20 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
         Buffers of q's, k's and v's shapes and dtype; every element is written.
     block_k : int
         Keys per tile.
+    variant : cuflash.variants.Variant, optional
+        As in the forward (tiles the window does not reach are skipped whole; bias and mask
+        are read one tile slice at a time).
+    return_dbias : bool
+        Also return dbias, the gradient of the final scores summed to the bias's shape
+        (accumulated tile by tile in the working precision, into ``out_dbias`` when given).
 
     Returns
     -------
     dq, dk, dv : ndarray, the shapes and dtype of q, k and v (``out``'s buffers when given)
+    dbias : ndarray, the shape and dtype of bias (only with ``return_dbias``)
     """
+    if variant is not None and variant.is_plain:
+        variant = None
     dtype = q.dtype
     acc = _acc_dtype(dtype)
     sq, sk = q.shape[-2], k.shape[-2]
@@ -124,7 +151,7 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
         # delta = sum_j p_j dP_j from those p, so that dS = P (dP - delta) cancels as the
         # softmax's own derivative does: rowsum(do * o) carries o's rounding into every dS.
         m, l, delta = _row_stats(q_acc, k, v, do_acc, causal=causal, scale=scale,
-                                 block_k=block_k, batch=batch)
+                                 block_k=block_k, batch=batch, variant=variant)
     else:
         m = np.broadcast_to(lse, batch + (sq,)).astype(acc)
         l = np.ones_like(m)
@@ -135,23 +162,36 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
     dq_comp = np.zeros_like(dq)
     dk = np.zeros(batch + k.shape[-2:], dtype=acc)
     dv = np.zeros(batch + v.shape[-2:], dtype=acc)
-    for j0, j1, r0, r1 in _tiles(sq, sk, causal, block_k):
+    dbias = None
+    if return_dbias:
+        if variant is None or variant.bias is None:
+            raise ValueError("return_dbias=True needs bias=")
+        dbias = np.zeros(variant.bias.shape, dtype=acc)
+    for j0, j1, r0, r1, re in _tiles(sq, sk, causal, block_k, variant):
         kt = k[..., j0:j1, :].astype(acc)
         vt = v[..., j0:j1, :].astype(acc)
-        s = np.matmul(q_acc[..., r0:, :], np.swapaxes(kt, -1, -2))
+        s = np.matmul(q_acc[..., r0:re, :], np.swapaxes(kt, -1, -2))
         s *= acc.type(scale)
-        p = np.exp(s - shift[..., r0:, None])
-        p /= l[..., r0:, None]
-        p = np.where(empty[..., r0:, None], zero, p)
+        s, th = _variant_scores(s, variant, batch, r0, re, j0, j1, sq, sk, causal)
+        with np.errstate(invalid="ignore"):   # -inf - (-inf) on rows that see no key
+            p = np.exp(s - shift[..., r0:re, None])
+        p /= l[..., r0:re, None]
+        p = np.where(empty[..., r0:re, None], zero, p)
         _mask_tile(p, j0, j1, r0, r1, off, zero)
-        do_t = do_acc[..., r0:, :]
+        do_t = do_acc[..., r0:re, :]
         dv[..., j0:j1, :] = np.matmul(np.swapaxes(p, -1, -2), do_t)
         dp = np.matmul(do_t, np.swapaxes(vt, -1, -2))
-        ds = p * (dp - delta[..., r0:, None])
+        ds = p * (dp - delta[..., r0:re, None])
         # p = 0 exactly where masked or the row saw no key: no gradient there, even from inf.
         ds = np.where(p == 0, zero, ds)
-        _compensated_add(dq[..., r0:, :], dq_comp[..., r0:, :], np.matmul(ds, kt))
-        dk[..., j0:j1, :] = np.matmul(np.swapaxes(ds, -1, -2), q_acc[..., r0:, :])
+        if dbias is not None:
+            rs = slice(None) if dbias.shape[-2] == 1 else slice(r0, re)
+            cs = slice(None) if dbias.shape[-1] == 1 else slice(j0, j1)
+            dbias[..., rs, cs] += _sum_to(ds, dbias[..., rs, cs].shape)
+        if th is not None:
+            ds = ds * (acc.type(1) - th * th)
+        _compensated_add(dq[..., r0:re, :], dq_comp[..., r0:re, :], np.matmul(ds, kt))
+        dk[..., j0:j1, :] = np.matmul(np.swapaxes(ds, -1, -2), q_acc[..., r0:re, :])
     dq *= acc.type(scale)
     dk *= acc.type(scale)
 
@@ -163,4 +203,10 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
             results.append(out[i])
         else:
             results.append(g.astype(dtype, copy=False))
+    if dbias is not None:
+        if out_dbias is not None:
+            out_dbias[...] = dbias
+            results.append(out_dbias)
+        else:
+            results.append(dbias.astype(variant.bias.dtype, copy=False))
     return tuple(results)

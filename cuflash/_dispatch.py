@@ -342,6 +342,9 @@ def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
 
 def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     """The plan for a validated `Problem` on a device of the given compute capability (e.g. 90)."""
+    if getattr(prob, "variant", None) is not None:   # window, softcap, alibi, bias, mask
+        from ._dispatch_variants import variant_plan_for
+        return variant_plan_for(prob)
     if prob.kernel == "generic":
         return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
     if prob.kernel in ("auto", "decode"):  # few query rows: kernels_cu/attn_decode.cu
@@ -570,6 +573,9 @@ def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
     the tensor-core backward and raises ValueError saying why it cannot run; ``"hopper"`` raises
     (no Hopper backward yet). `backward_fallback_reason` says why ``"auto"`` fell back.
     """
+    if getattr(prob, "variant", None) is not None:   # window, softcap, alibi, bias, mask
+        from ._dispatch_variants import variant_backward_plan_for
+        return variant_backward_plan_for(prob)
     if prob.kernel == "hopper":
         raise ValueError("kernel='hopper' has no backward kernel yet; "
                          "use kernel='auto', 'tensorcore' or 'generic'")

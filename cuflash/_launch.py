@@ -101,7 +101,8 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     key = (plan, prob.device_id, prob.sq, prob.sk, prob.d, prob.dv, prob.scale, prob.batch_shape,
            *((x.data.ptr, x.shape, x.strides) for x in (q, k, v, o)),
            0 if lse is None else lse.data.ptr)
-    cached = _PARAM_CACHE.get(key)
+    variant = getattr(prob, "variant", None)   # window/softcap/alibi/bias/mask: _launch_variants
+    cached = _PARAM_CACHE.get(key) if variant is None else None
     if cached is not None:  # the same call as a recent one: reuse its parameter block
         _PARAM_CACHE.move_to_end(key)
         params, grid = cached
@@ -109,12 +110,16 @@ def launch_forward(plan, prob, o, lse, device_attrs):
         kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
              stream=_stream_ptr(prob.stream))
         return
-    params, grid, (q, k, v) = forward_params(plan, prob, q, k, v, o, lse, device_attrs)
+    params, grid, (q, k, v), vparams = forward_params(plan, prob, q, k, v, o, lse, device_attrs)
+    kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
+    if vparams is not None:  # a variant's kernels take its VariantParams as a second argument
+        kern((grid,), (plan.threads,), (params, vparams), shared_mem=plan.smem_bytes,
+             stream=_stream_ptr(prob.stream))
+        return
     if q is prob.q and k is prob.k and v is prob.v:  # no copies were made for this call
         _PARAM_CACHE[key] = (params, grid)
         if len(_PARAM_CACHE) > _PARAM_CACHE_SIZE:
             _PARAM_CACHE.popitem(last=False)
-    kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
     kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
          stream=_stream_ptr(prob.stream))
 
@@ -122,14 +127,20 @@ def launch_forward(plan, prob, o, lse, device_attrs):
 def forward_params(plan, prob, q, k, v, o, lse, device_attrs):
     """The forward's parameter block for these buffers, after the launch-configuration checks.
 
-    Returns ``(params, grid, (q, k, v))``: the block (a NumPy structured scalar), the number of
-    blocks, and the inputs it points at (contiguous full-batch copies when more than three
-    batch axes do not merge). Everything but the five pointers (and, for the Hopper kernel, the
-    tensor maps made from them) is a function of the plan, the shapes, strides and scale.
+    Returns ``(params, grid, (q, k, v), vparams)``: the block (a NumPy structured scalar), the
+    number of blocks, the inputs it points at (contiguous full-batch copies when more than three
+    batch axes do not merge), and the variant's VariantParams (None without a variant).
+    Everything but the five pointers (and, for the Hopper kernel, the tensor maps made from
+    them) is a function of the plan, the shapes, strides and scale.
     """
     import cupy
 
-    sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
+    vparams = None
+    if getattr(prob, "variant", None) is not None:
+        from ._launch_variants import collapse_with_variant
+        sizes, bstr, rstr, vparams = collapse_with_variant(prob, q, k, v, o)
+    else:
+        sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
     if len(sizes) > 3:
         # More than three batch axes that no stride pattern merges: materialise the inputs once
         # as contiguous full-batch arrays (documented in `attention`), then they collapse to one.
@@ -179,7 +190,7 @@ def forward_params(plan, prob, q, k, v, o, lse, device_attrs):
         grid = -(-n_mblocks // 2) * nbatch
     if plan.persistent:  # one block per SM, each looping over work items (attn_wgmma.cu)
         grid = min(grid, device_attrs["sm_count"])
-    return p[()], grid, (q, k, v)
+    return p[()], grid, (q, k, v), vparams
 
 
 #: Parameter blocks of recent launches, keyed on everything they are made from (plan, pointers,
@@ -324,9 +335,14 @@ def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
     q, k, v, o, do, lse = prob.q, prob.k, prob.v, prob.o, prob.do, prob.lse
     targets = [dq, dk, dv]
     bufs = list(targets)
+    variant = getattr(prob, "variant", None)   # window/softcap/alibi/bias/mask: _launch_variants
+    extra = []
+    if variant is not None:
+        from . import _launch_variants as lv
+        extra = lv.variant_tensors(variant)
 
     def collapse():
-        return collapse_batch(full, q, k, v, o, do, *bufs, _RowsView(lse))
+        return collapse_batch(full, q, k, v, o, do, *bufs, _RowsView(lse), *extra)
 
     sizes, bstr, rstr = collapse()
     if len(sizes) > 3:
@@ -350,8 +366,16 @@ def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
             sizes.insert(0, 1)
             for s in bstr:
                 s.insert(0, 0)
+    if len(sizes) > 3 and variant is not None:   # the variant's tensors do not merge
+        raise ValueError(lv.TOO_MANY_AXES)
     q_red, kv_red = _red_mask(bstr[5]), _red_mask(bstr[6])
     nbatch = sizes[0] * sizes[1] * sizes[2]
+    vparams = dscores = None
+    if variant is not None:
+        if getattr(prob, "return_dbias", False):   # ds per (batch entry, row, key): summed below
+            acc = np.float64 if prob.dtype_name == "float64" else np.float32
+            dscores = cupy.zeros(full + (prob.sq, prob.sk), dtype=acc)
+        vparams = lv.fill_params(prob, bstr[9:], dscores)
     owners = {red: math.prod(n for a, n in enumerate(sizes) if not (red >> a) & 1)
               for red in (0, q_red, kv_red)}
 
@@ -428,11 +452,17 @@ def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
     stream = _stream_ptr(prob.stream)
     for plan, grid in launches:
         kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
-        kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=stream)
+        args = (params, vparams) if vparams is not None and lv.is_variant_kernel(plan) else (params,)
+        kern((grid,), (plan.threads,), args, shared_mem=plan.smem_bytes, stream=stream)
 
     for tgt, buf in zip(targets, bufs):
         if buf is not tgt:  # a full-batch temporary: sum over the axes the target broadcasts
             _sum_into(tgt, buf, full, stream)
+    if dscores is not None:
+        from .reference import _sum_to_shape
+        with stream:   # the reduction runs on the launch stream
+            return _sum_to_shape(dscores, variant.bias.shape).astype(variant.bias.dtype)
+    return None
 
 
 def _sum_into(target, full_grad, batch_shape, stream):

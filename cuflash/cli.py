@@ -204,7 +204,7 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
             progress.close()
         click.echo(_audit.case_footnotes(cases).lstrip("\n"))
         click.echo("")
-        click.echo("property audits (recurrence, merge, overflow, underflow) ...")
+        click.echo("property audits (recurrence, merge, overflow, underflow, variants) ...")
         props = _audit.property_audits(device, dtypes, seed)
         click.echo("gradient audits (attention_backward: dq, dk, dv) ...")
         grads = _audit_grad.run_grid(device, dtypes, seed, quick)

@@ -168,8 +168,52 @@ def _causal_mask(sq: int, sk: int) -> np.ndarray:
     return j <= i + (sk - sq)
 
 
-def _scores_f64(q, k, scale, causal):
-    """float64 scores ``scale * q @ k^T`` with masked entries set to -inf, batch axes broadcast."""
+def _variant(variant, q=None, k=None, v=None):
+    """The `cuflash.variants.Variant` of a reference call's ``**variant`` keyword arguments
+    (``window``, ``softcap``, ``alibi_slopes``, ``bias``, ``mask``: as in `cuflash.attention`)."""
+    from .variants import variant_of
+    return variant_of(variant, q, k, v)
+
+
+def _variant_batch(batch, var):
+    """``batch`` broadcast with the batch axes of the variant's arrays."""
+    shapes = [tuple(batch)]
+    for x in (var.bias, var.mask):
+        if x is not None:
+            shapes.append(tuple(x.shape[:-2]))
+    if var.alibi_slopes is not None:
+        shapes.append(tuple(var.alibi_slopes.shape))
+    return tuple(np.broadcast_shapes(*shapes))
+
+
+def _variant_scores_f64(q, k, scale, causal, var):
+    """float64 final scores of a variant, ``(s, tanh_t, visible, add)``: ``s`` with the
+    invisible entries -inf (shape batch + (Sq, Sk), the batch widened by the variant's arrays),
+    ``tanh_t = tanh(t / c)`` under softcap (else None), ``visible`` bool broadcastable to ``s``
+    (None: all) and ``add`` the alibi + bias term (None when absent)."""
+    s, add, vis = _variant_terms(_scores_f64(q, k, scale, False), var, causal)
+    with np.errstate(invalid="ignore", over="ignore"):
+        tanh_t = var.apply(s, add, vis)
+    return s, tanh_t, vis, add
+
+
+def _variant_terms(s, var, causal):
+    """A writable copy of scores ``s`` widened to the variant's batch, the variant's additive
+    term (float64) and the visibility (causal included; None: all visible)."""
+    sq, sk = s.shape[-2:]
+    batch = _variant_batch(s.shape[:-2], var)
+    s = np.array(np.broadcast_to(s, batch + (sq, sk)))
+    add, vis = var.tile(batch, None, 0, sq, 0, sk, sq, sk, causal, np.float64)
+    if vis is None and causal:
+        vis = _causal_mask(sq, sk)
+    return s, add, vis
+
+
+def _scores_f64(q, k, scale, causal, var=None):
+    """float64 scores ``scale * q @ k^T`` with masked entries set to -inf, batch axes broadcast
+    (with a non-plain variant ``var``: its final scores, see `_variant_scores_f64`)."""
+    if var is not None and not var.is_plain:
+        return _variant_scores_f64(q, k, scale, causal, var)[0]
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     if q.ndim < 2 or k.ndim < 2:
@@ -191,7 +235,7 @@ def _scores_f64(q, k, scale, causal):
 # ---------------------------------------------------------------------------------------------
 
 @_grouped_heads("o_lse")
-def attention_ref(q, k, v, *, causal: bool = False, scale: Optional[float] = None):
+def attention_ref(q, k, v, *, causal: bool = False, scale: Optional[float] = None, **variant):
     """Attention and log-sum-exp in float64 (SciPy softmax / logsumexp): the ground truth.
 
     Parameters
@@ -206,6 +250,9 @@ def attention_ref(q, k, v, *, causal: bool = False, scale: Optional[float] = Non
         Bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + (Sk - Sq)``.
     scale : float, optional
         Score scale, default ``1 / sqrt(D)``.
+    window, softcap, alibi_slopes, bias, mask : optional
+        An attention variant, as in `cuflash.attention` (semantics: :mod:`cuflash.variants`);
+        every reference and pass-rule function of this module takes them.
 
     Returns
     -------
@@ -220,8 +267,9 @@ def attention_ref(q, k, v, *, causal: bool = False, scale: Optional[float] = Non
         the column NaN in every row that sees that key; an inf in ``v`` makes it inf, or NaN
         where it meets an inf of the other sign or a weight that underflowed to 0).
     """
+    var = _variant(variant, q, k, v)
     v = np.asarray(v, dtype=np.float64)
-    s = _scores_f64(q, k, scale, causal)
+    s = _scores_f64(q, k, scale, causal, var)
     if v.ndim < 2 or v.shape[-2] != s.shape[-1]:
         raise ValueError(f"v must have shape (..., Sk={s.shape[-1]}, Dv); got {v.shape}")
     batch = np.broadcast_shapes(s.shape[:-2], v.shape[:-2])
@@ -238,9 +286,19 @@ def attention_ref(q, k, v, *, causal: bool = False, scale: Optional[float] = Non
         lse = logsumexp(s_safe, axis=-1)
     p = np.where(empty[..., None], 0.0, p)
     lse = np.where(empty, -np.inf, lse)
-    visible = _causal_mask(s.shape[-2], s.shape[-1]) if causal else None
+    visible = _visible_f64(s.shape[-2], s.shape[-1], causal, var)
     o = masked_matmul(p, v, visible)
     return o, lse
+
+
+def _visible_f64(sq, sk, causal, var):
+    """Bool visibility broadcastable to (batch..., Sq, Sk), or None when every key is visible."""
+    if var is not None and not var.is_plain:
+        _, vis = var.tile(_variant_batch((), var), None, 0, sq, 0, sk, sq, sk, causal,
+                          np.float64)
+        if vis is not None:
+            return vis
+    return _causal_mask(sq, sk) if causal else None
 
 
 def masked_matmul(p, v, visible=None):
@@ -251,7 +309,7 @@ def masked_matmul(p, v, visible=None):
     p : ndarray, shape (..., Sq, Sk)
         Weights, 0 at masked positions.
     v : ndarray, shape (..., Sk, Dv)
-    visible : ndarray of bool, shape (Sq, Sk), optional
+    visible : ndarray of bool, shape (Sq, Sk) or broadcastable to (..., Sq, Sk), optional
         True where row i may see key j; None: every key is visible (then this is ``p @ v``).
 
     Returns
@@ -272,7 +330,7 @@ def masked_matmul(p, v, visible=None):
         j = keys[c0:c0 + 32]
         pj = p[..., :, j, None]                       # (..., Sq, J, 1)
         vj = v[..., None, j, :]                       # (..., 1, J, Dv)
-        take = visible[:, j, None] & bad[..., None, j, :]
+        take = visible[..., :, j, None] & bad[..., None, j, :]
         with np.errstate(invalid="ignore"):
             o = o + np.where(take, pj * vj, 0.0).sum(axis=-2)
     return o
@@ -351,7 +409,7 @@ def round_to_tf32(x) -> np.ndarray:
 
 @_grouped_heads("o")
 def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
-                    precision: Optional[str] = None):
+                    precision: Optional[str] = None, **variant):
     """Unfused attention computed the way a user would write it by hand in ``dtype``.
 
     ``S = scale * q @ k^T`` -> ``P = softmax(S)`` -> ``O = P @ V``, with every product
@@ -406,7 +464,11 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
         return round_to_tf32(x).astype(wd) if tf32 else x
 
     s = rnd(np.matmul(op(qw), np.swapaxes(op(kw), -1, -2)) * wd(scale))
-    if causal:
+    var = _variant(variant, q, k, v)
+    vis_all = _causal_mask(s.shape[-2], s.shape[-1]) if causal else None
+    if not var.is_plain:
+        s, vis_all = _naive_variant_scores(s, var, causal, rnd)
+    elif causal:
         s = np.where(_causal_mask(s.shape[-2], s.shape[-1]), s, wd(-np.inf))
     if s.shape[-1] == 0:
         batch = np.broadcast_shapes(s.shape[:-2], vw.shape[:-2])
@@ -421,9 +483,28 @@ def naive_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     den = np.where(empty, wd(1), den)
     p = rnd(e / den)
 
-    o = rnd(masked_matmul(op(p), op(vw),
-                          _causal_mask(s.shape[-2], s.shape[-1]) if causal else None))
+    o = rnd(masked_matmul(op(p), op(vw), vis_all))
     return np.asarray(o, dtype=np.float64)
+
+
+def _naive_variant_scores(s, var, causal, rnd, want_tanh=False):
+    """The variant's steps on rounded scores ``s`` as a hand-written implementation takes them
+    in its working precision: softcap (the tanh and the product each rounded), the additive
+    term (rounded to the dtype first, as a bias tensor of that dtype would be), the mask.
+    Returns ``(s, visible)`` (and the rounded tanh values with ``want_tanh``)."""
+    wd = s.dtype.type
+    s, add, vis = _variant_terms(s, var, causal)
+    th = None
+    with np.errstate(invalid="ignore", over="ignore"):
+        if var.softcap:
+            c = wd(var.softcap)
+            th = rnd(np.tanh(s / c))
+            s = rnd(th * c)
+        if add is not None:
+            s = rnd(s + rnd(add.astype(s.dtype)))
+    if vis is not None:
+        s = np.where(vis, s, wd(-np.inf))
+    return (s, vis, th) if want_tanh else (s, vis)
 
 
 def naive_error_bound_f64(q, k, v, *, scale=None) -> float:
@@ -456,7 +537,7 @@ def naive_error_bound_f64(q, k, v, *, scale=None) -> float:
 
 
 def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None,
-                precision=None) -> float:
+                precision=None, **variant) -> float:
     """The max abs error, against the float64 reference, of the naive implementation in `dtype`.
 
     Measured (``naive_attention`` vs ``attention_ref``) for float16, bfloat16 and float32; for
@@ -464,17 +545,36 @@ def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None,
     :func:`naive_error_bound_f64`. NaN/inf entries of the reference are left out.
     """
     if _dtype_name(dtype) == "float64":
-        return naive_error_bound_f64(q, k, v, scale=scale)
+        return naive_error_bound_f64(q, k, v, scale=scale) + _variant_f64_extra(q, k, v, variant)
     if o_ref is None:
-        o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale)
+        o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale, **variant)
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(naive_attention(q, k, v, causal=causal, scale=scale, dtype=dtype,
-                                      precision=precision) - o_ref)
+                                      precision=precision, **variant) - o_ref)
     diff = diff[np.isfinite(diff)]
     return float(diff.max()) if diff.size else 0.0
 
 
-def output_scale(q, k, v, *, causal: bool = False, scale: Optional[float] = None) -> float:
+def _variant_f64_extra(q, k, v, variant):
+    """What a variant adds to the float64 naive bounds: the roundings of the additive term and
+    of the softcap, ``u * max|v| * (4 max|a| + 8 c)``, ``a`` the alibi + bias term."""
+    var = _variant(variant, q, k, v)
+    if var.is_plain:
+        return 0.0
+    vv = np.asarray(v, dtype=np.float64)
+    vv = vv[np.isfinite(vv)]
+    vmax = float(np.max(np.abs(vv))) if vv.size else 0.0
+    sq, sk = np.shape(q)[-2], np.shape(k)[-2]
+    add, _ = var.tile(_variant_batch((), var), None, 0, sq, 0, sk, sq, sk, False, np.float64)
+    amax = 0.0
+    if add is not None:
+        fa = np.abs(add)[np.isfinite(add)]
+        amax = float(fa.max()) if fa.size else 0.0
+    return unit_roundoff("float64") * vmax * (4.0 * amax + 8.0 * var.softcap)
+
+
+def output_scale(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                 **variant) -> float:
     """``max_i,c sum_j softmax(s)_ij |v_jc|``: the size of the terms each output sums.
 
     It bounds ``max|o|`` and is the scale at which rounding the weights p and the output acts:
@@ -482,7 +582,7 @@ def output_scale(q, k, v, *, causal: bool = False, scale: Optional[float] = None
     implementation carries an error of order ``u`` times this, not times ``|o|``.
     """
     o_abs, _ = attention_ref(q, k, np.abs(np.asarray(v, dtype=np.float64)), causal=causal,
-                             scale=scale)
+                             scale=scale, **variant)
     o_abs = o_abs[np.isfinite(o_abs)]  # NaN/inf inputs: the size of the finite outputs
     return float(np.max(o_abs)) if o_abs.size else 0.0
 
@@ -590,7 +690,7 @@ def _bound_one(w, o, a, sd, sig, mx, n_vis, v1, d, dtype, key_tile, rounded_scor
 @_grouped_heads("o")
 def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
                 key_tile: int = MIN_KEY_TILE, rounded_scores: bool = False,
-                precision: Optional[str] = None) -> np.ndarray:
+                precision: Optional[str] = None, **variant) -> np.ndarray:
     """A priori bound on ``|o - o_ref|``, element by element, for a correct kernel in ``dtype``.
 
     The derivation is in ``notes/ERROR_BOUND.md``.  With ``w`` the exact softmax weights of a
@@ -622,6 +722,13 @@ def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
     precision : {None, "highest", "high"}, optional
         float32 only: ``"high"`` models one-pass TF32 products (every operand of both products,
         P included, rounded to TF32: 2 u_tf32 per product, u_tf32 = 2^-11).
+    window, softcap, alibi_slopes, bias, mask : optional
+        A variant (as in `cuflash.attention`). The visible-key count per row comes from its
+        visibility; the score size ``max|s|`` of the roundings becomes ``max(|s| + 2 |a|)`` over
+        the visible keys, ``a`` the additive alibi/bias term (its rounding to float32 and the
+        addition act at the size of both terms). softcap's tanh has a derivative <= 1, so the
+        dot product's error reaches the exponent undamped at most; its own rounding acts at
+        ``|c tanh| <= |s| + |a|``.
 
     Returns
     -------
@@ -629,6 +736,10 @@ def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
         0 for rows that see no key (their output is exactly 0).  Rows touched by NaN/inf inputs
         get NaN or inf.
     """
+    var = _variant(variant, q, k, v)
+    if not var.is_plain:
+        return _error_bound_variant(q, k, v, causal, scale, dtype, key_tile, rounded_scores,
+                                    precision, var)
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
@@ -662,6 +773,41 @@ def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
         args = (w, o, a, sd, sig, mx, n_vis, v1, d)
         bound = _bound_one(*args, dtype, key_tile, rounded_scores, precision)
         bound = bound + _bound_one(*args, "float64", sk, False)  # the reference's own rounding
+    return bound
+
+
+def _error_bound_variant(q, k, v, causal, scale, dtype, key_tile, rounded_scores, precision,
+                         var):
+    """:func:`error_bound` for a non-plain variant (a general visibility pattern)."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    d = q.shape[-1]
+    scale = _scale_or_default(scale, d)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s, _, vis, add = _variant_scores_f64(q, k, scale, causal, var)
+        sq, sk = s.shape[-2:]
+        batch = np.broadcast_shapes(s.shape[:-2], v.shape[:-2])
+        s = np.broadcast_to(s, batch + (sq, sk))
+        vis = np.broadcast_to(np.ones((sq, sk), dtype=bool) if vis is None else vis,
+                              batch + (sq, sk))
+        n_vis = vis.sum(axis=-1).astype(np.float64)
+        absdot = abs(float(scale)) * np.matmul(np.abs(q), np.swapaxes(np.abs(k), -1, -2))
+        absdot = np.broadcast_to(absdot, batch + (sq, sk))
+        sig = np.max(np.where(vis, absdot, 0.0), axis=-1)
+        size = np.abs(s) if add is None else np.abs(s) + 2.0 * np.abs(add)
+        mx = np.max(np.where(vis, size, 0.0), axis=-1)
+        w, _ = _weights(s)
+        av = np.abs(v)
+        o = masked_matmul(w, v, vis)
+        a = masked_matmul(w, av, vis)
+        e2 = masked_matmul(w, v * v, vis)
+        u64 = unit_roundoff("float64")
+        sd = np.sqrt(np.maximum(e2 - o * o, 0.0) + (2.0 * n_vis[..., None] + 8.0) * u64 * e2)
+        v1 = masked_matmul(vis.astype(np.float64), av, vis)   # sum of |v| over visible keys
+        args = (w, o, a, sd, sig, mx, n_vis, v1, d)
+        bound = _bound_one(*args, dtype, key_tile, rounded_scores, precision)
+        bound = bound + _bound_one(*args, "float64", sk, False)
     return bound
 
 
@@ -791,7 +937,8 @@ class PassRule:
 
 
 def pass_threshold(q, k, v, *, causal: bool = False, scale: Optional[float] = None, dtype,
-                   o_ref=None, key_tile: int = MIN_KEY_TILE, precision=None) -> PassRule:
+                   o_ref=None, key_tile: int = MIN_KEY_TILE, precision=None,
+                   **variant) -> PassRule:
     """The project's one pass rule for inputs q, k, v audited in `dtype`, as a :class:`PassRule`.
 
     A result passes (``rule.judge(o).passed``) only under both bars: the 2x-naive rule
@@ -800,16 +947,17 @@ def pass_threshold(q, k, v, *, causal: bool = False, scale: Optional[float] = No
     broken naive implementation cannot inflate.  ``key_tile``: see :func:`error_bound`.
     ``precision="high"`` (float32): the one-pass TF32 mode, whose naive counterpart is the
     one-pass TF32 matmul -> softmax -> matmul (:func:`naive_attention`) and whose products carry
-    TF32's rounding in the bound.
+    TF32's rounding in the bound. ``window``, ``softcap``, ``alibi_slopes``, ``bias``,
+    ``mask``: a variant, as in `cuflash.attention`; every part of the rule takes it.
     """
     if o_ref is None:
-        o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale)
+        o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale, **variant)
     name = _dtype_name(dtype)
     ne = naive_error(q, k, v, causal=causal, scale=scale, dtype=name, o_ref=o_ref,
-                     precision=precision)
-    a = output_scale(q, k, v, causal=causal, scale=scale)
+                     precision=precision, **variant)
+    a = output_scale(q, k, v, causal=causal, scale=scale, **variant)
     bound = error_bound(q, k, v, causal=causal, scale=scale, dtype=name, key_tile=key_tile,
-                        precision=precision)
+                        precision=precision, **variant)
     fin = np.asarray(o_ref)[np.isfinite(o_ref)]
     size = float(np.max(np.abs(fin))) if fin.size else 0.0
     informative = not ne > NAIVE_INFORMATIVE_FRACTION * size
@@ -1112,16 +1260,38 @@ def _sum_to_shape(x, shape):
     return x.reshape(shape)
 
 
-def _probabilities_f64(q, k, v, causal, scale):
-    """float64 (P, o, batch) with P = softmax of the masked scores, 0 on rows that see no key."""
+def _probabilities_f64(q, k, v, causal, scale, var=None, want_tanh=False):
+    """float64 (P, o, batch) with P = softmax of the masked scores, 0 on rows that see no key
+    (with ``want_tanh`` also tanh(t / c) of a softcap variant, or None)."""
     v = np.asarray(v, dtype=np.float64)
-    s = _scores_f64(q, k, scale, causal)
+    th = None
+    if var is not None and not var.is_plain:
+        s, th, _, _ = _variant_scores_f64(q, k, scale, causal, var)
+    else:
+        s = _scores_f64(q, k, scale, causal)
     batch = np.broadcast_shapes(s.shape[:-2], v.shape[:-2])
     s = np.broadcast_to(s, batch + s.shape[-2:])
     empty = np.all(s == -np.inf, axis=-1)
     p = softmax(np.where(empty[..., None], 0.0, s), axis=-1)
     p = np.where(empty[..., None], 0.0, p)
+    if want_tanh:
+        return p, np.matmul(p, v), batch, th
     return p, np.matmul(p, v), batch
+
+
+def _score_grads(ds, th, scale, var, q64, k64, return_dbias):
+    """(dq, dk[, dbias]) from the gradient ``ds`` of the final scores: dbias is ``ds`` summed
+    to the bias's shape; under softcap the scaled score's gradient is ``ds (1 - tanh^2)``."""
+    dbias = None
+    if return_dbias:
+        if var.bias is None:
+            raise ValueError("return_dbias=True needs bias=")
+        dbias = _sum_to_shape(ds, np.shape(var.bias))
+    if th is not None:
+        ds = ds * (1.0 - th * th)
+    dq = scale * np.matmul(ds, k64)
+    dk = scale * np.matmul(np.swapaxes(ds, -1, -2), q64)
+    return dq, dk, dbias
 
 
 def _scale_or_default(scale, d):
@@ -1129,7 +1299,8 @@ def _scale_or_default(scale, d):
 
 
 @_grouped_heads("grads")
-def attention_backward_ref(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
+def attention_backward_ref(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                           return_dbias: bool = False, **variant):
     """Gradients of ``L = sum(do * attention(q, k, v))`` in float64, from SciPy's softmax.
 
     Parameters
@@ -1140,31 +1311,37 @@ def attention_backward_ref(do, q, k, v, *, causal: bool = False, scale: Optional
     k : array_like, shape (..., Sk, D)
     v : array_like, shape (..., Sk, Dv)
         Any real dtype (converted to float64); batch axes broadcast as in :func:`attention_ref`.
-    causal, scale
+    causal, scale, window, softcap, alibi_slopes, bias, mask
         As in :func:`attention_ref`.
+    return_dbias : bool
+        Also return ``dbias`` (needs ``bias``): the gradient of the final scores, summed over
+        the axes along which ``bias`` broadcasts.
 
     Returns
     -------
     dq, dk, dv : ndarray, float64, the shapes of q, k and v
         Summed over the batch axes along which each input was broadcast. Rows that see no key
         contribute zero (never NaN).
+    dbias : ndarray, float64, the shape of bias
+        Only with ``return_dbias=True``.
     """
+    var = _variant(variant, q, k, v)
     q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     scale = _scale_or_default(scale, q64.shape[-1])
-    p, o, batch = _probabilities_f64(q64, k64, v64, causal, scale)
+    p, o, batch, th = _probabilities_f64(q64, k64, v64, causal, scale, var, want_tanh=True)
     do = np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:])
     dv = np.matmul(np.swapaxes(p, -1, -2), do)
     dp = np.matmul(do, np.swapaxes(v64, -1, -2))
     delta = np.sum(do * o, axis=-1, keepdims=True)
     ds = np.where(p > 0, p * (dp - delta), 0.0)
-    dq = scale * np.matmul(ds, k64)
-    dk = scale * np.matmul(np.swapaxes(ds, -1, -2), q64)
-    return (_sum_to_shape(dq, q64.shape), _sum_to_shape(dk, k64.shape),
-            _sum_to_shape(dv, v64.shape))
+    dq, dk, dbias = _score_grads(ds, th, scale, var, q64, k64, return_dbias)
+    grads = (_sum_to_shape(dq, q64.shape), _sum_to_shape(dk, k64.shape),
+             _sum_to_shape(dv, v64.shape))
+    return grads + (dbias,) if return_dbias else grads
 
 
 def attention_backward_fd(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
-                          eps: Optional[float] = None):
+                          eps: Optional[float] = None, return_dbias: bool = False, **variant):
     """Gradients of ``L = sum(do * attention_ref(q, k, v)[0])`` by central finite differences.
 
     ``dL/dx = (L(x + h) - L(x - h)) / (2 h)`` for every element x of q, k and v, with
@@ -1172,18 +1349,26 @@ def attention_backward_fd(do, q, k, v, *, causal: bool = False, scale: Optional[
     where truncation and rounding errors balance). Two forward passes per element: for small
     cases only (a check of :func:`attention_backward_ref`).
 
+    Variant arguments as in :func:`attention_ref`; with ``return_dbias=True`` the bias is
+    differentiated too.
+
     Returns
     -------
     dq, dk, dv : ndarray, float64, the shapes of q, k and v
+    dbias : ndarray, float64, the shape of bias (only with ``return_dbias=True``)
     """
     q64, k64, v64 = (np.array(x, dtype=np.float64) for x in (q, k, v))
     scale = _scale_or_default(scale, q64.shape[-1])
     do = np.asarray(do, dtype=np.float64)
     eps = 2.0 ** -18 if eps is None else float(eps)
     arrays = [q64, k64, v64]
+    variant = dict(variant)
+    if return_dbias:
+        variant["bias"] = np.array(variant["bias"], dtype=np.float64)
+        arrays.append(variant["bias"])
 
     def loss():
-        o, _ = attention_ref(*arrays, causal=causal, scale=scale)
+        o, _ = attention_ref(*arrays[:3], causal=causal, scale=scale, **variant)
         return float(np.sum(do * o))
 
     grads = []
@@ -1205,7 +1390,7 @@ def attention_backward_fd(do, q, k, v, *, causal: bool = False, scale: Optional[
 
 @_grouped_heads("grads")
 def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
-                             dtype):
+                             dtype, return_dbias: bool = False, **variant):
     """The backward a user gets from the unfused attention written by hand in ``dtype``.
 
     The forward of :func:`naive_attention` (S -> P -> o, each stage rounded to ``dtype``), then
@@ -1222,14 +1407,19 @@ def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Option
     do, q, k, v : array_like
         float64 arrays holding values representable in ``dtype``; shapes as in
         :func:`attention_backward_ref`.
-    causal, scale
-        As in :func:`attention_ref`.
+    causal, scale, window, softcap, alibi_slopes, bias, mask
+        As in :func:`attention_ref` (the variant's steps as :func:`naive_attention` takes them;
+        under softcap ``dS_t = rnd(dS * (1 - tanh^2))``).
     dtype : {"float16", "bfloat16", "float32", "float64"}
+    return_dbias : bool
+        Also return dbias (``dS`` summed to the bias's shape, rounded).
 
     Returns
     -------
     dq, dk, dv : ndarray, float64, the shapes of q, k and v; values representable in ``dtype``.
+    dbias : ndarray, float64, the shape of bias (with ``return_dbias``).
     """
+    var = _variant(variant, q, k, v)
     name = _dtype_name(dtype)
     wd = np.float64 if name == "float64" else np.float32
 
@@ -1241,7 +1431,10 @@ def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Option
     qw, kw, vw = (np.asarray(x, dtype=np.float64).astype(wd) for x in (q, k, v))
     scale = _scale_or_default(scale, qw.shape[-1])
     s = rnd(np.matmul(qw, np.swapaxes(kw, -1, -2)) * wd(scale))
-    if causal:
+    th = None
+    if not var.is_plain:
+        s, _, th = _naive_variant_scores(s, var, causal, rnd, want_tanh=True)
+    elif causal:
         s = np.where(_causal_mask(s.shape[-2], s.shape[-1]), s, wd(-np.inf))
     batch = np.broadcast_shapes(s.shape[:-2], vw.shape[:-2])
     s = np.broadcast_to(s, batch + s.shape[-2:])
@@ -1254,17 +1447,25 @@ def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Option
     dv = rnd(np.matmul(np.swapaxes(p, -1, -2), dow))
     dp = rnd(np.matmul(dow, np.swapaxes(vw, -1, -2)))
     ds = rnd(p * (dp - np.sum(p * dp, axis=-1, keepdims=True, dtype=wd)))
+    dbias = None
+    if return_dbias:
+        if var.bias is None:
+            raise ValueError("return_dbias=True needs bias=")
+        dbias = np.asarray(rnd(_sum_to_shape(ds, np.shape(var.bias))), dtype=np.float64)
+    if th is not None:
+        ds = rnd(ds * (wd(1) - th * th))
     dq = rnd(np.matmul(ds, kw) * wd(scale))
     dk = rnd(np.matmul(np.swapaxes(ds, -1, -2), qw) * wd(scale))
     out = []
     for g, x in ((dq, qw), (dk, kw), (dv, vw)):
         summed = _sum_to_shape(g, x.shape)
         out.append(np.asarray(rnd(summed) if summed.shape != g.shape else g, dtype=np.float64))
-    return tuple(out)
+    return tuple(out) + ((dbias,) if return_dbias else ())
 
 
 @_grouped_heads("bwd_scalars")
-def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
+def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
+                    return_dbias: bool = False, **variant):
     """``(A_dq, A_dk, A_dv)``: the size of the terms each element of dq, dk, dv sums.
 
     The backward run on magnitudes: ``A_dv = max (P^T |do|)``, ``A_dq = |scale| max (G |k|)``,
@@ -1272,25 +1473,36 @@ def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float]
     ``dS = P * (dP - delta)`` before they cancel (a single visible key gives dS = 0 from two equal
     rounded terms), summed over broadcast axes as the gradients are (they bound ``max|dv|``,
     ``max|dq|``, ``max|dk|``). As :func:`output_scale` for the forward, it is the scale at which
-    the few roundings any same-precision backward makes act.
+    the few roundings any same-precision backward makes act. With ``return_dbias`` a fourth,
+    ``A_dbias = max`` of ``G`` summed to the bias's shape; under softcap ``G`` carries the cap's
+    derivative ``1 - tanh^2`` for dq and dk.
     """
+    var = _variant(variant, q, k, v)
     q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     scale = _scale_or_default(scale, q64.shape[-1])
-    p, o, batch = _probabilities_f64(q64, k64, v64, causal, scale)
+    p, o, batch, th = _probabilities_f64(q64, k64, v64, causal, scale, var, want_tanh=True)
     ado = np.abs(np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:]))
     dv = np.matmul(np.swapaxes(p, -1, -2), ado)
     do_ = np.broadcast_to(np.asarray(do, dtype=np.float64), batch + o.shape[-2:])
     dp = np.matmul(do_, np.swapaxes(v64, -1, -2))
     delta = np.sum(do_ * o, axis=-1, keepdims=True)
     dsm = np.where(p > 0, p * (np.abs(dp) + np.abs(delta)), 0.0)
+    extra = ()
+    if return_dbias:
+        if var.bias is None:
+            raise ValueError("return_dbias=True needs bias=")
+        extra = (float(np.max(_sum_to_shape(dsm, np.shape(var.bias)))),)
+    if th is not None:
+        dsm = dsm * (1.0 - th * th)
     dq = abs(scale) * np.matmul(dsm, np.abs(k64))
     dk = abs(scale) * np.matmul(np.swapaxes(dsm, -1, -2), np.abs(q64))
     return tuple(float(np.max(_sum_to_shape(g, x.shape))) if g.size else 0.0
-                 for g, x in ((dq, q64), (dk, k64), (dv, v64)))
+                 for g, x in ((dq, q64), (dk, k64), (dv, v64))) + extra
 
 
 def naive_gradient_error_bound_f64(do, q, k, v, *, causal: bool = False,
-                                   scale: Optional[float] = None, scales=None):
+                                   scale: Optional[float] = None, scales=None,
+                                   return_dbias: bool = False, **variant):
     """A priori bounds on the max abs errors of a float64 backward, ``(dq, dk, dv)``.
 
     The gradient counterpart of :func:`naive_error_bound_f64`: the scores carry at most
@@ -1307,10 +1519,14 @@ def naive_gradient_error_bound_f64(do, q, k, v, *, causal: bool = False,
     dv_dim = np.shape(v)[-1]
     scale = _scale_or_default(scale, d)
     if scales is None:
-        scales = gradient_scales(do, q, k, v, causal=causal, scale=scale)
+        scales = gradient_scales(do, q, k, v, causal=causal, scale=scale,
+                                 return_dbias=return_dbias, **variant)
     qn = float(np.max(np.sqrt(np.sum(q64 * q64, axis=-1))))
     kn = float(np.max(np.sqrt(np.sum(k64 * k64, axis=-1))))
     factor = 2.0 * (d + 1) * abs(scale) * qn * kn + 2.0 * (dv_dim + sq + sk) + 8.0
+    vmax = float(np.max(np.abs(np.asarray(v, dtype=np.float64))))
+    if vmax > 0:   # the variant's roundings, relative (see _variant_f64_extra)
+        factor += _variant_f64_extra(q, k, v, variant) / (unit_roundoff("float64") * vmax)
     u = unit_roundoff("float64")
     return tuple(u * a * factor for a in scales)
 
@@ -1322,21 +1538,24 @@ def _max_abs_diff(a, b):
 
 
 def naive_gradient_errors(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
-                          dtype, ref=None, scales=None):
+                          dtype, ref=None, scales=None, return_dbias: bool = False, **variant):
     """Max abs errors of :func:`naive_attention_backward` in ``dtype`` against the float64
     gradients, ``(dq, dk, dv)``; for float64 the bounds of
     :func:`naive_gradient_error_bound_f64`. ``ref``: :func:`attention_backward_ref`'s result."""
     if _dtype_name(dtype) == "float64":
         return naive_gradient_error_bound_f64(do, q, k, v, causal=causal, scale=scale,
-                                              scales=scales)
+                                              scales=scales, return_dbias=return_dbias,
+                                              **variant)
     if ref is None:
-        ref = attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
-    naive = naive_attention_backward(do, q, k, v, causal=causal, scale=scale, dtype=dtype)
+        ref = attention_backward_ref(do, q, k, v, causal=causal, scale=scale,
+                                     return_dbias=return_dbias, **variant)
+    naive = naive_attention_backward(do, q, k, v, causal=causal, scale=scale, dtype=dtype,
+                                     return_dbias=return_dbias, **variant)
     return tuple(_max_abs_diff(n, r) for n, r in zip(naive, ref))
 
 
 def backward_lse_error(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
-                       dtype) -> float:
+                       dtype, **variant) -> float:
     """Relative error of the backward's ``P = exp(s - lse)`` that comes from the forward's lse
     being float32: ``4 * 2^-24 * max(1, max|lse|)`` for float16 and bfloat16, 0 for float32 and
     float64, whose backward paths recompute each row's softmax max m and sum l and form
@@ -1344,13 +1563,13 @@ def backward_lse_error(q, k, v, *, causal: bool = False, scale: Optional[float] 
     float64 backward must). See :func:`grad_pass_threshold`."""
     if _dtype_name(dtype) in ("float32", "float64"):
         return 0.0
-    _, lse_ref = attention_ref(q, k, v, causal=causal, scale=scale)
+    _, lse_ref = attention_ref(q, k, v, causal=causal, scale=scale, **variant)
     fin = np.abs(lse_ref[np.isfinite(lse_ref)])
     return 4.0 * unit_roundoff("float32") * max(1.0, float(fin.max()) if fin.size else 0.0)
 
 
 def grad_pass_threshold(do, q, k, v, *, causal: bool = False, scale: Optional[float] = None,
-                        dtype, ref=None):
+                        dtype, ref=None, return_dbias: bool = False, **variant):
     """The pass rule for gradients, one call: ``((tol_dq, tol_dk, tol_dv), (naive errors))``.
 
     Each gradient X gets the forward's rule (:func:`tolerance`): ``2 * naive_err_X +
@@ -1363,15 +1582,22 @@ def grad_pass_threshold(do, q, k, v, *, causal: bool = False, scale: Optional[fl
     visible key its P is exactly 1 and its error 0). float32 and float64 backward paths
     recompute each row's max and sum and get no such term (:func:`backward_lse_error`).
     ``ref``: :func:`attention_backward_ref`'s result for these inputs, if already computed.
+    Variant arguments as in :func:`attention_ref`; with ``return_dbias=True`` both tuples get a
+    fourth entry, for dbias (``ref`` then holds four gradients).
     """
+    kw = dict(causal=causal, scale=scale, return_dbias=return_dbias, **variant)
     if ref is None:
-        ref = attention_backward_ref(do, q, k, v, causal=causal, scale=scale)
-    scales = gradient_scales(do, q, k, v, causal=causal, scale=scale)
-    errs = naive_gradient_errors(do, q, k, v, causal=causal, scale=scale, dtype=dtype, ref=ref,
-                                 scales=scales)
-    lse_rel = backward_lse_error(q, k, v, causal=causal, scale=scale, dtype=dtype)
+        ref = attention_backward_ref(do, q, k, v, **kw)
+    scales = gradient_scales(do, q, k, v, **kw)
+    errs = naive_gradient_errors(do, q, k, v, dtype=dtype, ref=ref, scales=scales, **kw)
+    lse_rel = backward_lse_error(q, k, v, causal=causal, scale=scale, dtype=dtype, **variant)
     tols = tuple(tolerance(dtype, r, e, out_scale=a) + lse_rel * a
                  for r, e, a in zip(ref, errs, scales))
+    if return_dbias:
+        # dbias is stored in bias's dtype: one more rounding where that is narrower.
+        bname = _dtype_name(np.asarray(variant["bias"]).dtype)
+        extra = 2.0 * unit_roundoff(bname) * scales[3] if bname in _UNIT_ROUNDOFF else 0.0
+        tols = tols[:3] + (tols[3] + extra,)
     return tols, errs
 
 

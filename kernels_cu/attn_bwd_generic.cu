@@ -34,7 +34,14 @@
 // shuffles. Each tile's contribution is summed on its own and then added to the accumulator (two
 // short rounding chains instead of one of length S). Shared-memory tiles are in the accumulator
 // type, rows padded by one element so that 32 lanes reading 32 rows hit 32 banks.
+//
+// Variants (kernels_cu/variants.cuh): both bodies take the policy V as a template parameter; the
+// plain kernels (one argument) are V = PlainVariant, the *_var kernels take VariantParams too.
+// The score becomes V::score(scale * s) before exp, the window narrows the tiles each block
+// visits, and under softcap the scaled score's gradient is ds * V::dscore(t). The dq pass writes
+// ds (the final score's gradient) to vp.dscores when that is not null (dbias, reduced by the host).
 #include "common.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -82,9 +89,8 @@ __device__ __forceinline__ Acc bwd_dot(const Acc* a, const Acc* b, int n4) {
     return (part[0] + part[1]) + (part[2] + part[3]);
 }
 
-template <typename T, typename Acc, int DB, int DVB, bool CAUSAL>
-__global__ void __launch_bounds__(128, 1)
-cuflash_bwd_dq_generic(const BwdParams p) {
+template <typename T, typename Acc, int DB, int DVB, bool CAUSAL, typename V>
+__device__ __forceinline__ void bwd_dq_generic_body(const BwdParams& p, const VariantParams& vp) {
     using Cfg = BwdGenericConfig<T, Acc, DB, DVB, CAUSAL>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Acc* q_s = reinterpret_cast<Acc*>(smem_raw);            // BLOCK x QK_STRIDE
@@ -111,6 +117,16 @@ cuflash_bwd_dq_generic(const BwdParams p) {
         n_keys = causal_keys_visible(last_row, p.sq, p.sk);
         if (n_keys < 0) n_keys = 0;
     }
+    long long first_tile = 0;
+    V var;
+    if (!V::PLAIN) {   // the window's keys for this block's rows (the same for every entry)
+        const BwdIndex ix0 = bwd_index(p, p.q_red, owner, 0);
+        var.bind(vp, p.sq, p.sk, ix0.i0, ix0.i1, ix0.i2);
+        long long j0, j1;
+        var.key_range(row0, min(row0 + Cfg::BLOCK, p.sq), j0, j1, p.sk);
+        n_keys = min(n_keys, j1);
+        first_tile = j0 / Cfg::BC;
+    }
     const long long n_tiles = (n_keys + Cfg::BC - 1) / Cfg::BC;
 
     Acc acc[Cfg::ROWS][Cfg::DC];
@@ -121,7 +137,9 @@ cuflash_bwd_dq_generic(const BwdParams p) {
 
     BwdOffsets off = bwd_offsets(p, bwd_index(p, p.q_red, owner, 0));
     for (unsigned int red = 0; red < n_red; ++red) {
-        off = bwd_offsets(p, bwd_index(p, p.q_red, owner, red));
+        const BwdIndex ix = bwd_index(p, p.q_red, owner, red);
+        off = bwd_offsets(p, ix);
+        if (!V::PLAIN) var.bind(vp, p.sq, p.sk, ix.i0, ix.i1, ix.i2);
         const T* q = static_cast<const T*>(p.q) + off.q;
         const T* k = static_cast<const T*>(p.k) + off.k;
         const T* v = static_cast<const T*>(p.v) + off.v;
@@ -154,7 +172,7 @@ cuflash_bwd_dq_generic(const BwdParams p) {
                 l[r] = Acc(0);
                 dsum[r] = Acc(0);
             }
-            for (long long t = 0; t < n_tiles; ++t) {
+            for (long long t = first_tile; t < n_tiles; ++t) {
                 const long long key0 = t * Cfg::BC;
                 __syncthreads();  // the previous K/V tiles are no longer read (and q/do are written)
                 bwd_load_tile<T, Acc, Cfg::QK_STRIDE, Cfg::THREADS>(k_s, Cfg::BC, k, key0, p.sk, p.k_sr, d, tid);
@@ -169,7 +187,12 @@ cuflash_bwd_dq_generic(const BwdParams p) {
                     const Acc dp = bwd_dot(do_s + rr * Cfg::V_STRIDE, v_s + lane * Cfg::V_STRIDE, dv4);
                     bool valid = key < p.sk && row < p.sq;
                     if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
-                    s = valid ? s * scale : neg_inf<Acc>();
+                    if (V::MASKS) valid = valid && var.visible(row, key);
+                    if (V::PLAIN) {
+                        s = valid ? s * scale : neg_inf<Acc>();
+                    } else {
+                        s = valid ? var.score(s * scale, row, key) : neg_inf<Acc>();
+                    }
                     const Acc m_new = fmax(m[r], warp_max(s));
                     const Acc alpha = rescale_factor(m[r], m_new);
                     const Acc pj = (m_new == neg_inf<Acc>()) ? (s != s ? s : Acc(0)) : acc_exp(s - m_new);
@@ -197,7 +220,7 @@ cuflash_bwd_dq_generic(const BwdParams p) {
             }
         }
 
-        for (long long t = 0; t < n_tiles; ++t) {
+        for (long long t = first_tile; t < n_tiles; ++t) {
             const long long key0 = t * Cfg::BC;
             __syncthreads();  // the previous tile's K/V are no longer read (and q/do are written)
             bwd_load_tile<T, Acc, Cfg::QK_STRIDE, Cfg::THREADS>(k_s, Cfg::BC, k, key0, p.sk, p.k_sr, d, tid);
@@ -213,8 +236,19 @@ cuflash_bwd_dq_generic(const BwdParams p) {
                 const Acc dp = bwd_dot(do_s + rr * Cfg::V_STRIDE, v_s + lane * Cfg::V_STRIDE, dv4);
                 bool valid = key < p.sk && lse[r] != neg_inf<Acc>();
                 if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
-                const Acc pj = valid ? acc_exp(s * scale - lse[r]) / lsum[r] : Acc(0);
-                const Acc ds = valid ? pj * (dp - delta[r]) : Acc(0);
+                if (V::MASKS) valid = valid && var.visible(row, key);
+                Acc pj, ds;
+                if (V::PLAIN) {
+                    pj = valid ? acc_exp(s * scale - lse[r]) / lsum[r] : Acc(0);
+                    ds = valid ? pj * (dp - delta[r]) : Acc(0);
+                } else {
+                    const Acc st = s * scale;
+                    pj = valid ? acc_exp(var.score(st, row, key) - lse[r]) / lsum[r] : Acc(0);
+                    ds = valid ? pj * (dp - delta[r]) : Acc(0);
+                    if (vp.dscores != nullptr && row < p.sq && key < p.sk)
+                        static_cast<Acc*>(vp.dscores)[(off.delta + row) * p.sk + key] = ds;
+                    if (valid) ds *= var.dscore(st);
+                }
                 Acc tile[Cfg::DC];
 #pragma unroll
                 for (int c = 0; c < Cfg::DC; ++c) tile[c] = Acc(0);
@@ -244,9 +278,8 @@ cuflash_bwd_dq_generic(const BwdParams p) {
     }
 }
 
-template <typename T, typename Acc, int DB, int DVB, bool CAUSAL>
-__global__ void __launch_bounds__(128, 1)
-cuflash_bwd_dkdv_generic(const BwdParams p) {
+template <typename T, typename Acc, int DB, int DVB, bool CAUSAL, typename V>
+__device__ __forceinline__ void bwd_dkdv_generic_body(const BwdParams& p, const VariantParams& vp) {
     using Cfg = BwdGenericConfig<T, Acc, DB, DVB, CAUSAL>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Acc* k_s = reinterpret_cast<Acc*>(smem_raw);            // BLOCK x QK_STRIDE
@@ -270,7 +303,17 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
     const int d4 = (d + 3) & ~3, dv4 = (dv + 3) & ~3;
     const Acc scale = static_cast<Acc>(p.scale);
     // Query rows that see any of this block's keys: all, or from the first row that sees key0.
-    const long long first_row = CAUSAL ? causal_first_row(key0, p.sq, p.sk) : 0;
+    long long first_row = CAUSAL ? causal_first_row(key0, p.sq, p.sk) : 0;
+    long long end_row = p.sq;
+    V var;
+    if (!V::PLAIN) {   // the rows the window lets see this block's keys
+        const BwdIndex ix0 = bwd_index(p, p.kv_red, owner, 0);
+        var.bind(vp, p.sq, p.sk, ix0.i0, ix0.i1, ix0.i2);
+        long long r0, r1;
+        var.row_range(key0, min(key0 + Cfg::BLOCK, p.sk), r0, r1, p.sq);
+        first_row = max(first_row, r0);
+        end_row = r1;
+    }
 
     Acc dk_acc[Cfg::ROWS][Cfg::DC], dv_acc[Cfg::ROWS][Cfg::DVC];
 #pragma unroll
@@ -283,7 +326,9 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
 
     BwdOffsets off = bwd_offsets(p, bwd_index(p, p.kv_red, owner, 0));
     for (unsigned int red = 0; red < n_red; ++red) {
-        off = bwd_offsets(p, bwd_index(p, p.kv_red, owner, red));
+        const BwdIndex ix = bwd_index(p, p.kv_red, owner, red);
+        off = bwd_offsets(p, ix);
+        if (!V::PLAIN) var.bind(vp, p.sq, p.sk, ix.i0, ix.i1, ix.i2);
         const T* q = static_cast<const T*>(p.q) + off.q;
         const T* k = static_cast<const T*>(p.k) + off.k;
         const T* v = static_cast<const T*>(p.v) + off.v;
@@ -299,7 +344,7 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
         bwd_load_tile<T, Acc, Cfg::QK_STRIDE, Cfg::THREADS>(k_s, Cfg::BLOCK, k, key0, p.sk, p.k_sr, d, tid);
         bwd_load_tile<T, Acc, Cfg::V_STRIDE, Cfg::THREADS>(v_s, Cfg::BLOCK, v, key0, p.sk, p.v_sr, dv, tid);
 
-        for (long long i0 = first_row; i0 < p.sq; i0 += Cfg::BC) {
+        for (long long i0 = first_row; i0 < end_row; i0 += Cfg::BC) {
             __syncthreads();  // the previous query tile is no longer read (and k/v are written)
             bwd_load_tile<T, Acc, Cfg::QK_STRIDE, Cfg::THREADS>(q_s, Cfg::BC, q, i0, p.sq, p.q_sr, d, tid);
             bwd_load_tile<T, Acc, Cfg::V_STRIDE, Cfg::THREADS>(do_s, Cfg::BC, dout, i0, p.sq, p.do_sr, dv, tid);
@@ -324,8 +369,16 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
                 const Acc dp = bwd_dot(do_s + lane * Cfg::V_STRIDE, v_s + kk * Cfg::V_STRIDE, dv4);
                 bool valid = key < p.sk && row < p.sq && lse_i != neg_inf<Acc>();
                 if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
-                const Acc pj = valid ? acc_exp(s * scale - lse_i) / l_i : Acc(0);
-                const Acc ds = valid ? pj * (dp - delta_i) : Acc(0);
+                if (V::MASKS) valid = valid && var.visible(row, key);
+                Acc pj, ds;
+                if (V::PLAIN) {
+                    pj = valid ? acc_exp(s * scale - lse_i) / l_i : Acc(0);
+                    ds = valid ? pj * (dp - delta_i) : Acc(0);
+                } else {
+                    const Acc st = s * scale;
+                    pj = valid ? acc_exp(var.score(st, row, key) - lse_i) / l_i : Acc(0);
+                    ds = valid ? pj * (dp - delta_i) * var.dscore(st) : Acc(0);
+                }
                 Acc tk[Cfg::DC], tv[Cfg::DVC];
 #pragma unroll
                 for (int c = 0; c < Cfg::DC; ++c) tk[c] = Acc(0);
@@ -368,5 +421,9 @@ cuflash_bwd_dkdv_generic(const BwdParams p) {
         }
     }
 }
+
+// The plain kernels (one argument, the code they always had) and the variant kernels.
+CUFLASH_POLICY_KERNELS(cuflash_bwd_dq_generic, bwd_dq_generic_body, BwdParams)
+CUFLASH_POLICY_KERNELS(cuflash_bwd_dkdv_generic, bwd_dkdv_generic_body, BwdParams)
 
 }  // namespace cuflash

@@ -27,7 +27,15 @@
 // Cost per tile and warp: ROWS*BC*D FMAs for scores (lane-parallel over keys), ROWS*BC*Dv FMAs for
 // P.V (lane-parallel over columns), and ROWS*BC shuffles to broadcast p_j. Memory: Q read once,
 // K and V read once per query block, O and lse written once; O(S) extra memory.
+//
+// Variants (kernels_cu/variants.cuh): the body takes the policy V as a template parameter.
+// cuflash_fwd_generic is the plain policy (the code it always had; one kernel argument);
+// cuflash_fwd_generic_var<..., V> takes VariantParams as a second argument. The window narrows the
+// key tiles a block visits (tiles no row of the block reaches are never loaded); the score
+// transform runs on the scaled score in registers; masked keys join the causal bit mask, so their
+// values never reach the row.
 #include "common.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -48,10 +56,10 @@ struct GenericConfig {
     static_assert(DB % 32 == 0 && DVB % 32 == 0, "head-dim buckets are multiples of 32");
 };
 
-template <typename T, typename Acc, int DB, int DVB, bool CAUSAL>
-__global__ void __launch_bounds__(128, 1)
-cuflash_fwd_generic(const AttnParams p) {
+template <typename T, typename Acc, int DB, int DVB, bool CAUSAL, typename V>
+__device__ __forceinline__ void fwd_generic_body(const AttnParams& p, const VariantParams& vp) {
     using Cfg = GenericConfig<T, Acc, DB, DVB, CAUSAL>;
+    constexpr bool MASKED = CAUSAL || V::MASKS;   // per-key visibility bits needed
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Acc* q_s = reinterpret_cast<Acc*>(smem_raw);
     Acc* k_s = q_s + Cfg::BLOCK_M * Cfg::QK_STRIDE;
@@ -86,6 +94,19 @@ cuflash_fwd_generic(const AttnParams p) {
         n_keys = causal_keys_visible(last_row, p.sq, p.sk);
         if (n_keys < 0) n_keys = 0;
     }
+    long long first_tile = 0;
+    V var;
+    if (!V::PLAIN) {
+        // The batch entry's coordinates (as batch_offsets splits them) bind the policy.
+        const unsigned int ub = static_cast<unsigned int>(bc.b);
+        const unsigned int n2 = static_cast<unsigned int>(p.nb2);
+        const unsigned int n1 = static_cast<unsigned int>(p.nb1);
+        var.bind(vp, p.sq, p.sk, (ub / n2) / n1, (ub / n2) % n1, ub % n2);
+        long long j0, j1;
+        var.key_range(row0, min(row0 + Cfg::BLOCK_M, p.sq), j0, j1, p.sk);
+        n_keys = min(n_keys, j1);
+        first_tile = j0 / Cfg::BC;
+    }
     const long long n_tiles = (n_keys + Cfg::BC - 1) / Cfg::BC;
 
     Acc m[Cfg::ROWS], l[Cfg::ROWS], acc[Cfg::ROWS][Cfg::DVC];
@@ -98,7 +119,7 @@ cuflash_fwd_generic(const AttnParams p) {
     }
     const Acc scale = static_cast<Acc>(p.scale);
 
-    for (long long t = 0; t < n_tiles; ++t) {
+    for (long long t = first_tile; t < n_tiles; ++t) {
         const long long key0 = t * Cfg::BC;
         __syncthreads();  // the previous tile's K/V are no longer read (and Q is written)
         for (int idx = tid; idx < Cfg::BC * Cfg::QK_STRIDE; idx += Cfg::THREADS) {
@@ -141,8 +162,14 @@ cuflash_fwd_generic(const AttnParams p) {
             const long long row = row0 + warp * Cfg::ROWS + r;
             bool valid = key < p.sk;
             if (CAUSAL) valid = valid && key < causal_keys_visible(row, p.sq, p.sk);
-            s[r] = valid ? s[r] * scale : neg_inf<Acc>();
-            vis[r] = CAUSAL ? __ballot_sync(0xffffffffu, valid) : 0xffffffffu;
+            if (V::READS) valid = valid && row < p.sq;   // no tensor reads past the last row
+            if (V::MASKS) valid = valid && var.visible(row, key);
+            if (V::PLAIN) {
+                s[r] = valid ? s[r] * scale : neg_inf<Acc>();
+            } else {
+                s[r] = valid ? var.score(s[r] * scale, row, key) : neg_inf<Acc>();
+            }
+            vis[r] = MASKED ? __ballot_sync(0xffffffffu, valid) : 0xffffffffu;
         }
 
         // Online-softmax update and P.V, one row at a time.
@@ -164,7 +191,7 @@ cuflash_fwd_generic(const AttnParams p) {
 #pragma unroll Cfg::PV_UNROLL
             for (int j = 0; j < Cfg::BC; ++j) {
                 const Acc pb = __shfl_sync(0xffffffffu, pj, j);
-                const bool seen = !CAUSAL || ((vis[r] >> j) & 1u);
+                const bool seen = !MASKED || ((vis[r] >> j) & 1u);
 #pragma unroll
                 for (int c = 0; c < Cfg::DVC; ++c) {
                     const Acc vj = v_s[j * Cfg::V_STRIDE + c * 32 + lane];
@@ -195,5 +222,8 @@ cuflash_fwd_generic(const AttnParams p) {
         }
     }
 }
+
+// cuflash_fwd_generic (plain, one argument) and cuflash_fwd_generic_var<..., V> (variants.cuh).
+CUFLASH_POLICY_KERNELS(cuflash_fwd_generic, fwd_generic_body, AttnParams)
 
 }  // namespace cuflash

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from cuflash import _compile, _decode, _dispatch
+from cuflash._dispatch_variants import variant_backward_compile_specs, variant_compile_specs
 
 from conftest import COMPILE_REPORTS, HOPPER_SCHEDULES, hopper_schedule_table
 
@@ -17,6 +18,8 @@ def _specs(cc):
     specs = [plan.spec for plan in _dispatch.all_specialisations(cc)]
     specs += _dispatch.backward_kernel_specs(cc)  # the backward's kernels (notes/BACKWARD.md)
     specs += _decode.all_decode_specialisations()  # attn_decode.cu (notes/INFERENCE.md)
+    if cc == 90:  # attention variants (notes/VARIANTS.md): the H200's architecture only
+        specs += variant_compile_specs() + variant_backward_compile_specs()
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))

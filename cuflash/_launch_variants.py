@@ -1,0 +1,88 @@
+"""The launch side of attention variants: `VariantParams` (kernels_cu/variants.cuh) mirrored as a
+NumPy structured dtype, and the batch-axis collapse with the variant's tensors (bias, mask, ALiBi
+slopes) taken into account, so that every tensor of the launch shares the same <= 3 collapsed
+batch axes. Passed to the kernels as a second argument after AttnParams / BwdParams (whose
+layouts do not change)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ._launch import collapse_batch
+
+_VP_PTRS = ("bias", "mask", "slopes")
+_VP_INTS1 = ("left", "right")
+_VP_DBL = ("softcap", "inv_softcap")
+_VP_INTS2 = tuple(f"{t}_{s}" for t in ("bias", "mask") for s in ("s0", "s1", "s2", "sr", "sc")) \
+    + ("sl_s0", "sl_s1", "sl_s2", "dscores")
+VARIANT_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _VP_PTRS]
+                                + [(f, np.int64) for f in _VP_INTS1]
+                                + [(f, np.float64) for f in _VP_DBL]
+                                + [(f, np.int64) for f in _VP_INTS2])
+assert VARIANT_PARAMS_DTYPE.itemsize == 21 * 8  # static_assert in kernels_cu/variants.cuh
+
+
+def variant_tensors(variant):
+    """The variant's tensors, each with (..., rows, cols) axes, in the order fill_params reads
+    their collapsed strides: bias, mask, slopes (as (..., 1, 1)), those present."""
+    out = []
+    if variant.bias is not None:
+        out.append(variant.bias)
+    if variant.mask is not None:
+        out.append(variant.mask)
+    if variant.alibi_slopes is not None:
+        out.append(variant.alibi_slopes[..., None, None])
+    return out
+
+
+def fill_params(prob, extra_bstr, dscores=None):
+    """VariantParams (a NumPy scalar) for `prob.variant`, with the collapsed batch strides of
+    its tensors (``extra_bstr``, padded to three, in `variant_tensors` order)."""
+    var = prob.variant
+    vp = np.zeros((), dtype=VARIANT_PARAMS_DTYPE)
+    vp["left"] = var.left if var.has_window else -1
+    vp["right"] = var.right_eff(prob.causal) if var.has_window else -1
+    if var.softcap:
+        vp["softcap"], vp["inv_softcap"] = var.softcap, 1.0 / var.softcap
+    names = [n for n, x in (("bias", var.bias), ("mask", var.mask), ("sl", var.alibi_slopes))
+             if x is not None]
+    for name, x, bs in zip(names, variant_tensors(var), extra_bstr):
+        vp[f"{name}_s0"], vp[f"{name}_s1"], vp[f"{name}_s2"] = bs
+        if name in ("bias", "mask"):
+            vp[name] = x.data.ptr
+            vp[f"{name}_sr"] = 0 if x.shape[-2] == 1 else x.strides[-2] // x.itemsize
+            vp[f"{name}_sc"] = 0 if x.shape[-1] == 1 else x.strides[-1] // x.itemsize
+        else:
+            vp["slopes"] = x.data.ptr
+    vp["dscores"] = 0 if dscores is None else dscores.data.ptr
+    return vp[()]
+
+
+def pad3(sizes, bstr):
+    """Pad collapsed batch axes to three (leading size-1 axes, stride 0), in place."""
+    while len(sizes) < 3:
+        sizes.insert(0, 1)
+        for st in bstr:
+            st.insert(0, 0)
+
+
+TOO_MANY_AXES = ("the batch axes of the inputs and of bias / mask / alibi_slopes do not collapse "
+                 "to three axes (more than three batch axes with unmergeable strides); pass "
+                 "C-contiguous arrays")
+
+
+def collapse_with_variant(prob, *tensors):
+    """`collapse_batch` over ``tensors`` (q, k, v, o as the forward passes them) and the
+    variant's tensors; returns (sizes padded to 3, bstr, rstr of ``tensors``, VariantParams as a
+    NumPy scalar). Raises ValueError when the batch axes do not collapse to three."""
+    extra = variant_tensors(prob.variant)
+    sizes, bstr, rstr = collapse_batch(prob.batch_shape, *tensors, *extra)
+    if len(sizes) > 3:
+        raise ValueError(TOO_MANY_AXES)
+    pad3(sizes, bstr)
+    n = len(tensors)
+    return sizes, bstr[:n], rstr[:n], fill_params(prob, bstr[n:])
+
+
+def is_variant_kernel(plan) -> bool:
+    """Whether a plan's kernel takes VariantParams as its second argument."""
+    return "_var<" in plan.spec.name

@@ -1,0 +1,175 @@
+// variants.cuh: attention variants as one compile-time policy (issue 15).
+//
+// A kernel takes the variant as a template parameter `V` (a `Variant<...>`), built from parts
+// that compose into one type: window, softcap, ALiBi, an additive bias tensor (of any float
+// storage type) and a boolean mask tensor. Semantics (cuflash/variants.py, the one definition):
+// for query row i, key j, off = Sk - Sq and t = scale * q_i . k_j,
+//   score   = (softcap ? c tanh(t / c) : t) - slope * |i + off - j| + bias[i, j]
+//   visible = window: i + off - left <= j <= i + off + right   (-1: unbounded)
+//             and mask[i, j]                                   (causal stays the kernel's CAUSAL)
+// The plain policy `PlainVariant` has every part off: every member is a constant the compiler
+// folds away, so a kernel instantiated with it generates the code it had before policies existed.
+//
+// Interface (what a kernel calls; `b` = the bound batch entry, see bind()):
+//   V::PLAIN, V::MASKS (some key may be invisible beyond causal), V::READS (reads tensors per
+//   element: rows past Sq / keys past Sk must not call score()/visible())
+//   bind(vp, i0, i1, i2)            the collapsed batch coordinates of the block's entry
+//   visible(q_idx, kv_idx)          window and mask
+//   score(t, q_idx, kv_idx)         the transform of the scaled score t
+//   dscore(t)                       d score / d t (softcap: 1 - tanh^2(t / c); else 1)
+//   key_range(r0, r1, sq, sk, &j0, &j1)   keys [j0, j1) rows [r0, r1) can see by position
+//   row_range(j0, j1, sq, sk, &r0, &r1)   rows [r0, r1) that can see keys [j0, j1) by position
+//   tile_kind(r0, r1, j0, j1, sq, sk)     TILE_EMPTY / TILE_FULL / TILE_PARTIAL (by position;
+//                                          a mask tensor makes every non-empty tile partial)
+// Parameters live in `VariantParams`, a separate kernel argument after AttnParams / BwdParams
+// (their layouts stay as they are), mirrored by VARIANT_PARAMS_DTYPE in cuflash/_launch.py.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+// Every field 8 bytes (as AttnParams): the host mirrors it with a NumPy structured dtype.
+// Strides are in elements over the three collapsed batch axes, the row (Sq) and the column (Sk)
+// axes; 0 where the tensor broadcasts.
+struct VariantParams {
+    const void* bias;              // storage type = the policy's BiasT
+    const unsigned char* mask;     // bool, 1 byte
+    const float* slopes;           // ALiBi slopes, float32
+    long long left, right;         // window extents, -1 = unbounded (right already 0 under causal)
+    double softcap, inv_softcap;
+    long long bias_s0, bias_s1, bias_s2, bias_sr, bias_sc;
+    long long mask_s0, mask_s1, mask_s2, mask_sr, mask_sc;
+    long long sl_s0, sl_s1, sl_s2;
+    void* dscores;                 // backward with dbias: the final scores' gradient ds, in the
+                                   // accumulator type, (full batch, Sq, Sk) contiguous; or null
+};
+static_assert(sizeof(VariantParams) == 21 * 8, "VariantParams must match cuflash/_launch.py");
+
+__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+
+enum TileKind { TILE_EMPTY = 0, TILE_FULL = 1, TILE_PARTIAL = 2 };
+
+struct NoBias {};   // BiasT of a policy without a bias tensor
+
+template <typename B> struct IsNoBias { static constexpr bool value = false; };
+template <> struct IsNoBias<NoBias> { static constexpr bool value = true; };
+
+template <bool WINDOW, bool SOFTCAP, bool ALIBI, typename BiasT, bool MASK>
+struct Variant {
+    static constexpr bool HAS_BIAS = !IsNoBias<BiasT>::value;
+    static constexpr bool PLAIN = !WINDOW && !SOFTCAP && !ALIBI && !HAS_BIAS && !MASK;
+    static constexpr bool MASKS = WINDOW || MASK;          // invisible keys beyond causal
+    static constexpr bool READS = ALIBI || HAS_BIAS || MASK;
+
+    // Bound per batch entry (left unset for the parts that are off: never read then).
+    const BiasT* bias;
+    const unsigned char* mask;
+    long long bias_sr, bias_sc, mask_sr, mask_sc, left, right, off;
+    float slope;
+    double cap, inv_cap;
+
+    __device__ __forceinline__ void bind(const VariantParams& vp, long long sq, long long sk,
+                                         long long i0, long long i1, long long i2) {
+        off = sk - sq;
+        if constexpr (WINDOW) { left = vp.left; right = vp.right; }
+        if constexpr (SOFTCAP) { cap = vp.softcap; inv_cap = vp.inv_softcap; }
+        if constexpr (ALIBI) slope = vp.slopes[i0 * vp.sl_s0 + i1 * vp.sl_s1 + i2 * vp.sl_s2];
+        if constexpr (HAS_BIAS) {
+            bias = static_cast<const BiasT*>(vp.bias) + i0 * vp.bias_s0 + i1 * vp.bias_s1 +
+                   i2 * vp.bias_s2;
+            bias_sr = vp.bias_sr;
+            bias_sc = vp.bias_sc;
+        }
+        if constexpr (MASK) {
+            mask = vp.mask + i0 * vp.mask_s0 + i1 * vp.mask_s1 + i2 * vp.mask_s2;
+            mask_sr = vp.mask_sr;
+            mask_sc = vp.mask_sc;
+        }
+    }
+
+    __device__ __forceinline__ bool visible(long long i, long long j) const {
+        bool ok = true;
+        if constexpr (WINDOW) {
+            const long long c = i + off;
+            if (left >= 0) ok = ok && j >= c - left;
+            if (right >= 0) ok = ok && j <= c + right;
+        }
+        if constexpr (MASK) ok = ok && mask[i * mask_sr + j * mask_sc] != 0;
+        return ok;
+    }
+
+    template <typename Acc>
+    __device__ __forceinline__ Acc score(Acc t, long long i, long long j) const {
+        if constexpr (SOFTCAP) t = static_cast<Acc>(cap) * tanh_acc(t * static_cast<Acc>(inv_cap));
+        if constexpr (ALIBI) {
+            const long long dist = i + off - j;
+            t -= static_cast<Acc>(slope) * static_cast<Acc>(dist < 0 ? -dist : dist);
+        }
+        if constexpr (HAS_BIAS) t += load_acc<Acc>(bias + i * bias_sr + j * bias_sc);
+        return t;
+    }
+
+    // d score / d t at the scaled score t.
+    template <typename Acc>
+    __device__ __forceinline__ Acc dscore(Acc t) const {
+        if constexpr (!SOFTCAP) return Acc(1);
+        const Acc th = tanh_acc(t * static_cast<Acc>(inv_cap));
+        return Acc(1) - th * th;
+    }
+
+    // Keys [j0, j1) that rows [r0, r1) can see by position (window only; causal is the
+    // kernel's own limit and is intersected by the caller).
+    __device__ __forceinline__ void key_range(long long r0, long long r1, long long& j0,
+                                              long long& j1, long long sk) const {
+        j0 = 0;
+        j1 = sk;
+        if constexpr (WINDOW) {
+            if (left >= 0) j0 = max(0ll, r0 + off - left);
+            if (right >= 0) j1 = min(sk, r1 - 1 + off + right + 1);
+        }
+    }
+    // Rows [r0, r1) that can see some key of [j0, j1) by position (window only).
+    __device__ __forceinline__ void row_range(long long j0, long long j1, long long& r0,
+                                              long long& r1, long long sq) const {
+        r0 = 0;
+        r1 = sq;
+        if constexpr (WINDOW) {
+            if (right >= 0) r0 = max(0ll, j0 - off - right);
+            if (left >= 0) r1 = min(sq, j1 - 1 - off + left + 1);
+        }
+    }
+    // Whether a (rows [r0, r1)) x (keys [j0, j1)) tile is empty, full or partial by position.
+    __device__ __forceinline__ int tile_kind(long long r0, long long r1, long long j0,
+                                             long long j1) const {
+        if constexpr (!WINDOW) return MASK ? TILE_PARTIAL : TILE_FULL;
+        long long a0, a1;
+        key_range(r0, r1, a0, a1, j1);
+        if (a0 >= j1 || a1 <= j0) return TILE_EMPTY;
+        // Full when the last row's first key and the first row's last key bracket the tile.
+        long long f0, f1, g0, g1;
+        key_range(r1 - 1, r1, f0, f1, j1);
+        key_range(r0, r0 + 1, g0, g1, j1);
+        const bool full = f0 <= j0 && g1 >= j1;
+        return (full && !MASK) ? TILE_FULL : TILE_PARTIAL;
+    }
+};
+
+using PlainVariant = Variant<false, false, false, NoBias, false>;
+
+// The two kernels of a family whose body is BODY<T, Acc, DB, DVB, CAUSAL, V>(params, vp): NAME,
+// the plain policy with one argument (PARAMS p), and NAME##_var<..., V> with VariantParams as a
+// second argument. Both are named instantiations a profiler shows (e.g.
+// cuflash_fwd_generic_var<fp16_t, float, 64, 64, true, Variant<true, true, false, NoBias, false>>).
+#define CUFLASH_POLICY_KERNELS(NAME, BODY, PARAMS)                                            \
+    template <typename T, typename Acc, int DB, int DVB, bool CAUSAL>                         \
+    __global__ void __launch_bounds__(128, 1) NAME(const PARAMS p) {                          \
+        BODY<T, Acc, DB, DVB, CAUSAL, PlainVariant>(p, VariantParams{});                      \
+    }                                                                                         \
+    template <typename T, typename Acc, int DB, int DVB, bool CAUSAL, typename V>             \
+    __global__ void __launch_bounds__(128, 1) NAME##_var(const PARAMS p,                      \
+                                                         const VariantParams vp) {            \
+        BODY<T, Acc, DB, DVB, CAUSAL, V>(p, vp);                                              \
+    }
+
+}  // namespace cuflash

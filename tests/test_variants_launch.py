@@ -1,0 +1,70 @@
+"""Host side of the variant launches without a GPU: VariantParams mirrors the struct in
+kernels_cu/variants.cuh field by field, the batch collapse takes the variant's tensors into
+account, and the kernel gets VariantParams as its second argument. Arrays are stand-ins."""
+import re
+from pathlib import Path
+
+import numpy as np
+
+from cuflash import _compile, _launch
+from cuflash._dispatch_variants import generic_variant_plan
+from cuflash._launch_variants import VARIANT_PARAMS_DTYPE
+from cuflash.variants import Variant
+
+from test_launch import ATTRS, FakeArray, _problem, launches  # noqa: F401  (fixture)
+
+
+def test_variant_params_mirror_the_struct():
+    src = (Path(_compile.SOURCE_DIR) / "variants.cuh").read_text()
+    body = re.search(r"struct VariantParams \{(.*?)\};", src, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    names = []
+    for decl in filter(None, (x.strip() for x in body.split(";"))):
+        parts = [x.strip() for x in decl.split(",")]
+        names.append(parts[0].split()[-1].lstrip("*"))
+        names += [x.lstrip("*") for x in parts[1:]]
+    assert names == list(VARIANT_PARAMS_DTYPE.names)
+    assert VARIANT_PARAMS_DTYPE.itemsize == 21 * 8
+
+
+def test_forward_launch_passes_variant_params(launches):  # noqa: F811
+    b, h, sq, sk, d = 2, 3, 100, 120, 64
+    q = FakeArray((b, h, sq, d), (h * sq * d, sq * d, d, 1), 0x1000)
+    k = FakeArray((b, h, sk, d), (h * sk * d, sk * d, d, 1), 0x2000)
+    v = FakeArray((b, h, sk, d), (h * sk * d, sk * d, d, 1), 0x3000)
+    o = FakeArray((b, h, sq, d), (h * sq * d, sq * d, d, 1), 0x4000)
+    bias = FakeArray((h, 1, sk), (sk, 0, 1), 0x5000, itemsize=4)    # per head, shared rows
+    bias.dtype = np.dtype(np.float32)
+    mask = FakeArray((sq, sk), (sk, 1), 0x6000, itemsize=1)
+    mask.dtype = np.dtype(bool)
+    var = Variant(left=16, right=-1, softcap=30.0, bias=bias, mask=mask)
+    prob = _problem(q, k, v, (b, h), sq, sk, d)
+    prob.variant, prob.causal = var, True
+    got = {}
+
+    def kernel(grid, block, args, shared_mem=0, stream=None):
+        got["args"] = args
+
+    import cuflash._compile as comp
+    comp_get = comp.get_kernel
+    try:
+        comp.get_kernel = lambda spec, dev, smem: kernel
+        plan = generic_variant_plan("float16", d, d, True, var)
+        _launch.launch_forward(plan, prob, o, None, ATTRS)
+    finally:
+        comp.get_kernel = comp_get
+    params, vp = got["args"]
+    assert vp.dtype == VARIANT_PARAMS_DTYPE
+    assert (int(vp["left"]), int(vp["right"])) == (16, 0)      # causal: right = 0
+    assert float(vp["softcap"]) == 30.0 and float(vp["inv_softcap"]) == 1 / 30.0
+    assert int(vp["bias"]) == 0x5000 and int(vp["mask"]) == 0x6000
+    # (b, h) collapse to one axis of 6 (q, k, v, o contiguous; bias and mask broadcast)
+    assert [int(params[f"nb{i}"]) for i in range(3)] == [1, 2, 3]
+    assert [int(vp[f"bias_s{i}"]) for i in range(3)] == [0, 0, sk]
+    assert (int(vp["bias_sr"]), int(vp["bias_sc"])) == (0, 1)
+    assert [int(vp[f"mask_s{i}"]) for i in range(3)] == [0, 0, 0]
+    assert (int(vp["mask_sr"]), int(vp["mask_sc"])) == (sk, 1)
+    assert int(vp["dscores"]) == 0
+    assert "cuflash_fwd_generic_var<cuflash::fp16_t, float, 64, 64, true, " \
+           "cuflash::Variant<true, true, false, float, true>>" in plan.spec.name
+    assert plan.label.startswith("generic<float16,D64,causal,window,softcap,bias<float32>,mask>")
