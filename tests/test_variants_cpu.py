@@ -323,3 +323,16 @@ def test_plain_variant_is_plain():
     a = cuflash.attention(q, k, v, causal=True)
     b = cuflash.attention(q, k, v, causal=True, window=(-1, -1), softcap=0.0)
     assert np.array_equal(a, b)
+
+
+def test_variants_with_grouped_query_heads_are_refused():
+    # GQA splits the head axis while bias/mask/slopes broadcast against the caller's axes; the
+    # combination is not built yet and must fail loudly rather than guess an alignment.
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 4, 7, 16)).astype(np.float32)
+    k = v = rng.standard_normal((1, 2, 7, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match="grouped-query"):
+        cuflash.attention(q, k, v, softcap=5.0)
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="grouped-query"):
+        cuflash.attention_backward(o, q, k, v, o, lse, window=(2, 0))
