@@ -457,10 +457,11 @@ def public_forward(prob, o, lse):
     return o, lse
 
 
-def public_grads(prob, dq, dk, dv):
-    """(dq, dk, dv) of a `BackwardProblem` in the caller's q, k, v shapes."""
+def public_grads(prob, dq, dk, dv, *extra):
+    """(dq, dk, dv) of a `BackwardProblem` in the caller's q, k, v shapes, followed by `extra`
+    (dbias with ``return_dbias``; variants and grouped-query heads do not combine)."""
     if prob.gqa is None:
-        return dq, dk, dv
+        return (dq, dk, dv) + extra
     if prob.out_public is not None:
         return tuple(prob.out_public)
     return tuple(x.reshape(s) for x, s in zip((dq, dk, dv), prob.grad_shapes_public))

@@ -294,6 +294,8 @@ def variant_of(kwargs, q=None, k=None, v=None) -> Variant:
         kw["alibi_slopes"] = kw["alibi_slopes"].astype(np.float32)
     if kw["bias"] is not None and kw["bias"].dtype.kind != "f":
         kw["bias"] = kw["bias"].astype(np.float64)
+    if q is not None and all(kw[n] is None for n in VARIANT_ARGS):
+        q = None  # plain attention: no shapes to check (grouped-query heads included)
     if q is None:
         return Variant(left=-1 if kw["window"] is None else int(kw["window"][0]),
                        right=-1 if kw["window"] is None else int(kw["window"][1]),
