@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: environment, the GPU tests, the standard audit, the benchmark.
+# One call on a GPU machine: environment, the GPU tests, the standard audit, the benchmark, and
+# the quick benchmarks of the backward, the decode path and the host launch time.
 # Logs go to $OUT (default ./out). Run from the repository root:
 #     bash benchmarks/run_gpu_suite.sh
+# Parts can be skipped (each run of a GPU machine may be limited to minutes): TESTS=0, AUDIT=0,
+# BENCH=0, EXTRA=0; PYTEST_ARGS narrows the tests (e.g. "tests/test_backward_gpu.py").
 # (PYTHONPATH points at the checkout, so no install is needed; torch is optional.)
 set -uo pipefail
 OUT=${OUT:-out}
@@ -17,20 +20,37 @@ print('cupy', cupy.__version__, 'nvrtc', nvrtc.getVersion(), 'numpy', numpy.__ve
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-echo "== GPU tests"
-python3 -m pytest tests/ -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1
-echo "pytest exit $?"; tail -3 "$OUT/tests.log"
+if [ "${TESTS:-1}" = 1 ]; then
+  echo "== GPU tests"
+  python3 -m pytest ${PYTEST_ARGS:-tests/} -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1
+  echo "pytest exit $?"; tail -3 "$OUT/tests.log"
+fi
 
-echo "== cuflash-check (standard audit)"
-python3 -m cuflash.cli --json "$OUT/audit.json" > "$OUT/audit.txt" 2>&1
-echo "cuflash-check exit $?"; tail -2 "$OUT/audit.txt"
+if [ "${AUDIT:-1}" = 1 ]; then
+  echo "== cuflash-check (standard audit)"
+  python3 -m cuflash.cli --json "$OUT/audit.json" > "$OUT/audit.txt" 2>&1
+  echo "cuflash-check exit $?"; tail -2 "$OUT/audit.txt"
+fi
 
-echo "== benchmark"
-python3 benchmarks/bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
-  > "$OUT/bench.txt" 2>&1
-echo "bench exit $?"; tail -4 "$OUT/bench.txt"
+if [ "${BENCH:-1}" = 1 ]; then
+  echo "== benchmark"
+  python3 benchmarks/bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
+    > "$OUT/bench.txt" 2>&1
+  echo "bench exit $?"; tail -4 "$OUT/bench.txt"
+fi
 
-if [ "${BF16:-1}" = 1 ]; then
+if [ "${EXTRA:-1}" = 1 ]; then
+  echo "== backward, decode, host time (quick)"
+  python3 benchmarks/bench.py --pass backward --quick \
+    --impl cuflash,cuflash-det,torch-flash,torch-cudnn --markdown "$OUT/bwd.md" > "$OUT/bwd.txt" 2>&1
+  echo "bench backward exit $?"; tail -4 "$OUT/bwd.txt"
+  python3 benchmarks/bench_inference.py --quick > "$OUT/inference.txt" 2>&1
+  echo "bench_inference exit $?"; tail -4 "$OUT/inference.txt"
+  python3 benchmarks/host_time.py > "$OUT/host_time.txt" 2>&1
+  echo "host_time exit $?"; tail -12 "$OUT/host_time.txt"
+fi
+
+if [ "${BENCH:-1}" = 1 ] && [ "${BF16:-1}" = 1 ]; then
   echo "== benchmark, bfloat16, D = 128"
   python3 benchmarks/bench.py --dtype bfloat16 --d 128 --markdown "$OUT/bench_bf16.md" > /dev/null 2>&1
   echo "bench bf16 exit $?"; grep -E "geomean|every point" "$OUT/bench_bf16.md"
