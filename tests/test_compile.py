@@ -110,7 +110,8 @@ def test_source_hash_covers_headers(tmp_path, monkeypatch):
     """The cache key (source hash) changes when an included header changes."""
     import kernels_cu
 
-    for name in ("common.cuh", "attn_generic.cu"):
+    names = ["attn_generic.cu"] + sorted(p.name for p in kernels_cu.SOURCE_DIR.glob("*.cuh"))
+    for name in names:  # the family and every header it may include
         (tmp_path / name).write_text((kernels_cu.SOURCE_DIR / name).read_text())
     monkeypatch.setattr(_compile, "SOURCE_DIR", tmp_path)
     _compile.family_source.cache_clear()
