@@ -259,6 +259,20 @@ def check_variant(variant, backend, device_id, batch, sq, sk):
     return None if var.is_plain else var
 
 
+def check_packed_heads(k_name, v_name, h, hkv, d, dk, dv):
+    """Head dims and head counts of the packed (..., H, D) entry points (attention_with_kvcache,
+    attention_varlen): k's D equals q's, D and Dv within MAX_HEAD_DIM, H a multiple of Hkv."""
+    if dk != d:
+        raise ValueError(f"{k_name} has head dim {dk} but q has {d}")
+    for what, n in (("head dim D", d), (f"head dim Dv of {v_name}", dv)):
+        if n > MAX_HEAD_DIM:
+            raise ValueError(f"{what} is {n}; at most {MAX_HEAD_DIM} is supported")
+    if h % hkv:
+        raise ValueError(f"q has {h} heads and {k_name} {hkv}: the query heads must be a "
+                         "multiple of the key/value heads (query head i uses kv head "
+                         "i // (H / Hkv))")
+
+
 def _no_variant_with_gqa(gqa, variant):
     """Grouped-query heads split the head axis; the variants' tensors (bias, mask, ALiBi slopes)
     broadcast against the caller's axes. The two are not combined yet: refuse, never guess."""

@@ -135,15 +135,7 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_n
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
                          "must agree on all axes but the last")
     hkv, dk, dv = int(k_cache.shape[2]), int(k_cache.shape[3]), int(v_cache.shape[3])
-    if dk != d:
-        raise ValueError(f"k_cache has head dim {dk} but q has {d}")
-    for what, n in (("head dim D", d), ("head dim Dv of v_cache", dv)):
-        if n > _checks.MAX_HEAD_DIM:
-            raise ValueError(f"{what} is {n}; at most {_checks.MAX_HEAD_DIM} is supported")
-    if h % hkv:
-        raise ValueError(f"q has {h} heads and the cache {hkv}: the query heads must be a "
-                         "multiple of the key/value heads (query head i uses kv head "
-                         "i // (H / Hkv))")
+    _checks.check_packed_heads("k_cache", "v_cache", h, hkv, d, dk, dv)
     if block_table is None:
         if k_cache.shape[0] != b:
             raise ValueError(f"a contiguous cache has one row per sequence: k_cache has "

@@ -66,14 +66,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if tuple(v.shape[:2]) != (total_k, hkv):
         raise ValueError(f"v has shape {tuple(v.shape)}; expected ({total_k}, {hkv}, Dv) like k")
     dv = int(v.shape[2])
-    if dk != d:
-        raise ValueError(f"k has head dim {dk} but q has {d}")
-    for what, n in (("head dim D", d), ("head dim Dv of v", dv)):
-        if n > _checks.MAX_HEAD_DIM:
-            raise ValueError(f"{what} is {n}; at most {_checks.MAX_HEAD_DIM} is supported")
-    if h % hkv:
-        raise ValueError(f"q has {h} heads and k {hkv}: the query heads must be a multiple of the "
-                         "key/value heads (query head i uses kv head i // (H / Hkv))")
+    _checks.check_packed_heads("k", "v", h, hkv, d, dk, dv)
     cu_q = _int32_array("cu_seqlens_q", cu_seqlens_q, backend, device_id, "(B + 1,)", 1)
     cu_k = _int32_array("cu_seqlens_k", cu_seqlens_k, backend, device_id, "(B + 1,)", 1)
     if cu_q.shape[0] != cu_k.shape[0] or cu_q.shape[0] < 2:
