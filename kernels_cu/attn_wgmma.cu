@@ -436,7 +436,12 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         // columns of a row per lane, after quad_transpose): with one 4-byte store per lane and
         // n8 tile the stores were throttled by the memory pipeline and took about a quarter of
         // the warps' time at D = 256, S = 512 (ncu source counters, notes/PERF.md).
-        T* o = static_cast<T*>(p.o) + batch_offsets(p, bc.b).o;
+        // Under a causal mask a row whose O is not finite is written by exact_row_pv instead
+        // (common.cuh: a NaN or inf in V at a key the row cannot see must not reach it).
+        const BatchOffsets off = batch_offsets(p, bc.b);
+        T* o = static_cast<T*>(p.o) + off.o;
+        float inv_h[2];
+        int redo = 0;  // bit h: this quad's row h goes to the exact path
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float l = l_run[h];
@@ -444,6 +449,16 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const int row = row_lo + 8 * h;
             const float inv = (l == 0.f) ? 0.f : 1.f / l;
+            inv_h[h] = inv;
+            if constexpr (CAUSAL) {
+                float t = 0.f;  // NaN or inf anywhere in the row makes the sum non-finite
+#pragma unroll
+                for (int i = 0; i < Cfg::NT_O; ++i) t += acc_o[i][2 * h] + acc_o[i][2 * h + 1];
+                int bad = !(fabsf(t) <= 3.0e38f);
+                bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+                bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+                redo |= bad << h;
+            }
             if (p.lse != nullptr && t4 == 0 && row < sq)
                 p.lse[bc.b * p.sq + row] = row_lse(m_run[h], l, scale_log2);
             T* dst = o + static_cast<long long>(row) * p.o_sr;
@@ -455,8 +470,30 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                     w[j] = pack2<T>(acc_o[4 * c + j][2 * h] * inv, acc_o[4 * c + j][2 * h + 1] * inv);
                 quad_transpose(w, t4);  // (all lanes: the shuffles come before the row test)
                 const int col = (4 * c + t4) * 8;  // D % 8 == 0: a chunk is all in or all out
-                if (row < sq && col < d)
+                if (row < sq && col < d && !((redo >> h) & 1))
                     *reinterpret_cast<uint4*>(dst + col) = make_uint4(w[0], w[1], w[2], w[3]);
+            }
+        }
+        if constexpr (CAUSAL) {
+            if (__any_sync(0xffffffffu, redo != 0)) {  // non-finite inputs only
+                const float m_c[2] = {m_run[0] == neg_inf<float>() ? 0.f : m_run[0] * scale_log2,
+                                      m_run[1] == neg_inf<float>() ? 0.f : m_run[1] * scale_log2};
+                for (int src = 0; src < 32; src += 4) {  // each quad's two rows, the whole warp
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int bits = __shfl_sync(0xffffffffu, redo, src);
+                        const float mc = __shfl_sync(0xffffffffu, m_c[h], src);
+                        const float inv = __shfl_sync(0xffffffffu, inv_h[h], src);
+                        const int row = row0 + 64 * cw + 16 * warp + src / 4 + 8 * h;
+                        if (!((bits >> h) & 1) || row >= sq) continue;
+                        const int n_keys = max(0, min(sk, row + diag + 1));
+                        exact_row_pv<T>(static_cast<const T*>(p.q) + off.q + row * p.q_sr,
+                                        static_cast<const T*>(p.k) + off.k, p.k_sr,
+                                        static_cast<const T*>(p.v) + off.v, p.v_sr,
+                                        static_cast<int>(p.d), static_cast<int>(p.dv), n_keys,
+                                        scale_log2, mc, inv, o + row * p.o_sr);
+                    }
+                }
             }
         }
     }

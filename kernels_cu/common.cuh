@@ -522,6 +522,39 @@ __device__ __forceinline__ float row_lse(float m, float l, float scale_log2) {
     return l == 0.f ? neg_inf<float>() : (m * scale_log2 + __log2f(l)) * 0.6931471805599453f;
 }
 
+// A masked key must not touch a row (CONTRACTS.md), yet a tensor-core P.V over a causal diagonal
+// tile adds P * V for every key of the tile, and P = 0 at a masked key does not hide a NaN or an
+// infinity in its V (0 * inf = NaN). A kernel that finds a row's accumulated O non-finite (a test
+// on the accumulators in the epilogue, nothing in the main loop) recomputes that row here: one
+// warp, fp32, from global memory, over exactly the keys the row sees. The scores and the row
+// sum do not depend on V, so the row's final m_c (= m * scale_log2, 0 while m = -inf) and 1 / l
+// from the main loop still hold. This path runs only for non-finite inputs; its speed does not
+// matter. All 32 lanes call it with the same row; D, Dv <= 256 (8 columns per lane).
+template <typename T>
+__device__ __noinline__ void exact_row_pv(const T* q_row, const T* k, long long k_sr, const T* v,
+                                          long long v_sr, int d, int dv, int n_keys,
+                                          float scale_log2, float m_c, float inv_l, T* o_row) {
+    const int lane = static_cast<int>(threadIdx.x & 31u);
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+    for (int j = 0; j < n_keys; ++j) {
+        const T* kj = k + j * k_sr;
+        float s = 0.f;
+        for (int c = lane; c < d; c += 32) s = fmaf(to_float(q_row[c]), to_float(kj[c]), s);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        const float pj = fast_exp2(fmaf(s, scale_log2, -m_c));
+        const T* vj = v + j * v_sr;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (lane + 32 * i < dv) acc[i] = fmaf(pj, to_float(vj[lane + 32 * i]), acc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (lane + 32 * i < dv) o_row[lane + 32 * i] = from_acc<T>(acc[i] * inv_l);
+}
+
 }  // namespace cuflash
 
 // ---------------------------------------------------------------------------------------------
