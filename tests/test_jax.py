@@ -255,7 +255,8 @@ def test_rows_without_keys_give_zero_and_no_nan_gradient():
 def test_scale_and_precision_pass_through():
     dtype = "float32"
     q, k, v, _ = _inputs(_rng("scale"), dtype, (1,), 8, 8, 2, 2, 8, 8)
-    args = [_j(x, dtype) for x in (q, k, v)]
+    # on JAX's CPU device, so cuflash's NumPy path runs and the comparison can be bitwise
+    args = [jax.device_put(_j(x, dtype), jax.devices("cpu")[0]) for x in (q, k, v)]
     o = cj.attention(*args, scale=0.3, precision=jax.lax.Precision.HIGHEST)
     o_np = cuflash.attention(_cf(q, 2).astype(np.float32), _cf(k, 2).astype(np.float32),
                              _cf(v, 2).astype(np.float32), scale=0.3)
@@ -367,5 +368,7 @@ def test_gpu_forward_and_grad(dtype, sq, sk, causal, hk):
     _check_grads(grads, q, k, v, do, causal=causal, dtype=dtype)
     gv = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, None, None)))(
         jnp.stack([args[0]] * 2), args[1], args[2])
-    for x, y in zip(gv, grads):
-        np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(y))
+    # each vmapped copy is a full per-example gradient (not summed over the vmapped axis); not
+    # bitwise equal to `grads`: dq accumulates with float atomics on the GPU
+    for i in range(2):
+        _check_grads(tuple(g[i] for g in gv), q, k, v, do, causal=causal, dtype=dtype)
