@@ -13,13 +13,17 @@ import numpy as np
 from cuflash import attention, attention_varlen, attention_with_kvcache, reference
 
 
-def _sequence_verdict(dtype, o, lse, q, k, v, causal):
-    """(err, threshold, passed, why) of one sequence in (H, S, D) layout; lse (H, Sq)."""
-    from ._audit import CaseResult, case_rule, score_output
+def _sequence_verdict(dtype, o, lse, q, k, v, causal, spec="auto"):
+    """(err, threshold, passed, why) of one sequence in (H, S, D) layout; lse (H, Sq). ``spec``:
+    the audited call (`_audit`'s kernel spec); float32's one-pass TF32 mode (".../high") is judged
+    by its own rule, as in the main grid."""
+    from ._audit import CaseResult, _lse_extra, case_rule, score_output, spec_precision
 
     o_ref, lse_ref = reference.attention_ref(q, k, v, causal=causal)
     res = CaseResult(dtype=dtype, kernel_arg="auto", kernel="", shape="", causal=causal)
-    score_output(res, o, lse, lse_ref, case_rule(q, k, v, causal, None, dtype, o_ref))
+    score_output(res, o, lse, lse_ref,
+                 case_rule(q, k, v, causal, None, dtype, o_ref, spec_precision(spec)),
+                 lse_extra=_lse_extra(spec, q, k, None))
     return res.max_abs_err, res.threshold, res.passed, "; ".join(res.reasons)
 
 
@@ -56,7 +60,7 @@ def _gqa(device, dtypes, rng):
                     out.append(PropertyResult("grouped-query heads (8 over 2)", where, math.nan,
                                               math.nan, False, f"raised {_describe_exc(exc)}"))
                     continue
-                err, thr, ok, why = _sequence_verdict(dtype, o, lse, q, k, v, causal)
+                err, thr, ok, why = _sequence_verdict(dtype, o, lse, q, k, v, causal, kernel_arg)
                 out.append(PropertyResult("grouped-query heads (8 over 2)", where, err, thr, ok,
                                           why or "query head h uses kv head h // 4"))
     return out

@@ -264,3 +264,22 @@ def test_choose_splits(entries, tiles, sms):
     assert s == _decode.choose_splits(entries, tiles, sms, smem)  # a function of its inputs
     assert 1 <= s <= _decode.MAX_SPLITS
     assert s == 1 or -(-tiles // s) >= _decode.DECODE_WARPS * _decode.MIN_TILES_PER_WARP // 2
+
+
+def test_gqa_audit_judges_the_tf32_mode_by_its_own_rule():
+    """The grouped-query property audit passes the call's float32 precision mode to the rule (an
+    H200 run failed "tensorcore/high" against the float32-accurate rule): a one-pass TF32 result
+    passes as "tensorcore/high" and fails as the default mode."""
+    from cuflash import _audit_inference
+
+    rng = np.random.default_rng(20261201)
+    q = reference.round_to(2.0 * rng.standard_normal((8, 37, 64)), "float32")
+    k, v = (reference.round_to(rng.standard_normal((8, 300, 64)), "float32") for _ in range(2))
+    o = reference.naive_attention(q, k, v, causal=True, dtype="float32", precision="high")
+    _, lse = reference.attention_ref(q, k, v, causal=True)
+    _, _, ok_high, why = _audit_inference._sequence_verdict("float32", o, lse, q, k, v, True,
+                                                            "tensorcore/high")
+    assert ok_high, why
+    _, _, ok_default, _ = _audit_inference._sequence_verdict("float32", o, lse, q, k, v, True,
+                                                             "tensorcore")
+    assert not ok_default
