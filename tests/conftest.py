@@ -14,6 +14,13 @@ import cuflash
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 GPU = cuflash.gpu_available()
+
+
+def pytest_report_header(config):
+    from seeds import SEED
+
+    return f"cuflash test seed: {SEED} (CUFLASH_TEST_SEED={SEED} reruns these inputs)"
+
 NO_GPU_REASON = "no CUDA GPU visible to CuPy (or CuPy not installed): GPU tests skipped"
 
 #: ptxas reports collected by tests/test_compile.py, printed at the end of the session.

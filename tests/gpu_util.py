@@ -158,7 +158,9 @@ def check_grads_against_reference(grads, do, q, k, v, *, causal, scale, dtype, r
 def seeded_rng(seed, *key):
     """A generator for one test case: the session's `seed` (printed on failure) and the case's
     parameters."""
-    return np.random.default_rng([seed % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+    from seeds import case_rng
+
+    return case_rng(seed, *key)
 
 
 def skip_unsupported_dtype(dtype):

@@ -18,11 +18,11 @@ pytestmark = pytest.mark.gpu
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 SHAPES = [(1, 1), (7, 7), (113, 113), (1000, 1000), (1, 1000), (1000, 7), (113, 1000), (257, 64),
           (64, 257), (300, 2048)]
-SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+from seeds import SEED, case_rng  # noqa: E402  (fresh every run; see pytest's header)
 
 
 def _rng(*key):
-    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+    return case_rng(SEED, *key)
 
 
 def _skip_unsupported(dtype):

@@ -13,11 +13,11 @@ from gpu_util import (bf16_dtype, check_against_reference, check_grads_against_r
 
 pytestmark = pytest.mark.gpu
 
-SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+from seeds import SEED, case_rng  # noqa: E402  (fresh every run; see pytest's header)
 
 
 def _rng(*key):
-    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+    return case_rng(SEED, *key)
 
 
 def _skip(dtype):

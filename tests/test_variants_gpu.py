@@ -13,13 +13,13 @@ from gpu_util import bf16_dtype, cupy, poisoned, random_inputs, to_gpu, to_host6
 
 pytestmark = pytest.mark.gpu
 
-SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+from seeds import SEED, case_rng  # noqa: E402  (fresh every run; see pytest's header)
 SHAPES = [(7, 7), (113, 1000), (1000, 113), (1, 40)]
 BATCH_Q, BATCH_KV = (2, 3), (1, 3)        # k and v shared across the leading axis
 
 
 def _rng(*key):
-    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+    return case_rng(SEED, *key)
 
 
 def _host_variant(name, rng, sq, sk, dtype):
