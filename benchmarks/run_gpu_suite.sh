@@ -4,7 +4,8 @@
 # Logs go to $OUT (default ./out). Run from the repository root:
 #     bash benchmarks/run_gpu_suite.sh
 # Parts can be skipped (each run of a GPU machine may be limited to minutes): TESTS=0, AUDIT=0,
-# BENCH=0, EXTRA=0; PYTEST_ARGS narrows the tests (e.g. "tests/test_backward_gpu.py").
+# BENCH=0, EXTRA=0; PYTEST_ARGS narrows the tests (e.g. "tests/test_backward_gpu.py") and runs them in
+# one process, else the GPU test files run in six parallel shards; TEST_TIMEOUT (seconds) bounds them.
 # (PYTHONPATH points at the checkout, so no install is needed; torch is optional.)
 set -uo pipefail
 OUT=${OUT:-out}
@@ -22,13 +23,34 @@ cat "$OUT/env.txt"
 
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== GPU tests"
-  python3 -m pytest ${PYTEST_ARGS:-tests/} -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1
-  echo "pytest exit $?"; tail -3 "$OUT/tests.log"
+  if [ -n "${PYTEST_ARGS:-}" ]; then
+    timeout -s INT "${TEST_TIMEOUT:-3000}" python3 -m pytest $PYTEST_ARGS -q -rfEs \
+      -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    echo "pytest exit $?"; tail -3 "$OUT/tests.log"
+  else
+    # The GPU test files in parallel shards (first-use compiles are CPU-bound; on the H200 the
+    # files took 2-8 minutes each in one process); SIGINT at the timeout, so pytest still prints
+    # its summary of what ran.
+    shard() { local name=$1; shift
+      timeout -s INT "${TEST_TIMEOUT:-3000}" python3 -m pytest "$@" -v -rfEs -p no:cacheprovider \
+        --durations=10 > "$OUT/tests_$name.log" 2>&1
+      echo "shard $name exit $?: $(tail -1 "$OUT/tests_$name.log")"; }
+    shard fwd tests/test_gpu.py &
+    shard bwd tests/test_backward_gpu.py &
+    shard nonfinite tests/test_nonfinite.py tests/test_gpu_float32.py &
+    shard inference tests/test_inference_gpu.py &
+    shard variants_ring tests/test_variants_gpu.py tests/test_ring_gpu.py tests/test_callcache.py &
+    shard misc tests/test_jax.py tests/test_issue16_defects.py tests/test_bound.py \
+      tests/test_report.py tests/test_examples.py &
+    wait
+    grep -h -E "^(FAILED|ERROR)" "$OUT"/tests_*.log | head -50
+  fi
 fi
 
 if [ "${AUDIT:-1}" = 1 ]; then
   echo "== cuflash-check (standard audit)"
-  python3 -m cuflash.cli --json "$OUT/audit.json" > "$OUT/audit.txt" 2>&1
+  timeout -s INT "${AUDIT_TIMEOUT:-3000}" python3 -m cuflash.cli --json "$OUT/audit.json" \
+    > "$OUT/audit.txt" 2>&1
   echo "cuflash-check exit $?"; tail -2 "$OUT/audit.txt"
 fi
 
