@@ -7,12 +7,15 @@ same recurrences, so the API works on machines without a GPU. ``cuflash.referenc
 float64 SciPy ground truth; ``cuflash-check`` audits the kernels against it.
 """
 from ._api import (attention, attention_backward, attention_backward_workspace_size,
-                   backward_dispatch_info, dispatch_info, gpu_available, merge_states)
-from ._kvcache import attention_with_kvcache
-from ._varlen import attention_varlen
+                   attention_workspace_size, backward_dispatch_info, dispatch_info,
+                   gpu_available, merge_states)
+from ._kvcache import attention_with_kvcache, attention_with_kvcache_workspace_size
+from ._varlen import attention_varlen, attention_varlen_workspace_size
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_backward", "attention_backward_workspace_size", "merge_states",
            "dispatch_info", "backward_dispatch_info", "gpu_available", "attention_with_kvcache",
-           "attention_varlen", "__version__"]
+           "attention_varlen", "attention_workspace_size",
+           "attention_with_kvcache_workspace_size", "attention_varlen_workspace_size",
+           "__version__"]

@@ -1,5 +1,5 @@
 """The public functions: `attention`, `attention_backward`, `merge_states`, `dispatch_info`,
-`gpu_available` and the backward's workspace and dispatch queries."""
+`gpu_available`, the workspace queries of both and the backward's dispatch query."""
 from __future__ import annotations
 
 from . import _callcache, _checks, _interop
@@ -7,7 +7,7 @@ from . import _callcache, _checks, _interop
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, stream=None,
               kernel="auto", precision=None, window=None, softcap=None, alibi_slopes=None,
-              bias=None, mask=None):
+              bias=None, mask=None, workspace=None):
     """Exact scaled-dot-product attention, ``softmax(scale * q @ k^T [+ mask]) @ v``.
 
     Computed with the tiled online-softmax recurrence: no ``Sq x Sk`` matrix is formed and the
@@ -55,7 +55,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     out : array or (array, array), optional
         Buffer for ``o`` (shape ``(..., Sq, Dv)``, the input dtype, same device, contiguous last
         axis), or with ``return_lse=True`` a pair ``(o, lse)``, a tuple or a list of two (lse
-        C-contiguous float32). When given, nothing is allocated.
+        C-contiguous float32). When given, the outputs are not allocated (the decode kernel's
+        split partials still are unless ``workspace`` is given).
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on. Default: CuPy's current stream. The call never
         synchronises the device.
@@ -108,6 +109,22 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     mask : array of bool, optional
         Broadcastable to ``(..., Sq, Sk)``; True = keep. Rows that the variant leaves with no
         key give 0 and ``lse = -inf`` (never NaN). All variant semantics: `cuflash.variants`.
+    workspace : GPU array, optional
+        GPU only. Scratch memory for the decode kernel (the only kernel of `attention` that
+        needs any): a C-contiguous buffer on the inputs' device of at least
+        ``attention_workspace_size(...)`` bytes (same arguments), starting on a 256-byte
+        boundary (any fresh CuPy array does); its contents on entry do not matter. When the
+        decode kernel splits the keys over s > 1 blocks it holds the float32 partial outputs,
+        ``E * s * R * Dpad * 4`` bytes, then (256-byte aligned) the partial lse,
+        ``E * s * R * 4`` bytes: ``E`` = batch entries per kv head (the batch size times the
+        kv heads), ``R = 16 * ceil(G * Sq / 16)`` packed rows (``G`` query heads per kv head)
+        and ``Dpad`` the head dim rounded up to 64, 128 or 256; s comes from the problem and
+        the SM count (notes/INFERENCE.md). Other kernels need none (size 0) and ignore it.
+        Without it the partials come from CuPy's memory pool, allocated per call on the launch
+        stream. With ``out=`` and ``workspace=`` a call whose inputs need no copy (contiguous
+        last axes, collapsible batch axes) allocates nothing and never synchronises, so it can
+        be captured in a CUDA graph. A call with ``workspace=`` always takes the full checking
+        path (the per-signature call cache of repeated calls is not used).
 
     Returns
     -------
@@ -142,8 +159,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     # A signature (types, shapes, strides, dtypes, devices, alignment, flags) seen before has
     # passed every check and has its plan and parameter block: see _callcache.
     # Variant arguments are not part of a signature: such calls always take the full path.
+    # A workspace is checked on every call (it is not part of the signature either).
     plain = window is None and softcap is None and alibi_slopes is None and bias is None \
-        and mask is None
+        and mask is None and workspace is None
     key = _callcache.signature(q, k, v, causal, scale, return_lse, out, kernel, precision) \
         if plain else None
     if key is not None:
@@ -153,7 +171,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     prob = _checks.check_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
                                    out=out, stream=stream, kernel=kernel, precision=precision,
                                    variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
-                                                           mask))
+                                                           mask), workspace=workspace)
     if prob.backend == "cpu":
         from ._cpu import attention_numpy
 
@@ -242,6 +260,29 @@ def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):
         lse = cupy.empty_like(lse_a)
         _launch.launch_merge(o_a, lse_a, o_b, lse_b, o, lse, dt, device_id, stream)
     return o, lse
+
+
+def attention_workspace_size(q, k, v, *, causal=False, return_lse=False, out=None,
+                             kernel="auto", precision=None, window=None, softcap=None,
+                             alibi_slopes=None, bias=None, mask=None):
+    """Bytes of GPU workspace `attention` needs for these arguments (0 for NumPy inputs and for
+    every kernel but the decode kernel when it splits the keys; the layout is under
+    ``workspace`` there). ``return_lse`` and ``out`` matter because they shape the launch's
+    batch layout; pass what the call will. Validates like `attention`; launches, allocates and
+    synchronises nothing."""
+    prob = _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=return_lse,
+                                   out=out, stream=None, kernel=kernel, precision=precision,
+                                   variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
+                                                           mask))
+    if prob.backend == "cpu":
+        return 0
+    from . import _decode, _dispatch, _launch
+
+    attrs = _launch.device_attributes(prob.device_id)
+    plan = _dispatch.plan_for(prob, attrs["compute_capability"])
+    if plan.spec.family != "attn_decode":
+        return 0
+    return _decode.dense_workspace_bytes(plan, prob, attrs)
 
 
 def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None, window=None,

@@ -59,6 +59,7 @@ class Problem:
     gqa: Optional[_gqa.Grouping] = None
     out_public: Any = None       # the caller's out (o or (o, lse)) when gqa split it
     variant: Any = None          # None (plain) or a cuflash.variants.Variant (see check_variant)
+    workspace: Any = None        # None or a GPU byte buffer (check_workspace): scratch memory
 
     @property
     def o_shape(self):
@@ -80,7 +81,6 @@ class BackwardProblem(Problem):
     lse: Any = None                # float32
     deterministic: bool = False
     out_grads: Any = None          # None or (dq, dk, dv) buffers with q's, k's, v's shapes
-    workspace: Any = None          # None or a GPU byte buffer (see attention_backward)
     grad_shapes_public: Any = None  # the caller's q, k, v shapes (before a gqa split)
     return_dbias: bool = False     # also compute dbias (needs variant.bias)
 
@@ -284,9 +284,10 @@ def _no_variant_with_gqa(gqa, variant):
 
 
 def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
-                    precision=None, variant=None) -> Problem:
+                    precision=None, variant=None, workspace=None) -> Problem:
     """Validate the arguments of `cuflash.attention` and return a `Problem`. ``variant``: a dict
-    of the variant keyword arguments (see `check_variant`)."""
+    of the variant keyword arguments (see `check_variant`); ``workspace``: see
+    `check_workspace`."""
     q0, k0, v0 = q, k, v
     backend, device_id, q, k, v, dt, batch, sq, sk, d, dv = _check_qkv(q, k, v)
     gqa = _gqa.grouping(tuple(np.shape(q0)), tuple(np.shape(k0)), tuple(np.shape(v0)))
@@ -325,6 +326,7 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
 
     if stream is not None and backend == "cpu":
         raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
+    workspace = check_workspace(workspace, backend, device_id)
 
     if backend == "gpu":
         # The kernels read rows through a stride but need a contiguous last axis: copy once if not.
@@ -334,7 +336,27 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
                    sk=int(sk), d=int(d), dv=int(dv), causal=bool(causal), scale=scale,
                    return_lse=bool(return_lse), out=out_o, out_lse=out_lse, stream=stream,
                    kernel=kernel, device_id=device_id, precision=precision, gqa=gqa,
-                   out_public=out_public, variant=var)
+                   out_public=out_public, variant=var, workspace=workspace)
+
+
+def check_workspace(workspace, backend, device_id):
+    """The ``workspace=`` argument of the entry points that take one (`attention_backward`,
+    `attention`, `attention_with_kvcache`, `attention_varlen`): None, or a C-contiguous GPU
+    array on the inputs' device, returned as a flat uint8 view. Its size and alignment depend on
+    the launch and are checked there (`_launch.workspace_base`), still before any launch."""
+    if workspace is None:
+        return None
+    if backend == "cpu":
+        raise ValueError("workspace= applies to GPU inputs only; the inputs are NumPy arrays")
+    _refuse_subclass("workspace", workspace)
+    wb = _interop.backend_of(workspace, "workspace")
+    if wb != (backend, device_id):
+        raise ValueError(f"workspace is on {_interop.describe(*wb)} but the inputs are on "
+                         f"{_interop.describe(backend, device_id)}")
+    workspace = _interop.as_backend_array(workspace, backend)
+    if not workspace.flags.c_contiguous:
+        raise ValueError("workspace must be C-contiguous")
+    return workspace.reshape(-1).view("uint8")
 
 
 def _no_self_overlap(name, buf):
@@ -400,17 +422,7 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
 
     if stream is not None and backend == "cpu":
         raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
-    if workspace is not None:
-        if backend == "cpu":
-            raise ValueError("workspace= applies to GPU inputs only; the inputs are NumPy arrays")
-        wb = _interop.backend_of(workspace, "workspace")
-        if wb != (backend, device_id):
-            raise ValueError(f"workspace is on {_interop.describe(*wb)} but the inputs are on "
-                             f"{_interop.describe(backend, device_id)}")
-        workspace = _interop.as_backend_array(workspace, backend)
-        if not workspace.flags.c_contiguous:
-            raise ValueError("workspace must be C-contiguous")
-        workspace = workspace.reshape(-1).view("uint8")
+    workspace = check_workspace(workspace, backend, device_id)
 
     o, do, lse = arrays["o"], arrays["do"], arrays["lse"]
     out_public = None

@@ -144,19 +144,51 @@ class DecodeGeometry:
         return self.sizes[0] * self.sizes[1] * self.sizes[2]
 
 
-def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, attrs, workspace=None):
-    """Launch the decode kernel (and, with more than one split, the combine) for `geom`."""
-    import cupy
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The launch configuration of one decode call (`configure`): row tiles, key splits, grid,
+    and the bytes of split partials it needs (0 with one split)."""
 
-    from ._launch import MAX_GRID_X, _stream_ptr
+    entries: int
+    rows: int                    # packed rows per entry: G * Sq
+    n_rtiles: int
+    splits: int
+    split_tiles: int
+    grid: int
+    dpad: int
 
-    rows = geom.g * geom.sq
+    @property
+    def o_part_bytes(self) -> int:
+        return _align(4 * self.entries * self.splits * 16 * self.n_rtiles * self.dpad)
+
+    @property
+    def part_bytes(self) -> int:
+        """Workspace bytes of the split partials: (entries, splits, R, Dpad) float32 partial
+        outputs, then (entries, splits, R) float32 partial lse, R = 16 * n_rtiles, each section
+        WORKSPACE_ALIGN-aligned; 0 when the keys are not split."""
+        if self.splits == 1:
+            return 0
+        return self.o_part_bytes + _align(4 * self.entries * self.splits * 16 * self.n_rtiles)
+
+
+def _align(n: int) -> int:
+    from ._launch import WORKSPACE_ALIGN
+
+    return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+
+def configure(plan, sizes, g, sq, sk, d, attrs) -> DecodeLaunch:
+    """Check and choose the launch of `plan` over entry axes `sizes`, `g` query heads per kv
+    head, `sq` query rows, `sk` keys (the most a sequence has) and head dim `d` on a device with
+    `attrs` (max_smem_optin, sm_count). Host arithmetic only: the size queries use it too."""
+    from ._launch import MAX_GRID_X
+
+    rows = g * sq
     n_rtiles = -(-rows // 16)
-    n_key_tiles = -(-geom.sk // DECODE_BN)
-    entries = geom.entries
-    if max(geom.sq, geom.sk, rows) >= 2**31 - 1024:
-        raise ValueError(f"Sq, Sk and G * Sq must be below 2**31 - 1024 (got {geom.sq}, "
-                         f"{geom.sk}, {rows})")
+    n_key_tiles = -(-sk // DECODE_BN)
+    entries = sizes[0] * sizes[1] * sizes[2]
+    if max(sq, sk, rows) >= 2**31 - 1024:
+        raise ValueError(f"Sq, Sk and G * Sq must be below 2**31 - 1024 (got {sq}, {sk}, {rows})")
     if plan.smem_bytes > attrs["max_smem_optin"]:
         raise ValueError(f"{plan.label} needs {plan.smem_bytes} bytes of shared memory per "
                          f"block; this GPU allows {attrs['max_smem_optin']}")
@@ -166,16 +198,38 @@ def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, attrs, work
     grid = entries * n_rtiles * splits
     if grid > MAX_GRID_X or entries * rows > MAX_GRID_X:
         raise ValueError(f"{plan.label}: {grid} blocks is too many for one launch")
-    dpad = head_dim_bucket(geom.d, DECODE_DPADS)
+    return DecodeLaunch(entries, rows, n_rtiles, splits, split_tiles, grid,
+                        head_dim_bucket(d, DECODE_DPADS))
 
+
+def scratch(nbytes, workspace, stream, query):
+    """A flat uint8 GPU buffer of at least `nbytes` for one call's scratch: the caller's
+    `workspace` (checked: size, alignment; `query` names the size query in the error), or
+    without one a CuPy pool allocation made on the launch `stream` (the pool then hands the
+    block to later work only in that stream's order); None when nothing is needed."""
+    from ._launch import workspace_base
+
+    if workspace is not None:
+        workspace_base(workspace, nbytes, query)
+        return workspace
+    if nbytes == 0:
+        return None
+    import cupy
+
+    with stream:
+        return cupy.empty(nbytes, dtype=cupy.uint8)
+
+
+def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, cfg, parts=None):
+    """Launch the decode kernel (and, with more than one split, the combine) for `geom` with the
+    configuration `cfg` (`configure`). `parts`: a uint8 GPU buffer of at least
+    ``cfg.part_bytes`` (required when the keys are split); `stream`: a CuPy stream object."""
     o_part = lse_part = 0
-    if splits > 1:
-        rpad = 16 * n_rtiles
-        need = entries * splits * rpad * (dpad + 1)
-        if workspace is None or workspace.size < need:
-            workspace = cupy.empty(need, dtype=cupy.float32)
-        o_part = workspace.data.ptr
-        lse_part = workspace.data.ptr + entries * splits * rpad * dpad * 4
+    if cfg.splits > 1:
+        if parts is None or parts.nbytes < cfg.part_bytes:
+            raise ValueError(f"{plan.label}: the split partials need {cfg.part_bytes} bytes")
+        o_part = parts.data.ptr
+        lse_part = o_part + cfg.o_part_bytes
     paged = geom.block_table is not None
     # One tuple in DecodeParams order (a structured array built field by field costs ~50 us).
     params = np.array((
@@ -185,17 +239,16 @@ def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, attrs, work
         0 if geom.cu_q is None else geom.cu_q.data.ptr,
         0 if geom.cu_k is None else geom.cu_k.data.ptr,
         geom.sq, geom.sk, geom.d, geom.g, *geom.sizes, *geom.q, *geom.k, *geom.v, *geom.o,
-        *geom.l, n_rtiles, splits, split_tiles,
+        *geom.l, cfg.n_rtiles, cfg.splits, cfg.split_tiles,
         int(geom.page).bit_length() - 1 if paged else 0,
         geom.block_table.shape[1] if paged else 0, geom.k_page if paged else 0,
         geom.v_page if paged else 0, scale * _LOG2E), dtype=DECODE_PARAMS_DTYPE)[()]
-    st = _stream_ptr(stream)
     kern = _compile.get_kernel(plan.spec, device_id, plan.smem_bytes)
-    kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=st)
-    if splits > 1:
-        comb = _compile.get_kernel(combine_spec(_dtype_of(plan), dpad), device_id)
-        comb((entries * rows,), (128,), (params,), stream=st)
-    return splits
+    kern((cfg.grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=stream)
+    if cfg.splits > 1:
+        comb = _compile.get_kernel(combine_spec(_dtype_of(plan), cfg.dpad), device_id)
+        comb((cfg.entries * cfg.rows,), (128,), (params,), stream=stream)
+    return cfg.splits
 
 
 def _dtype_of(plan):
@@ -283,18 +336,49 @@ def wants_decode(prob, compute_capability) -> bool:
     return g * prob.sq <= DECODE_MAX_ROWS
 
 
-def launch_dense(plan, prob, o, lse, attrs):
-    """`attention` on the decode kernel: K and V are the dense tensors of `prob`."""
-    if any(not _aligned16(x) for x in (o,)):
-        raise ValueError("out: every row must start on a 16-byte boundary for the decode kernel")
+def _dense_geometry(plan, prob, o, lse):
     geo = _batch_geometry(prob, o, lse)
     if isinstance(geo, str):
         raise ValueError(f"{plan.label} cannot address these buffers: {geo}")
     sizes, g, bstr, rstr, sg = geo
     l_str = (tuple(bstr[4]) + (sg[4], rstr[4])) if lse is not None else (0, 0, 0, 0, 0)
-    geom = DecodeGeometry(
+    return DecodeGeometry(
         sizes=tuple(sizes), g=g, sq=prob.sq, sk=prob.sk, d=prob.d,
         q=tuple(bstr[0]) + (sg[0], rstr[0]), o=tuple(bstr[3]) + (sg[3], rstr[3]), l=l_str,
         k=tuple(bstr[1]) + (rstr[1],), v=tuple(bstr[2]) + (rstr[2],))
+
+
+class _Contiguous:
+    """Shape and strides of the C-contiguous output `attention` allocates when out= is not
+    given (what the geometry of a size query needs)."""
+
+    def __init__(self, shape, itemsize):
+        self.shape, self.itemsize, self.ndim = tuple(shape), itemsize, len(shape)
+        self.strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+
+
+def dense_workspace_bytes(plan, prob, attrs) -> int:
+    """Workspace bytes `attention` needs for `prob` on `plan` (a decode plan): the split
+    partials, for the outputs the call would write (prob.out, or fresh contiguous ones)."""
+    o = prob.out if prob.out is not None else _Contiguous(prob.o_shape, prob.q.itemsize)
+    lse = prob.out_lse
+    if lse is None and prob.return_lse:
+        lse = _Contiguous(prob.lse_shape, 4)
+    geom = _dense_geometry(plan, prob, o, lse)
+    return configure(plan, geom.sizes, geom.g, geom.sq, geom.sk, geom.d, attrs).part_bytes
+
+
+def launch_dense(plan, prob, o, lse, attrs):
+    """`attention` on the decode kernel: K and V are the dense tensors of `prob`; the split
+    partials go to ``prob.workspace`` (or a pool allocation on the launch stream)."""
+    from ._launch import _stream_ptr
+
+    if any(not _aligned16(x) for x in (o,)):
+        raise ValueError("out: every row must start on a 16-byte boundary for the decode kernel")
+    geom = _dense_geometry(plan, prob, o, lse)
+    cfg = configure(plan, geom.sizes, geom.g, geom.sq, geom.sk, geom.d, attrs)
+    st = _stream_ptr(prob.stream)
+    parts = scratch(cfg.part_bytes, getattr(prob, "workspace", None), st,
+                    "attention_workspace_size")
     return launch(plan, geom, prob.q, prob.k, prob.v, o, lse, scale=prob.scale,
-                  device_id=prob.device_id, stream=prob.stream, attrs=attrs)
+                  device_id=prob.device_id, stream=st, cfg=cfg, parts=parts)

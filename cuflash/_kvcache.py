@@ -34,6 +34,7 @@ class CallOptions:
     out_lse: Any
     stream: Any
     kernel: str
+    workspace: Any = None        # None or a flat uint8 GPU buffer (_checks.check_workspace)
 
 
 @dataclass
@@ -57,6 +58,9 @@ class KVCacheProblem(CallOptions):
     snew: int
     page: int                    # 0 for a contiguous cache
     capacity: int                # keys a sequence can hold
+    # cache_seqlens given as an int on the GPU: its value (then ``seqlens`` is None and no
+    # device array is made for it unless k_new is appended); None otherwise.
+    seqlens_int: Optional[int] = None
 
 
 def _int32_array(name, x, backend, device_id, shape_desc, ndim):
@@ -73,10 +77,11 @@ def _int32_array(name, x, backend, device_id, shape_desc, ndim):
 
 
 def check_call_options(*, causal, return_lse, scale, d, dt, kernel, choices, backend, device_id,
-                       stream, out, o_shape, lse_shape):
+                       stream, out, o_shape, lse_shape, workspace=None):
     """The checks the inference entry points share with `attention`: causal and return_lse
-    bools, the scale, the kernel choice, stream only for GPU inputs, and out (o or (o, lse))
-    of the given shapes. Returns (scale, o buffer or None, lse buffer or None)."""
+    bools, the scale, the kernel choice, stream and workspace only for GPU inputs, and out (o or
+    (o, lse)) of the given shapes. Returns (scale, o buffer or None, lse buffer or None,
+    workspace as a flat uint8 view or None)."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -100,11 +105,11 @@ def check_call_options(*, causal, return_lse, scale, d, dt, kernel, choices, bac
     out_o = _checks._check_out("out", out_o, o_shape, dt, backend, device_id)
     out_lse = _checks._check_out("out[1] (lse)", out_lse, lse_shape, dt, backend, device_id,
                                  check_dtype_name="float32")
-    return scale, out_o, out_lse
+    return scale, out_o, out_lse, _checks.check_workspace(workspace, backend, device_id)
 
 
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_new, causal,
-                  scale, return_lse, out, stream, kernel) -> KVCacheProblem:
+                  scale, return_lse, out, stream, kernel, workspace=None) -> KVCacheProblem:
     """Validate `attention_with_kvcache`'s arguments (no launch, no device synchronisation)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _checks._refuse_subclass(name, x)
@@ -152,12 +157,14 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_n
             raise ValueError(f"the page size (axis 1 of a paged cache) must be a power of two >= "
                              f"{MIN_PAGE}; got {page}")
         capacity = page * int(block_table.shape[1])
+    seqlens_int = None
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        xp = np if backend == "cpu" else _interop.cupy_or_none()
-        cache_seqlens = xp.full((b,), int(cache_seqlens), dtype=np.int32)
+        seqlens_int = int(cache_seqlens)
+        # (on the GPU no device array: the decode takes the common length as its key count)
+        cache_seqlens = np.full((b,), seqlens_int, dtype=np.int32) if backend == "cpu" else None
     else:
         cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, backend, device_id, "(B,)", 1)
-    if cache_seqlens.shape[0] != b:
+    if cache_seqlens is not None and cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens has {cache_seqlens.shape[0]} entries; q has batch {b}")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together: pass both or neither")
@@ -182,6 +189,10 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_n
             raise ValueError(f"k_new and v_new must hold the same number (>= 1) of new keys; got "
                              f"{k_new.shape[1]} and {v_new.shape[1]}")
         snew = int(k_new.shape[1])
+    if seqlens_int is not None and not 0 <= seqlens_int <= capacity - snew:
+        raise ValueError(f"cache_seqlens must lie in [0, {capacity - snew}] (capacity "
+                         f"{capacity} keys{' with ' + str(snew) + ' appended' if snew else ''}"
+                         f"); got {seqlens_int}")
     if backend == "cpu":  # the lengths are on the host: check them (the GPU path cannot, see docs)
         lens = np.asarray(cache_seqlens)
         if lens.min() < 0 or lens.max() + snew > capacity:
@@ -195,10 +206,10 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_n
                 if used.size and (used.min() < 0 or used.max() >= k_cache.shape[0]):
                     raise ValueError(f"block_table row {i} names pages outside "
                                      f"[0, {k_cache.shape[0]})")
-    scale, out_o, out_lse = check_call_options(
+    scale, out_o, out_lse, workspace = check_call_options(
         causal=causal, return_lse=return_lse, scale=scale, d=d, dt=dt, kernel=kernel,
         choices=KVCACHE_KERNELS, backend=backend, device_id=device_id, stream=stream, out=out,
-        o_shape=(b, sq, h, dv), lse_shape=(b, h, sq))
+        o_shape=(b, sq, h, dv), lse_shape=(b, h, sq), workspace=workspace)
     if backend == "gpu":
         q, k_new, v_new = (None if x is None else _interop.last_axis_contiguous(x)
                            for x in (q, k_new, v_new))
@@ -208,8 +219,10 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_n
                                  "place, so it cannot be copied)")
     return KVCacheProblem(backend, device_id, q, k_cache, v_cache, cache_seqlens, block_table,
                           k_new, v_new, dt, b, sq, h, hkv, d, dv, snew, page, capacity,
+                          seqlens_int if backend == "gpu" else None,
                           causal=bool(causal), scale=scale, return_lse=bool(return_lse),
-                          out=out_o, out_lse=out_lse, stream=stream, kernel=kernel)
+                          out=out_o, out_lse=out_lse, stream=stream, kernel=kernel,
+                          workspace=workspace)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,49 +287,104 @@ def into_out_lse(prob, lse):
 # ---------------------------------------------------------------------------------------------
 # GPU path
 
+def _decode_keys(prob):
+    """Keys the decode grid covers: the capacity when the lengths come from a device array, the
+    common length ``cache_seqlens + Snew`` when cache_seqlens was an int."""
+    return prob.capacity if prob.seqlens_int is None else prob.seqlens_int + prob.snew
+
+
+def _lens_bytes(prob):
+    """Workspace bytes of the lengths section: B int32 when k_new is appended (the decode's
+    ``cache_seqlens + Snew`` or, for an int cache_seqlens, the append's start positions), else
+    0."""
+    from ._decode import _align
+
+    return _align(4 * prob.b) if prob.snew else 0
+
+
+def kvcache_launch(prob, attrs):
+    """(decode plan, `_decode.DecodeLaunch`, workspace bytes) of a GPU `KVCacheProblem`. The
+    workspace holds the lengths section (`_lens_bytes`), then the split partials
+    (`DecodeLaunch.part_bytes`)."""
+    from . import _decode
+
+    plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, prob.block_table is not None)
+    cfg = _decode.configure(plan, (1, prob.b, prob.hkv), prob.h // prob.hkv, prob.sq,
+                            _decode_keys(prob), prob.d, attrs)
+    return plan, cfg, _lens_bytes(prob) + cfg.part_bytes
+
+
+def _append(prob, starts, stream):
+    """Launch the in-place append of k_new, v_new at key positions ``starts[b]`` (int32, (B,))."""
+    from . import _compile, _decode
+
+    paged = prob.block_table is not None
+    kc, vc = prob.k_cache, prob.v_cache
+    ie = [s // kc.itemsize for s in kc.strides]
+    ve = [s // vc.itemsize for s in vc.strides]
+    ap = np.zeros((), dtype=_decode.APPEND_PARAMS_DTYPE)
+    ap["k_new"], ap["v_new"] = prob.k_new.data.ptr, prob.v_new.data.ptr
+    ap["k"], ap["v"], ap["seqlens"] = kc.data.ptr, vc.data.ptr, starts.data.ptr
+    ap["block_table"] = prob.block_table.data.ptr if paged else 0
+    ap["b"], ap["snew"], ap["hkv"], ap["d"] = prob.b, prob.snew, prob.hkv, prob.d
+    for pre, x in (("nk", prob.k_new), ("nv", prob.v_new)):
+        e = [s // x.itemsize for s in x.strides]
+        ap[f"{pre}_s1"], ap[f"{pre}_sr"], ap[f"{pre}_s2"] = e[0], e[1], e[2]
+    if paged:
+        ap["k_sr"], ap["k_s2"], ap["v_sr"], ap["v_s2"] = ie[1], ie[2], ve[1], ve[2]
+        ap["k_page"], ap["v_page"] = ie[0], ve[0]
+    else:
+        ap["k_s1"], ap["k_sr"], ap["k_s2"] = ie[0], ie[1], ie[2]
+        ap["v_s1"], ap["v_sr"], ap["v_s2"] = ve[0], ve[1], ve[2]
+    ap["page_log2"] = prob.page.bit_length() - 1 if paged else 0
+    ap["bt_stride"] = prob.block_table.shape[1] if paged else 0
+    n = prob.b * prob.snew * prob.hkv * (prob.d // 8)
+    kern = _compile.get_kernel(_decode.append_spec(prob.dtype_name, paged), prob.device_id)
+    kern((-(-n // 256),), (256,), (ap[()],), stream=stream)
+
+
 def kvcache_gpu(prob):
+    """The GPU path: append (kv_append), then decode through the cache (and the combine), all on
+    the launch stream; scratch in ``prob.workspace`` or, without one, a pool allocation on that
+    stream. No host synchronisation."""
     import cupy
 
-    from . import _compile, _decode, _launch
+    from . import _decode, _launch
 
     with cupy.cuda.Device(prob.device_id):
         attrs = _decode.attrs_or_raise(prob, "attention_with_kvcache", [
             prob.q, prob.k_cache, prob.v_cache, prob.k_new, prob.v_new, prob.out])
         st = _launch._stream_ptr(prob.stream)
+        plan, cfg, need = kvcache_launch(prob, attrs)
+        ws = _decode.scratch(need, prob.workspace, st, "attention_with_kvcache_workspace_size")
+        lens_bytes = _lens_bytes(prob)
         paged = prob.block_table is not None
-        seqlens = prob.seqlens
         kc, vc = prob.k_cache, prob.v_cache
+        with st:
+            o = prob.out if prob.out is not None else cupy.empty(
+                (prob.b, prob.sq, prob.h, prob.dv), dtype=prob.q.dtype)
+            lse = prob.out_lse
+            if prob.return_lse and lse is None:
+                lse = cupy.empty((prob.b, prob.h, prob.sq), dtype=cupy.float32)
+            seqlens = prob.seqlens          # the decode's key counts (None: every sequence sk)
+            if prob.snew:
+                lens_ws = ws[:lens_bytes].view(cupy.int32)[:prob.b]
+                if prob.seqlens_int is None:
+                    _append(prob, prob.seqlens, st)
+                    cupy.add(prob.seqlens, np.int32(prob.snew), out=lens_ws)
+                    seqlens = lens_ws
+                else:
+                    lens_ws.fill(prob.seqlens_int)
+                    _append(prob, lens_ws, st)
+            sk = _decode_keys(prob)
+            if sk == 0:  # an int cache_seqlens of 0 and nothing appended: every sequence empty
+                o.fill(0)
+                if lse is not None:
+                    lse.fill(-np.inf)
+                return o, lse
+        g = prob.h // prob.hkv
         ie = [s // kc.itemsize for s in kc.strides]
         ve = [s // vc.itemsize for s in vc.strides]
-        bt_stride = prob.block_table.shape[1] if paged else 0
-        page_log2 = prob.page.bit_length() - 1 if paged else 0
-        if prob.snew:
-            ap = np.zeros((), dtype=_decode.APPEND_PARAMS_DTYPE)
-            ap["k_new"], ap["v_new"] = prob.k_new.data.ptr, prob.v_new.data.ptr
-            ap["k"], ap["v"], ap["seqlens"] = kc.data.ptr, vc.data.ptr, seqlens.data.ptr
-            ap["block_table"] = prob.block_table.data.ptr if paged else 0
-            ap["b"], ap["snew"], ap["hkv"], ap["d"] = prob.b, prob.snew, prob.hkv, prob.d
-            for pre, x in (("nk", prob.k_new), ("nv", prob.v_new)):
-                e = [s // x.itemsize for s in x.strides]
-                ap[f"{pre}_s1"], ap[f"{pre}_sr"], ap[f"{pre}_s2"] = e[0], e[1], e[2]
-            if paged:
-                ap["k_sr"], ap["k_s2"], ap["v_sr"], ap["v_s2"] = ie[1], ie[2], ve[1], ve[2]
-                ap["k_page"], ap["v_page"] = ie[0], ve[0]
-            else:
-                ap["k_s1"], ap["k_sr"], ap["k_s2"] = ie[0], ie[1], ie[2]
-                ap["v_s1"], ap["v_sr"], ap["v_s2"] = ve[0], ve[1], ve[2]
-            ap["page_log2"], ap["bt_stride"] = page_log2, bt_stride
-            n = prob.b * prob.snew * prob.hkv * (prob.d // 8)
-            kern = _compile.get_kernel(_decode.append_spec(prob.dtype_name, paged), prob.device_id)
-            kern((-(-n // 256),), (256,), (ap[()],), stream=st)
-            with st:
-                seqlens = seqlens + np.int32(prob.snew)
-        o = prob.out if prob.out is not None else cupy.empty((prob.b, prob.sq, prob.h, prob.dv),
-                                                              dtype=prob.q.dtype)
-        lse = prob.out_lse
-        if prob.return_lse and lse is None:
-            lse = cupy.empty((prob.b, prob.h, prob.sq), dtype=cupy.float32)
-        g = prob.h // prob.hkv
         qe = [s // prob.q.itemsize for s in prob.q.strides]
         oe = [s // o.itemsize for s in o.strides]
         le = [s // 4 for s in lse.strides] if lse is not None else [0, 0, 0]
@@ -325,14 +393,14 @@ def kvcache_gpu(prob):
         else:
             k_str, v_str = (0, ie[0], ie[2], ie[1]), (0, ve[0], ve[2], ve[1])
         geom = _decode.DecodeGeometry(
-            sizes=(1, prob.b, prob.hkv), g=g, sq=prob.sq, sk=prob.capacity, d=prob.d,
+            sizes=(1, prob.b, prob.hkv), g=g, sq=prob.sq, sk=sk, d=prob.d,
             q=(0, qe[0], g * qe[2], qe[2], qe[1]), o=(0, oe[0], g * oe[2], oe[2], oe[1]),
             l=(0, le[0], g * le[1], le[1], le[2]), k=k_str, v=v_str, seqlens=seqlens,
             block_table=prob.block_table, page=prob.page, k_page=ie[0] if paged else 0,
             v_page=ve[0] if paged else 0)
-        plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged)
         _decode.launch(plan, geom, prob.q, kc, vc, o, lse, scale=prob.scale,
-                       device_id=prob.device_id, stream=prob.stream, attrs=attrs)
+                       device_id=prob.device_id, stream=st, cfg=cfg,
+                       parts=ws[lens_bytes:] if cfg.splits > 1 else None)
     return o, lse
 
 
@@ -350,7 +418,7 @@ def kvcache_dispatch_label(prob):
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None,
                            v_new=None, causal=False, scale=None, return_lse=False, out=None,
-                           stream=None, kernel="auto"):
+                           workspace=None, stream=None, kernel="auto"):
     """Attention of new query rows against a KV cache, appending new keys and values first.
 
     For each sequence ``b``, ``k_new[b]`` and ``v_new[b]`` (if given) are written into the cache
@@ -368,7 +436,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         The cache, written in place when ``k_new`` is given (contiguous last axis). ``H`` must
         be a multiple of ``Hkv``: query head ``h`` uses kv head ``h // (H // Hkv)``.
     cache_seqlens : int or int32 array, shape (B,)
-        Keys already in each sequence's cache (0 is an empty cache).
+        Keys already in each sequence's cache (0 is an empty cache). An int (every sequence
+        the same length) is checked against the capacity on the host and needs no device
+        array; a CUDA graph bakes it in, so pass an array for a captured decode step whose
+        lengths change between replays.
     block_table : int32 array, shape (B, max_pages), optional
         Paged cache: key ``j`` of sequence ``b`` lives at page ``block_table[b, j // page_size]``,
         row ``j % page_size``. The page size (axis 1 of the caches) may be any power of two from
@@ -384,6 +455,21 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         Also return lse, float32 of shape (B, H, Sq) (natural log).
     out : array or (array, array), optional
         o buffer (B, Sq, H, Dv), or with ``return_lse`` a pair (o, lse).
+    workspace : GPU array, optional
+        GPU only. A C-contiguous buffer on the inputs' device of at least
+        ``attention_with_kvcache_workspace_size(...)`` bytes (same arguments), starting on a
+        256-byte boundary (any fresh CuPy array does); its contents on entry do not matter.
+        It holds, in 256-byte aligned sections: with ``k_new``, B int32 lengths (the decode's
+        ``cache_seqlens + Snew``, or for an int cache_seqlens the append's start positions);
+        then, when the decode splits the keys over s > 1 blocks, the float32 partial outputs
+        ``E * s * R * Dpad * 4`` bytes and partial lse ``E * s * R * 4`` bytes, with
+        ``E = B * Hkv`` entries, ``R = 16 * ceil(G * Sq / 16)`` packed rows (``G = H / Hkv``)
+        and ``Dpad`` the head dim rounded up to 64, 128 or 256 (s is chosen from the problem
+        and the SM count). Without it that memory comes from CuPy's memory pool (an
+        allocation per call, made on the launch stream). With ``out=`` (o and, with
+        ``return_lse``, lse) and ``workspace=`` the call allocates nothing and never
+        synchronises, so it can be captured in a CUDA graph (e.g. ``cupy.cuda.Stream``'s
+        ``begin_capture``/``end_capture``) and replayed on new contents of the same buffers.
     stream : optional
         GPU only, as in `attention`.
     kernel : {"auto", "decode"}, optional
@@ -402,13 +488,34 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         As `attention` for shapes, dtypes and devices, plus: a page size that is not a power of
         two >= 16, block_table or cache_seqlens not int32 or of the wrong shape, k_new without
         v_new. For NumPy inputs also lengths beyond the cache's capacity and page numbers
-        outside the cache. GPU inputs: the lengths live on the device and are not read back
+        outside the cache (and an int cache_seqlens out of range for any input). A
+        ``workspace`` on NumPy inputs, on another device, not C-contiguous, too small or
+        misaligned. GPU inputs: the lengths live on the device and are not read back
         (no synchronisation), so ``cache_seqlens[b] + Snew`` beyond the capacity, or a block
         table naming pages outside the cache, is the caller's error and reads or writes out of
         bounds, as in FlashAttention.
     """
     prob = check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                          k_new=k_new, v_new=v_new, causal=causal, scale=scale,
-                         return_lse=return_lse, out=out, stream=stream, kernel=kernel)
+                         return_lse=return_lse, out=out, stream=stream, kernel=kernel,
+                         workspace=workspace)
     o, lse = kvcache_numpy(prob) if prob.backend == "cpu" else kvcache_gpu(prob)
     return (o, lse) if prob.return_lse else o
+
+
+def attention_with_kvcache_workspace_size(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
+                                          k_new=None, v_new=None, causal=False, kernel="auto"):
+    """Bytes of GPU workspace `attention_with_kvcache` needs for these arguments (0 for NumPy
+    inputs; the layout is under ``workspace`` there). Validates like `attention_with_kvcache`;
+    launches, allocates and synchronises nothing (the size depends on shapes, ``Snew``, an int
+    cache_seqlens' value and the device's SM count, never on device contents)."""
+    prob = check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                         k_new=k_new, v_new=v_new, causal=causal, scale=None, return_lse=False,
+                         out=None, stream=None, kernel=kernel)
+    if prob.backend == "cpu":
+        return 0
+    from . import _decode
+
+    attrs = _decode.attrs_or_raise(prob, "attention_with_kvcache", [
+        prob.q, prob.k_cache, prob.v_cache, prob.k_new, prob.v_new])
+    return kvcache_launch(prob, attrs)[2]

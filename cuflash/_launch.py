@@ -313,6 +313,20 @@ def backward_workspace_bytes(bplan, prob):
     return n
 
 
+def workspace_base(workspace, need, query):
+    """The device address of a caller's `workspace` (a flat byte buffer, see
+    _checks.check_workspace) for a call that needs `need` bytes; ValueError naming the size
+    query `query` (a cuflash function) when it is too small, or when it does not start on a
+    WORKSPACE_ALIGN-byte boundary."""
+    if workspace.nbytes < need:
+        raise ValueError(f"workspace has {workspace.nbytes} bytes; this call needs {need} "
+                         f"(cuflash.{query})")
+    base = workspace.data.ptr
+    if base % WORKSPACE_ALIGN:
+        raise ValueError(f"workspace must start on a {WORKSPACE_ALIGN}-byte boundary")
+    return base
+
+
 def _red_mask(bstr):
     """Bit a set where a gradient buffer's collapsed batch stride is 0 (it sums over axis a)."""
     return sum(1 << a for a in range(3) if bstr[a] == 0)
@@ -382,12 +396,7 @@ def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
     need = backward_workspace_bytes(bplan, prob)
     if workspace is None:
         workspace = cupy.empty(need, dtype=cupy.uint8)
-    elif workspace.nbytes < need:
-        raise ValueError(f"workspace has {workspace.nbytes} bytes; this call needs {need} "
-                         "(cuflash.attention_backward_workspace_size)")
-    base = workspace.data.ptr
-    if base % WORKSPACE_ALIGN:
-        raise ValueError(f"workspace must start on a {WORKSPACE_ALIGN}-byte boundary")
+    base = workspace_base(workspace, need, "attention_backward_workspace_size")
 
     p = np.zeros((), dtype=BWD_PARAMS_DTYPE)
     for name, x in zip(("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv"),

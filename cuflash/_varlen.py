@@ -41,7 +41,7 @@ class VarlenProblem(CallOptions):
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
-                 scale, return_lse, out, stream, kernel) -> VarlenProblem:
+                 scale, return_lse, out, stream, kernel, workspace=None) -> VarlenProblem:
     """Validate `attention_varlen`'s arguments (no launch, no device synchronisation)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks._refuse_subclass(name, x)
@@ -85,16 +85,17 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             if lens.max() > mx:
                 raise ValueError(f"a sequence has {lens.max()} rows in {name}, more than "
                                  f"max_seqlen {mx}")
-    scale, out_o, out_lse = check_call_options(
+    scale, out_o, out_lse, workspace = check_call_options(
         causal=causal, return_lse=return_lse, scale=scale, d=d, dt=dt, kernel=kernel,
         choices=VARLEN_KERNELS, backend=backend, device_id=device_id, stream=stream, out=out,
-        o_shape=(total_q, h, dv), lse_shape=(h, total_q))
+        o_shape=(total_q, h, dv), lse_shape=(h, total_q), workspace=workspace)
     if backend == "gpu":
         q, k, v = (_interop.last_axis_contiguous(x) for x in (q, k, v))
     return VarlenProblem(backend, device_id, q, k, v, cu_q, cu_k, int(max_seqlen_q),
                          int(max_seqlen_k), dt, int(cu_q.shape[0]) - 1, h, hkv, d, dv,
                          causal=bool(causal), scale=scale, return_lse=bool(return_lse),
-                         out=out_o, out_lse=out_lse, stream=stream, kernel=kernel)
+                         out=out_o, out_lse=out_lse, stream=stream, kernel=kernel,
+                         workspace=workspace)
 
 
 def varlen_numpy(prob):
@@ -113,19 +114,37 @@ def varlen_numpy(prob):
     return o, into_out_lse(prob, lse)
 
 
+def varlen_launch(prob, attrs):
+    """(decode plan, `_decode.DecodeLaunch`, workspace bytes) of a GPU `VarlenProblem`: the grid
+    covers max_seqlen_q query rows and max_seqlen_k keys per sequence; the workspace holds the
+    split partials (`DecodeLaunch.part_bytes`)."""
+    from . import _decode
+
+    plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False)
+    cfg = _decode.configure(plan, (1, prob.nseq, prob.hkv), prob.h // prob.hkv, prob.max_q,
+                            prob.max_k, prob.d, attrs)
+    return plan, cfg, cfg.part_bytes
+
+
 def varlen_gpu(prob):
+    """The GPU path: the decode kernel family with per-sequence offsets, on the launch stream;
+    scratch in ``prob.workspace`` or a pool allocation on that stream. Never synchronises."""
     import cupy
 
-    from . import _decode
+    from . import _decode, _launch
 
     with cupy.cuda.Device(prob.device_id):
         attrs = _decode.attrs_or_raise(prob, "attention_varlen", [prob.q, prob.k, prob.v, prob.out])
+        st = _launch._stream_ptr(prob.stream)
+        plan, cfg, need = varlen_launch(prob, attrs)
+        ws = _decode.scratch(need, prob.workspace, st, "attention_varlen_workspace_size")
         total_q = prob.q.shape[0]
-        o = prob.out if prob.out is not None else cupy.empty((total_q, prob.h, prob.dv),
-                                                              dtype=prob.q.dtype)
-        lse = prob.out_lse
-        if prob.return_lse and lse is None:
-            lse = cupy.empty((prob.h, total_q), dtype=cupy.float32)
+        with st:
+            o = prob.out if prob.out is not None else cupy.empty((total_q, prob.h, prob.dv),
+                                                                  dtype=prob.q.dtype)
+            lse = prob.out_lse
+            if prob.return_lse and lse is None:
+                lse = cupy.empty((prob.h, total_q), dtype=cupy.float32)
         g = prob.h // prob.hkv
         qe, oe, ke, ve = ([s // x.itemsize for s in x.strides] for x in (prob.q, o, prob.k, prob.v))
         le = [s // 4 for s in lse.strides] if lse is not None else [0, 0]
@@ -134,15 +153,14 @@ def varlen_gpu(prob):
             q=(0, 0, g * qe[1], qe[1], qe[0]), o=(0, 0, g * oe[1], oe[1], oe[0]),
             l=(0, 0, g * le[0], le[0], le[1]), k=(0, 0, ke[1], ke[0]), v=(0, 0, ve[1], ve[0]),
             cu_q=prob.cu_q, cu_k=prob.cu_k)
-        plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False)
         _decode.launch(plan, geom, prob.q, prob.k, prob.v, o, lse, scale=prob.scale,
-                       device_id=prob.device_id, stream=prob.stream, attrs=attrs)
+                       device_id=prob.device_id, stream=st, cfg=cfg, parts=ws)
     return o, lse
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     causal=False, scale=None, return_lse=False, out=None, stream=None,
-                     kernel="auto"):
+                     causal=False, scale=None, return_lse=False, out=None, workspace=None,
+                     stream=None, kernel="auto"):
     """Attention over a packed batch of variable-length sequences, with no padding work.
 
     Parameters
@@ -157,12 +175,25 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of q and
         ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of k and v (starting at 0, non-decreasing).
     max_seqlen_q, max_seqlen_k : int
-        The longest sequence's rows in q and in k (they size the GPU grid).
+        The longest sequence's rows in q and in k (they size the GPU grid). Python ints, a
+        required argument so that the call never reads cu_seqlens back from the device (which
+        would synchronise it); they may be upper bounds (a captured graph can keep them while
+        the lengths below them change).
     causal : bool, optional
         Bottom-right aligned per sequence: query ``i`` of a sequence sees its keys
         ``j <= i + Sk_s - Sq_s``.
     scale, return_lse, out, stream
         As in `attention`; ``out`` is o (total_q, H, Dv) or with ``return_lse`` (o, lse).
+    workspace : GPU array, optional
+        GPU only. A C-contiguous buffer on the inputs' device of at least
+        ``attention_varlen_workspace_size(...)`` bytes (same arguments), starting on a 256-byte
+        boundary; its contents on entry do not matter. When the kernel splits the keys over
+        s > 1 blocks it holds the float32 partial outputs, ``E * s * R * Dpad * 4`` bytes, then
+        (256-byte aligned) the partial lse, ``E * s * R * 4`` bytes, with ``E = B * Hkv``,
+        ``R = 16 * ceil(G * max_seqlen_q / 16)`` (``G = H / Hkv``) and ``Dpad`` the head dim
+        rounded up to 64, 128 or 256; with one split it is not touched (size 0). Without it
+        that memory comes from CuPy's memory pool (on the launch stream). With ``out=`` and
+        ``workspace=`` the call allocates nothing and can be captured in a CUDA graph.
     kernel : {"auto", "decode"}, optional
         GPU only; both run the decode kernel family with per-sequence offsets.
 
@@ -179,11 +210,29 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     TypeError, ValueError
         As `attention`, plus cu_seqlens that are not int32 (B + 1,) arrays. For NumPy inputs
         also offsets that do not start at 0, decrease, or pass the tensors' rows, and sequences
-        longer than max_seqlen. GPU inputs: the offsets live on the device and are not read back
+        longer than max_seqlen. A ``workspace`` as `attention_with_kvcache` refuses it. GPU
+        inputs: the offsets live on the device and are not read back
         (no synchronisation); wrong offsets or a too small max_seqlen are the caller's error.
     """
     prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         causal=causal, scale=scale, return_lse=return_lse, out=out,
-                        stream=stream, kernel=kernel)
+                        stream=stream, kernel=kernel, workspace=workspace)
     o, lse = varlen_numpy(prob) if prob.backend == "cpu" else varlen_gpu(prob)
     return (o, lse) if prob.return_lse else o
+
+
+def attention_varlen_workspace_size(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, *, causal=False, kernel="auto"):
+    """Bytes of GPU workspace `attention_varlen` needs for these arguments (0 for NumPy inputs;
+    the layout is under ``workspace`` there). Validates like `attention_varlen`; launches,
+    allocates and synchronises nothing (it depends on shapes, max_seqlen_q/k and the device's
+    SM count, not on the cu_seqlens contents)."""
+    prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        causal=causal, scale=None, return_lse=False, out=None, stream=None,
+                        kernel=kernel)
+    if prob.backend == "cpu":
+        return 0
+    from . import _decode
+
+    attrs = _decode.attrs_or_raise(prob, "attention_varlen", [prob.q, prob.k, prob.v])
+    return varlen_launch(prob, attrs)[2]

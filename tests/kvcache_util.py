@@ -51,3 +51,26 @@ def check_kvcache_result(o, lse, q, k_cache, v_cache, lens, *, block_table, k_ne
         assert np.array_equal(np.isneginf(lse[i]), ~fin), f"sequence {i}: lse -inf pattern"
         err = np.abs(lse[i][fin] - lse_ref[i][fin])
         assert np.all(err <= 1e-4 + 1e-5 * np.abs(lse_ref[i][fin])), f"lse error {err.max():.3e}"
+
+
+def check_appended(k_cache, v_cache, lens, k_new, v_new, *, block_table, what="append"):
+    """The caches (host arrays, after a call with k_new/v_new) hold k_new[b], v_new[b] at keys
+    lens[b] .. lens[b] + Snew - 1 of each sequence b (through the block table when paged)."""
+    snew = k_new.shape[1]
+    for i in range(len(lens)):
+        k_i, v_i = reference.gather_kv_cache(k_cache, v_cache, int(lens[i]) + snew, i,
+                                             block_table)
+        np.testing.assert_array_equal(k_i[lens[i]:], k_new[i], f"{what}: k of sequence {i}")
+        np.testing.assert_array_equal(v_i[lens[i]:], v_new[i], f"{what}: v of sequence {i}")
+
+
+def random_kv_problem(rng, *, b, hkv, group, sq, d, lens, snew, page, dtype):
+    """(q, k_cache, v_cache, block_table or None, k_new or None, v_new or None): float64 host
+    arrays holding `dtype` values, q (B, Sq, Hkv * group, D), caches from `make_cache`."""
+    k, v, bt = make_cache(rng, b=b, hkv=hkv, d=d, lens=lens, snew=snew, page=page, dtype=dtype)
+    q = reference.round_to(rng.standard_normal((b, sq, hkv * group, d)), dtype)
+    kn = vn = None
+    if snew:
+        kn, vn = (reference.round_to(rng.standard_normal((b, snew, hkv, d)), dtype)
+                  for _ in range(2))
+    return q, k, v, bt, kn, vn

@@ -131,7 +131,7 @@ def test_plain_broadcast_still_works():
 # ---------------------------------------------------------------------------------------------
 # attention_with_kvcache, CPU path
 
-from kvcache_util import check_kvcache_result, make_cache  # noqa: E402
+from kvcache_util import check_kvcache_result, random_kv_problem  # noqa: E402
 
 
 @pytest.mark.parametrize("page", [None, 16, 32, 256])
@@ -143,12 +143,8 @@ def test_kvcache_cpu(page, snew, causal, group):
     rng = _rng("kv", page, snew, causal, group)
     b, hkv, d, sq = 4, 2, 16, 3
     lens = np.array([0, 1, 15, 40], np.int32)   # empty, one key, an append crossing a page
-    k, v, bt = make_cache(rng, b=b, hkv=hkv, d=d, lens=lens, snew=snew, page=page, dtype=dtype)
-    q = reference.round_to(rng.standard_normal((b, sq, hkv * group, d)), dtype)
-    kn = vn = None
-    if snew:
-        kn, vn = (reference.round_to(rng.standard_normal((b, snew, hkv, d)), dtype)
-                  for _ in range(2))
+    q, k, v, bt, kn, vn = random_kv_problem(rng, b=b, hkv=hkv, group=group, sq=sq, d=d,
+                                            lens=lens, snew=snew, page=page, dtype=dtype)
     k32, v32 = k.astype(dtype), v.astype(dtype)
     o = np.full((b, sq, hkv * group, d), np.nan, dtype)
     lse = np.full((b, hkv * group, sq), np.nan, np.float32)

@@ -137,7 +137,8 @@ def test_decode_is_auto_for_single_token_gqa():
 # ---------------------------------------------------------------------------------------------
 # attention_with_kvcache on the GPU (decode kernel through the block table, in-place append)
 
-from kvcache_util import check_kvcache_result, make_cache  # noqa: E402
+from kvcache_util import (check_appended, check_kvcache_result, make_cache,  # noqa: E402
+                          random_kv_problem)
 
 KV_CASES = [  # (page or None, group, Sq, Snew, lens)
     (None, 4, 1, 0, (0, 1, 7, 1000)),
@@ -163,11 +164,8 @@ def test_kvcache_gpu(page, group, sq, snew, lens, dtype, causal):
     hkv, d = 2, 128
     lens = np.array(lens, np.int32)
     b = lens.size
-    k, v, bt = make_cache(rng, b=b, hkv=hkv, d=d, lens=lens, snew=snew, page=page, dtype=dtype)
-    q = _rnd(rng, (b, sq, hkv * group, d), dtype)
-    kn = vn = None
-    if snew:
-        kn, vn = (_rnd(rng, (b, snew, hkv, d), dtype) for _ in range(2))
+    q, k, v, bt, kn, vn = random_kv_problem(rng, b=b, hkv=hkv, group=group, sq=sq, d=d,
+                                            lens=lens, snew=snew, page=page, dtype=dtype)
     kg, vg = to_gpu(k, dtype), to_gpu(v, dtype)
     o, lse = poisoned((b, sq, hkv * group, d), dtype), poisoned((b, hkv * group, sq), "float32")
     res = cuflash.attention_with_kvcache(
@@ -180,11 +178,7 @@ def test_kvcache_gpu(page, group, sq, snew, lens, dtype, causal):
     check_kvcache_result(to_host64(o), to_host64(lse), q, k, v, lens, block_table=bt, k_new=kn,
                          v_new=vn, causal=causal, dtype=dtype)
     if snew:  # the append happened in place, into the right pages
-        kh, vh = to_host64(kg), to_host64(vg)
-        for i in range(b):
-            k_i, v_i = reference.gather_kv_cache(kh, vh, int(lens[i]) + snew, i, bt)
-            np.testing.assert_array_equal(k_i[lens[i]:], kn[i])
-            np.testing.assert_array_equal(v_i[lens[i]:], vn[i])
+        check_appended(to_host64(kg), to_host64(vg), lens, kn, vn, block_table=bt)
 
 
 def test_kvcache_paged_matches_contiguous_bitwise():
