@@ -10,9 +10,10 @@ from ._api import (attention, attention_backward, attention_backward_workspace_s
                    backward_dispatch_info, dispatch_info, gpu_available, merge_states)
 from ._kvcache import attention_with_kvcache
 from ._varlen import attention_varlen
+from .mods import MaskMod, ScoreMod
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_backward", "attention_backward_workspace_size", "merge_states",
            "dispatch_info", "backward_dispatch_info", "gpu_available", "attention_with_kvcache",
-           "attention_varlen", "__version__"]
+           "attention_varlen", "ScoreMod", "MaskMod", "__version__"]
