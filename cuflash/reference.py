@@ -784,6 +784,11 @@ def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
         addition act at the size of both terms). softcap's tanh has a derivative <= 1, so the
         dot product's error reaches the exponent undamped at most; its own rounding acts at
         ``|c tanh| <= |s| + |a|``.
+    score_mod, mask_mod, mod_args : optional
+        User hooks (:mod:`cuflash.mods`). A mask_mod only changes the visible keys. A score_mod
+        needs its declared Lipschitz constant ``L`` (``ScoreMod(lipschitz=)``): the dot
+        product's error is multiplied by ``L`` and the score roundings act at
+        ``L (|s_in| + 2 |a|) + |f(s_in)|``; without one this raises ValueError (`NO_BOUND`).
 
     Returns
     -------
@@ -1012,7 +1017,10 @@ def pass_threshold(q, k, v, *, causal: bool = False, scale: Optional[float] = No
     ``precision="high"`` (float32): the one-pass TF32 mode, whose naive counterpart is the
     one-pass TF32 matmul -> softmax -> matmul (:func:`naive_attention`) and whose products carry
     TF32's rounding in the bound. ``window``, ``softcap``, ``alibi_slopes``, ``bias``,
-    ``mask``: a variant, as in `cuflash.attention`; every part of the rule takes it.
+    ``mask``, ``score_mod``, ``mask_mod``, ``mod_args``: a variant, as in `cuflash.attention`;
+    every part of the rule takes it. A score_mod without a declared Lipschitz constant has no
+    a-priori bound: the rule is then the measured 2x-naive bar alone (its bound is inf) and
+    raises ValueError where that bar is not informative, and for float64.
     """
     if o_ref is None:
         o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale, **variant)
