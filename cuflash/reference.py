@@ -148,6 +148,10 @@ def _grouped_heads(results):
             g, q, k, v = _gqa.split_all(*arrs)
             if g is None:
                 return fn(*args, **kwargs)
+            if kwargs.get("score_mod") is not None or kwargs.get("mask_mod") is not None:
+                # the split would renumber the heads the hooks see (as cuflash.attention, refuse)
+                raise ValueError("grouped-query heads cannot be combined with score_mod/mask_mod "
+                                 "yet; repeat k and v to q's head count")
             lead = (g.split(np.asarray(args[0])),) if first else ()
             out = fn(*lead, q, k, v, *args[first + 3:], **kwargs)
             if results == "bwd_scalars":

@@ -341,3 +341,13 @@ def test_nvrtc_errors_show_the_users_line():
     badm = MaskMod("kv_idx <= q_idx && nope", numpy=lambda *a: True)
     with pytest.raises(HookCompileError, match="mask_mod, line 1"):
         check_compiles(None, badm)
+
+
+def test_grouped_query_heads_with_hooks_are_refused():
+    rng = np.random.default_rng(29)
+    q = rng.standard_normal((1, 4, 6, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="grouped-query"):
+        cuflash.attention(q, k, k, score_mod=EX["tanh_cap"])
+    with pytest.raises(ValueError, match="grouped-query"):
+        R.attention_ref(q, k, k, mask_mod=EX["prefix_lm"])
