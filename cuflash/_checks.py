@@ -364,7 +364,7 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
     _no_variant_with_gqa(gqa, variant)
     var = check_variant(variant, backend, device_id, batch, sq, sk)
     if var is not None:
-        var.need_grad()   # a score_mod without its derivative has no backward
+        var.need_grad(bool(return_dbias))   # a score_mod without its derivative: none
     if not isinstance(return_dbias, (bool, np.bool_)):
         raise TypeError(f"return_dbias must be a bool, got {type(return_dbias).__name__}")
     if return_dbias and (var is None or var.bias is None):

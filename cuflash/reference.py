@@ -1378,6 +1378,7 @@ def _score_grads(ds, th, scale, var, q64, k64, return_dbias):
     if return_dbias:
         if var.bias is None:
             raise ValueError("return_dbias=True needs bias=")
+        var.need_grad(True)
         dbias = _sum_to_shape(ds, np.shape(var.bias))
     if th is not None:   # the variant's derivative (softcap's 1 - tanh^2, a score_mod's)
         ds = ds * th
@@ -1543,6 +1544,7 @@ def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Option
     if return_dbias:
         if var.bias is None:
             raise ValueError("return_dbias=True needs bias=")
+        var.need_grad(True)
         dbias = np.asarray(rnd(_sum_to_shape(ds, np.shape(var.bias))), dtype=np.float64)
     if th is not None:
         ds = rnd(ds * th)   # th: the variant's derivative (softcap, score_mod)
@@ -1583,6 +1585,7 @@ def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float]
     if return_dbias:
         if var.bias is None:
             raise ValueError("return_dbias=True needs bias=")
+        var.need_grad(True)
         extra = (float(np.max(_sum_to_shape(dsm, np.shape(var.bias)))),)
     if th is not None:   # the variant's derivative, in magnitude
         dsm = dsm * np.abs(th)

@@ -215,14 +215,15 @@ class Variant:
             return np.zeros(0, dtype=np.float32)
         return np.asarray(self.mod_args)
 
-    def apply(self, s, add, vis, where=None):
+    def apply(self, s, add, vis, where=None, grad=True):
         """Steps 2-6 in place on a tile of scaled scores ``s`` (float array, ``(..., rows,
         cols)``). ``where = (batch, heads, r0, j0)`` locates the tile for the user hooks (as in
         `tile`; needed with a score_mod). Returns the derivative of the final score with respect
         to the scaled score (an array broadcastable to ``s``, 0 on invisible entries when a hook
         is present), or None where it is 1 everywhere: softcap's ``1 - tanh^2(t / c)`` times the
         score_mod's ``grad_numpy`` (absent: the derivative is not available and the array holds
-        NaN: `need_grad` refuses the backward before that)."""
+        NaN: `need_grad` refuses the backward before that). ``grad=False``: the forward only,
+        returns None (the score_mod's derivative is not evaluated)."""
         dsc = None
         if self.softcap:
             c = s.dtype.type(self.softcap)
@@ -239,7 +240,9 @@ class Variant:
                                           j0 + s.shape[-1])
             args = self._args()
             new = self.score_mod.evaluate(s, b, h, qi, kj, args)
-            if self.score_mod.has_grad:
+            if not grad:
+                dsc = None
+            elif self.score_mod.has_grad:
                 g = self.score_mod.derivative(s, b, h, qi, kj, args)
                 dsc = np.array(g) if dsc is None else dsc * g
             else:
@@ -253,11 +256,16 @@ class Variant:
                 dsc[inv] = 0
         return dsc
 
-    def need_grad(self):
-        """Raise ValueError when the backward cannot run: a score_mod without a derivative."""
+    def need_grad(self, return_dbias=False):
+        """Raise ValueError when the backward cannot run: a score_mod without a derivative, or
+        dbias under a score_mod (the bias is part of the hook's input: not supported)."""
         if self.score_mod is not None and not self.score_mod.has_grad:
             from .mods import NO_GRAD
             raise ValueError(NO_GRAD)
+        if return_dbias and self.score_mod is not None:
+            raise ValueError("return_dbias=True cannot be combined with score_mod yet (the bias "
+                             "is part of the score_mod's input, and dbias would need its "
+                             "derivative); drop one of them")
 
 
 def _slice_tile(x, r0, r1, j0, j1):

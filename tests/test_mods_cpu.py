@@ -351,3 +351,18 @@ def test_grouped_query_heads_with_hooks_are_refused():
         cuflash.attention(q, k, k, score_mod=EX["tanh_cap"])
     with pytest.raises(ValueError, match="grouped-query"):
         R.attention_ref(q, k, k, mask_mod=EX["prefix_lm"])
+
+
+def test_dbias_under_a_score_mod_is_refused():
+    q, k, v = _small()
+    bias = np.zeros((4, 4), np.float32)
+    o, lse = cuflash.attention(q, k, v, bias=bias, score_mod=EX["tanh_cap"], return_lse=True)
+    with pytest.raises(ValueError, match="return_dbias=True cannot be combined with score_mod"):
+        cuflash.attention_backward(q, q, k, v, o, lse, bias=bias, score_mod=EX["tanh_cap"],
+                                   return_dbias=True)
+    with pytest.raises(ValueError, match="return_dbias=True cannot be combined with score_mod"):
+        R.attention_backward_ref(q, q, k, v, bias=bias, score_mod=EX["tanh_cap"],
+                                 return_dbias=True)
+    # without dbias, bias and score_mod combine
+    g = cuflash.attention_backward(q, q, k, v, o, lse, bias=bias, score_mod=EX["tanh_cap"])
+    assert all(np.isfinite(x).all() for x in g)
