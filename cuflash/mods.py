@@ -114,7 +114,7 @@ def _check_code(what: str, code) -> str:
         if ";" in text or "{" in text:
             raise ValueError(f"{what}: a function body needs a return statement; an expression "
                              f"has no ';' or braces ({code!r})")
-        text = f"return ({text});"
+        text = f"return ({text}\n);"   # the newline ends a trailing // comment
     return text
 
 
@@ -226,16 +226,23 @@ class ScoreMod(_Hook):
     def evaluate(self, score, b, h, q_idx, kv_idx, args):
         """The NumPy form on a tile, checked; an array of ``score``'s shape and dtype."""
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            res = self.numpy(score, b, h, q_idx, kv_idx, args)
+            res = self.numpy(_read_only(score), b, h, q_idx, kv_idx, args)
         return self._numpy_result("score_mod's numpy callable", res, score.shape, score.dtype)
 
     def derivative(self, score, b, h, q_idx, kv_idx, args):
         if self.grad_numpy is None:
             raise ValueError(NO_GRAD)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            res = self.grad_numpy(score, b, h, q_idx, kv_idx, args)
+            res = self.grad_numpy(_read_only(score), b, h, q_idx, kv_idx, args)
         return self._numpy_result("score_mod's grad_numpy callable", res, score.shape,
                                   score.dtype)
+
+
+def _read_only(x):
+    """A view the user's callable cannot write through (the tile is used after it)."""
+    view = x.view()
+    view.flags.writeable = False
+    return view
 
 
 NO_GRAD = ("the backward needs the derivative of score_mod: construct it with "

@@ -366,3 +366,13 @@ def test_dbias_under_a_score_mod_is_refused():
     # without dbias, bias and score_mod combine
     g = cuflash.attention_backward(q, q, k, v, o, lse, bias=bias, score_mod=EX["tanh_cap"])
     assert all(np.isfinite(x).all() for x in g)
+
+
+def test_expression_with_a_trailing_comment_and_read_only_scores():
+    _nvrtc_or_skip()
+    mod = ScoreMod("score * 2  // doubled", numpy=lambda s, *r: s * 2)
+    check_compiles(mod, None)
+    q, k, v = _small()
+    inplace = ScoreMod("score * 2", numpy=lambda s, *r: s.__imul__(2))
+    with pytest.raises(ValueError, match="read-only"):
+        cuflash.attention(q, k, v, score_mod=inplace)
