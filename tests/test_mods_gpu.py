@@ -14,7 +14,7 @@ from gpu_util import bf16_dtype, check_variant_case, cupy, random_inputs, to_gpu
 
 pytestmark = pytest.mark.gpu
 
-SEED = np.random.SeedSequence().entropy  # fresh inputs every run; printed on failure
+from seeds import SEED, case_rng  # noqa: E402  (fresh every run; see pytest's header)
 SHAPES = [(7, 7), (113, 250), (1, 40)]
 LONG = [(113, 1000), (1000, 113)]         # for a few cases only (the references take seconds)
 BATCH_Q, BATCH_KV = (2, 3), (1, 3)        # k and v shared across the leading axis
@@ -24,7 +24,7 @@ EMPTY_ODD = MaskMod("q_idx % 2 == 0 || kv_idx > q_idx + 1000000",
 
 
 def _rng(*key):
-    return np.random.default_rng([SEED % 2**32, *[hash(str(x)) % 2**32 for x in key]])
+    return case_rng(SEED, *key)
 
 
 def _doc_ids(rng, n):
