@@ -187,8 +187,9 @@ def variant_backward_compile_specs():
 
 def mod_compile_specs():
     """Forward and backward specialisations with user hooks (`cuflash.mods.example_hooks`) for
-    the compile check (sm_90): a score_mod alone, score_mod + mask_mod, and both on top of all
-    built-in parts at D128."""
+    the compile check (sm_90): a score_mod alone, score_mod + mask_mod, both with window and
+    ALiBi (tests/test_mods_gpu.py's composed case), and both on top of all built-in parts at
+    D128."""
     from .mods import example_hooks
     ex = example_hooks()
     cap, rel, doc = ex["tanh_cap"], ex["rel_bias"], ex["document"]
@@ -197,6 +198,7 @@ def mod_compile_specs():
         pols = _compile_policies(dt)
         cases = [(_with_mods(_Spec(), cap, None), False, 64),
                  (_with_mods(_Spec(), rel, doc), True, 64),
+                 (_with_mods(_Spec(window=True, alibi=True), cap, doc), True, 64),
                  (_with_mods(pols[-1][0], cap, doc), True, 128)]
         for pol, causal, db in cases:
             out.append(generic_variant_plan(dt, db, db, causal, pol).spec)
