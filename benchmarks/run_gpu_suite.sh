@@ -41,7 +41,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     shard inference tests/test_inference_gpu.py &
     shard variants_ring tests/test_variants_gpu.py tests/test_ring_gpu.py tests/test_callcache.py &
     shard misc tests/test_jax.py tests/test_issue16_defects.py tests/test_bound.py \
-      tests/test_report.py tests/test_examples.py &
+      tests/test_report.py tests/test_examples.py tests/test_mods_gpu.py &
     wait
     grep -h -E "^(FAILED|ERROR)" "$OUT"/tests_*.log | head -50
   fi

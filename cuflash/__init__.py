@@ -11,6 +11,7 @@ from ._api import (attention, attention_backward, attention_backward_workspace_s
                    gpu_available, merge_states)
 from ._kvcache import attention_with_kvcache, attention_with_kvcache_workspace_size
 from ._varlen import attention_varlen, attention_varlen_workspace_size
+from .mods import MaskMod, ScoreMod
 
 __version__ = "0.1.0"
 
@@ -18,4 +19,4 @@ __all__ = ["attention", "attention_backward", "attention_backward_workspace_size
            "dispatch_info", "backward_dispatch_info", "gpu_available", "attention_with_kvcache",
            "attention_varlen", "attention_workspace_size",
            "attention_with_kvcache_workspace_size", "attention_varlen_workspace_size",
-           "__version__"]
+           "ScoreMod", "MaskMod", "__version__"]

@@ -7,7 +7,8 @@ from . import _callcache, _checks, _interop
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, stream=None,
               kernel="auto", precision=None, window=None, softcap=None, alibi_slopes=None,
-              bias=None, mask=None, workspace=None):
+              bias=None, mask=None, score_mod=None, mask_mod=None, mod_args=None,
+              workspace=None):
     """Exact scaled-dot-product attention, ``softmax(scale * q @ k^T [+ mask]) @ v``.
 
     Computed with the tiled online-softmax recurrence: no ``Sq x Sk`` matrix is formed and the
@@ -109,6 +110,14 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     mask : array of bool, optional
         Broadcastable to ``(..., Sq, Sk)``; True = keep. Rows that the variant leaves with no
         key give 0 and ``lse = -inf`` (never NaN). All variant semantics: `cuflash.variants`.
+    score_mod : cuflash.ScoreMod, optional
+        A user score modification (CUDA C for the GPU, a NumPy callable for the CPU path and the
+        references; :mod:`cuflash.mods`), applied to the score after softcap, alibi and bias.
+        GPU: the generic kernels only (the others refuse it).
+    mask_mod : cuflash.MaskMod, optional
+        A user mask ``keep(b, h, q_idx, kv_idx, args)``, one more visibility condition.
+    mod_args : array, shape (n,), float32, optional
+        The hooks' ``args`` (per-head constants, tables, document ids), on the inputs' device.
     workspace : GPU array, optional
         GPU only. Scratch memory for the decode kernel (the only kernel of `attention` that
         needs any): a C-contiguous buffer on the inputs' device of at least
@@ -161,7 +170,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     # Variant arguments are not part of a signature: such calls always take the full path.
     # A workspace is checked on every call (it is not part of the signature either).
     plain = window is None and softcap is None and alibi_slopes is None and bias is None \
-        and mask is None and workspace is None
+        and mask is None and score_mod is None and mask_mod is None and mod_args is None
+        and workspace is None
     key = _callcache.signature(q, k, v, causal, scale, return_lse, out, kernel, precision) \
         if plain else None
     if key is not None:
@@ -171,7 +181,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     prob = _checks.check_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
                                    out=out, stream=stream, kernel=kernel, precision=precision,
                                    variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
-                                                           mask), workspace=workspace)
+                                                           mask, score_mod, mask_mod,
+                                                           mod_args), workspace=workspace)
     if prob.backend == "cpu":
         from ._cpu import attention_numpy
 
@@ -185,8 +196,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     return _attention_gpu(prob, key)
 
 
-def _variant_kwargs(window, softcap, alibi_slopes, bias, mask):
-    return dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
+def _variant_kwargs(window, softcap, alibi_slopes, bias, mask, score_mod=None, mask_mod=None,
+                    mod_args=None):
+    kw = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
+    if score_mod is not None or mask_mod is not None or mod_args is not None:   # user hooks
+        kw.update(score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
+    return kw
 
 
 def _attention_gpu(prob, key=None):
@@ -286,7 +301,8 @@ def attention_workspace_size(q, k, v, *, causal=False, return_lse=False, out=Non
 
 
 def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None, window=None,
-                  softcap=None, alibi_slopes=None, bias=None, mask=None):
+                  softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
+                  mask_mod=None, mod_args=None):
     """The name of the kernel `attention` would run for these arguments, e.g.
     ``"cpu-numpy"``, ``"generic<float16,D64,full>"`` or
     ``"tensorcore<float32,3xtf32,D128,BM64,BN64,stagedO,full>"`` (float32 on the tensor cores names
@@ -297,7 +313,8 @@ def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None, windo
     prob = _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=False,
                                    out=None, stream=None, kernel=kernel, precision=precision,
                                    variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
-                                                           mask))
+                                                           mask, score_mod, mask_mod,
+                                                           mod_args))
     if prob.backend == "cpu":
         return "cpu-numpy"
     from . import _dispatch, _launch
@@ -320,7 +337,7 @@ def gpu_available():
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, deterministic=False,
                        out=None, workspace=None, stream=None, kernel="auto", window=None,
                        softcap=None, alibi_slopes=None, bias=None, mask=None,
-                       return_dbias=False):
+                       return_dbias=False, score_mod=None, mask_mod=None, mod_args=None):
     """Gradients of `attention`: ``(dq, dk, dv)`` for an upstream gradient ``do = dL/do``.
 
     Recomputes the attention probabilities tile by tile from q, k and the forward's ``lse``
@@ -389,6 +406,9 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
     window, softcap, alibi_slopes, bias, mask : optional
         The forward's variant, as in `attention` (pass the same values). Under softcap the
         gradient of the scaled score is ``dS * (1 - tanh(t / c)^2)``.
+    score_mod, mask_mod, mod_args : optional
+        The forward's hooks (:mod:`cuflash.mods`); a score_mod needs its derivative
+        (``ScoreMod(grad_cuda=, grad_numpy=)``), else ValueError. No gradient for mod_args.
     return_dbias : bool, optional
         Also return ``dbias``, the gradient with respect to ``bias`` (needs ``bias``): the
         gradient of the final scores, ``dS = P * (dP - delta)``, summed over the axes along which
@@ -420,7 +440,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
                                   deterministic=deterministic, out=out, workspace=workspace,
                                   stream=stream, kernel=kernel,
                                   variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
-                                                          mask),
+                                                          mask, score_mod, mask_mod,
+                                                          mod_args),
                                   return_dbias=return_dbias)
     if prob.backend == "cpu":
         from ._cpu_backward import attention_backward_numpy
@@ -466,7 +487,8 @@ def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, dete
 
 def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=False,
                            kernel="auto", window=None, softcap=None, alibi_slopes=None,
-                           bias=None, mask=None, return_dbias=False):
+                           bias=None, mask=None, return_dbias=False, score_mod=None,
+                           mask_mod=None, mod_args=None):
     """The name of the backward plan `attention_backward` would run, e.g. ``"cpu-numpy"``,
     ``"tensorcore-bwd<float16,D64,BM64,BN64,causal>"`` (``det,`` in it for deterministic=True) or
     ``"generic-bwd<float32,D64,full>"``; when ``kernel="auto"`` falls back to the generic backward
@@ -476,7 +498,8 @@ def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=F
                                   deterministic=deterministic, out=None, workspace=None,
                                   stream=None, kernel=kernel,
                                   variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
-                                                          mask),
+                                                          mask, score_mod, mask_mod,
+                                                          mod_args),
                                   return_dbias=return_dbias)
     if prob.backend == "cpu":
         return "cpu-numpy"

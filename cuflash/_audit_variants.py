@@ -1,5 +1,7 @@
 """cuflash-check's audit of the attention variants (window, softcap, ALiBi, bias, mask; see
-cuflash/variants.py): each built-in variant alone and all combined, with and without causal,
+cuflash/variants.py) and of the user hooks (score_mod / mask_mod, cuflash/mods.py: a
+relative-position bias as score_mod, and a document mask as mask_mod with a tanh cap as score_mod,
+a window and ALiBi): each built-in variant alone and all combined, with and without causal,
 forward on the audited device in each audited dtype, judged by the project's pass rule
 (`reference.pass_threshold` with the same variant arguments), plus the gradients (dbias
 included) under `reference.grad_pass_threshold`."""
@@ -25,6 +27,21 @@ def variant_cases(rng, batch, sq, sk):
                               alibi_slopes=rng.uniform(0.02, 0.3, (h,)).astype(np.float32),
                               bias=rng.standard_normal((1, sk)).astype(np.float32),
                               mask=rng.random((sq, sk)) > 0.2)),
+    ] + hook_cases(rng, batch, sq, sk)
+
+
+def hook_cases(rng, batch, sq, sk):
+    """(name, keyword arguments) of the audited user hooks (`cuflash.mods.example_hooks`)."""
+    from .mods import example_hooks
+
+    ex, h = example_hooks(), batch[-1]
+    docs = np.cumsum(rng.random(max(sq, sk)) < 0.1).astype(np.float32)
+    return [
+        ("score_mod rel_bias", dict(score_mod=ex["rel_bias"],
+                                    mod_args=rng.standard_normal(h * 16).astype(np.float32))),
+        ("mask_mod document + score_mod tanh_cap + window + alibi",
+         dict(mask_mod=ex["document"], score_mod=ex["tanh_cap"], mod_args=docs, window=(9, 2),
+              alibi_slopes=rng.uniform(0.02, 0.3, (h,)).astype(np.float32))),
     ]
 
 

@@ -256,6 +256,9 @@ def check_variant(variant, backend, device_id, batch, sq, sk):
         raise TypeError(f"unexpected keyword argument(s) {', '.join(bad)}")
     var = variant_from_kwargs(**variant, backend=backend, device_id=device_id, batch=batch,
                               sq=sq, sk=sk)
+    if var.has_mods and backend != "cpu":   # user hooks: their CUDA code compiles (once)
+        from .mods import check_compiles
+        check_compiles(var.score_mod, var.mask_mod)
     return None if var.is_plain else var
 
 
@@ -279,7 +282,8 @@ def _no_variant_with_gqa(gqa, variant):
     if gqa is not None and variant and any(x is not None for x in variant.values()):
         raise ValueError(
             "grouped-query heads (q with more heads than k and v on axis -3) cannot be combined "
-            "with window/softcap/alibi_slopes/bias/mask yet; repeat k and v to q's head count "
+            "with window/softcap/alibi_slopes/bias/mask/score_mod/mask_mod yet; repeat k and v "
+            "to q's head count "
             "(or give them a size-1 head axis) to use a variant")
 
 
@@ -381,6 +385,8 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
     gqa = _gqa.grouping(*shapes0)
     _no_variant_with_gqa(gqa, variant)
     var = check_variant(variant, backend, device_id, batch, sq, sk)
+    if var is not None:
+        var.need_grad(bool(return_dbias))   # a score_mod without its derivative: none
     if not isinstance(return_dbias, (bool, np.bool_)):
         raise TypeError(f"return_dbias must be a bool, got {type(return_dbias).__name__}")
     if return_dbias and (var is None or var.bias is None):

@@ -29,6 +29,7 @@ spills.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -80,9 +81,22 @@ class Specialisation:
     name: str
     options: Tuple[str, ...] = ()
     arch: Optional[str] = None  # a fixed target such as "sm_90a"; None: the device's own
+    # Generated code appended to the family's source (user hooks, cuflash/mods.py); part of
+    # the source NVRTC sees, so of every cache key.
+    extra_source: str = ""
 
     def all_options(self):
         return NVRTC_OPTIONS + self.options
+
+
+def spec_source(spec: Specialisation) -> Tuple[str, str]:
+    """(the source NVRTC compiles for `spec`, its sha256): the family's, plus any generated
+    code of the specialisation."""
+    src, digest = family_source(spec.family)
+    if not spec.extra_source:
+        return src, digest
+    src = src + spec.extra_source
+    return src, hashlib.sha256(src.encode()).hexdigest()
 
 
 _lock = threading.Lock()
@@ -105,7 +119,7 @@ def get_kernel(spec: Specialisation, device_id: int, dynamic_smem: int = 0):
     with _lock:
         kern = _kernels.get(key)
         if kern is None:
-            src, _ = family_source(spec.family)
+            src, _ = spec_source(spec)
             with cupy.cuda.Device(device_id):
                 if spec.arch is None:
                     mod = cupy.RawModule(code=src, options=spec.all_options(),
@@ -140,7 +154,7 @@ def _load_fixed_arch(spec: Specialisation):
     current device. Returns a `cupy.cuda.function.Function` (called like a RawKernel)."""
     from cupy.cuda import function
 
-    src, src_hash = family_source(spec.family)
+    src, src_hash = spec_source(spec)
     opts = list(spec.all_options()) + [f"-arch={spec.arch}"]
     major, minor = nvrtc_version()
     key = hashlib.sha256("\0".join([src_hash, spec.name, *opts, f"nvrtc{major}.{minor}"])
@@ -223,36 +237,53 @@ def nvrtc_version() -> Tuple[int, int]:
     return major.value, minor.value
 
 
-def nvrtc_compile(src: str, filename: str, name: str, options) -> Tuple[bytes, str, str]:
-    """Compile `src` and instantiate the name expression `name`: (cubin, log, mangled name).
-
-    Raises RuntimeError with NVRTC's log on a compile error.
-    """
+@contextlib.contextmanager
+def _program(src: str, filename: str, options, name: Optional[str] = None):
+    """An NVRTC program compiled with `options` (and the name expression `name`): yields
+    (library, program, status, log); destroyed on exit."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), filename.encode(),
                                              0, None, None), "createProgram")
     try:
-        _check_nvrtc(lib, lib.nvrtcAddNameExpression(prog, name.encode()), "addNameExpression")
+        if name is not None:
+            _check_nvrtc(lib, lib.nvrtcAddNameExpression(prog, name.encode()),
+                         "addNameExpression")
         opts = [o.encode() for o in options]
         status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         _check_nvrtc(lib, lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "getProgramLog")
         buf = ctypes.create_string_buffer(size.value)
         _check_nvrtc(lib, lib.nvrtcGetProgramLog(prog, buf), "getProgramLog")
-        log = buf.value.decode(errors="replace")
+        yield lib, prog, status, buf.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def nvrtc_compile(src: str, filename: str, name: str, options) -> Tuple[bytes, str, str]:
+    """Compile `src` and instantiate the name expression `name`: (cubin, log, mangled name).
+
+    Raises RuntimeError with NVRTC's log on a compile error.
+    """
+    with _program(src, filename, options, name) as (lib, prog, status, log):
         if status != 0:
             raise RuntimeError(f"NVRTC failed on {name} with {' '.join(options)}:\n{log}")
         lowered = ctypes.c_char_p()
         _check_nvrtc(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)),
                      "getLoweredName")
         mangled = lowered.value.decode()
+        size = ctypes.c_size_t()
         _check_nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "getCUBINSize")
         cubin = ctypes.create_string_buffer(size.value)
         _check_nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "getCUBIN")
         return cubin.raw, log, mangled
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def nvrtc_compile_ptx(src: str, filename: str, options) -> Tuple[bool, str]:
+    """Compile `src` without a name expression: (success, NVRTC's log). For checking generated
+    code (cuflash/mods.py) without a GPU."""
+    with _program(src, filename, options) as (_, _, status, log):
+        return status == 0, log
 
 
 @dataclass
@@ -287,7 +318,7 @@ def compile_report(spec: Specialisation, arch: Optional[str] = None) -> CompileR
     arch = arch or spec.arch
     if arch is None:
         raise ValueError(f"{spec.name} has no fixed architecture; name one")
-    src, _ = family_source(spec.family)
+    src, _ = spec_source(spec)
     opts = list(spec.all_options()) + [f"-arch={arch}", "-Xptxas=-v"]
     cubin, log, mangled = nvrtc_compile(src, f"{spec.family}.cu", spec.name, opts)
     return _parse_ptxas(log, mangled, spec.name, arch, cubin)

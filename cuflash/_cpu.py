@@ -156,7 +156,7 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
             if variant is not None:
                 add, vis_t = variant.tile(batch, (n0, n1), r0, re, j0, j1, sq, sk, causal, acc)
                 with np.errstate(invalid="ignore", over="ignore"):
-                    variant.apply(s, add, vis_t)
+                    variant.apply(s, add, vis_t, where=(batch, (n0, n1), r0, j0), grad=False)
                 r1 = r0   # the variant's visibility replaces the causal band below
             if r1 > r0:
                 # Rows r0..r1-1 see only part of the tile (the tile crosses the diagonal there).

@@ -49,14 +49,15 @@ def _tiles(sq, sk, causal, block_k, variant=None):
 
 
 def _variant_scores(s, variant, batch, r0, re, j0, j1, sq, sk, causal):
-    """Apply the variant to a tile of scaled scores; returns (s, tanh values or None)."""
+    """Apply the variant to a tile of scaled scores; returns (s, d score / d scaled score or
+    None where it is 1)."""
     if variant is None:
         return s, None
     s = np.array(np.broadcast_to(s, tuple(batch) + s.shape[-2:]))
     add, vis = variant.tile(batch, None, r0, re, j0, j1, sq, sk, causal, s.dtype)
     with np.errstate(invalid="ignore", over="ignore"):
-        th = variant.apply(s, add, vis)
-    return s, th
+        dsc = variant.apply(s, add, vis, where=(batch, None, r0, j0))
+    return s, dsc
 
 
 def _mask_tile(s, j0, j1, r0, r1, off, fill):
@@ -172,7 +173,7 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
         vt = v[..., j0:j1, :].astype(acc)
         s = np.matmul(q_acc[..., r0:re, :], np.swapaxes(kt, -1, -2))
         s *= acc.type(scale)
-        s, th = _variant_scores(s, variant, batch, r0, re, j0, j1, sq, sk, causal)
+        s, dsc = _variant_scores(s, variant, batch, r0, re, j0, j1, sq, sk, causal)
         with np.errstate(invalid="ignore"):   # -inf - (-inf) on rows that see no key
             p = np.exp(s - shift[..., r0:re, None])
         p /= l[..., r0:re, None]
@@ -188,8 +189,8 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
             rs = slice(None) if dbias.shape[-2] == 1 else slice(r0, re)
             cs = slice(None) if dbias.shape[-1] == 1 else slice(j0, j1)
             dbias[..., rs, cs] += _sum_to(ds, dbias[..., rs, cs].shape)
-        if th is not None:
-            ds = ds * (acc.type(1) - th * th)
+        if dsc is not None:   # softcap's 1 - tanh^2, a score_mod's derivative
+            ds = ds * dsc
         _compensated_add(dq[..., r0:re, :], dq_comp[..., r0:re, :], np.matmul(ds, kt))
         dk[..., j0:j1, :] = np.matmul(np.swapaxes(ds, -1, -2), q_acc[..., r0:re, :])
     dq *= acc.type(scale)

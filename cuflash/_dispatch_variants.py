@@ -23,7 +23,22 @@ def policy_name(variant) -> str:
     m = "true" if variant.mask is not None else "false"
     bias = ("cuflash::NoBias" if variant.bias is None
             else _CXX_TYPE[_dtype_name(variant.bias.dtype)])
-    return f"cuflash::Variant<{b}, {s}, {a}, {bias}, {m}>"
+    base = f"cuflash::Variant<{b}, {s}, {a}, {bias}, {m}>"
+    if not getattr(variant, "has_mods", False):
+        return base
+    from .mods import hook_type   # user hooks wrap the built-in policy (variants.cuh)
+    sm = "true" if variant.score_mod is not None else "false"
+    mm = "true" if variant.mask_mod is not None else "false"
+    return (f"cuflash::UserVariant<{base}, {hook_type(variant.score_mod, variant.mask_mod)}, "
+            f"{sm}, {mm}>")
+
+
+def _hook_source(variant) -> str:
+    """The generated hook struct a specialisation's source needs ("" without hooks)."""
+    if not getattr(variant, "has_mods", False):
+        return ""
+    from .mods import hook_source
+    return hook_source(variant.score_mod, variant.mask_mod)
 
 
 def _dtype_name(dt):
@@ -44,6 +59,10 @@ def policy_label(variant) -> str:
         parts.append(f"bias<{_dtype_name(variant.bias.dtype)}>")
     if variant.mask is not None:
         parts.append("mask")
+    for name in ("score_mod", "mask_mod"):   # user hooks, named by their code's hash
+        hook = getattr(variant, name, None)
+        if hook is not None:
+            parts.append(f"{name}[{hook.digest[:8]}]")
     return ",".join(parts)
 
 
@@ -59,15 +78,19 @@ def generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, variant
     name = (base.spec.name.replace("cuflash_fwd_generic<", "cuflash_fwd_generic_var<")[:-1]
             + f", {policy_name(variant)}>")
     label = base.label[:-1] + f",{policy_label(variant)}>" + (f" ({reason})" if reason else "")
-    return dataclasses.replace(base, label=label, spec=Specialisation(base.spec.family, name))
+    return dataclasses.replace(base, label=label, spec=Specialisation(
+        base.spec.family, name, extra_source=_hook_source(variant)))
 
 
 def variant_plan_for(prob) -> Plan:
     """The forward plan of a problem with a variant (``prob.variant`` not None)."""
     if prob.kernel in ("tensorcore", "hopper"):
-        raise ValueError(f"kernel={prob.kernel!r} cannot run these inputs: the attention variant "
-                         f"({policy_label(prob.variant)}) is not supported there yet; "
-                         "use kernel='auto' or 'generic'")
+        hooks = prob.variant.hook_names() if getattr(prob.variant, "has_mods", False) else []
+        what = (f"the user hook{'s' if len(hooks) > 1 else ''} {' and '.join(hooks)} "
+                "(compiled into the generic kernels only)" if hooks
+                else f"the attention variant ({policy_label(prob.variant)})")
+        raise ValueError(f"kernel={prob.kernel!r} cannot run these inputs: {what} is not "
+                         "supported there yet; use kernel='auto' or 'generic'")
     reason = FAST_KERNELS_REASON if prob.kernel == "auto" else ""
     return generic_variant_plan(prob.dtype_name, prob.d, prob.dv, prob.causal, prob.variant,
                                 reason)
@@ -82,6 +105,8 @@ class _Spec:
         self.alibi_slopes = np.zeros(1, np.float32) if alibi else None
         self.bias = None if bias is None else np.zeros(1, dtype=_np_dtype(bias))
         self.mask = np.zeros(1, bool) if mask else None
+        self.score_mod = self.mask_mod = None
+        self.has_mods = False
 
 
 def _np_dtype(name):
@@ -130,7 +155,8 @@ def bwd_generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, var
         name = plan.spec.name.replace("_generic<", "_generic_var<")[:-1] + f", {pol}>"
         passes.append((grid, dataclasses.replace(
             plan, label=plan.label[:-1] + f",{tag}>",
-            spec=Specialisation(plan.spec.family, name))))
+            spec=Specialisation(plan.spec.family, name,
+                                extra_source=_hook_source(variant)))))
     label = base.label[:-1] + f",{tag}>" + (f" ({reason})" if reason else "")
     return dataclasses.replace(base, label=label, passes=tuple(passes))
 
@@ -138,7 +164,9 @@ def bwd_generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, var
 def variant_backward_plan_for(prob):
     """The backward plan of a problem with a variant."""
     if prob.kernel in ("tensorcore", "hopper"):
-        raise ValueError(f"kernel={prob.kernel!r} has no backward kernel yet; "
+        hooks = prob.variant.hook_names() if getattr(prob.variant, "has_mods", False) else []
+        what = f" for the user hook(s) {' and '.join(hooks)}" if hooks else ""
+        raise ValueError(f"kernel={prob.kernel!r} has no backward kernel{what} yet; "
                          "use kernel='auto' or 'generic'")
     return bwd_generic_variant_plan(prob.dtype_name, prob.d, prob.dv, prob.causal,
                                     prob.variant)
@@ -155,3 +183,31 @@ def variant_backward_compile_specs():
             for _, plan in bwd_generic_variant_plan(dt, db, db, causal, pol).passes:
                 out.append(plan.spec)
     return out
+
+
+def mod_compile_specs():
+    """Forward and backward specialisations with user hooks (`cuflash.mods.example_hooks`) for
+    the compile check (sm_90): a score_mod alone, score_mod + mask_mod, both with window and
+    ALiBi (tests/test_mods_gpu.py's composed case), and both on top of all built-in parts at
+    D128."""
+    from .mods import example_hooks
+    ex = example_hooks()
+    cap, rel, doc = ex["tanh_cap"], ex["rel_bias"], ex["document"]
+    out = []
+    for dt in ("float16", "bfloat16", "float32", "float64"):
+        pols = _compile_policies(dt)
+        cases = [(_with_mods(_Spec(), cap, None), False, 64),
+                 (_with_mods(_Spec(), rel, doc), True, 64),
+                 (_with_mods(_Spec(window=True, alibi=True), cap, doc), True, 64),
+                 (_with_mods(pols[-1][0], cap, doc), True, 128)]
+        for pol, causal, db in cases:
+            out.append(generic_variant_plan(dt, db, db, causal, pol).spec)
+            for _, plan in bwd_generic_variant_plan(dt, db, db, causal, pol).passes:
+                out.append(plan.spec)
+    return out
+
+
+def _with_mods(spec, score_mod, mask_mod):
+    spec.score_mod, spec.mask_mod = score_mod, mask_mod
+    spec.has_mods = True
+    return spec

@@ -14,11 +14,29 @@ _VP_INTS1 = ("left", "right")
 _VP_DBL = ("softcap", "inv_softcap")
 _VP_INTS2 = tuple(f"{t}_{s}" for t in ("bias", "mask") for s in ("s0", "s1", "s2", "sr", "sc")) \
     + ("sl_s0", "sl_s1", "sl_s2", "dscores")
+_VP_MODS = ("mod_args", "mod_h", "mod_s0", "mod_s1", "mod_s2")   # user hooks (UserVariant)
 VARIANT_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _VP_PTRS]
                                 + [(f, np.int64) for f in _VP_INTS1]
                                 + [(f, np.float64) for f in _VP_DBL]
-                                + [(f, np.int64) for f in _VP_INTS2])
-assert VARIANT_PARAMS_DTYPE.itemsize == 21 * 8  # static_assert in kernels_cu/variants.cuh
+                                + [(f, np.int64) for f in _VP_INTS2]
+                                + [(f, np.int64) for f in _VP_MODS])
+assert VARIANT_PARAMS_DTYPE.itemsize == 26 * 8  # static_assert in kernels_cu/variants.cuh
+
+
+class _FlatIndex:
+    """The flat batch index n as a (batch..., 1, 1) "tensor" for collapse_batch: its collapsed
+    batch strides are the multipliers that turn the collapsed coordinates back into n (the user
+    hooks' b = n // H, h = n % H)."""
+
+    def __init__(self, batch):
+        batch = tuple(int(n) for n in batch)
+        self.shape = batch + (1, 1)
+        st, acc = [], 1
+        for n in reversed(self.shape):
+            st.append(acc)
+            acc *= n
+        self.strides = tuple(reversed(st))
+        self.itemsize, self.ndim = 1, len(self.shape)
 
 
 def variant_tensors(variant):
@@ -31,6 +49,8 @@ def variant_tensors(variant):
         out.append(variant.mask)
     if variant.alibi_slopes is not None:
         out.append(variant.alibi_slopes[..., None, None])
+    if variant.has_mods:
+        out.append(_FlatIndex(variant.mod_batch))
     return out
 
 
@@ -45,13 +65,17 @@ def fill_params(prob, extra_bstr, dscores=None):
         vp["softcap"], vp["inv_softcap"] = var.softcap, 1.0 / var.softcap
     names = [n for n, x in (("bias", var.bias), ("mask", var.mask), ("sl", var.alibi_slopes))
              if x is not None]
+    if var.has_mods:
+        names.append("mod")
+        vp["mod_h"] = var.mod_batch[-1] if var.mod_batch else 1
+        vp["mod_args"] = var.mod_args.data.ptr if var.mod_args is not None else 0
     for name, x, bs in zip(names, variant_tensors(var), extra_bstr):
         vp[f"{name}_s0"], vp[f"{name}_s1"], vp[f"{name}_s2"] = bs
         if name in ("bias", "mask"):
             vp[name] = x.data.ptr
             vp[f"{name}_sr"] = 0 if x.shape[-2] == 1 else x.strides[-2] // x.itemsize
             vp[f"{name}_sc"] = 0 if x.shape[-1] == 1 else x.strides[-1] // x.itemsize
-        else:
+        elif name == "sl":
             vp["slopes"] = x.data.ptr
     vp["dscores"] = 0 if dscores is None else dscores.data.ptr
     return vp[()]

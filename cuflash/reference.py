@@ -148,6 +148,10 @@ def _grouped_heads(results):
             g, q, k, v = _gqa.split_all(*arrs)
             if g is None:
                 return fn(*args, **kwargs)
+            if kwargs.get("score_mod") is not None or kwargs.get("mask_mod") is not None:
+                # the split would renumber the heads the hooks see (as cuflash.attention, refuse)
+                raise ValueError("grouped-query heads cannot be combined with score_mod/mask_mod "
+                                 "yet; repeat k and v to q's head count")
             lead = (g.split(np.asarray(args[0])),) if first else ()
             out = fn(*lead, q, k, v, *args[first + 3:], **kwargs)
             if results == "bwd_scalars":
@@ -183,18 +187,21 @@ def _variant_batch(batch, var):
             shapes.append(tuple(x.shape[:-2]))
     if var.alibi_slopes is not None:
         shapes.append(tuple(var.alibi_slopes.shape))
+    if var.has_mods:   # user hooks count b and h in the inputs' whole batch
+        shapes.append(tuple(var.mod_batch))
     return tuple(np.broadcast_shapes(*shapes))
 
 
 def _variant_scores_f64(q, k, scale, causal, var):
-    """float64 final scores of a variant, ``(s, tanh_t, visible, add)``: ``s`` with the
+    """float64 final scores of a variant, ``(s, dscore, visible, add)``: ``s`` with the
     invisible entries -inf (shape batch + (Sq, Sk), the batch widened by the variant's arrays),
-    ``tanh_t = tanh(t / c)`` under softcap (else None), ``visible`` bool broadcastable to ``s``
-    (None: all) and ``add`` the alibi + bias term (None when absent)."""
+    ``dscore`` the derivative of the final score with respect to the scaled score (softcap's
+    ``1 - tanh^2(t / c)`` times a score_mod's; None where 1), ``visible`` bool broadcastable to
+    ``s`` (None: all) and ``add`` the alibi + bias term (None when absent)."""
     s, add, vis = _variant_terms(_scores_f64(q, k, scale, False), var, causal)
     with np.errstate(invalid="ignore", over="ignore"):
-        tanh_t = var.apply(s, add, vis)
-    return s, tanh_t, vis, add
+        dsc = var.apply(s, add, vis, where=(s.shape[:-2], None, 0, 0))
+    return s, dsc, vis, add
 
 
 def _variant_terms(s, var, causal):
@@ -250,9 +257,10 @@ def attention_ref(q, k, v, *, causal: bool = False, scale: Optional[float] = Non
         Bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + (Sk - Sq)``.
     scale : float, optional
         Score scale, default ``1 / sqrt(D)``.
-    window, softcap, alibi_slopes, bias, mask : optional
-        An attention variant, as in `cuflash.attention` (semantics: :mod:`cuflash.variants`);
-        every reference and pass-rule function of this module takes them.
+    window, softcap, alibi_slopes, bias, mask, score_mod, mask_mod, mod_args : optional
+        An attention variant, as in `cuflash.attention` (semantics: :mod:`cuflash.variants`,
+        user hooks: :mod:`cuflash.mods`, whose NumPy callables the references evaluate in
+        float64); every reference and pass-rule function of this module takes them.
 
     Returns
     -------
@@ -491,20 +499,34 @@ def _naive_variant_scores(s, var, causal, rnd, want_tanh=False):
     """The variant's steps on rounded scores ``s`` as a hand-written implementation takes them
     in its working precision: softcap (the tanh and the product each rounded), the additive
     term (rounded to the dtype first, as a bias tensor of that dtype would be), the mask.
-    Returns ``(s, visible)`` (and the rounded tanh values with ``want_tanh``)."""
+    A score_mod runs on the result in the working precision, its value and derivative each
+    rounded. Returns ``(s, visible)`` (and with ``want_tanh`` the derivative of the final
+    score by the scaled score, ``1 - th^2`` of the rounded tanh ``th`` times the rounded
+    score_mod derivative, or None where 1)."""
     wd = s.dtype.type
     s, add, vis = _variant_terms(s, var, causal)
-    th = None
+    dsc = None
     with np.errstate(invalid="ignore", over="ignore"):
         if var.softcap:
             c = wd(var.softcap)
             th = rnd(np.tanh(s / c))
             s = rnd(th * c)
+            dsc = wd(1) - th * th
         if add is not None:
             s = rnd(s + rnd(add.astype(s.dtype)))
+        if var.score_mod is not None:
+            b, h, qi, kj = var.mod_index(s.shape[:-2], None, 0, s.shape[-2], 0, s.shape[-1])
+            args = var._args()
+            if want_tanh:
+                var.need_grad()
+                g = rnd(var.score_mod.derivative(s, b, h, qi, kj, args))
+                dsc = g if dsc is None else dsc * g
+            s = rnd(var.score_mod.evaluate(s, b, h, qi, kj, args))
     if vis is not None:
         s = np.where(vis, s, wd(-np.inf))
-    return (s, vis, th) if want_tanh else (s, vis)
+        if dsc is not None and var.has_mods:
+            dsc = np.where(vis, dsc, wd(0))
+    return (s, vis, dsc) if want_tanh else (s, vis)
 
 
 def naive_error_bound_f64(q, k, v, *, scale=None) -> float:
@@ -545,7 +567,8 @@ def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None,
     :func:`naive_error_bound_f64`. NaN/inf entries of the reference are left out.
     """
     if _dtype_name(dtype) == "float64":
-        return naive_error_bound_f64(q, k, v, scale=scale) + _variant_f64_extra(q, k, v, variant)
+        return naive_error_bound_f64(q, k, v, scale=scale) + _variant_f64_extra(q, k, v, variant,
+                                                                                scale)
     if o_ref is None:
         o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale, **variant)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -555,12 +578,48 @@ def naive_error(q, k, v, *, causal=False, scale=None, dtype, o_ref=None,
     return float(diff.max()) if diff.size else 0.0
 
 
-def _variant_f64_extra(q, k, v, variant):
+NO_BOUND = ("a score_mod without lipschitz= has no a-priori error bound (its derivative could "
+            "amplify the score's error without limit): declare ScoreMod(..., lipschitz=L) with "
+            "L >= |d score_mod / d score| to get one; without it only the measured 2x-naive rule "
+            "judges, and float64 (whose naive error is itself a bound) cannot be judged")
+
+
+def _hook_lipschitz(var):
+    """The score_mod's declared Lipschitz constant (1 without a score_mod); ValueError when a
+    score_mod declares none."""
+    if var.score_mod is None:
+        return 1.0
+    if var.score_mod.lipschitz is None:
+        raise ValueError(NO_BOUND)
+    return var.score_mod.lipschitz
+
+
+def _variant_f64_extra(q, k, v, variant, scale=None):
     """What a variant adds to the float64 naive bounds: the roundings of the additive term and
-    of the softcap, ``u * max|v| * (4 max|a| + 8 c)``, ``a`` the alibi + bias term."""
+    of the softcap, ``u * max|v| * (4 max|a| + 8 c)``, ``a`` the alibi + bias term. A score_mod
+    with Lipschitz constant ``L`` adds ``u * max|v| * ((L - 1)+ (2 (D + 1) |scale| max|q_i|
+    max|k_j| + 4 max|a| + 8 c) + 16 max|f|)``: the scores' errors amplified by ``L`` and its
+    own evaluation (a few roundings at the size ``max|f|`` of its visible results)."""
     var = _variant(variant, q, k, v)
     if var.is_plain:
         return 0.0
+    if var.score_mod is not None:
+        lip = _hook_lipschitz(var)
+        base = _variant_f64_extra(q, k, v, var.builtin())
+        q64, k64 = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
+        sc = _scale_or_default(scale, q64.shape[-1])
+        with np.errstate(invalid="ignore", over="ignore"):
+            fin = _variant_scores_f64(q64, k64, sc, False, var)[0]
+            fin = np.abs(fin[np.isfinite(fin)])
+            qn = np.sqrt(np.sum(q64 * q64, axis=-1))
+            kn = np.sqrt(np.sum(k64 * k64, axis=-1))
+        fmax = lambda x: float(np.max(x[np.isfinite(x)])) if np.isfinite(x).any() else 0.0
+        vv = np.abs(np.asarray(v, dtype=np.float64))
+        vmax, u = fmax(vv), unit_roundoff("float64")
+        amp = max(lip - 1.0, 0.0)
+        dot = 2.0 * (q64.shape[-1] + 1) * abs(sc) * fmax(qn) * fmax(kn)
+        return (lip * base + u * vmax * (amp * dot + 16.0 * (float(fin.max()) if fin.size
+                                                             else 0.0)))
     vv = np.asarray(v, dtype=np.float64)
     vv = vv[np.isfinite(vv)]
     vmax = float(np.max(np.abs(vv))) if vv.size else 0.0
@@ -729,6 +788,11 @@ def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
         addition act at the size of both terms). softcap's tanh has a derivative <= 1, so the
         dot product's error reaches the exponent undamped at most; its own rounding acts at
         ``|c tanh| <= |s| + |a|``.
+    score_mod, mask_mod, mod_args : optional
+        User hooks (:mod:`cuflash.mods`). A mask_mod only changes the visible keys. A score_mod
+        needs its declared Lipschitz constant ``L`` (``ScoreMod(lipschitz=)``): the dot
+        product's error is multiplied by ``L`` and the score roundings act at
+        ``L (|s_in| + 2 |a|) + |f(s_in)|``; without one this raises ValueError (`NO_BOUND`).
 
     Returns
     -------
@@ -778,7 +842,11 @@ def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
 
 def _error_bound_variant(q, k, v, causal, scale, dtype, key_tile, rounded_scores, precision,
                          var):
-    """:func:`error_bound` for a non-plain variant (a general visibility pattern)."""
+    """:func:`error_bound` for a non-plain variant (a general visibility pattern). A score_mod
+    with Lipschitz constant ``L`` multiplies the dot product's error by ``L`` and the scores'
+    roundings act at ``L (|s_in| + 2 |a|) + |f(s_in)|`` (before it, times L; its own, at its
+    result); without a declared ``L``: ValueError (`NO_BOUND`)."""
+    lip = _hook_lipschitz(var)
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
@@ -786,6 +854,9 @@ def _error_bound_variant(q, k, v, causal, scale, dtype, key_tile, rounded_scores
     scale = _scale_or_default(scale, d)
     with np.errstate(invalid="ignore", over="ignore"):
         s, _, vis, add = _variant_scores_f64(q, k, scale, causal, var)
+        s_in = s
+        if var.score_mod is not None:   # the score_mod's input: the built-in parts' score
+            s_in = _variant_scores_f64(q, k, scale, causal, var.builtin())[0]
         sq, sk = s.shape[-2:]
         batch = np.broadcast_shapes(s.shape[:-2], v.shape[:-2])
         s = np.broadcast_to(s, batch + (sq, sk))
@@ -794,8 +865,10 @@ def _error_bound_variant(q, k, v, causal, scale, dtype, key_tile, rounded_scores
         n_vis = vis.sum(axis=-1).astype(np.float64)
         absdot = abs(float(scale)) * np.matmul(np.abs(q), np.swapaxes(np.abs(k), -1, -2))
         absdot = np.broadcast_to(absdot, batch + (sq, sk))
-        sig = np.max(np.where(vis, absdot, 0.0), axis=-1)
-        size = np.abs(s) if add is None else np.abs(s) + 2.0 * np.abs(add)
+        sig = lip * np.max(np.where(vis, absdot, 0.0), axis=-1)
+        size = np.abs(s_in) if add is None else np.abs(s_in) + 2.0 * np.abs(add)
+        if var.score_mod is not None:
+            size = lip * size + np.abs(s)
         mx = np.max(np.where(vis, size, 0.0), axis=-1)
         w, _ = _weights(s)
         av = np.abs(v)
@@ -948,19 +1021,35 @@ def pass_threshold(q, k, v, *, causal: bool = False, scale: Optional[float] = No
     ``precision="high"`` (float32): the one-pass TF32 mode, whose naive counterpart is the
     one-pass TF32 matmul -> softmax -> matmul (:func:`naive_attention`) and whose products carry
     TF32's rounding in the bound. ``window``, ``softcap``, ``alibi_slopes``, ``bias``,
-    ``mask``: a variant, as in `cuflash.attention`; every part of the rule takes it.
+    ``mask``, ``score_mod``, ``mask_mod``, ``mod_args``: a variant, as in `cuflash.attention`;
+    every part of the rule takes it. A score_mod without a declared Lipschitz constant has no
+    a-priori bound: the rule is then the measured 2x-naive bar alone (its bound is inf) and
+    raises ValueError where that bar is not informative, and for float64.
     """
     if o_ref is None:
         o_ref, _ = attention_ref(q, k, v, causal=causal, scale=scale, **variant)
     name = _dtype_name(dtype)
+    var = _variant(variant, q, k, v)
+    # A score_mod without a Lipschitz constant has no a-priori bound: the measured rule alone
+    # judges, and only where it is informative (float64 has none to measure: refused).
+    unbounded = var.score_mod is not None and var.score_mod.lipschitz is None
+    if unbounded and name == "float64":
+        raise ValueError(NO_BOUND)
     ne = naive_error(q, k, v, causal=causal, scale=scale, dtype=name, o_ref=o_ref,
                      precision=precision, **variant)
     a = output_scale(q, k, v, causal=causal, scale=scale, **variant)
-    bound = error_bound(q, k, v, causal=causal, scale=scale, dtype=name, key_tile=key_tile,
-                        precision=precision, **variant)
+    if unbounded:
+        bound = np.full(np.shape(o_ref), np.inf)
+    else:
+        bound = error_bound(q, k, v, causal=causal, scale=scale, dtype=name, key_tile=key_tile,
+                            precision=precision, **variant)
     fin = np.asarray(o_ref)[np.isfinite(o_ref)]
     size = float(np.max(np.abs(fin))) if fin.size else 0.0
     informative = not ne > NAIVE_INFORMATIVE_FRACTION * size
+    if unbounded and not informative:
+        raise ValueError(NO_BOUND + f"; here the naive error {ne:.3g} is over "
+                         f"{NAIVE_INFORMATIVE_FRACTION} of max|o| = {size:.3g}, so the measured "
+                         "rule is no bar either")
     return PassRule(name, np.asarray(o_ref, dtype=np.float64), ne,
                     "bound" if name == "float64" else "measured", a,
                     tolerance(name, o_ref, ne, out_scale=a), bound, informative)
@@ -1262,10 +1351,13 @@ def _sum_to_shape(x, shape):
 
 def _probabilities_f64(q, k, v, causal, scale, var=None, want_tanh=False):
     """float64 (P, o, batch) with P = softmax of the masked scores, 0 on rows that see no key
-    (with ``want_tanh`` also tanh(t / c) of a softcap variant, or None)."""
+    (with ``want_tanh`` also the variant's derivative d score / d scaled score, or None; a
+    score_mod without a derivative raises ValueError then)."""
     v = np.asarray(v, dtype=np.float64)
     th = None
     if var is not None and not var.is_plain:
+        if want_tanh:
+            var.need_grad()
         s, th, _, _ = _variant_scores_f64(q, k, scale, causal, var)
     else:
         s = _scores_f64(q, k, scale, causal)
@@ -1286,9 +1378,10 @@ def _score_grads(ds, th, scale, var, q64, k64, return_dbias):
     if return_dbias:
         if var.bias is None:
             raise ValueError("return_dbias=True needs bias=")
+        var.need_grad(True)
         dbias = _sum_to_shape(ds, np.shape(var.bias))
-    if th is not None:
-        ds = ds * (1.0 - th * th)
+    if th is not None:   # the variant's derivative (softcap's 1 - tanh^2, a score_mod's)
+        ds = ds * th
     dq = scale * np.matmul(ds, k64)
     dk = scale * np.matmul(np.swapaxes(ds, -1, -2), q64)
     return dq, dk, dbias
@@ -1451,9 +1544,10 @@ def naive_attention_backward(do, q, k, v, *, causal: bool = False, scale: Option
     if return_dbias:
         if var.bias is None:
             raise ValueError("return_dbias=True needs bias=")
+        var.need_grad(True)
         dbias = np.asarray(rnd(_sum_to_shape(ds, np.shape(var.bias))), dtype=np.float64)
     if th is not None:
-        ds = rnd(ds * (wd(1) - th * th))
+        ds = rnd(ds * th)   # th: the variant's derivative (softcap, score_mod)
     dq = rnd(np.matmul(ds, kw) * wd(scale))
     dk = rnd(np.matmul(np.swapaxes(ds, -1, -2), qw) * wd(scale))
     out = []
@@ -1491,9 +1585,10 @@ def gradient_scales(do, q, k, v, *, causal: bool = False, scale: Optional[float]
     if return_dbias:
         if var.bias is None:
             raise ValueError("return_dbias=True needs bias=")
+        var.need_grad(True)
         extra = (float(np.max(_sum_to_shape(dsm, np.shape(var.bias)))),)
-    if th is not None:
-        dsm = dsm * (1.0 - th * th)
+    if th is not None:   # the variant's derivative, in magnitude
+        dsm = dsm * np.abs(th)
     dq = abs(scale) * np.matmul(dsm, np.abs(k64))
     dk = abs(scale) * np.matmul(np.swapaxes(dsm, -1, -2), np.abs(q64))
     return tuple(float(np.max(_sum_to_shape(g, x.shape))) if g.size else 0.0
@@ -1526,7 +1621,7 @@ def naive_gradient_error_bound_f64(do, q, k, v, *, causal: bool = False,
     factor = 2.0 * (d + 1) * abs(scale) * qn * kn + 2.0 * (dv_dim + sq + sk) + 8.0
     vmax = float(np.max(np.abs(np.asarray(v, dtype=np.float64))))
     if vmax > 0:   # the variant's roundings, relative (see _variant_f64_extra)
-        factor += _variant_f64_extra(q, k, v, variant) / (unit_roundoff("float64") * vmax)
+        factor += _variant_f64_extra(q, k, v, variant, scale) / (unit_roundoff("float64") * vmax)
     u = unit_roundoff("float64")
     return tuple(u * a * factor for a in scales)
 

@@ -17,6 +17,11 @@ alignment, as the causal mask), in this order:
    ``causal=True`` with a window is their intersection, i.e. the window with ``right = 0``.
    Invisible keys get the score ``-inf`` and touch nothing of the row (not even ``0 * NaN``).
 
+6. user hooks (:mod:`cuflash.mods`): ``score_mod`` transforms the score of steps 1-4,
+   ``t = f(t, b, h, i, j, args)``; ``mask_mod`` is one more visibility condition of step 5,
+   ``keep(b, h, i, j, args)``; ``args`` = ``mod_args`` (1-D float32), ``h`` the index along the
+   last batch axis, ``b`` the flat index over the batch axes before it.
+
 A row with no visible key gives ``o = 0``, ``lse = -inf`` and zero gradients. A bias of ``-inf``
 acts as a mask.
 
@@ -28,7 +33,8 @@ batch axes, ``slope[..., None, None]`` broadcast against ``(..., Sq, Sk)``: ``(H
 
 Backward. With ``dS = P * (dP - delta)`` the gradient of the loss with respect to the final score,
 ``dbias = dS`` summed over the axes along which ``bias`` broadcasts, and the gradient with respect
-to the scaled score is ``dS * (1 - tanh(t / c)^2)`` under softcap (``dS`` otherwise).
+to the scaled score is ``dS * (1 - tanh(t / c)^2)`` under softcap (``dS`` otherwise), times the
+user's ``d score_mod / d score`` at the score it was given (``ScoreMod(grad_cuda=, grad_numpy=)``).
 """
 from __future__ import annotations
 
@@ -42,7 +48,8 @@ import numpy as np
 __all__ = ["Variant", "VARIANT_ARGS", "variant_from_kwargs", "PLAIN"]
 
 #: The keyword arguments that describe a variant (the same names on every entry point).
-VARIANT_ARGS = ("window", "softcap", "alibi_slopes", "bias", "mask")
+VARIANT_ARGS = ("window", "softcap", "alibi_slopes", "bias", "mask", "score_mod", "mask_mod",
+                "mod_args")
 
 BIAS_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -61,6 +68,9 @@ class Variant:
     alibi_slopes, bias, mask : array or None
         Backend arrays (NumPy or CuPy); slopes float32 ``(H,)`` or ``(B, H)``, bias any float
         dtype broadcastable to ``(..., Sq, Sk)``, mask bool broadcastable to ``(..., Sq, Sk)``.
+    score_mod, mask_mod : cuflash.mods.ScoreMod, cuflash.mods.MaskMod or None
+        User hooks; ``mod_args`` their float32 1-D array (or None), ``mod_batch`` the inputs'
+        batch shape (b and h are counted in it).
     """
 
     left: int = -1
@@ -69,11 +79,30 @@ class Variant:
     alibi_slopes: Any = None
     bias: Any = None
     mask: Any = None
+    score_mod: Any = None
+    mask_mod: Any = None
+    mod_args: Any = None
+    mod_batch: Tuple[int, ...] = ()
 
     @property
     def is_plain(self) -> bool:
         return (self.left < 0 and self.right < 0 and self.softcap == 0.0
-                and self.alibi_slopes is None and self.bias is None and self.mask is None)
+                and self.alibi_slopes is None and self.bias is None and self.mask is None
+                and not self.has_mods)
+
+    @property
+    def has_mods(self) -> bool:
+        """Whether a user hook (score_mod, mask_mod) is present."""
+        return self.score_mod is not None or self.mask_mod is not None
+
+    def builtin(self) -> "Variant":
+        """The same variant without its user hooks."""
+        import dataclasses
+        return dataclasses.replace(self, score_mod=None, mask_mod=None, mod_args=None)
+
+    def hook_names(self):
+        """``["score_mod", "mask_mod"]``, those present (for messages)."""
+        return [n for n in ("score_mod", "mask_mod") if getattr(self, n) is not None]
 
     @property
     def has_window(self) -> bool:
@@ -96,6 +125,10 @@ class Variant:
             parts.append("bias")
         if self.mask is not None:
             parts.append("mask")
+        if self.score_mod is not None:
+            parts.append(f"score_mod[{self.score_mod.digest[:8]}]")
+        if self.mask_mod is not None:
+            parts.append(f"mask_mod[{self.mask_mod.digest[:8]}]")
         return parts
 
     # -- positional visibility (causal, window): whole tiles --------------------------------
@@ -156,22 +189,83 @@ class Variant:
         if self.mask is not None:
             mk = _take(_slice_tile(self.mask, r0, r1, j0, j1), batch, heads)
             vis = mk if vis is None else (vis & mk)
+        if self.mask_mod is not None:
+            b, h, qi, kj = self.mod_index(batch, heads, r0, r1, j0, j1)
+            shape = np.broadcast_shapes(b.shape, (r1 - r0, j1 - j0))
+            mk = self.mask_mod.evaluate(b, h, qi, kj, self._args(), shape)
+            vis = mk if vis is None else (vis & mk)
         return add, vis
 
-    def apply(self, s, add, vis):
-        """Steps 2-5 in place on a tile of scaled scores ``s`` (float array); returns
-        ``capped``, the tanh values ``s / c`` after the cap (None without softcap), for the
-        softcap derivative ``1 - capped**2``."""
-        capped = None
+    def mod_index(self, batch, heads, r0, r1, j0, j1):
+        """The hooks' (b, h, q_idx, kv_idx) for a tile: b and h int64 of shape
+        ``batch + (1, 1)`` (heads None) or ``(n1 - n0, 1, 1)``, q_idx ``(rows, 1)``, kv_idx
+        ``(1, cols)``; ``h`` indexes the last batch axis, ``b`` the axes before it."""
+        batch = tuple(batch)
+        if heads is None:
+            n = np.arange(math.prod(batch), dtype=np.int64).reshape(batch + (1, 1))
+        else:
+            n = np.arange(heads[0], heads[1], dtype=np.int64).reshape(-1, 1, 1)
+        hh = batch[-1] if batch else 1
+        qi = np.arange(r0, r1, dtype=np.int64)[:, None]
+        kj = np.arange(j0, j1, dtype=np.int64)[None, :]
+        return n // hh, n % hh, qi, kj
+
+    def _args(self):
+        if self.mod_args is None:
+            return np.zeros(0, dtype=np.float32)
+        return np.asarray(self.mod_args)
+
+    def apply(self, s, add, vis, where=None, grad=True):
+        """Steps 2-6 in place on a tile of scaled scores ``s`` (float array, ``(..., rows,
+        cols)``). ``where = (batch, heads, r0, j0)`` locates the tile for the user hooks (as in
+        `tile`; needed with a score_mod). Returns the derivative of the final score with respect
+        to the scaled score (an array broadcastable to ``s``, 0 on invisible entries when a hook
+        is present), or None where it is 1 everywhere: softcap's ``1 - tanh^2(t / c)`` times the
+        score_mod's ``grad_numpy`` (absent: the derivative is not available and the array holds
+        NaN: `need_grad` refuses the backward before that). ``grad=False``: the forward only,
+        returns None (the score_mod's derivative is not evaluated)."""
+        dsc = None
         if self.softcap:
             c = s.dtype.type(self.softcap)
             capped = np.tanh(s / c)
             np.multiply(capped, c, out=s)
+            dsc = s.dtype.type(1) - capped * capped
         if add is not None:
             s += add
+        if self.score_mod is not None:
+            if where is None:
+                raise ValueError("internal: Variant.apply needs where= with a score_mod")
+            batch, heads, r0, j0 = where
+            b, h, qi, kj = self.mod_index(batch, heads, r0, r0 + s.shape[-2], j0,
+                                          j0 + s.shape[-1])
+            args = self._args()
+            new = self.score_mod.evaluate(s, b, h, qi, kj, args)
+            if not grad:
+                dsc = None
+            elif self.score_mod.has_grad:
+                g = self.score_mod.derivative(s, b, h, qi, kj, args)
+                dsc = np.array(g) if dsc is None else dsc * g
+            else:
+                dsc = np.full(s.shape, np.nan, dtype=s.dtype)
+            s[...] = new
         if vis is not None:
-            np.copyto(s, s.dtype.type(-np.inf), where=~np.broadcast_to(vis, s.shape))
-        return capped
+            inv = ~np.broadcast_to(vis, s.shape)
+            np.copyto(s, s.dtype.type(-np.inf), where=inv)
+            if dsc is not None and self.has_mods:
+                dsc = np.array(np.broadcast_to(dsc, s.shape))
+                dsc[inv] = 0
+        return dsc
+
+    def need_grad(self, return_dbias=False):
+        """Raise ValueError when the backward cannot run: a score_mod without a derivative, or
+        dbias under a score_mod (the bias is part of the hook's input: not supported)."""
+        if self.score_mod is not None and not self.score_mod.has_grad:
+            from .mods import NO_GRAD
+            raise ValueError(NO_GRAD)
+        if return_dbias and self.score_mod is not None:
+            raise ValueError("return_dbias=True cannot be combined with score_mod yet (the bias "
+                             "is part of the score_mod's input, and dbias would need its "
+                             "derivative); drop one of them")
 
 
 def _slice_tile(x, r0, r1, j0, j1):
@@ -203,6 +297,7 @@ def _is_int(x):
 
 
 def variant_from_kwargs(*, window=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
+                        score_mod=None, mask_mod=None, mod_args=None,
                         backend="cpu", device_id=None, batch=(), sq=1, sk=1) -> Variant:
     """Validate the variant arguments against a problem; return a `Variant` (`PLAIN` when none
     is given). Raises TypeError / ValueError naming the argument."""
@@ -265,7 +360,24 @@ def variant_from_kwargs(*, window=None, softcap=None, alibi_slopes=None, bias=No
 
     b_arr = score_tensor("bias", bias, BIAS_DTYPES, "one of " + ", ".join(BIAS_DTYPES))
     m_arr = score_tensor("mask", mask, ("bool",), "bool (True = keep)")
-    v = Variant(left=left, right=right, softcap=cap, alibi_slopes=slopes, bias=b_arr, mask=m_arr)
+    from .mods import MaskMod, ScoreMod
+    for name, x, cls in (("score_mod", score_mod, ScoreMod), ("mask_mod", mask_mod, MaskMod)):
+        if x is not None and not isinstance(x, cls):
+            raise TypeError(f"{name} must be a cuflash.{cls.__name__} (its CUDA C code and NumPy "
+                            f"callable), got {type(x).__name__}")
+    args = None
+    if mod_args is not None:
+        if score_mod is None and mask_mod is None:
+            raise ValueError("mod_args is given without score_mod or mask_mod")
+        args = array("mod_args", mod_args)
+        if dtype_name(args.dtype) != "float32" or args.ndim != 1:
+            raise TypeError(f"mod_args must be a 1-D float32 array, got {dtype_name(args.dtype)} "
+                            f"of shape {tuple(args.shape)}")
+        if args.size and args.strides[0] != args.itemsize:
+            raise ValueError("mod_args must be contiguous")
+    v = Variant(left=left, right=right, softcap=cap, alibi_slopes=slopes, bias=b_arr, mask=m_arr,
+                score_mod=score_mod, mask_mod=mask_mod, mod_args=args,
+                mod_batch=tuple(int(n) for n in batch) if (score_mod or mask_mod) else ())
     return PLAIN if v.is_plain else v
 
 
@@ -287,7 +399,7 @@ def variant_of(kwargs, q=None, k=None, v=None) -> Variant:
         raise TypeError(f"unexpected keyword argument(s) {', '.join(bad)}; variant arguments "
                         f"are {', '.join(VARIANT_ARGS)}")
     kw = {n: kwargs.get(n) for n in VARIANT_ARGS}
-    for n in ("alibi_slopes", "bias", "mask"):
+    for n in ("alibi_slopes", "bias", "mask", "mod_args"):
         if kw[n] is not None:
             kw[n] = np.asarray(kw[n])
     if kw["alibi_slopes"] is not None:
@@ -300,7 +412,8 @@ def variant_of(kwargs, q=None, k=None, v=None) -> Variant:
         return Variant(left=-1 if kw["window"] is None else int(kw["window"][0]),
                        right=-1 if kw["window"] is None else int(kw["window"][1]),
                        softcap=float(kw["softcap"] or 0.0), alibi_slopes=kw["alibi_slopes"],
-                       bias=kw["bias"], mask=kw["mask"])
+                       bias=kw["bias"], mask=kw["mask"], score_mod=kw["score_mod"],
+                       mask_mod=kw["mask_mod"], mod_args=kw["mod_args"])
     q, k, v = (np.asarray(x) for x in (q, k, v))
     batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     return variant_from_kwargs(**kw, backend="cpu", device_id=None, batch=batch,

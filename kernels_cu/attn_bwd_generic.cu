@@ -247,7 +247,7 @@ __device__ __forceinline__ void bwd_dq_generic_body(const BwdParams& p, const Va
                     ds = valid ? pj * (dp - delta[r]) : Acc(0);
                     if (vp.dscores != nullptr && row < p.sq && key < p.sk)
                         static_cast<Acc*>(vp.dscores)[(off.delta + row) * p.sk + key] = ds;
-                    if (valid) ds *= var.dscore(st);
+                    if (valid) ds *= var.dscore(st, row, key);
                 }
                 Acc tile[Cfg::DC];
 #pragma unroll
@@ -377,7 +377,7 @@ __device__ __forceinline__ void bwd_dkdv_generic_body(const BwdParams& p, const 
                 } else {
                     const Acc st = s * scale;
                     pj = valid ? acc_exp(var.score(st, row, key) - lse_i) / l_i : Acc(0);
-                    ds = valid ? pj * (dp - delta_i) * var.dscore(st) : Acc(0);
+                    ds = valid ? pj * (dp - delta_i) * var.dscore(st, row, key) : Acc(0);
                 }
                 Acc tk[Cfg::DC], tv[Cfg::DVC];
 #pragma unroll

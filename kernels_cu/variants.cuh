@@ -42,8 +42,12 @@ struct VariantParams {
     long long sl_s0, sl_s1, sl_s2;
     void* dscores;                 // backward with dbias: the final scores' gradient ds, in the
                                    // accumulator type, (full batch, Sq, Sk) contiguous; or null
+    // User hooks (UserVariant): their float32 args, the head count H (the last batch axis) and
+    // the flat batch index's strides over the three collapsed axes (b = n / H, h = n % H).
+    const float* mod_args;
+    long long mod_h, mod_s0, mod_s1, mod_s2;
 };
-static_assert(sizeof(VariantParams) == 21 * 8, "VariantParams must match cuflash/_launch.py");
+static_assert(sizeof(VariantParams) == 26 * 8, "VariantParams must match cuflash/_launch.py");
 
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
@@ -110,9 +114,10 @@ struct Variant {
         return t;
     }
 
-    // d score / d t at the scaled score t.
+    // d score / d t at the scaled score t (of row i, key j: the user hooks' derivative reads
+    // them; the built-in parts do not).
     template <typename Acc>
-    __device__ __forceinline__ Acc dscore(Acc t) const {
+    __device__ __forceinline__ Acc dscore(Acc t, long long, long long) const {
         if constexpr (!SOFTCAP) return Acc(1);
         const Acc th = tanh_acc(t * static_cast<Acc>(inv_cap));
         return Acc(1) - th * th;
@@ -156,6 +161,63 @@ struct Variant {
 };
 
 using PlainVariant = Variant<false, false, false, NoBias, false>;
+
+// A built-in policy `Base` with user hooks (cuflash/mods.py): `Hook` is the generated struct
+// cuflash_user::Mod_<hash> (appended to the family's source) with static members
+// score_mod<Acc>(score, b, h, q_idx, kv_idx, args), score_grad<Acc>(...) and
+// mask_mod(b, h, q_idx, kv_idx, args). The score hook runs on the score Base produces (after
+// softcap, alibi, bias); the mask hook is one more visibility condition. Same interface as
+// Variant; every tile with a mask hook is partial (nothing about it is known by position).
+template <typename Base, typename Hook, bool SCORE_MOD, bool MASK_MOD>
+struct UserVariant : Base {
+    static constexpr bool PLAIN = false;
+    static constexpr bool MASKS = Base::MASKS || MASK_MOD;
+    static constexpr bool READS = true;   // args, and b / h exist only for real rows and keys
+
+    const float* mod_args;
+    long long mod_b, mod_h;
+
+    __device__ __forceinline__ void bind(const VariantParams& vp, long long sq, long long sk,
+                                         long long i0, long long i1, long long i2) {
+        Base::bind(vp, sq, sk, i0, i1, i2);
+        const long long n = i0 * vp.mod_s0 + i1 * vp.mod_s1 + i2 * vp.mod_s2;
+        mod_h = n % vp.mod_h;
+        mod_b = n / vp.mod_h;
+        mod_args = vp.mod_args;
+    }
+
+    __device__ __forceinline__ bool visible(long long i, long long j) const {
+        bool ok = true;
+        if constexpr (Base::MASKS) ok = Base::visible(i, j);
+        if constexpr (MASK_MOD) ok = ok && Hook::mask_mod(mod_b, mod_h, i, j, mod_args);
+        return ok;
+    }
+
+    template <typename Acc>
+    __device__ __forceinline__ Acc score(Acc t, long long i, long long j) const {
+        Acc s = t;
+        if constexpr (!Base::PLAIN) s = Base::score(t, i, j);
+        if constexpr (SCORE_MOD) s = Hook::template score_mod<Acc>(s, mod_b, mod_h, i, j, mod_args);
+        return s;
+    }
+
+    template <typename Acc>
+    __device__ __forceinline__ Acc dscore(Acc t, long long i, long long j) const {
+        Acc d = Base::dscore(t, i, j);
+        if constexpr (SCORE_MOD) {
+            Acc s = t;
+            if constexpr (!Base::PLAIN) s = Base::score(t, i, j);
+            d *= Hook::template score_grad<Acc>(s, mod_b, mod_h, i, j, mod_args);
+        }
+        return d;
+    }
+
+    __device__ __forceinline__ int tile_kind(long long r0, long long r1, long long j0,
+                                             long long j1) const {
+        const int kind = Base::tile_kind(r0, r1, j0, j1);
+        return (MASK_MOD && kind == TILE_FULL) ? TILE_PARTIAL : kind;
+    }
+};
 
 // The two kernels of a family whose body is BODY<T, Acc, DB, DVB, CAUSAL, V>(params, vp): NAME,
 // the plain policy with one argument (PARAMS p), and NAME##_var<..., V> with VariantParams as a

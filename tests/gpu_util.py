@@ -169,3 +169,48 @@ def skip_unsupported_dtype(dtype):
 
     if dtype == "bfloat16" and bf16_dtype() is None:
         pytest.skip("bfloat16 on the GPU needs ml_dtypes (CuPy's bfloat16 dtype)")
+
+
+def check_variant_case(q, k, v, qg, kg, vg, kw, dkw, *, causal, dtype, rng, seed):
+    """One attention variant (built-in parts or user hooks) on the GPU against the float64
+    references: the forward into NaN-poisoned o and lse under `pass_threshold` (and the lse rule
+    of `check_against_reference`), then the backward (dbias too when `kw` has a bias) into
+    poisoned buffers under `grad_pass_threshold`. `kw` holds the variant as NumPy arrays (for
+    the references), `dkw` on the device. Returns (dispatch label, o on the host, lse on the
+    host)."""
+    import cuflash
+
+    cp = cupy()
+    batch, sq, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
+    label = cuflash.dispatch_info(qg, kg, vg, causal=causal, **dkw)
+    assert label.startswith("generic<"), label
+    o = poisoned(batch + (sq, dv), dtype)
+    lse = poisoned(batch + (sq,), "float32")
+    cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), **dkw)
+    rule = reference.pass_threshold(q, k, v, causal=causal, dtype=dtype, **kw)
+    verdict = rule.judge(to_host64(o))
+    assert verdict.passed, (seed, label, verdict.reasons)
+    _, lse_ref = reference.attention_ref(q, k, v, causal=causal, **kw)
+    lse_h = cp.asnumpy(lse).astype(np.float64)
+    assert np.array_equal(np.isneginf(lse_h), np.isneginf(lse_ref)), seed
+    fin = np.isfinite(lse_ref)
+    # the lse rule of check_against_reference: |error| <= 1e-4 + 1e-5 |lse_ref|
+    assert np.all(np.abs(lse_h[fin] - lse_ref[fin]) <= 1e-4 + 1e-5 * np.abs(lse_ref[fin])), seed
+
+    do = reference.round_to(rng.standard_normal(batch + (sq, dv)), dtype)
+    with_bias = kw.get("bias") is not None
+    outs = tuple(poisoned(x.shape, dtype) for x in (qg, kg, vg))
+    grads = cuflash.attention_backward(to_gpu(do, dtype), qg, kg, vg, o, lse, causal=causal,
+                                       out=outs, return_dbias=with_bias, **dkw)
+    ref = reference.attention_backward_ref(do, q, k, v, causal=causal, return_dbias=with_bias,
+                                           **kw)
+    tols, _ = reference.grad_pass_threshold(do, q, k, v, causal=causal, dtype=dtype, ref=ref,
+                                            return_dbias=with_bias, **kw)
+    assert len(grads) == len(ref)
+    for gname, g, r, t in zip(("dq", "dk", "dv", "dbias"), grads, ref, tols):
+        g = to_host64(g)
+        assert g.shape == r.shape, gname
+        assert np.isfinite(g).all(), (gname, seed)
+        err = float(np.abs(g - r).max())
+        assert err <= t, f"{gname}: {err:.3g} > {t:.3g} ({label}, seed {seed})"
+    return label, to_host64(o), lse_h

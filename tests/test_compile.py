@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from cuflash import _compile, _decode, _dispatch
-from cuflash._dispatch_variants import variant_backward_compile_specs, variant_compile_specs
+from cuflash._dispatch_variants import (mod_compile_specs, variant_backward_compile_specs,
+                                        variant_compile_specs)
 
 from conftest import COMPILE_REPORTS, HOPPER_SCHEDULES, hopper_schedule_table
 
@@ -20,6 +21,7 @@ def _specs(cc):
     specs += _decode.all_decode_specialisations()  # attn_decode.cu (notes/INFERENCE.md)
     if cc == 90:  # attention variants (notes/VARIANTS.md): the H200's architecture only
         specs += variant_compile_specs() + variant_backward_compile_specs()
+        specs += mod_compile_specs()   # user score_mod / mask_mod hooks (cuflash/mods.py)
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))

@@ -9,7 +9,7 @@ import pytest
 import cuflash
 from cuflash import reference as R
 
-from gpu_util import bf16_dtype, cupy, poisoned, random_inputs, to_gpu, to_host64
+from gpu_util import bf16_dtype, check_variant_case, cupy, random_inputs, to_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -63,43 +63,14 @@ CASES = ([(n, c, dt) for n in ("window", "combined") for c in (False, True)
 def test_variant_forward_backward(name, causal, dtype, sq, sk):
     if dtype == "bfloat16" and bf16_dtype() is None:
         pytest.skip("bfloat16 on the GPU needs ml_dtypes")
-    cp = cupy()
     rng = _rng(name, causal, dtype, sq, sk)
     d = dv = 64
     q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, dv, dtype)
     kw = _host_variant(name, rng, sq, sk, dtype)
     dkw = _to_device(kw)
     qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
-    label = cuflash.dispatch_info(qg, kg, vg, causal=causal, **dkw)
-    assert label.startswith("generic<"), label
-    o = poisoned(BATCH_Q + (sq, dv), dtype)
-    lse = poisoned(BATCH_Q + (sq,), "float32")
-    cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), **dkw)
-    rule = R.pass_threshold(q, k, v, causal=causal, dtype=dtype, **kw)
-    verdict = rule.judge(to_host64(o))
-    assert verdict.passed, (SEED, label, verdict.reasons)
-    _, lse_ref = R.attention_ref(q, k, v, causal=causal, **kw)
-    lse_h = cp.asnumpy(lse).astype(np.float64)
-    assert np.array_equal(np.isneginf(lse_h), np.isneginf(lse_ref)), SEED
-    fin = np.isfinite(lse_ref)
-    # the lse rule of gpu_util.check_against_reference: |error| <= 1e-4 + 1e-5 |lse_ref|
-    assert np.all(np.abs(lse_h[fin] - lse_ref[fin]) <= 1e-4 + 1e-5 * np.abs(lse_ref[fin])), SEED
-
-    do = R.round_to(rng.standard_normal(BATCH_Q + (sq, dv)), dtype)
-    with_bias = "bias" in kw
-    outs = tuple(poisoned(x.shape, dtype) for x in (qg, kg, vg))
-    grads = cuflash.attention_backward(to_gpu(do, dtype), qg, kg, vg, o, lse, causal=causal,
-                                       out=outs, return_dbias=with_bias, **dkw)
-    ref = R.attention_backward_ref(do, q, k, v, causal=causal, return_dbias=with_bias, **kw)
-    tols, _ = R.grad_pass_threshold(do, q, k, v, causal=causal, dtype=dtype, ref=ref,
-                                    return_dbias=with_bias, **kw)
-    assert len(grads) == len(ref)
-    for gname, g, r, t in zip(("dq", "dk", "dv", "dbias"), grads, ref, tols):
-        g = to_host64(g)
-        assert g.shape == r.shape, gname
-        assert np.isfinite(g).all(), (gname, SEED)
-        err = float(np.abs(g - r).max())
-        assert err <= t, f"{gname}: {err:.3g} > {t:.3g} ({label}, seed {SEED})"
+    check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
+                       seed=SEED)
 
 
 def test_variant_refuses_fast_kernels():

@@ -24,7 +24,26 @@ def test_variant_params_mirror_the_struct():
         names.append(parts[0].split()[-1].lstrip("*"))
         names += [x.lstrip("*") for x in parts[1:]]
     assert names == list(VARIANT_PARAMS_DTYPE.names)
-    assert VARIANT_PARAMS_DTYPE.itemsize == 21 * 8
+    assert VARIANT_PARAMS_DTYPE.itemsize == 26 * 8
+
+
+def _launch_args(q, k, v, o, batch, sq, sk, d, var, causal):
+    """(plan, the kernel's arguments) of a forward launch of `var` on stand-in arrays."""
+    prob = _problem(q, k, v, batch, sq, sk, d)
+    prob.variant, prob.causal = var, causal
+    got = {}
+
+    def kernel(grid, block, args, shared_mem=0, stream=None):
+        got["args"] = args
+
+    comp_get = _compile.get_kernel
+    try:
+        _compile.get_kernel = lambda spec, dev, smem: kernel
+        plan = generic_variant_plan("float16", d, d, causal, var)
+        _launch.launch_forward(plan, prob, o, None, ATTRS)
+    finally:
+        _compile.get_kernel = comp_get
+    return plan, got["args"]
 
 
 def test_forward_launch_passes_variant_params(launches):  # noqa: F811
@@ -38,22 +57,7 @@ def test_forward_launch_passes_variant_params(launches):  # noqa: F811
     mask = FakeArray((sq, sk), (sk, 1), 0x6000, itemsize=1)
     mask.dtype = np.dtype(bool)
     var = Variant(left=16, right=-1, softcap=30.0, bias=bias, mask=mask)
-    prob = _problem(q, k, v, (b, h), sq, sk, d)
-    prob.variant, prob.causal = var, True
-    got = {}
-
-    def kernel(grid, block, args, shared_mem=0, stream=None):
-        got["args"] = args
-
-    import cuflash._compile as comp
-    comp_get = comp.get_kernel
-    try:
-        comp.get_kernel = lambda spec, dev, smem: kernel
-        plan = generic_variant_plan("float16", d, d, True, var)
-        _launch.launch_forward(plan, prob, o, None, ATTRS)
-    finally:
-        comp.get_kernel = comp_get
-    params, vp = got["args"]
+    plan, (params, vp) = _launch_args(q, k, v, o, (b, h), sq, sk, d, var, True)
     assert vp.dtype == VARIANT_PARAMS_DTYPE
     assert (int(vp["left"]), int(vp["right"])) == (16, 0)      # causal: right = 0
     assert float(vp["softcap"]) == 30.0 and float(vp["inv_softcap"]) == 1 / 30.0
@@ -68,3 +72,25 @@ def test_forward_launch_passes_variant_params(launches):  # noqa: F811
     assert "cuflash_fwd_generic_var<cuflash::fp16_t, float, 64, 64, true, " \
            "cuflash::Variant<true, true, false, float, true>>" in plan.spec.name
     assert plan.label.startswith("generic<float16,D64,causal,window,softcap,bias<float32>,mask>")
+
+
+def test_launch_passes_the_hook_parameters(launches):  # noqa: F811
+    """User hooks (cuflash/mods.py): the args pointer, the head count and the strides that turn
+    the collapsed batch coordinates back into the flat batch index."""
+    from cuflash.mods import example_hooks
+
+    b, h, sq, sk, d = 2, 3, 100, 120, 64
+    q = FakeArray((b, h, sq, d), (h * sq * d, sq * d, d, 1), 0x1000)
+    k = FakeArray((b, h, sk, d), (h * sk * d, sk * d, d, 1), 0x2000)
+    v = FakeArray((b, h, sk, d), (h * sk * d, sk * d, d, 1), 0x3000)
+    o = FakeArray((b, h, sq, d), (h * sq * d, sq * d, d, 1), 0x4000)
+    args = FakeArray((7,), (1,), 0x7000, itemsize=4)
+    mask = FakeArray((h, sq, sk), (sq * sk, sk, 1), 0x6000, itemsize=1)   # per head: no merge
+    mask.dtype = np.dtype(bool)
+    for m, nb, mod_s in ((None, [1, 1, 6], [0, 0, 1]), (mask, [1, 2, 3], [0, 3, 1])):
+        var = Variant(mask=m, score_mod=example_hooks()["rel_bias"], mod_args=args,
+                      mod_batch=(b, h))
+        _, (params, vp) = _launch_args(q, k, v, o, (b, h), sq, sk, d, var, False)
+        assert [int(params[f"nb{i}"]) for i in range(3)] == nb
+        assert int(vp["mod_args"]) == 0x7000 and int(vp["mod_h"]) == h
+        assert [int(vp[f"mod_s{i}"]) for i in range(3)] == mod_s

@@ -1,0 +1,378 @@
+"""User hooks (score_mod / mask_mod, cuflash/mods.py) on the CPU: the NumPy path against the
+float64 references forward and backward under the project's pass rule, hooks against the
+built-in variants they restate (a tanh softcap, a bias tensor, a mask tensor: the same numbers),
+rows left without keys, the checks and their messages, and NVRTC's errors mapped to the user's
+line (the launch parameters: tests/test_variants_launch.py)."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import MaskMod, ScoreMod
+from cuflash import reference as R
+from cuflash.mods import HookCompileError, check_compiles, example_hooks
+
+EX = example_hooks()
+B, H = 2, 3
+SHAPES = [(7, 7), (33, 45), (45, 33), (1, 20)]
+
+
+def _inputs(rng, sq, sk, d=16, dtype="float32", batch=(B, H)):
+    npdt = np.float64 if dtype == "float64" else np.float32
+    q, k, v = (R.round_to(rng.standard_normal(batch + (n, d)), dtype).astype(npdt)
+               for n in (sq, sk, sk))
+    do = R.round_to(rng.standard_normal(batch + (sq, d)), dtype).astype(npdt)
+    return q, k, v, do
+
+
+def _check_fwd_bwd(q, k, v, do, causal, dtype, **kw):
+    """The CPU path under the pass rule, forward (o, lse) and backward; returns (o, lse, grads)."""
+    o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    rule = R.pass_threshold(q, k, v, causal=causal, dtype=dtype, **kw)
+    verdict = rule.judge(o)
+    assert verdict.passed, verdict.reasons
+    _, lse_ref = R.attention_ref(q, k, v, causal=causal, **kw)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    fin = np.isfinite(lse_ref)
+    assert np.all(np.abs(lse[fin] - lse_ref[fin]) <= 1e-4 + 1e-5 * np.abs(lse_ref[fin]))
+    grads = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal, **kw)
+    ref = R.attention_backward_ref(do, q, k, v, causal=causal, **kw)
+    tols, _ = R.grad_pass_threshold(do, q, k, v, causal=causal, dtype=dtype, ref=ref, **kw)
+    for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref, tols):
+        assert np.isfinite(g).all(), name
+        err = float(np.abs(g.astype(np.float64) - r).max())
+        assert err <= t, f"{name}: {err:.3g} > {t:.3g}"
+    return o, lse, grads
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", SHAPES)
+def test_tanh_cap_as_score_mod_is_the_builtin_softcap(sq, sk, causal, dtype):
+    rng = np.random.default_rng([sq, sk, causal, len(dtype)])
+    q, k, v, do = _inputs(rng, sq, sk, dtype=dtype)
+    q = q * 3   # scores well into the cap
+    o1, l1, g1 = _check_fwd_bwd(q, k, v, do, causal, dtype, score_mod=EX["tanh_cap"])
+    o2, l2 = cuflash.attention(q, k, v, causal=causal, return_lse=True, softcap=2.0)
+    # the same arithmetic in the same order: the same numbers
+    assert np.array_equal(o1, o2) and np.array_equal(l1, l2)
+    g2 = cuflash.attention_backward(do, q, k, v, o2, l2, causal=causal, softcap=2.0)
+    assert all(np.array_equal(a, b) for a, b in zip(g1, g2))
+    r1 = R.attention_ref(q, k, v, causal=causal, score_mod=EX["tanh_cap"])
+    r2 = R.attention_ref(q, k, v, causal=causal, softcap=2.0)
+    assert all(np.array_equal(a, b) for a, b in zip(r1, r2))
+    b1 = R.attention_backward_ref(do, q, k, v, causal=causal, score_mod=EX["tanh_cap"])
+    b2 = R.attention_backward_ref(do, q, k, v, causal=causal, softcap=2.0)
+    assert all(np.allclose(a, b, rtol=1e-13, atol=1e-14) for a, b in zip(b1, b2))
+
+
+def _rel_table(rng):
+    return rng.standard_normal(H * 16).astype(np.float32)
+
+
+def _rel_bias_tensor(table, sq, sk):
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    return table.reshape(H, 16)[:, np.clip(j - i + 8, 0, 15)]     # (H, Sq, Sk)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", SHAPES)
+def test_relative_position_bias(sq, sk, causal):
+    rng = np.random.default_rng([sq, sk, causal, 7])
+    q, k, v, do = _inputs(rng, sq, sk)
+    table = _rel_table(rng)
+    kw = dict(score_mod=EX["rel_bias"], mod_args=table)
+    o, lse, grads = _check_fwd_bwd(q, k, v, do, causal, "float32", **kw)
+    bias = _rel_bias_tensor(table, sq, sk)
+    ref_h = R.attention_ref(q, k, v, causal=causal, **kw)
+    ref_b = R.attention_ref(q, k, v, causal=causal, bias=bias)
+    assert all(np.allclose(a, b, rtol=1e-13, atol=1e-13) for a, b in zip(ref_h, ref_b))
+    gb = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal, bias=bias)
+    assert all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads, gb))
+
+
+def test_score_mod_gradient_against_finite_differences():
+    """The user's derivative enters the reference backward correctly (float64, small case)."""
+    rng = np.random.default_rng(3)
+    q, k, v, do = _inputs(rng, 5, 6, d=4, dtype="float64", batch=(1, 2))
+    q *= 2
+    mod = ScoreMod("score * score / 4 + args[h] * score",
+                   numpy=lambda s, b, h, qi, kj, a: s * s / 4 + a[h] * s,
+                   grad_cuda="score / 2 + args[h]",
+                   grad_numpy=lambda s, b, h, qi, kj, a: s / 2 + a[h])
+    kw = dict(score_mod=mod, mod_args=np.array([0.5, -1.0], np.float32), window=(3, 1))
+    ref = R.attention_backward_ref(do, q, k, v, **kw)
+    fd = R.attention_backward_fd(do, q, k, v, **kw)
+    for a, b in zip(ref, fd):
+        assert np.allclose(a, b, rtol=1e-6, atol=1e-8)
+    got = cuflash.attention_backward(do, q, k, v, *cuflash.attention(q, k, v, return_lse=True,
+                                                                      **kw), **kw)
+    for a, b in zip(got, ref):
+        assert np.allclose(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_b_and_h_index_the_batch():
+    """h: the last batch axis, b: the flat index over the axes before it."""
+    rng = np.random.default_rng(5)
+    batch = (2, 2, 3)
+    q, k, v, do = _inputs(rng, 9, 11, batch=batch)
+    args = rng.standard_normal(3 + 4).astype(np.float32)
+    mod = ScoreMod.additive("score + args[h] + 2 * args[3 + b]",
+                            lambda s, b, h, qi, kj, a: s + a[h] + 2 * a[3 + b])
+    bias = (args[:3][None, None, :] + 2 * args[3:].reshape(2, 2)[:, :, None])[..., None, None]
+    got = cuflash.attention(q, k, v, score_mod=mod, mod_args=args)
+    ref = R.attention_ref(q, k, v, bias=np.broadcast_to(bias, batch + (1, 1)).astype(np.float64))
+    assert np.allclose(got, ref[0], atol=1e-5)
+    assert np.allclose(R.attention_ref(q, k, v, score_mod=mod, mod_args=args)[0], ref[0],
+                       atol=1e-13)
+
+
+def _doc_ids(n, rng):
+    cuts = np.sort(rng.choice(np.arange(1, n), size=min(3, n - 1), replace=False)) if n > 1 \
+        else []
+    ids = np.zeros(n, np.float32)
+    for c in cuts:
+        ids[c:] += 1
+    return ids
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", SHAPES)
+def test_document_mask(sq, sk, causal):
+    rng = np.random.default_rng([sq, sk, causal, 11])
+    q, k, v, do = _inputs(rng, sq, sk)
+    ids = _doc_ids(max(sq, sk), rng)
+    kw = dict(mask_mod=EX["document"], mod_args=ids)
+    o, lse, grads = _check_fwd_bwd(q, k, v, do, causal, "float32", **kw)
+    mask = ids[:sq, None] == ids[None, :sk]
+    o2, l2 = cuflash.attention(q, k, v, causal=causal, return_lse=True, mask=mask)
+    assert np.array_equal(o, o2) and np.array_equal(lse, l2)
+    g2 = cuflash.attention_backward(do, q, k, v, o2, l2, causal=causal, mask=mask)
+    assert all(np.array_equal(a, b) for a, b in zip(grads, g2))
+
+
+@pytest.mark.parametrize("sq,sk", [(40, 40), (30, 50), (1, 20)])
+def test_prefix_lm_mask(sq, sk):
+    rng = np.random.default_rng([sq, sk, 13])
+    q, k, v, do = _inputs(rng, sq, sk)
+    o, _, _ = _check_fwd_bwd(q, k, v, do, False, "float32", mask_mod=EX["prefix_lm"])
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    ref = R.attention_ref(q, k, v, mask=(j < 16) | (j <= i))[0]
+    assert np.allclose(o, ref, atol=1e-5)
+
+
+def test_rows_without_keys_give_zero_and_no_nan():
+    rng = np.random.default_rng(17)
+    q, k, v, do = _inputs(rng, 12, 10)
+    none_for_odd = MaskMod("q_idx % 2 == 0 && kv_idx <= q_idx",
+                           numpy=lambda b, h, qi, kj, a: (qi % 2 == 0) & (kj <= qi))
+    kw = dict(mask_mod=none_for_odd, score_mod=EX["tanh_cap"])
+    o, lse, grads = _check_fwd_bwd(q, k, v, do, False, "float32", **kw)
+    assert np.all(o[..., 1::2, :] == 0) and np.all(np.isneginf(lse[..., 1::2]))
+    assert np.all(grads[0][..., 1::2, :] == 0)
+    assert all(np.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hooks_compose_with_builtin_parts(causal):
+    rng = np.random.default_rng([19, causal])
+    sq = sk = 41
+    q, k, v, do = _inputs(rng, sq, sk)
+    kw = dict(window=(9, 4), alibi_slopes=rng.uniform(0.05, 0.3, (H,)).astype(np.float32),
+              bias=rng.standard_normal((1, sk)).astype(np.float32), score_mod=EX["tanh_cap"],
+              mask_mod=EX["document"], mod_args=_doc_ids(sk, rng))
+    _check_fwd_bwd(q, k, v, do, causal, "float32", **kw)
+
+
+# ---- checks and messages ----------------------------------------------------------------
+
+def _small():
+    x = np.random.default_rng(0).standard_normal((1, 2, 4, 8)).astype(np.float32)
+    return x, x, x
+
+
+@pytest.mark.parametrize("code,match", [
+    ("score; } __global__ void f() {", "__global__"),
+    ("score; } int x = 0; {", "unbalanced"),
+    ("#define X 1", "preprocessor"),
+    ("score /* c */", "block comments"),
+    ('score + "a"', "string literals"),
+    ("__shfl_sync(0xffffffff, score, 0)", "warp-synchronous"),
+    ("asm volatile(score)", "asm"),
+    ("Acc t = score; t += 1;", "return statement"),
+    ("(score", "unclosed"),
+    ("", "empty"),
+])
+def test_bad_code_is_refused_before_nvrtc(code, match):
+    with pytest.raises(ValueError, match=match):
+        ScoreMod(code, numpy=lambda s, *r: s)
+
+
+def test_hook_types_and_grad_pairs():
+    with pytest.raises(TypeError, match="string"):
+        ScoreMod(lambda s: s, numpy=lambda s, *r: s)
+    with pytest.raises(TypeError, match="callable"):
+        MaskMod("true", numpy="true")
+    with pytest.raises(ValueError, match="both"):
+        ScoreMod("score", numpy=lambda s, *r: s, grad_cuda="1")
+    with pytest.raises(ValueError, match="lipschitz"):
+        ScoreMod("score", numpy=lambda s, *r: s, lipschitz=-1)
+    q, k, v = _small()
+    with pytest.raises(TypeError, match="cuflash.ScoreMod"):
+        cuflash.attention(q, k, v, score_mod="score + 1")
+    with pytest.raises(TypeError, match="cuflash.MaskMod"):
+        cuflash.attention(q, k, v, mask_mod=EX["tanh_cap"])
+
+
+def test_mod_args_checks():
+    q, k, v = _small()
+    with pytest.raises(ValueError, match="without score_mod"):
+        cuflash.attention(q, k, v, mod_args=np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="1-D float32"):
+        cuflash.attention(q, k, v, score_mod=EX["rel_bias"], mod_args=np.zeros(3))
+    with pytest.raises(TypeError, match="1-D float32"):
+        cuflash.attention(q, k, v, score_mod=EX["rel_bias"],
+                          mod_args=np.zeros((2, 3), np.float32))
+
+
+def test_numpy_callable_results_are_checked():
+    q, k, v = _small()
+    wrong_shape = ScoreMod("score", numpy=lambda s, *r: s[..., :1, :1, None])
+    with pytest.raises(ValueError, match="does not broadcast"):
+        cuflash.attention(q, k, v, score_mod=wrong_shape)
+    narrow = ScoreMod("score", numpy=lambda s, *r: s.astype(np.float16))
+    with pytest.raises(TypeError, match="scores' dtype"):
+        cuflash.attention(q, k, v, score_mod=narrow)
+    with pytest.raises(TypeError, match="scores' dtype"):   # float32 result for float64 scores
+        R.attention_ref(q, k, v, score_mod=ScoreMod("score",
+                                                    numpy=lambda s, *r: s.astype(np.float32)))
+    not_bool = MaskMod("kv_idx <= q_idx", numpy=lambda b, h, qi, kj, a: (kj <= qi).astype(int))
+    with pytest.raises(TypeError, match="bool"):
+        cuflash.attention(q, k, v, mask_mod=not_bool)
+
+
+def test_backward_needs_the_derivative():
+    q, k, v = _small()
+    nograd = ScoreMod("score * 2", numpy=lambda s, *r: s * 2)
+    o, lse = cuflash.attention(q, k, v, score_mod=nograd, return_lse=True)
+    with pytest.raises(ValueError, match="derivative of score_mod"):
+        cuflash.attention_backward(q, q, k, v, o, lse, score_mod=nograd)
+    with pytest.raises(ValueError, match="derivative of score_mod"):
+        R.attention_backward_ref(q, q, k, v, score_mod=nograd)
+    with pytest.raises(ValueError, match="derivative of score_mod"):
+        R.naive_attention_backward(q, q, k, v, dtype="float32", score_mod=nograd)
+
+
+def test_pass_rule_without_lipschitz():
+    """No declared Lipschitz constant: no a-priori bound; the measured rule alone for float32
+    (it still catches a wrong result), refused for float64; never a silent pass."""
+    rng = np.random.default_rng(23)
+    q, k, v, _ = _inputs(rng, 20, 24)
+    mod = ScoreMod("score * 2", numpy=lambda s, *r: s * 2)
+    with pytest.raises(ValueError, match="lipschitz"):
+        R.error_bound(q, k, v, dtype="float32", score_mod=mod)
+    rule = R.pass_threshold(q, k, v, dtype="float32", score_mod=mod)
+    o = cuflash.attention(q, k, v, score_mod=mod)
+    assert rule.judge(o).passed
+    assert not rule.judge(cuflash.attention(q, k, v, softcap=1.0)).passed
+    with pytest.raises(ValueError, match="lipschitz"):
+        R.pass_threshold(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                         dtype="float64", score_mod=mod)
+    declared = ScoreMod("score * 2", numpy=lambda s, *r: s * 2, lipschitz=2.0)
+    rule = R.pass_threshold(q, k, v, dtype="float32", score_mod=declared)
+    assert rule.judge(o).passed and np.isfinite(rule.bound).all()
+
+
+def test_fast_kernels_refuse_and_name_the_hook():
+    from types import SimpleNamespace
+
+    from cuflash._dispatch_variants import variant_backward_plan_for, variant_plan_for
+    from cuflash.variants import Variant
+
+    var = Variant(score_mod=EX["tanh_cap"], mask_mod=EX["document"], mod_batch=(2, 3))
+    for kern in ("tensorcore", "hopper"):
+        prob = SimpleNamespace(kernel=kern, variant=var, dtype_name="float16", d=64, dv=64,
+                               causal=False)
+        with pytest.raises(ValueError, match="score_mod and mask_mod"):
+            variant_plan_for(prob)
+        with pytest.raises(ValueError, match="score_mod and mask_mod"):
+            variant_backward_plan_for(prob)
+    prob = SimpleNamespace(kernel="auto", variant=var, dtype_name="float16", d=64, dv=64,
+                           causal=True)
+    plan = variant_plan_for(prob)
+    assert "cuflash::UserVariant<cuflash::Variant<false, false, false, cuflash::NoBias, false>, " \
+           "cuflash_user::Mod_" in plan.spec.name
+    assert f"score_mod[{EX['tanh_cap'].digest[:8]}]" in plan.label
+    assert "struct Mod_" in plan.spec.extra_source and EX["tanh_cap"].cuda in \
+        plan.spec.extra_source
+
+
+def test_specialisation_is_keyed_by_the_code():
+    from cuflash._dispatch_variants import generic_variant_plan
+    from cuflash.variants import Variant
+
+    def spec(mod):
+        return generic_variant_plan("float32", 64, 64, False, Variant(score_mod=mod)).spec
+
+    a = ScoreMod("score + 1", numpy=lambda s, *r: s + 1)
+    a2 = ScoreMod("score + 1", numpy=lambda s, *r: s + 1)
+    b = ScoreMod("score + 2", numpy=lambda s, *r: s + 2)
+    assert spec(a) == spec(a2)
+    assert spec(a).name != spec(b).name and spec(a).extra_source != spec(b).extra_source
+
+
+def _nvrtc_or_skip():
+    try:
+        from cuflash._compile import _nvrtc
+        _nvrtc()
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"NVRTC not available: {exc}")
+
+
+def test_nvrtc_errors_show_the_users_line():
+    _nvrtc_or_skip()
+    check_compiles(EX["tanh_cap"], EX["document"])      # the examples compile
+    bad = ScoreMod("Acc t = score;\nreturn t + undefined_thing(q_idx);",
+                   numpy=lambda s, *r: s)
+    with pytest.raises(HookCompileError) as err:
+        check_compiles(bad, None)
+    msg = str(err.value)
+    assert "score_mod, line 2" in msg and "undefined_thing" in msg
+    assert "return t + undefined_thing(q_idx);" in msg and "NVRTC's log" in msg
+    badm = MaskMod("kv_idx <= q_idx && nope", numpy=lambda *a: True)
+    with pytest.raises(HookCompileError, match="mask_mod, line 1"):
+        check_compiles(None, badm)
+
+
+def test_grouped_query_heads_with_hooks_are_refused():
+    rng = np.random.default_rng(29)
+    q = rng.standard_normal((1, 4, 6, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="grouped-query"):
+        cuflash.attention(q, k, k, score_mod=EX["tanh_cap"])
+    with pytest.raises(ValueError, match="grouped-query"):
+        R.attention_ref(q, k, k, mask_mod=EX["prefix_lm"])
+
+
+def test_dbias_under_a_score_mod_is_refused():
+    q, k, v = _small()
+    bias = np.zeros((4, 4), np.float32)
+    o, lse = cuflash.attention(q, k, v, bias=bias, score_mod=EX["tanh_cap"], return_lse=True)
+    with pytest.raises(ValueError, match="return_dbias=True cannot be combined with score_mod"):
+        cuflash.attention_backward(q, q, k, v, o, lse, bias=bias, score_mod=EX["tanh_cap"],
+                                   return_dbias=True)
+    with pytest.raises(ValueError, match="return_dbias=True cannot be combined with score_mod"):
+        R.attention_backward_ref(q, q, k, v, bias=bias, score_mod=EX["tanh_cap"],
+                                 return_dbias=True)
+    # without dbias, bias and score_mod combine
+    g = cuflash.attention_backward(q, q, k, v, o, lse, bias=bias, score_mod=EX["tanh_cap"])
+    assert all(np.isfinite(x).all() for x in g)
+
+
+def test_expression_with_a_trailing_comment_and_read_only_scores():
+    _nvrtc_or_skip()
+    mod = ScoreMod("score * 2  // doubled", numpy=lambda s, *r: s * 2)
+    check_compiles(mod, None)
+    q, k, v = _small()
+    inplace = ScoreMod("score * 2", numpy=lambda s, *r: s.__imul__(2))
+    with pytest.raises(ValueError, match="read-only"):
+        cuflash.attention(q, k, v, score_mod=inplace)
