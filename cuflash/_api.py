@@ -170,7 +170,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     # Variant arguments are not part of a signature: such calls always take the full path.
     # A workspace is checked on every call (it is not part of the signature either).
     plain = window is None and softcap is None and alibi_slopes is None and bias is None \
-        and mask is None and score_mod is None and mask_mod is None and mod_args is None
+        and mask is None and score_mod is None and mask_mod is None and mod_args is None \
         and workspace is None
     key = _callcache.signature(q, k, v, causal, scale, return_lse, out, kernel, precision) \
         if plain else None
