@@ -5,22 +5,27 @@ example ``cuflash::cuflash_fwd_generic<cuflash::fp16_t, float, 64, 64, true>``. 
 first use:
 
 1. `family_source` reads ``kernels_cu/<family>.cu`` and inlines its local ``#include "..."``
-   headers (recursively), so the source NVRTC sees, and therefore CuPy's on-disk cache key
-   (a hash of source, options, architecture and NVRTC version), changes whenever any kernel file
-   it depends on changes;
-2. `get_kernel` compiles it with ``cupy.RawModule`` for the architecture of the current device
-   (CuPy picks it from the device), and keeps the loaded kernel in memory per device, so each
-   specialisation is compiled at most once per process and device (and usually read from CuPy's
-   disk cache after the first process).
+   headers (recursively) (`spec_source` appends a specialisation's generated code), so the source
+   NVRTC sees, and therefore the on-disk cache key (3.),
+   changes whenever any kernel file it depends on changes;
+2. `get_kernel` compiles it for the architecture of the device (``sm_<major><minor>``, or the
+   fixed ``arch`` of the spec: the Hopper kernel's ``sm_90a``, whose wgmma and setmaxnreg exist only
+   on compute capability 9.0 exactly) through NVRTC's C API (ctypes, on the library CuPy loaded),
+   loads the cubin with ``cupy.cuda.function.Module`` and keeps the kernel in memory per device, so
+   each specialisation is compiled at most once per process and device.
+3. Cubins are cached on disk under ``$CUFLASH_CACHE_DIR`` (default ``~/.cache/cuflash``), keyed
+   on the source hash, the name expression, the options (the architecture among them) and the
+   NVRTC version, so a later process reads them instead of compiling. ``python -m
+   cuflash.precompile`` (``cuflash-precompile``) fills that cache ahead of time, for any
+   architecture and without a GPU (a container image, a cluster's shared file system, a machine
+   whose GPU time is scarce).
 
-A specialisation with a fixed ``arch`` (the Hopper kernel: ``sm_90a``, whose wgmma and setmaxnreg
-exist only on compute capability 9.0 exactly) cannot go through ``cupy.RawModule``, which always
-appends its own ``-arch=sm_<major><minor>``. Those are compiled here through NVRTC's C API (ctypes,
-on the library CuPy already loaded), cached on disk as cubins under ``$CUFLASH_CACHE_DIR``
-(default ``~/.cache/cuflash``) keyed on the same things CuPy's cache uses (source, name, options,
-architecture, NVRTC version), and loaded with ``cupy.cuda.function.Module``. The environment
-variable ``CUFLASH_NVRTC_LIBRARY`` (a path to ``libnvrtc.so.*``) picks another NVRTC for these
-and for `compile_report`; CI uses it to compile every kernel with the oldest supported NVRTC too.
+The same NVRTC calls compile every kernel, so what runs is what the compile check inspects (no
+CuPy ``RawModule`` and its own option set in between; CuPy's ``RawModule(code=...)`` could not
+target ``sm_90a`` anyway: it appends its own ``-arch``). A device newer than the NVRTC knows gets
+PTX for the newest architecture NVRTC supports, which the driver compiles at load time. The
+environment variable ``CUFLASH_NVRTC_LIBRARY`` (a path to ``libnvrtc.so.*``) picks another NVRTC;
+CI uses it to compile every kernel with the oldest supported NVRTC too.
 
 `compile_report` compiles a specialisation for a named architecture without a GPU (through
 NVRTC directly) and returns ptxas's resource report; the tests use it to compile every
@@ -105,7 +110,8 @@ _smem_limit: Dict[Tuple[int, Specialisation], int] = {}
 
 
 def get_kernel(spec: Specialisation, device_id: int, dynamic_smem: int = 0):
-    """The loaded `cupy.RawKernel` for `spec` on `device_id`, compiled on first use.
+    """The loaded kernel (a `cupy.cuda.function.Function`, called like a RawKernel) for `spec` on
+    `device_id`, compiled on first use or read from the disk cache.
 
     ``dynamic_smem`` above 48 KiB raises the kernel's dynamic shared-memory limit (once per device
     and size), as CUDA requires before such a launch.
@@ -119,25 +125,14 @@ def get_kernel(spec: Specialisation, device_id: int, dynamic_smem: int = 0):
     with _lock:
         kern = _kernels.get(key)
         if kern is None:
-            src, _ = spec_source(spec)
             with cupy.cuda.Device(device_id):
-                if spec.arch is None:
-                    mod = cupy.RawModule(code=src, options=spec.all_options(),
-                                         name_expressions=(spec.name,))
-                    kern = mod.get_function(spec.name)
-                    kern.compile()  # compile and load now, not inside the first launch
-                else:
-                    kern = _load_fixed_arch(spec)
+                kern = _load(spec, spec.arch or device_arch(device_id))
             _kernels[key] = kern
             _smem_limit[key] = 48 * 1024
         if dynamic_smem > _smem_limit[key]:
             with cupy.cuda.Device(device_id):
-                if spec.arch is None:
-                    kern.max_dynamic_shared_size_bytes = int(dynamic_smem)
-                else:
-                    cupy.cuda.driver.funcSetAttribute(
-                        kern.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        int(dynamic_smem))
+                cupy.cuda.driver.funcSetAttribute(
+                    kern.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(dynamic_smem))
             _smem_limit[key] = int(dynamic_smem)
     return kern
 
@@ -149,35 +144,67 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CUFLASH_CACHE_DIR") or Path.home() / ".cache" / "cuflash")
 
 
-def _load_fixed_arch(spec: Specialisation):
-    """Compile (or read from the disk cache) the cubin of a fixed-arch spec and load it on the
-    current device. Returns a `cupy.cuda.function.Function` (called like a RawKernel)."""
-    from cupy.cuda import function
+@functools.lru_cache(maxsize=None)
+def device_arch(device_id: int) -> str:
+    """The NVRTC target for a device: ``sm_<cc>`` when this NVRTC supports it, else
+    ``compute_<newest supported below it>`` (PTX; the driver compiles it at load time)."""
+    import cupy
 
-    src, src_hash = spec_source(spec)
-    opts = list(spec.all_options()) + [f"-arch={spec.arch}"]
+    cc = int(cupy.cuda.Device(device_id).compute_capability)
+    supported = supported_archs()
+    if not supported or cc in supported:
+        return f"sm_{cc}"
+    older = [a for a in supported if a < cc]
+    if not older:
+        major, minor = nvrtc_version()
+        raise RuntimeError(f"NVRTC {major}.{minor} supports none of the architectures up to "
+                           f"compute capability {cc} (it supports {supported})")
+    return f"compute_{max(older)}"
+
+
+def cache_path(spec: Specialisation, arch: str) -> Path:
+    """Where the compiled image of `spec` for `arch` is cached (see the module docstring)."""
+    _, src_hash = spec_source(spec)
     major, minor = nvrtc_version()
-    key = hashlib.sha256("\0".join([src_hash, spec.name, *opts, f"nvrtc{major}.{minor}"])
-                         .encode()).hexdigest()
-    path = cache_dir() / f"{spec.family}-{key[:32]}.cubin"
+    key = hashlib.sha256("\0".join([src_hash, spec.name, *spec.all_options(), f"-arch={arch}",
+                                     f"nvrtc{major}.{minor}"]).encode()).hexdigest()
+    return cache_dir() / f"{spec.family}-{arch}-{key[:32]}.cubin"
+
+
+def compiled_image(spec: Specialisation, arch: str) -> Tuple[bytes, str, bool]:
+    """(image, mangled name, compiled now?) of `spec` for `arch`: from the disk cache, else
+    compiled through NVRTC and stored there. The image is a cubin for ``sm_*`` targets and PTX for
+    ``compute_*`` ones."""
+    path = cache_path(spec, arch)
     name_path = path.with_suffix(".name")
-    cubin = mangled = None
     try:
-        cubin, mangled = path.read_bytes(), name_path.read_text()
+        image, mangled = path.read_bytes(), name_path.read_text()
+        if image and mangled:
+            return image, mangled, False
     except OSError:
         pass
-    if not cubin or not mangled:
-        cubin, _, mangled = nvrtc_compile(src, f"{spec.family}.cu", spec.name, opts)
-        try:  # the cache is an optimisation: a read-only home directory must not break a call
-            path.parent.mkdir(parents=True, exist_ok=True)
-            for p, data in ((path, cubin), (name_path, mangled.encode())):
-                tmp = p.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_bytes(data)
-                os.replace(tmp, p)
-        except OSError:
-            pass
+    src, _ = spec_source(spec)
+    image, _, mangled = nvrtc_compile(src, f"{spec.family}.cu", spec.name,
+                                      list(spec.all_options()) + [f"-arch={arch}"])
+    try:  # the cache is an optimisation: a read-only home directory must not break a call
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for p, data in ((path, image), (name_path, mangled.encode())):
+            tmp = p.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, p)
+    except OSError:
+        pass
+    return image, mangled, True
+
+
+def _load(spec: Specialisation, arch: str):
+    """Load `spec`'s image for `arch` on the current device: a `cupy.cuda.function.Function`
+    (called like a RawKernel: ``kern(grid, block, args, shared_mem=..., stream=...)``)."""
+    from cupy.cuda import function
+
+    image, mangled, _ = compiled_image(spec, arch)
     mod = function.Module()
-    mod.load(cubin)
+    mod.load(image)
     return mod.get_function(mangled)  # the Function holds a reference to its Module
 
 
@@ -260,6 +287,23 @@ def _program(src: str, filename: str, options, name: Optional[str] = None):
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+@functools.lru_cache(maxsize=None)
+def supported_archs() -> Tuple[int, ...]:
+    """The compute capabilities this NVRTC can build cubins for (e.g. (75, 80, ..., 120)); empty if
+    the library cannot say (then every target is tried)."""
+    lib = _nvrtc()
+    n = ctypes.c_int()
+    try:
+        if lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)) != 0:
+            return ()
+        archs = (ctypes.c_int * n.value)()
+        if lib.nvrtcGetSupportedArchs(archs) != 0:
+            return ()
+    except AttributeError:  # an NVRTC older than 11.2
+        return ()
+    return tuple(archs)
+
+
 def nvrtc_compile(src: str, filename: str, name: str, options) -> Tuple[bytes, str, str]:
     """Compile `src` and instantiate the name expression `name`: (cubin, log, mangled name).
 
@@ -273,6 +317,11 @@ def nvrtc_compile(src: str, filename: str, name: str, options) -> Tuple[bytes, s
                      "getLoweredName")
         mangled = lowered.value.decode()
         size = ctypes.c_size_t()
+        if any(o.startswith("-arch=compute_") for o in options):  # a virtual target: PTX
+            _check_nvrtc(lib, lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "getPTXSize")
+            ptx = ctypes.create_string_buffer(size.value)
+            _check_nvrtc(lib, lib.nvrtcGetPTX(prog, ptx), "getPTX")
+            return ptx.raw, log, mangled  # NUL-terminated, as cuModuleLoadData wants PTX
         _check_nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "getCUBINSize")
         cubin = ctypes.create_string_buffer(size.value)
         _check_nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "getCUBIN")

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _compile, _decode, _dispatch
-from cuflash._dispatch_variants import (mod_compile_specs, variant_backward_compile_specs,
-                                        variant_compile_specs)
+from cuflash import _compile, _dispatch, precompile
 
 from conftest import COMPILE_REPORTS, HOPPER_SCHEDULES, hopper_schedule_table
 
@@ -16,16 +14,7 @@ ARCHS = ("sm_80", "sm_90")
 
 
 def _specs(cc):
-    specs = [plan.spec for plan in _dispatch.all_specialisations(cc)]
-    specs += _dispatch.backward_kernel_specs(cc)  # the backward's kernels (notes/BACKWARD.md)
-    specs += _decode.all_decode_specialisations()  # attn_decode.cu (notes/INFERENCE.md)
-    if cc == 90:  # attention variants (notes/VARIANTS.md): the H200's architecture only
-        specs += variant_compile_specs() + variant_backward_compile_specs()
-        specs += mod_compile_specs()   # user score_mod / mask_mod hooks (cuflash/mods.py)
-    for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
-                   ("float", "float"), ("double", "double")):
-        specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))
-    return specs
+    return precompile.specialisations(cc)  # what cuflash-precompile builds: every launchable one
 
 
 def _have_nvrtc():
@@ -175,3 +164,43 @@ def test_wgmma_header_is_current():
     spec.loader.exec_module(gen)
     assert (kernels_cu.SOURCE_DIR / "wgmma_ops.cuh").read_text() == gen.main(), \
         "wgmma_ops.cuh is stale: run python kernels_cu/gen_wgmma.py"
+
+
+def test_precompile_fills_the_cache_that_get_kernel_reads(tmp_path, monkeypatch):
+    """cuflash-precompile writes the images `_compile.compiled_image` (get_kernel's loader) then
+    reads without compiling; the key separates architectures."""
+    from click.testing import CliRunner
+
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    r = CliRunner().invoke(precompile.main, ["--arch", "sm_80", "--arch", "sm_90", "--only",
+                                             "merge_states<float, float>", "-j", "2"])
+    assert r.exit_code == 0, r.output
+    assert "sm_80: 1 compiled, 0 already cached" in r.output
+    assert "sm_90: 1 compiled, 0 already cached" in r.output
+    spec = _compile.Specialisation("merge", "cuflash::cuflash_merge_states<float, float>")
+    assert _compile.cache_path(spec, "sm_80") != _compile.cache_path(spec, "sm_90")
+    assert _compile.cache_path(spec, "sm_90").is_file()
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled although the image is cached")
+
+    monkeypatch.setattr(_compile, "nvrtc_compile", no_compile)
+    image, mangled, now = _compile.compiled_image(spec, "sm_90")
+    assert not now and image[:4] == b"\x7fELF" and "cuflash_merge_states" in mangled
+    r = CliRunner().invoke(precompile.main, ["--arch", "sm_90", "--only", "merge_states<float, f"])
+    assert r.exit_code == 0 and "0 compiled, 1 already cached" in r.output, r.output
+
+
+def test_precompile_ptx_for_a_virtual_target(tmp_path, monkeypatch):
+    """A compute_XY target (a device newer than the NVRTC) gets PTX, which the driver loads."""
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    spec = _compile.Specialisation("merge", "cuflash::cuflash_merge_states<float, float>")
+    image, mangled, now = _compile.compiled_image(spec, "compute_90")
+    assert now and b".target sm_90" in image and image.endswith(b"\0")
+
+
+def test_precompile_rejects_a_bad_arch():
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(precompile.main, ["--arch", "ampere", "--list"])
+    assert r.exit_code != 0 and "expected sm_<compute capability>" in r.output
