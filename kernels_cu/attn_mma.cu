@@ -6,8 +6,11 @@
 // differs is how fragments reach the tensor cores: float32 tiles sit in shared memory as they are,
 // each lane reads its fragment values with 16-byte (Q, K) or 4-byte (V) loads and rounds or splits
 // them to TF32 in registers, and the products follow (see "float32 operands" below). With TERMS = 3
-// the P.V product of each key tile goes to fresh accumulators that are added to O in IEEE float32,
-// so that O's accumulation over many tiles is not a chain of tensor-core accumulations.
+// the large product of every k8 step (hi * hi) is promoted, i.e. formed from a zeroed accumulator
+// and added to S, or to O, in IEEE float32, rather than chained through the tensor cores' float32
+// accumulation, which truncates: in the scores everywhere, in P.V from sm_90 on (on sm_80 P.V's
+// large products chain from zero over one key tile). The small cross products of each tile's P.V
+// go to fresh accumulators added to O after the tile (Mma32Ops::PROMOTE; notes/FLOAT32.md).
 //
 // Version 2: lazy rescaling of l and O (only when the max grows by more than 2^8) and the scale
 // folded into one FFMA per score; 4-warp blocks, several per SM. Version 1 (8 warps, 1 block per
@@ -141,6 +144,21 @@ template <int TERMS, int DPAD, int BN, int NWARPS, int MT>
 struct Mma32Ops {
     using Cfg = MmaConfig<float, DPAD, BN, NWARPS, MT>;
     using Split = Tf32Split<TERMS>;
+    // TERMS = 3: every k8 step's large product (hi * hi) is promoted, i.e. formed in a zeroed
+    // fragment and added to its accumulator (the scores; O for P.V) in IEEE float32, in both
+    // products (common.cuh: mma_f32). Chained through the tensor cores' truncating
+    // accumulation instead, the D / 8 steps of the scores made the kernel 2-6x less accurate than
+    // naive float32 on short rows (H200; notes/FLOAT32.md has the model and the numbers).
+    // TERMS = 1 (one-pass TF32, 2^-11 operand rounding) keeps the plain chain. P.V is promoted
+    // from sm_90 on: for sm_80 ptxas then kept many products' fragments live (D = 64: 172 -> 255
+    // registers, spills at D = 64 and 96), so there P.V keeps the per-tile chain from zero, whose
+    // error the model puts a little above the promoted form's (notes/FLOAT32.md).
+    static constexpr bool PROMOTE = TERMS == 3;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static constexpr bool PROMOTE_PV = false;
+#else
+    static constexpr bool PROMOTE_PV = PROMOTE;
+#endif
     const float* q_lane;  // this lane's first Q word: row warp * MT * 16 + g, word 4 t4
     const float* k_lane;  // key g, word 4 t4
     const float* v_lane;  // key 2 t4, column g
@@ -185,8 +203,8 @@ struct Mma32Ops {
                 for (int mt = 0; mt < MT; ++mt) {
                     // Without SPLIT the small products go into the scores' own chain.
                     float(&sm)[4] = SPLIT ? s_small[mt][SPLIT ? nt : 0] : s[mt][nt];
-                    mma_f32<TERMS>(s[mt][nt], sm, a[mt][0], b00, b01);
-                    mma_f32<TERMS>(s[mt][nt], sm, a[mt][1], b10, b11);
+                    mma_f32<TERMS, PROMOTE>(s[mt][nt], sm, a[mt][0], b00, b01);
+                    mma_f32<TERMS, PROMOTE>(s[mt][nt], sm, a[mt][1], b10, b11);
                 }
             }
         }
@@ -200,8 +218,11 @@ struct Mma32Ops {
         }
     }
     // O += P V_j with P the float32 probabilities in the score registers. TERMS = 3: per group of
-    // OG output n8 tiles, the tile's products go to fresh accumulators (large and small apart),
-    // then into O with IEEE additions. TERMS = 1: straight into O.
+    // OG output n8 tiles, the tile's small products go to fresh accumulators, added to O with IEEE
+    // additions after the tile; the large ones are promoted straight into O (PROMOTE_PV: `big`
+    // starts as O, so it takes no registers of its own: sm_90 D = 128 went from 238-244 registers
+    // to 221-226). Unpromoted (sm_80), the large products chain from zero through the tile and
+    // are added with the small ones. TERMS = 1: straight into O.
     __device__ __forceinline__ void pv(float (&acc_o)[MT][Cfg::NT_O][4],
                                        const float (&p)[MT][Cfg::NT_S][4]) const {
         constexpr int OG = TERMS == 3 ? Cfg::OG : Cfg::NT_O;
@@ -214,7 +235,8 @@ struct Mma32Ops {
                 for (int i = 0; i < OG; ++i)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        big[mt][i][e] = TERMS == 3 ? 0.f : acc_o[mt][og * OG + i][e];
+                        big[mt][i][e] =
+                            TERMS == 3 && !PROMOTE_PV ? 0.f : acc_o[mt][og * OG + i][e];
                         if (TERMS == 3 || i == 0) small[mt][TERMS == 3 ? i : 0][e] = 0.f;
                     }
 #pragma unroll
@@ -234,7 +256,8 @@ struct Mma32Ops {
                     const Split b0(lds32(vp)), b1(lds32(vp + Cfg::SV));
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
-                        mma_f32<TERMS>(big[mt][i], small[mt][TERMS == 3 ? i : 0], a[mt], b0, b1);
+                        mma_f32<TERMS, PROMOTE_PV>(big[mt][i], small[mt][TERMS == 3 ? i : 0],
+                                                a[mt], b0, b1);
                 }
             }
 #pragma unroll
@@ -243,7 +266,9 @@ struct Mma32Ops {
                 for (int i = 0; i < OG; ++i)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        if constexpr (TERMS == 3)
+                        if constexpr (TERMS == 3 && PROMOTE_PV)
+                            acc_o[mt][og * OG + i][e] = big[mt][i][e] + small[mt][i][e];
+                        else if constexpr (TERMS == 3)
                             acc_o[mt][og * OG + i][e] += big[mt][i][e] + small[mt][i][e];
                         else
                             acc_o[mt][og * OG + i][e] = big[mt][i][e];

@@ -402,7 +402,12 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], unsigned int a0, unsigne
 // large one to `big`. Kept apart, the large chain is not lengthened by the small products'
 // accumulation steps (the tensor cores' fp32 accumulation does not round to nearest), and the two
 // are added once, in IEEE float32, after the last step. TERMS == 1: the one-pass TF32 product.
-template <int TERMS>
+// PROMOTE: the large product goes to a zeroed fragment and then into `big` with IEEE float32
+// additions (4 FADD a thread), so `big` is never a tensor-core accumulator: the tensor cores align
+// their addends to the largest one, truncate, and truncate the sum toward zero, which along a
+// chain of k-steps shrinks |big| by up to 2^-23 per step (notes/FLOAT32.md). The small products,
+// 2^-11 of the large ones, keep their chain.
+template <int TERMS, bool PROMOTE = false>
 __device__ __forceinline__ void mma_f32(float (&big)[4], float (&small)[4],
                                         const Tf32Split<TERMS> (&a)[4],
                                         const Tf32Split<TERMS>& b0, const Tf32Split<TERMS>& b1) {
@@ -410,7 +415,14 @@ __device__ __forceinline__ void mma_f32(float (&big)[4], float (&small)[4],
         mma_tf32(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
         mma_tf32(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
     }
-    mma_tf32(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+    if constexpr (PROMOTE) {
+        float t[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_tf32(t, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) big[e] += t[e];
+    } else {
+        mma_tf32(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+    }
 }
 
 

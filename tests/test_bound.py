@@ -163,3 +163,45 @@ def test_gpu_kernels_pass_the_bound_where_the_naive_rule_is_vacuous(kernel, d):
     # (tests/test_gpu.py checks lse on ordinary inputs).
     check_against_reference(o, None, q, k, v, causal=False, scale=1 / math.sqrt(d),
                             dtype="float16")
+
+
+# ---- float32 on the tensor cores: the truncating accumulation (notes/FLOAT32.md) -------------
+
+def test_tc_step_truncates_as_modelled():
+    """The model of one mma k-step (kernel_model.tc_step): products exact, addends aligned to the
+    largest and truncated, the sum truncated toward zero; guard bits keep more of the small ones."""
+    from kernel_model import tc_step
+
+    one = np.ones((1, 1))
+    small = np.full((1, 8), 2.0 ** -13)  # products 2^-26: below the 24 bits at 2^0
+    b = np.full((8, 1), 2.0 ** -13)
+    assert tc_step(one, small, b)[0, 0] == 1.0  # (round to nearest would give 1 + 2^-23)
+    assert tc_step(one, small, b, extra_bits=3)[0, 0] == 1.0 + 2.0 ** -23
+    # the sum is truncated toward zero: 1 + 3/4 ulp stays 1, -(1 + 3/4 ulp) stays -1
+    a = np.array([[1.0, 0.75 * 2.0 ** -23, 0, 0, 0, 0, 0, 0]])
+    b1 = np.array([[1.0], [1.0], [0], [0], [0], [0], [0], [0]])
+    assert tc_step(np.zeros((1, 1)), a, b1, extra_bits=3)[0, 0] == 1.0
+    assert tc_step(np.zeros((1, 1)), -a, b1, extra_bits=3)[0, 0] == -1.0
+    # exact when everything fits
+    assert tc_step(np.full((1, 1), 0.5), np.array([[1.0, 2.0, 0, 0, 0, 0, 0, 0]]),
+                   b1)[0, 0] == 3.5
+
+
+@pytest.mark.parametrize("extra_bits", [0, 3])
+def test_truncating_accumulation_fails_the_old_chain_and_passes_the_promoted(extra_bits):
+    """The float32 3xTF32 kernel on a short row (Sq = 1, Sk = 128, D = 128, the H200 probe's
+    inputs, seed 5): modelled with the tensor cores' truncating accumulation, the old arithmetic
+    (the hi * hi products chained through the accumulator over the D / 8 k-steps of the scores and
+    the key steps of P.V) fails the project rule; the promoted arithmetic that attn_mma.cu now
+    uses (every step's large product from a zeroed fragment, added in IEEE float32) passes it with
+    room. Either model of the alignment (0 or 3 guard bits) gives the same verdicts."""
+    rng = np.random.default_rng([7, 128, 1, 128, 5])
+    q, k, v = (ref.round_to(rng.standard_normal(s), "float32")
+               for s in ((2, 4, 1, 128), (2, 4, 128, 128), (2, 4, 128, 128)))
+    rule = ref.pass_threshold(q, k, v, dtype="float32")
+    bn = cuflash._dispatch.tensorcore_config(128, 90, "float32", "highest")[0]
+    kw = dict(dtype="float32", split=True, bn=bn, accumulate="truncate", extra_bits=extra_bits)
+    old = rule.judge(tensorcore_model(q, k, v, **kw))
+    new = rule.judge(tensorcore_model(q, k, v, promote_s=1, promote_pv=1, **kw))
+    assert not old.passed and old.frac_threshold > 1.05, old.frac_threshold
+    assert new.passed and new.frac_threshold < 0.5, new.frac_threshold

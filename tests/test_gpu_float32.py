@@ -194,3 +194,21 @@ def test_modes_differ_as_documented():
         errs[precision] = _check(o, lse, q, k, v, causal=False, scale=1 / 8,
                                  precision=precision)[0]
     assert errs["high"] > 30 * errs["highest"], errs
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sk", [64, 113, 128])
+def test_short_rows_tensorcore(sk, d):
+    """Single query rows (Sq = 1) over one or two key tiles, on the mma.sync 3xTF32 kernel, 6 fresh
+    seeds each, under the float32 rule. These failed on the H200 (2026-12-01, up to 5.8x the naive
+    error) while the large products chained through the tensor cores' truncating accumulator;
+    attn_mma.cu now promotes them (notes/FLOAT32.md). Broadcast key/value heads on odd seeds."""
+    _needs_tensorcores()
+    for seed in range(6):
+        kv = (2, 4) if seed % 2 == 0 else (2, 1)
+        q, k, v = random_inputs(_rng("f32short", sk, d, seed), (2, 4), kv, 1, sk, d, d, "float32")
+        o, lse, label = _run(q, k, v, causal=seed % 3 == 2, precision="highest",
+                             kernel="tensorcore")
+        assert label.startswith("tensorcore<float32,3xtf32"), label
+        _check(o, lse, q, k, v, causal=seed % 3 == 2, scale=1 / math.sqrt(d),
+               precision="highest")
