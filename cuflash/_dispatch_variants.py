@@ -59,9 +59,8 @@ def policy_label(variant) -> str:
         parts.append(f"bias<{_dtype_name(variant.bias.dtype)}>")
     if variant.mask is not None:
         parts.append("mask")
-    for name in ("score_mod", "mask_mod"):   # user hooks, named by their code's hash
-        hook = getattr(variant, name, None)
-        if hook is not None:
+    for name, hook in (("score_mod", variant.score_mod), ("mask_mod", variant.mask_mod)):
+        if hook is not None:   # user hooks, named by their code's hash
             parts.append(f"{name}[{hook.digest[:8]}]")
     return ",".join(parts)
 

@@ -112,25 +112,6 @@ class Variant:
         """The right extent after intersecting with causal (-1: unbounded)."""
         return 0 if causal else self.right
 
-    def label_parts(self):
-        """Short names of the active parts, e.g. ``["window(4,-1)", "softcap", "bias"]``."""
-        parts = []
-        if self.has_window:
-            parts.append(f"window({self.left},{self.right})")
-        if self.softcap:
-            parts.append("softcap")
-        if self.alibi_slopes is not None:
-            parts.append("alibi")
-        if self.bias is not None:
-            parts.append("bias")
-        if self.mask is not None:
-            parts.append("mask")
-        if self.score_mod is not None:
-            parts.append(f"score_mod[{self.score_mod.digest[:8]}]")
-        if self.mask_mod is not None:
-            parts.append(f"mask_mod[{self.mask_mod.digest[:8]}]")
-        return parts
-
     # -- positional visibility (causal, window): whole tiles --------------------------------
 
     def key_range(self, i0: int, i1: int, sq: int, sk: int, causal: bool) -> Tuple[int, int]:
