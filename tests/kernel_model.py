@@ -148,8 +148,7 @@ def _tc_split_product(a, b, steps, *, promote, extra_bits, compensate=False, sta
 
 
 def tensorcore_model(q, k, v, *, causal=False, scale=None, dtype, bn=64, rng=None, split=False,
-                     accumulate="rn", promote_s=0, promote_pv=0, extra_bits=0, compensate=False,
-                     tf32=False, lazy=True):
+                     accumulate="rn", promote_s=0, promote_pv=0, extra_bits=0, compensate=False):
     """float64 output of the modelled kernel on float64 inputs representable in `dtype`.
 
     q (..., Sq, D), k and v (..., Sk, D/Dv) with equal batch shapes. `rng`: perturbs every exp2
@@ -164,14 +163,7 @@ def tensorcore_model(q, k, v, *, causal=False, scale=None, dtype, bn=64, rng=Non
     large products from a zeroed fragment, then an IEEE float32 addition to S, or to O itself
     for P.V, whose tile's small products follow after the tile; see `_tc_split_product`).
     attn_mma.cu now runs promote_s = promote_pv = 1. compensate: those additions as TwoSums
-    with a compensation term (an alternative the notes weigh).
-
-    tf32=True (float32, split=False): the one-pass TF32 kernel (precision="high"): the operands of
-    both products, P included, rounded to TF32 (cvt.rna), float32 accumulation. lazy: the lazy
-    rescale of common.cuh's softmax_step (m moves only when the tile's max exceeds it by more than
-    2^RESCALE_LOG2); False takes every rescale, as the one-pass TF32 kernel does."""
-    if tf32 and (split or dtype != "float32"):
-        raise ValueError("tf32=True models the one-pass TF32 kernel: dtype='float32', split=False")
+    with a compensation term (an alternative the notes weigh)."""
     if accumulate not in ("rn", "truncate"):
         raise ValueError(f"accumulate: 'rn' or 'truncate', got {accumulate!r}")
     if accumulate == "truncate" and not (split and dtype == "float32"):
@@ -197,8 +189,7 @@ def tensorcore_model(q, k, v, *, causal=False, scale=None, dtype, bn=64, rng=Non
     with np.errstate(invalid="ignore", over="ignore"):
         for j0 in range(0, sk, bn):
             j1 = min(sk, j0 + bn)
-            mm = (_split_matmul if split else
-                  (lambda a, b: np.matmul(_tf32(a), _tf32(b))) if tf32 else np.matmul)
+            mm = _split_matmul if split else np.matmul
             if accumulate == "truncate":
                 s = _tc_split_product(q32, np.swapaxes(k32[..., j0:j1, :], -1, -2),
                                       _score_steps(q32.shape[-1]), promote=promote_s,
@@ -209,7 +200,7 @@ def tensorcore_model(q, k, v, *, causal=False, scale=None, dtype, bn=64, rng=Non
                 keep = np.arange(j0, j1)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
                 s = np.where(keep, s, f32(-np.inf))
             mx = np.maximum(m, s.max(axis=-1))
-            grow = (mx - m) * c > (RESCALE_LOG2 if lazy else 0.0)
+            grow = (mx - m) * c > RESCALE_LOG2
             alpha = np.where(grow, np.exp2(((m - mx) * c).astype(f32)), f32(1)).astype(f32)
             m = np.where(grow, mx, m)
             m_c = np.where(m == -np.inf, 0.0, (m * c).astype(f32).astype(np.float64))
