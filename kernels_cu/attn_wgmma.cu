@@ -292,6 +292,7 @@ __global__ void __launch_bounds__(
 cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     using Cfg = WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS>;
     constexpr bool F32 = Cfg::F32;
+    static_assert(!(OVERLAP && TERMS == 3), "TERMS = 3 computes S with waits inside (scores3)");
     const AttnParams& p = hp.a;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // Q buffers, K stages, V stages (float: V^T), each followed by its lo copies for TERMS = 3
@@ -505,10 +506,45 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             const unsigned long long da = wgmma_desc(qa, 16, 1024);
             const unsigned long long db = wgmma_desc(ka, 16, 1024);
             Wgmma<T, BN>::ss(s_flat, da, db, kk > 0 ? 1 : 0);
-            if constexpr (TERMS == 3) {
+        }
+    };
+    // TERMS = 3: S with promoted large products. Each k8 step's hi hi product is formed in a
+    // fresh accumulator (scale_d = 0: truncated relative to its own 8 products only) and added
+    // to S in IEEE float32, two steps in flight (t[0], t[1] alternate, one commit group per
+    // step); the small products chain in s2 (2^-11 of the large ones) and join S at the end.
+    // Chaining the large products through the accumulator cost the mma.sync kernel up to 5.8x
+    // the naive error on short rows (notes/FLOAT32.md). The turn passes after the last issue.
+    float t[TERMS == 3 ? 2 : 1][BN / 2];
+    const auto scores3 = [&](int st, bool turn) {
+        if constexpr (TERMS == 3) {
+            constexpr int KS = DPAD / 8;
+            static_assert(KS >= 2, "two steps in flight");
+            const auto step = [&](int kk, float (&tt)[BN / 2]) {
+                const unsigned int koff = (kk % 4) * 32;
+                const unsigned int qa = q_wg + (kk / 4) * Cfg::Q_PANEL + koff;
+                const unsigned int ka = k_s + st * Cfg::KV_BYTES + (kk / 4) * Cfg::KV_PANEL + koff;
+                const unsigned long long da = wgmma_desc(qa, 16, 1024);
+                const unsigned long long db = wgmma_desc(ka, 16, 1024);
+                wgmma_fence();
+                Wgmma<T, BN>::ss(tt, da, db, 0);
                 Wgmma<T, BN>::ss(s2_flat, da, wgmma_desc(ka + KV_LO, 16, 1024), kk > 0 ? 1 : 0);
                 Wgmma<T, BN>::ss(s2_flat, wgmma_desc(qa + Q_LO, 16, 1024), db, 1);
+                wgmma_commit();
+            };
+            step(0, t[0]);
+            step(1, t[1]);
+    #pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                float(&tt)[BN / 2] = t[kk % 2];
+                if (kk + 1 < KS) wgmma_wait<1>();
+                else wgmma_wait<0>();
+                fence_regs(tt);
+    #pragma unroll
+                for (int i = 0; i < BN / 2; ++i) s_flat[i] = kk == 0 ? tt[i] : s_flat[i] + tt[i];
+                if (kk + 2 < KS) step(kk + 2, tt);
+                if (kk + 2 == KS) turn_pass(turn);  // the last step is out
             }
+            products_in<TERMS>(s_flat, s2_flat);
         }
     };
     // O += P V from stage st: BN / 16 wgmmas of k16 (16 keys = 16 rows of 128 bytes per panel,
@@ -589,12 +625,16 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             for (int j = 0; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
                 turn_take(j < n_turns);
-                wgmma_fence();
-                issue_s(stage(j));
-                wgmma_commit();
-                turn_pass(j < n_turns);
-                wgmma_wait<0>();
-                scores_in();
+                if constexpr (TERMS == 3) {
+                    scores3(stage(j), j < n_turns);
+                } else {
+                    wgmma_fence();
+                    issue_s(stage(j));
+                    wgmma_commit();
+                    turn_pass(j < n_turns);
+                    wgmma_wait<0>();
+                    scores_in();
+                }
                 scores_done(stage(j), j == n_tiles - 1);
                 softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, j >= masked_from, j * BN,
                                                 t4, sk, row_lo, diag, scale_log2);
