@@ -1,4 +1,6 @@
-// attn_wgmma.cu: Hopper forward kernel for float16 / bfloat16 (sm_90a only).
+// attn_wgmma.cu: Hopper forward kernel for float16 / bfloat16 and, as TF32 wgmma with TERMS = 1
+// or 3 products per multiply-add, float32 (sm_90a only; float32: see WgmmaConfig below and
+// notes/FLOAT32.md, "Hopper wgmma form").
 //
 // Versions (H200, float16, the standard grid; notes/PERF.md has the predictions and details):
 //   1a  TMA loads, warpgroup MMA (wgmma) for both products, one producer warpgroup and two
@@ -58,7 +60,7 @@
 //
 // Requirements checked on the host (cuflash/_dispatch.py: hopper_reason): compute capability 9.0,
 // D == Dv, D % 8 == 0, 64 <= D <= DPAD, pointers, rows and batch strides of q, k, v and out
-// multiples of 16 bytes (TMA loads, 16-byte stores of O).
+// multiples of 16 bytes (TMA loads, 16-byte stores of O; float32: 8-byte stores).
 #include "common.cuh"
 #include "wgmma_ops.cuh"
 
