@@ -70,7 +70,8 @@ DEFAULT_REPEATS = 30
 DEFAULT_WARMUP = 5
 
 # Implementations in table order. cuflash-tensorcore forces the mma.sync kernel (what "auto" runs
-# before Hopper), cuflash-generic the scalar audit kernel: both off by default.
+# before Hopper; for float32 its 3xTF32 form, what sm_80-89 run, while "auto" takes the Hopper
+# wgmma form on sm_90), cuflash-generic the scalar audit kernel: both off by default.
 IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-generic",
          "torch-flash", "torch-cudnn", "torch-efficient", "torch-math", "cupy-naive")
 DEFAULT_IMPLS = ("cuflash", "torch-flash", "torch-cudnn", "torch-efficient", "cupy-naive")

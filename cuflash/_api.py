@@ -72,7 +72,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
         float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0 and D <= 128 for precision
         "highest" (96 on compute capability 8.x), D <= 256 for "high") and ``"hopper"`` the
-        TMA/wgmma kernel (compute capability 9.0, float16/bfloat16, 64 <= D <= 256); both need
+        TMA/wgmma kernel (compute capability 9.0, float16/bfloat16 with 64 <= D <= 256, float32
+        with 64 <= D <= 128 and D % 8 == 0 in either precision mode); both need
         D == Dv and 16-byte aligned rows, and raise ValueError, saying why, if the inputs do not
         qualify.
     precision : {None, "default", "highest", "high"}, optional

@@ -249,9 +249,17 @@ class HopperTiles(NamedTuple):
     def bm(self) -> int:
         return 64 * self.consumers
 
-    def smem_bytes(self, dpad: int) -> int:
-        return (1024 + self.q_stages * self.bm * dpad * 2 + 2 * self.stages * self.bn * dpad * 2
-                + 8 * (2 * self.q_stages + 4 * self.stages))
+    def smem_bytes(self, dpad: int, itemsize: int = 2, terms: int = 1) -> int:
+        """Dynamic shared memory (attn_wgmma.cu: WgmmaConfig::SMEM). float32 (itemsize 4): hi
+        and, for terms = 3, lo copies of the Q, K and V^T tiles, one V staging tile, and the
+        "landed" barriers."""
+        split = 2 if terms == 3 else 1
+        f32 = itemsize == 4
+        return (1024 + split * (self.q_stages * self.bm * dpad * itemsize
+                                + 2 * self.stages * self.bn * dpad * itemsize)
+                + (self.bn * dpad * itemsize if f32 else 0)
+                + 8 * (2 * self.q_stages + 4 * self.stages
+                       + (self.q_stages + 2 * self.stages if f32 else 0)))
 
 
 #: Hopper kernel launch choices, {(padded head dim, causal, long keys): (tiles, persistent)},
@@ -298,24 +306,51 @@ HOPPER_TABLE = {
 }
 
 
+#: The float32 form of the Hopper kernel (notes/FLOAT32.md, "Hopper wgmma form"): TF32 wgmma
+#: with TERMS products per multiply-add (F32_TERMS), {(padded head dim, precision): tiles}, one
+#: block per SM, persistent. Shared memory (float32 Q, K, V^T, with lo copies for "highest", and
+#: one V staging tile): D = 64 "high" BN = 128 193 KiB, D = 128 "high" BN = 64 225 KiB,
+#: D = 64 "highest" BN = 64 209 KiB, D = 128 "highest" BN = 32 one stage 209 KiB. Not tuned on a
+#: GPU yet (chosen by the counts in the note).
+_F32_C2 = HopperTiles(bn=64, stages=2, q_stages=1, consumers=2, overlap=True, pingpong=True)
+HOPPER_F32_TABLE = {
+    (64, "high"): _F32_C2._replace(bn=128),
+    (128, "high"): _F32_C2,
+    (64, "highest"): _F32_C2._replace(overlap=False),
+    (128, "highest"): _F32_C2._replace(bn=32, stages=1, overlap=False),
+}
+
+
 def hopper_choice(dpad: int, causal: bool, sk: int):
-    """(HopperTiles, persistent) for a padded head dim, mask and key count."""
+    """(HopperTiles, persistent) for a padded head dim, mask and key count (16-bit inputs)."""
     return HOPPER_TABLE[(dpad, bool(causal), sk > HOPPER_LONG_SK)]
 
 
-def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int) -> Plan:
-    dpad = head_dim_bucket(d, {key[0] for key in HOPPER_TABLE})
-    cfg, persistent = hopper_choice(dpad, causal, sk)
+def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
+                precision: str = "highest") -> Plan:
+    """The Hopper kernel for these inputs; float32 takes the TF32 form with the products of
+    `precision` (F32_TERMS, HOPPER_F32_TABLE), 16-bit dtypes ignore it."""
+    f32 = dtype_name == "float32"
+    if f32:
+        dpad = head_dim_bucket(d, {dp for dp, mode in HOPPER_F32_TABLE if mode == precision})
+        cfg, persistent = HOPPER_F32_TABLE[(dpad, precision)], True
+        terms, mode = F32_TERMS[precision]
+    else:
+        dpad = head_dim_bucket(d, {key[0] for key in HOPPER_TABLE})
+        cfg, persistent = hopper_choice(dpad, causal, sk)
+        terms, mode = 1, None
     cxx_bool = {True: "true", False: "false"}
-    name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {cfg.bn}, "
+    name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {cfg.bn}, "
             f"{cfg.stages}, {cfg.q_stages}, {cfg.consumers}, {cxx_bool[bool(cfg.overlap)]}, "
             f"{cxx_bool[bool(cfg.pingpong)]}, {cxx_bool[bool(causal)]}>")
-    label = (f"hopper<{dtype_name},D{dpad},BM{cfg.bm},BN{cfg.bn},S{cfg.stages},Q{cfg.q_stages},"
+    label = (f"hopper<{dtype_name},{mode + ',' if mode else ''}D{dpad},BM{cfg.bm},BN{cfg.bn},"
+             f"S{cfg.stages},Q{cfg.q_stages},"
              f"{'overlap,' if cfg.overlap else ''}{'pingpong,' if cfg.pingpong else ''}"
              f"{'persistent,' if persistent else ''}{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_wgmma", name, arch="sm_90a"),
                 block_m=cfg.bm, block_n=cfg.bn, threads=128 * (cfg.consumers + 1),
-                smem_bytes=cfg.smem_bytes(dpad), persistent=persistent, pairs=bool(causal))
+                smem_bytes=cfg.smem_bytes(dpad, 4 if f32 else 2, terms), persistent=persistent,
+                pairs=bool(causal))
 
 
 def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
@@ -323,11 +358,28 @@ def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     if compute_capability != 90:
         return ("it is built for sm_90a and runs on compute capability 9.0 only "
                 f"(this GPU: {compute_capability})")
-    if prob.dtype_name not in HOPPER_DTYPES:
-        return f"it takes float16 and bfloat16 inputs, not {prob.dtype_name}"
-    why = tensorcore_reason(prob, compute_capability)
-    if why is not None:
-        return why
+    if prob.dtype_name not in HOPPER_DTYPES + ("float32",):
+        return f"it takes float16, bfloat16 and float32 inputs, not {prob.dtype_name}"
+    if prob.dtype_name == "float32":
+        dims = [dp for dp, mode in HOPPER_F32_TABLE if mode == prob.precision]
+        if not dims:
+            return f"its float32 form has no precision={prob.precision!r} mode"
+        if not 64 <= prob.d <= max(dims) or prob.d % 8:
+            return (f"its float32 form takes head dims from 64 to {max(dims)}, multiples of 8 "
+                    f"(got {prob.d})")
+        if prob.d != prob.dv:
+            return f"it needs D == Dv (got D={prob.d}, Dv={prob.dv})"
+        if getattr(prob, "backend", "gpu") != "gpu":
+            return "the inputs are on the CPU"
+        if not prob.scale > 0:
+            return f"it folds a positive scale into exp2 (got scale={prob.scale})"
+        bufs = [prob.q, prob.k, prob.v] + ([prob.out] if prob.out is not None else [])
+        if not all(_aligned16(x) for x in bufs):
+            return "every row of q, k, v (and out) must start on a 16-byte boundary"
+    else:
+        why = tensorcore_reason(prob, compute_capability)
+        if why is not None:
+            return why
     if prob.d < 64:
         return f"it takes head dims from 64 to 256 (got {prob.d})"
     for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
@@ -359,7 +411,7 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     if prob.kernel in ("auto", "hopper"):
         why_not = hopper_reason(prob, compute_capability)
         if why_not is None:
-            return hopper_plan(prob.dtype_name, prob.d, prob.causal, prob.sk)
+            return hopper_plan(prob.dtype_name, prob.d, prob.causal, prob.sk, prob.precision)
         if prob.kernel == "hopper":
             raise ValueError(f"kernel='hopper' cannot run these inputs: {why_not}")
     why_not = tensorcore_reason(prob, compute_capability)
@@ -390,6 +442,9 @@ def all_specialisations(compute_capability: int = 90):
         for dt in HOPPER_DTYPES:
             for dpad, causal, long_keys in HOPPER_TABLE:
                 plans.append(hopper_plan(dt, dpad, causal, HOPPER_LONG_SK + long_keys))
+        for dpad, precision in HOPPER_F32_TABLE:
+            for causal in (False, True):
+                plans.append(hopper_plan("float32", dpad, causal, 1024, precision))
     return plans
 
 

@@ -203,7 +203,7 @@ _PARAM_CACHE_SIZE = 64
 
 def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):
     """The Hopper kernel's tensor maps: one per input, 5-D (D, rows, batch axes 2, 1, 0), boxes of
-    64 columns x BM (q) or BN (k, v) rows. A batch axis the tensor broadcasts over (stride 0)
+    128 bytes of columns (64 16-bit or 32 float32 elements) x BM (q) or BN (k, v) rows. A batch axis the tensor broadcasts over (stride 0)
     becomes a size-1 dim with coordinate 0 in the kernel (coord_mask bit clear)."""
     from . import _tma
 
@@ -224,7 +224,8 @@ def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):
                 dims.append(1)
                 strides.append(span)
         p[("tm_q", "tm_k", "tm_v")[t]] = np.frombuffer(
-            _tma.encode_tiled(prob.dtype_name, x.data.ptr, dims, strides, [64, box_rows, 1, 1, 1]),
+            _tma.encode_tiled(prob.dtype_name, x.data.ptr, dims, strides,
+                              [128 // item, box_rows, 1, 1, 1]),
             dtype=np.uint8)
     p["coord_mask"] = mask
 

@@ -15,7 +15,7 @@ import ctypes
 from typing import Optional, Sequence
 
 #: CUtensorMapDataType values for the dtypes the Hopper kernel takes.
-_DATA_TYPE = {"float16": 6, "bfloat16": 9}
+_DATA_TYPE = {"float16": 6, "bfloat16": 9, "float32": 7}
 _SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
 _INTERLEAVE_NONE = 0
@@ -55,10 +55,10 @@ def unavailable_reason() -> str:
 
 def encode_tiled(dtype_name: str, address: int, dims: Sequence[int], strides: Sequence[int],
                  box: Sequence[int]) -> bytes:
-    """The 128-byte tensor map of a 16-bit tensor with 128-byte swizzled boxes.
+    """The 128-byte tensor map of a 16-bit or float32 tensor with 128-byte swizzled boxes.
 
     ``dims`` are sizes in elements, innermost (contiguous) first; ``strides`` the byte strides of
-    dims[1:]; ``box`` the box size in elements per dim (box[0] * 2 <= 128 for the swizzle).
+    dims[1:]; ``box`` the box size in elements per dim (box[0] * itemsize <= 128 for the swizzle).
     Elements of a box outside ``dims`` are read as zeros.
     """
     lib = _driver()

@@ -1,4 +1,6 @@
-// attn_wgmma.cu: Hopper forward kernel for float16 / bfloat16 (sm_90a only).
+// attn_wgmma.cu: Hopper forward kernel for float16 / bfloat16 and, as TF32 wgmma with TERMS = 1
+// or 3 products per multiply-add, float32 (sm_90a only; float32: see WgmmaConfig below and
+// notes/FLOAT32.md, "Hopper wgmma form").
 //
 // Versions (H200, float16, the standard grid; notes/PERF.md has the predictions and details):
 //   1a  TMA loads, warpgroup MMA (wgmma) for both products, one producer warpgroup and two
@@ -58,7 +60,7 @@
 //
 // Requirements checked on the host (cuflash/_dispatch.py: hopper_reason): compute capability 9.0,
 // D == Dv, D % 8 == 0, 64 <= D <= DPAD, pointers, rows and batch strides of q, k, v and out
-// multiples of 16 bytes (TMA loads, 16-byte stores of O).
+// multiples of 16 bytes (TMA loads, 16-byte stores of O; float32: 8-byte stores).
 #include "common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -81,24 +83,42 @@ static_assert(3 * sizeof(TmaDesc) + sizeof(AttnParams) + sizeof(long long) == 64
               "HopperParams layout");
 static_assert(sizeof(HopperParams) == 640, "HopperParams layout");
 
-template <typename T, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS_>
+// T = float (TERMS = 1: one-pass TF32, 3: 3xTF32 split products; notes/FLOAT32.md, "Hopper wgmma
+// form"): the producer warpgroup prepares every tile before the consumers see it. TMA lands Q, K
+// and V on "landed" barriers; the producer's 128 threads round Q and K to TF32 in place (and
+// write their lo parts, x - hi rounded, into tiles of their own for TERMS = 3), transpose V into
+// V^T (keys contiguous: tf32 wgmma takes K-major B only) with its hi (and lo) parts, and then
+// complete the "full" barriers the consumers wait on. 16-bit T: TERMS = 1 and none of this.
+template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS_>
 struct WgmmaConfig {
+    static constexpr bool F32 = sizeof(T) == 4;
+    // One-pass TF32 takes every rescale (common.cuh: softmax_step, RESCALE_LOG2).
+    static constexpr bool LAZY = !(F32 && TERMS == 1);
+    static constexpr int SPLIT = TERMS == 3 ? 2 : 1;    // hi (and lo) copies of each tile
     static constexpr int CONSUMERS = CONSUMERS_;        // consumer warpgroups, 64 rows each
     static constexpr int BM = 64 * CONSUMERS;           // query rows per block
     static constexpr int THREADS = 128 * (CONSUMERS + 1);
-    static constexpr int PANELS = DPAD / 64;            // 64-column, 128-byte swizzled panels
+    static constexpr int EPP = 128 / static_cast<int>(sizeof(T));  // elements per panel row
+    static constexpr int KSTEP = 32 / static_cast<int>(sizeof(T));  // k of one wgmma: 16 or 8
+    static constexpr int PANELS = DPAD / EPP;           // 128-byte swizzled panels of columns
     static constexpr int Q_PANEL = BM * 128;            // bytes per panel
     static constexpr int KV_PANEL = BN * 128;
     static constexpr int Q_BYTES = PANELS * Q_PANEL;     // one Q buffer (of QSTAGES)
     static constexpr int KV_BYTES = PANELS * KV_PANEL;  // one K or one V tile
-    static constexpr int BAR_BYTES = 8 * (2 * QSTAGES + 4 * STAGES);
+    // float: V^T tiles (DPAD rows of BN keys, panels of 32 keys) and one staging buffer for the
+    // V tile as TMA writes it; three more barriers per stage and Q buffer ("landed").
+    static constexpr int VT_PANEL = DPAD * 128;
+    static constexpr int VRAW_BYTES = F32 ? KV_BYTES : 0;
+    static constexpr int BAR_BYTES = 8 * (2 * QSTAGES + 4 * STAGES + (F32 ? QSTAGES + 2 * STAGES : 0));
     // + 1024: the dynamic shared memory base is only 16-byte aligned; we round it up.
-    static constexpr int SMEM = 1024 + QSTAGES * Q_BYTES + 2 * STAGES * KV_BYTES + BAR_BYTES;
+    static constexpr int SMEM = 1024 + SPLIT * (QSTAGES * Q_BYTES + 2 * STAGES * KV_BYTES) +
+                                VRAW_BYTES + BAR_BYTES;
     static constexpr int NT_S = BN / 8;                 // n8 tiles of scores per 16-row slab
     static constexpr int NT_O = DPAD / 8;
-    // setmaxnreg: the producer keeps 24 registers, the consumers share the rest of the SM's
-    // 64 K (a multiple of 8, at most 240): 240 with two consumers, 160 with three.
-    static constexpr int PRODUCER_REGS = 24;
+    // setmaxnreg: the producer keeps 24 registers (56 for float, whose producer threads prepare
+    // tiles), the consumers share the rest of the SM's 64 K (a multiple of 8, at most 240): 240
+    // with two consumers, 160 with three (float: 224 with two).
+    static constexpr int PRODUCER_REGS = F32 ? 56 : 24;
     static constexpr int CONSUMER_REGS_RAW = (65536 - PRODUCER_REGS * 128) / (128 * CONSUMERS);
     static constexpr int CONSUMER_REGS =
         (CONSUMER_REGS_RAW > 240 ? 240 : CONSUMER_REGS_RAW) / 8 * 8;
@@ -108,7 +128,124 @@ struct WgmmaConfig {
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16, <= 256");
     static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536,
                   "register budget of one SM");
+    static_assert(TERMS == 1 || (F32 && TERMS == 3), "TERMS: 1, or 3 for float");
+    static_assert(!F32 || (BN % 32 == 0 && (DPAD / 4) * (BN / 4) % 128 == 0),
+                  "float: V^T panels of 32 keys, whole transpose passes");
+    static_assert(SMEM <= 232448, "shared memory of one block (227 KiB)");
 };
+
+// float32 tile preparation by the producer warpgroup (ptid = 0..127). Shared-memory accesses by
+// address, 16 bytes a thread.
+__device__ __forceinline__ float4 lds_v4(unsigned int a) {
+    float4 r;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(a) : "memory");
+    return r;
+}
+__device__ __forceinline__ void sts_v4(unsigned int a, float4 v) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(a), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(to_tf32(x)); }
+// Generic-proxy writes to shared memory made visible to the async proxy (wgmma reads).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Four values as TF32: hi = tf32(x) at address hi, and for TERMS = 3 lo = tf32(x - hi) at lo.
+template <int TERMS>
+__device__ __forceinline__ void store_split(unsigned int hi, unsigned int lo, const float4& x) {
+    const float4 h = make_float4(tf32_round(x.x), tf32_round(x.y), tf32_round(x.z),
+                                 tf32_round(x.w));
+    sts_v4(hi, h);
+    if constexpr (TERMS == 3)
+        sts_v4(lo, make_float4(tf32_round(x.x - h.x), tf32_round(x.y - h.y),
+                               tf32_round(x.z - h.z), tf32_round(x.w - h.w)));
+}
+// Round a tile to TF32 in place, and for TERMS = 3 write its lo parts at the same offsets of the
+// lo tile. Elementwise, so the swizzled layout does not matter.
+template <int TERMS, int BYTES>
+__device__ __forceinline__ void split_tile(unsigned int hi, unsigned int lo, int ptid) {
+    static_assert(BYTES % (128 * 16) == 0, "whole passes");
+#pragma unroll 4
+    for (int off = ptid * 16; off < BYTES; off += 128 * 16)
+        store_split<TERMS>(hi + off, lo + off, lds_v4(hi + off));
+}
+// Component c % 4 of v (selects, no local memory: c differs between threads).
+__device__ __forceinline__ float comp4(const float4& v, int c) {
+    c &= 3;
+    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+}
+// V (BN keys x DPAD, as TMA wrote it: panels of 32 columns, 128-byte rows, 128-byte swizzle) ->
+// V^T (DPAD rows x BN keys: panels of 32 keys, DPAD rows of 128 bytes each, the same swizzle),
+// rounded to TF32 (TERMS = 3: lo parts into the lo tile). Within each group of 8 keys, key k
+// goes to position k / 2 + 4 (k % 2): the consumers' P fragment holds keys 2 t and 2 t + 1 of
+// a k8 step where the wgmma's A layout has columns t and t + 4 (attn_wgmma.cu: pack_p_tf32), so
+// both operands see the same key order. A unit of work: keys kb + e + {0, 2, 4, 6} (their
+// positions kb + 4 e + {0..3}: one 16-byte chunk of a V^T row) x 4 columns 4 d4 + {0..3}: four
+// 16-byte reads and four 16-byte writes. Lanes of a unit pass take consecutive d4 (reads:
+// one row, conflict-free), and write their four rows rotated by (d4 / 2) % 4 so that the 8
+// lanes of a write phase hit 8 different swizzled chunks.
+template <int TERMS, int DPAD, int BN>
+__device__ __forceinline__ void transpose_v(unsigned int vraw, unsigned int vt, unsigned int vt_lo,
+                                            int ptid) {
+    constexpr int D4 = DPAD / 4, UNITS = D4 * (BN / 4);
+#pragma unroll 1
+    for (int u = ptid; u < UNITS; u += 128) {
+        const int d4 = u % D4, ke = u / D4;
+        const int e = ke % 2, kb = (ke / 2) * 8;
+        float4 x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = kb + e + 2 * i;
+            x[i] = lds_v4(vraw + (d4 / 8) * (BN * 128) + key * 128 +
+                          (((d4 % 8) ^ (key % 8)) << 4));
+        }
+        const int pos = kb + 4 * e;  // first of the unit's four V^T columns
+        const int rot = (d4 / 2) % 4;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int c = (r + rot) & 3;
+            const int row = 4 * d4 + c;
+            const unsigned int off = (pos / 32) * (DPAD * 128) + row * 128 +
+                                     ((((pos % 32) / 4) ^ (row % 8)) << 4);
+            store_split<TERMS>(vt + off, vt_lo + off,
+                               make_float4(comp4(x[0], c), comp4(x[1], c), comp4(x[2], c),
+                                           comp4(x[3], c)));
+        }
+    }
+}
+
+// After the wait that completes an accumulator: fence it (no copy of it is scheduled earlier)
+// and, for TERMS = 3, add the part accumulated apart (IEEE float32 additions).
+template <int TERMS, int N, int M>
+__device__ __forceinline__ void products_in(float (&acc)[N], float (&part)[M]) {
+    fence_regs(acc);
+    if constexpr (TERMS == 3) {
+        static_assert(M == N, "the part has the accumulator's shape");
+        fence_regs(part);
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] += part[i];
+    }
+}
+
+// P (the scores' accumulator fragment after the softmax) as the A operand of the tf32 P V
+// wgmmas: k8 step i is n8 tile i; the thread holds keys 8 i + 2 t4 (+1) of rows g and g + 8,
+// which the A layout (columns t4 and t4 + 4 of rows g and g + 8) takes as columns t4 and t4 + 4:
+// V^T's keys are stored in that order (transpose_v). TERMS = 3: lo = tf32(p - hi).
+template <int TERMS, int NT, int NL>
+__device__ __forceinline__ void pack_p_tf32(const float (&s)[NT][4], unsigned int (&hi)[NT][4],
+                                            unsigned int (&lo)[NL][4]) {
+    static_assert(NL == (TERMS == 3 ? NT : 1), "lo parts for TERMS = 3 only");
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        const float v[4] = {s[i][0], s[i][2], s[i][1], s[i][3]};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            hi[i][e] = to_tf32(v[e]);
+            if constexpr (TERMS == 3) lo[i][e] = to_tf32(v[e] - __uint_as_float(hi[i][e]));
+        }
+    }
+}
 
 // The work items (batch entry, query block) of one block, in order. Items are grouped into slots;
 // block b takes slots b, b + gridDim.x, ... (the grid may be smaller than the number of slots:
@@ -152,17 +289,25 @@ __device__ __forceinline__ int tiles_needed(int row0, int rows, int sq, int sk) 
     return row0 >= sq ? 0 : (keys_needed<CAUSAL>(row0, rows, sq, sk) + BN - 1) / BN;
 }
 
-template <typename T, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS, bool OVERLAP,
-          bool PINGPONG, bool CAUSAL>
-__global__ void __launch_bounds__(WgmmaConfig<T, DPAD, BN, STAGES, QSTAGES, CONSUMERS>::THREADS, 1)
+template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
+          bool OVERLAP, bool PINGPONG, bool CAUSAL>
+__global__ void __launch_bounds__(
+    WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS>::THREADS, 1)
 cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
-    using Cfg = WgmmaConfig<T, DPAD, BN, STAGES, QSTAGES, CONSUMERS>;
+    using Cfg = WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS>;
+    constexpr bool F32 = Cfg::F32;
+    static_assert(!(OVERLAP && TERMS == 3), "TERMS = 3 computes S with waits inside (scores3)");
     const AttnParams& p = hp.a;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // Q buffers, K stages, V stages (float: V^T), each followed by its lo copies for TERMS = 3
+    // (Q_LO, KV_LO bytes on), then (float) the V staging buffer and the barriers.
+    constexpr unsigned int Q_LO = QSTAGES * Cfg::Q_BYTES;
+    constexpr unsigned int KV_LO = STAGES * Cfg::KV_BYTES;
     const unsigned int q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;
-    const unsigned int k_s = q_s + QSTAGES * Cfg::Q_BYTES;       // + stage * KV_BYTES
-    const unsigned int v_s = k_s + STAGES * Cfg::KV_BYTES;
-    const unsigned int bars = v_s + STAGES * Cfg::KV_BYTES;
+    const unsigned int k_s = q_s + Cfg::SPLIT * Q_LO;       // + stage * KV_BYTES
+    const unsigned int v_s = k_s + Cfg::SPLIT * KV_LO;
+    const unsigned int vraw_s = v_s + Cfg::SPLIT * KV_LO;
+    const unsigned int bars = vraw_s + Cfg::VRAW_BYTES;
     // Q buffer qb holds the Q of work items wi with wi % QSTAGES == qb.
     const auto q_full = [bars](unsigned int qb) { return bars + 8u * qb; };
     const auto q_empty = [bars](unsigned int qb) { return bars + 8u * (QSTAGES + qb); };
@@ -171,6 +316,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     const auto v_full = [bars](int st) { return bars + 8u * (KV_BAR0 + STAGES + st); };
     const auto k_empty = [bars](int st) { return bars + 8u * (KV_BAR0 + 2 * STAGES + st); };
     const auto v_empty = [bars](int st) { return bars + 8u * (KV_BAR0 + 3 * STAGES + st); };
+    // float: where TMA completes (the producer then prepares the tile and completes "full").
+    constexpr int LAND0 = KV_BAR0 + 4 * STAGES;
+    const auto q_land = [bars](unsigned int qb) { return bars + 8u * (LAND0 + qb); };
+    const auto k_land = [bars](int st) { return bars + 8u * (LAND0 + QSTAGES + st); };
+    const auto v_land = bars + 8u * (LAND0 + QSTAGES + STAGES);  // the one staging buffer
 
     const int tid = threadIdx.x;
     const int sq = static_cast<int>(p.sq), sk = static_cast<int>(p.sk);
@@ -189,14 +339,29 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             mbar_init(k_empty(st), 4 * Cfg::CONSUMERS);
             mbar_init(v_empty(st), 4 * Cfg::CONSUMERS);
         }
+        if constexpr (F32) {
+            for (int qb = 0; qb < QSTAGES; ++qb) mbar_init(q_land(qb), 1);
+            for (int st = 0; st < STAGES; ++st) mbar_init(k_land(st), 1);
+            mbar_init(v_land, 1);
+        }
         mbar_fence_init();
     }
     __syncthreads();
 
     if (tid < 128) {
-        // ---- producer warpgroup: one thread issues every copy.
+        // ---- producer warpgroup: one thread issues every copy (float: all 128 threads prepare
+        // the tiles; named barrier PREP among them).
         regs_dealloc<Cfg::PRODUCER_REGS>();
-        if (tid != 0) return;
+        if (!F32 && tid != 0) return;
+        const bool issuer = F32 ? tid == 0 : true;
+        constexpr int PREP = CONSUMERS + 1;
+        // The producer's writes are visible to the wgmmas (async proxy) and every thread is done
+        // with its reads; then the issuer completes the consumers' barrier.
+        const auto prepared = [&](unsigned int bar) {
+            fence_proxy_async();
+            named_bar_sync(PREP, 128);
+            if (issuer) mbar_arrive(bar);
+        };
         const unsigned int n2 = static_cast<unsigned int>(p.nb2);
         const unsigned int n1 = static_cast<unsigned int>(p.nb1);
         const unsigned int cm = static_cast<unsigned int>(hp.coord_mask);
@@ -221,7 +386,7 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 mbar_arrive_expect_tx(bar, bytes);
 #pragma unroll
                 for (int pn = 0; pn < Cfg::PANELS; ++pn)
-                    tma_load_5d(dst + pn * panel_bytes, map, pn * 64, row, c[t][0], c[t][1],
+                    tma_load_5d(dst + pn * panel_bytes, map, pn * Cfg::EPP, row, c[t][0], c[t][1],
                                 c[t][2], bar);
             };
             // Q goes into its buffer once the consumers have computed the last scores of the item
@@ -231,23 +396,56 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             // producer runs ahead by its K/V stages across item boundaries.
             const auto load_q = [&]() {
                 const unsigned int qb = wi % QSTAGES;
+                if (!issuer) return;
                 if (wi >= QSTAGES) mbar_wait(q_empty(qb), (wi / QSTAGES - 1) & 1);
-                load(q_s + qb * Cfg::Q_BYTES, &hp.tm_q, 0, Cfg::Q_PANEL, row0, q_full(qb),
-                     Cfg::Q_BYTES);
+                load(q_s + qb * Cfg::Q_BYTES, &hp.tm_q, 0, Cfg::Q_PANEL, row0,
+                     F32 ? q_land(qb) : q_full(qb), Cfg::Q_BYTES);
             };
-            if (n_tiles == 0) load_q();
+            // float: Q rounded in place (and its lo parts) once it has landed.
+            const auto prep_q = [&]() {
+                if constexpr (F32) {
+                    const unsigned int qb = wi % QSTAGES;
+                    mbar_wait(q_land(qb), (wi / QSTAGES) & 1u);
+                    split_tile<TERMS, Cfg::Q_BYTES>(q_s + qb * Cfg::Q_BYTES,
+                                                    q_s + Q_LO + qb * Cfg::Q_BYTES, tid);
+                    prepared(q_full(qb));
+                }
+            };
+            if (n_tiles == 0) {
+                load_q();
+                prep_q();
+            }
             for (int j = 0; j < n_tiles; ++j, ++it) {
                 // Stage st held tile it - STAGES; K and V are released separately (K as soon as
                 // its scores are computed), so K may come in while the old V is in use.
                 const int st = it % STAGES;
                 const unsigned int use = it / STAGES;
-                if (it >= STAGES) mbar_wait(k_empty(st), (use - 1) & 1);
-                load(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, Cfg::KV_PANEL, j * BN, k_full(st),
-                     Cfg::KV_BYTES);
+                if (issuer) {
+                    if (it >= STAGES) mbar_wait(k_empty(st), (use - 1) & 1);
+                    load(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, Cfg::KV_PANEL, j * BN,
+                         F32 ? k_land(st) : k_full(st), Cfg::KV_BYTES);
+                }
                 if (j == 0) load_q();
-                if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
-                load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN, v_full(st),
-                     Cfg::KV_BYTES);
+                if constexpr (!F32) {
+                    if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
+                    load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN, v_full(st),
+                         Cfg::KV_BYTES);
+                } else {
+                    // The staging buffer is free: the previous tile's transpose ended in a
+                    // PREP barrier.
+                    if (issuer)
+                        load(vraw_s, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN, v_land, Cfg::KV_BYTES);
+                    if (j == 0) prep_q();
+                    mbar_wait(k_land(st), use & 1u);
+                    split_tile<TERMS, Cfg::KV_BYTES>(k_s + st * Cfg::KV_BYTES,
+                                                     k_s + KV_LO + st * Cfg::KV_BYTES, tid);
+                    prepared(k_full(st));
+                    mbar_wait(v_land, it & 1u);
+                    if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
+                    transpose_v<TERMS, DPAD, BN>(vraw_s, v_s + st * Cfg::KV_BYTES,
+                                                 v_s + KV_LO + st * Cfg::KV_BYTES, tid);
+                    prepared(v_full(st));
+                }
             }
         }
         return;
@@ -288,28 +486,104 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     float(&o_flat)[DPAD / 2] = reinterpret_cast<float(&)[DPAD / 2]>(acc_o);
     float s[Cfg::NT_S][4];
     float(&s_flat)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(s);
-    unsigned int pk[BN / 16][4];
-    // S = Q K^T from stage st, DPAD / 16 wgmmas of k16; the k offset inside a 128-byte swizzled
-    // row is a plain start-address offset of 32 bytes per step. Issued, not committed.
+    // TERMS = 3: the small products of S (hi lo + lo hi) and one tile's P V apart from the large
+    // ones, added in IEEE float32 after the products (the tensor cores' accumulation truncates:
+    // notes/FLOAT32.md); O's chain over all key tiles would otherwise lose 2^-23 a k8 step.
+    constexpr int SM = TERMS == 3 ? 1 : 0;
+    float s2[SM ? Cfg::NT_S : 1][4];
+    float(&s2_flat)[SM ? BN / 2 : 4] = reinterpret_cast<float(&)[SM ? BN / 2 : 4]>(s2);
+    float ot[SM ? Cfg::NT_O : 1][4];
+    float(&ot_flat)[SM ? DPAD / 2 : 4] = reinterpret_cast<float(&)[SM ? DPAD / 2 : 4]>(ot);
+    // P as the A operand of P V: 16-bit pairs (k16 steps), or TF32 hi (and lo) values (k8 steps).
+    constexpr int NPK = F32 ? BN / 8 : BN / 16;
+    unsigned int pk[NPK][4];
+    unsigned int pl[SM ? NPK : 1][4];
+    // S = Q K^T from stage st, DPAD / KSTEP wgmmas of k16 (k8 for float); the k offset inside a
+    // 128-byte swizzled row is a plain start-address offset of 32 bytes per step. Issued, not
+    // committed.
     const auto issue_s = [&](int st) {
 #pragma unroll
-        for (int kk = 0; kk < DPAD / 16; ++kk) {
+        for (int kk = 0; kk < DPAD / Cfg::KSTEP; ++kk) {
             const unsigned int koff = (kk % 4) * 32;
-            const unsigned long long da =
-                wgmma_desc(q_wg + (kk / 4) * Cfg::Q_PANEL + koff, 16, 1024);
-            const unsigned long long db =
-                wgmma_desc(k_s + st * Cfg::KV_BYTES + (kk / 4) * Cfg::KV_PANEL + koff, 16, 1024);
+            const unsigned int qa = q_wg + (kk / 4) * Cfg::Q_PANEL + koff;
+            const unsigned int ka = k_s + st * Cfg::KV_BYTES + (kk / 4) * Cfg::KV_PANEL + koff;
+            const unsigned long long da = wgmma_desc(qa, 16, 1024);
+            const unsigned long long db = wgmma_desc(ka, 16, 1024);
             Wgmma<T, BN>::ss(s_flat, da, db, kk > 0 ? 1 : 0);
         }
     };
-    // O += P V from stage st, BN / 16 wgmmas of k16 (16 keys = 16 rows of 128 bytes per panel).
-    const auto issue_pv = [&](int st) {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const unsigned long long db =
-                wgmma_desc(v_s + st * Cfg::KV_BYTES + kk * 16 * 128, Cfg::KV_PANEL, 1024);
-            Wgmma<T, DPAD>::rs(o_flat, pk[kk], db, 1);
+    // TERMS = 3: S with promoted large products. Each k8 step's hi hi product is formed in a
+    // fresh accumulator (scale_d = 0: truncated relative to its own 8 products only) and added
+    // to S in IEEE float32, two steps in flight (t[0], t[1] alternate, one commit group per
+    // step); the small products chain in s2 (2^-11 of the large ones) and join S at the end.
+    // Chaining the large products through the accumulator cost the mma.sync kernel up to 5.8x
+    // the naive error on short rows (notes/FLOAT32.md). The turn passes after the last issue.
+    float t[TERMS == 3 ? 2 : 1][BN / 2];
+    const auto scores3 = [&](int st, bool turn) {
+        if constexpr (TERMS == 3) {
+            constexpr int KS = DPAD / 8;
+            static_assert(KS >= 2, "two steps in flight");
+            const auto step = [&](int kk, float (&tt)[BN / 2]) {
+                const unsigned int koff = (kk % 4) * 32;
+                const unsigned int qa = q_wg + (kk / 4) * Cfg::Q_PANEL + koff;
+                const unsigned int ka = k_s + st * Cfg::KV_BYTES + (kk / 4) * Cfg::KV_PANEL + koff;
+                const unsigned long long da = wgmma_desc(qa, 16, 1024);
+                const unsigned long long db = wgmma_desc(ka, 16, 1024);
+                wgmma_fence();
+                Wgmma<T, BN>::ss(tt, da, db, 0);
+                Wgmma<T, BN>::ss(s2_flat, da, wgmma_desc(ka + KV_LO, 16, 1024), kk > 0 ? 1 : 0);
+                Wgmma<T, BN>::ss(s2_flat, wgmma_desc(qa + Q_LO, 16, 1024), db, 1);
+                wgmma_commit();
+            };
+            step(0, t[0]);
+            step(1, t[1]);
+    #pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                float(&tt)[BN / 2] = t[kk % 2];
+                if (kk + 1 < KS) wgmma_wait<1>();
+                else wgmma_wait<0>();
+                fence_regs(tt);
+    #pragma unroll
+                for (int i = 0; i < BN / 2; ++i) s_flat[i] = kk == 0 ? tt[i] : s_flat[i] + tt[i];
+                if (kk + 2 < KS) step(kk + 2, tt);
+                if (kk + 2 == KS) turn_pass(turn);  // the last step is out
+            }
+            products_in<TERMS>(s_flat, s2_flat);
         }
+    };
+    // O += P V from stage st: BN / 16 wgmmas of k16 (16 keys = 16 rows of 128 bytes per panel,
+    // V N-major), or for float BN / 8 wgmmas of k8 on V^T (K-major, panels of 32 keys).
+    const auto issue_pv = [&](int st) {
+        if constexpr (!F32) {
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                const unsigned long long db =
+                    wgmma_desc(v_s + st * Cfg::KV_BYTES + kk * 16 * 128, Cfg::KV_PANEL, 1024);
+                Wgmma<T, DPAD>::rs(o_flat, pk[kk], db, 1);
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < BN / 8; ++kk) {
+                const unsigned int va =
+                    v_s + st * Cfg::KV_BYTES + (kk / 4) * Cfg::VT_PANEL + (kk % 4) * 32;
+                const unsigned long long db = wgmma_desc(va, 16, 1024);
+                if constexpr (TERMS == 1) {
+                    Wgmma<T, DPAD>::rs(o_flat, pk[kk], db, 1);
+                } else {  // one tile's products from zero in ot, added to O after the wait
+                    Wgmma<T, DPAD>::rs(ot_flat, pk[kk], db, kk > 0 ? 1 : 0);
+                    Wgmma<T, DPAD>::rs(ot_flat, pk[kk], wgmma_desc(va + KV_LO, 16, 1024), 1);
+                    Wgmma<T, DPAD>::rs(ot_flat, pl[kk], db, 1);
+                }
+            }
+        }
+    };
+    // After the wait that completes S: (TERMS = 3) its small products join the large ones; after
+    // the one that completes P V: (TERMS = 3) the tile's products join O.
+    const auto scores_in = [&]() { products_in<TERMS>(s_flat, s2_flat); };
+    const auto pv_in = [&]() { products_in<TERMS>(o_flat, ot_flat); };
+    const auto pack = [&]() {
+        if constexpr (F32) pack_p_tf32<TERMS>(s, pk, pl);
+        else pack_p<T, Cfg::NT_S>(s, pk);
     };
     // Every warp of the consumer arrives once on a barrier it is done with.
     const auto release = [lane](unsigned int bar) {
@@ -355,23 +629,28 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             for (int j = 0; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
                 turn_take(j < n_turns);
-                wgmma_fence();
-                issue_s(stage(j));
-                wgmma_commit();
-                turn_pass(j < n_turns);
-                wgmma_wait<0>();
-                fence_regs(s_flat);
+                if constexpr (TERMS == 3) {
+                    scores3(stage(j), j < n_turns);
+                } else {
+                    wgmma_fence();
+                    issue_s(stage(j));
+                    wgmma_commit();
+                    turn_pass(j < n_turns);
+                    wgmma_wait<0>();
+                    scores_in();
+                }
                 scores_done(stage(j), j == n_tiles - 1);
-                softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, j >= masked_from, j * BN,
-                                                t4, sk, row_lo, diag, scale_log2);
+                softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
+                    s, m_run, l_run, alpha, j >= masked_from, j * BN,
+                    t4, sk, row_lo, diag, scale_log2);
                 rescale_rows<Cfg::NT_O>(acc_o, alpha);
-                pack_p<T, Cfg::NT_S>(s, pk);
+                pack();
                 mbar_wait(v_full(stage(j)), parity(j));
                 wgmma_fence();
                 issue_pv(stage(j));
                 wgmma_commit();
                 wgmma_wait<0>();
-                fence_regs(o_flat);
+                pv_in();
                 release(v_empty(stage(j)));
             }
         } else if (n_tiles > 0) {
@@ -385,11 +664,12 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             wgmma_commit();
             turn_pass(0 < n_turns);
             wgmma_wait<0>();
-            fence_regs(s_flat);
+            scores_in();
             scores_done(stage(0), n_tiles == 1);
-            softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, 0 >= masked_from, 0, t4, sk,
-                                            row_lo, diag, scale_log2);  // O is 0: no rescale
-            pack_p<T, Cfg::NT_S>(s, pk);
+            softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
+                s, m_run, l_run, alpha, 0 >= masked_from, 0, t4, sk,
+                row_lo, diag, scale_log2);  // O is 0: no rescale
+            pack();
             for (int j = 1; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
                 mbar_wait(v_full(stage(j - 1)), parity(j - 1));
@@ -401,22 +681,23 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 wgmma_commit();
                 turn_pass(j < n_turns);
                 wgmma_wait<1>();  // S_j is in
-                fence_regs(s_flat);
+                scores_in();
                 scores_done(stage(j), j == n_tiles - 1);
-                softmax_step<Cfg::NT_S, CAUSAL>(s, m_run, l_run, alpha, j >= masked_from, j * BN,
-                                                t4, sk, row_lo, diag, scale_log2);
+                softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
+                    s, m_run, l_run, alpha, j >= masked_from, j * BN,
+                    t4, sk, row_lo, diag, scale_log2);
                 wgmma_wait<0>();  // P_{j-1} V_{j-1} is in O
-                fence_regs(o_flat);
+                pv_in();
                 release(v_empty(stage(j - 1)));
                 rescale_rows<Cfg::NT_O>(acc_o, alpha);
-                pack_p<T, Cfg::NT_S>(s, pk);
+                pack();
             }
             mbar_wait(v_full(stage(n_tiles - 1)), parity(n_tiles - 1));
             wgmma_fence();
             issue_pv(stage(n_tiles - 1));
             wgmma_commit();
             wgmma_wait<0>();
-            fence_regs(o_flat);
+            pv_in();
             release(v_empty(stage(n_tiles - 1)));
         }
         if (n_tiles == 0) release(q_empty(wi % QSTAGES));  // (else released with the last S)
@@ -462,16 +743,27 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             if (p.lse != nullptr && t4 == 0 && row < sq)
                 p.lse[bc.b * p.sq + row] = row_lse(m_run[h], l, scale_log2);
             T* dst = o + static_cast<long long>(row) * p.o_sr;
+            if constexpr (F32) {  // 8-byte stores: columns 8 i + 2 t4 (+1); D % 8 == 0
 #pragma unroll
-            for (int c = 0; c < Cfg::NT_O / 4; ++c) {
-                unsigned int w[4];
+                for (int i = 0; i < Cfg::NT_O; ++i) {
+                    const int col = 8 * i + 2 * t4;
+                    if (row < sq && col < d && !((redo >> h) & 1))
+                        *reinterpret_cast<float2*>(dst + col) =
+                            make_float2(acc_o[i][2 * h] * inv, acc_o[i][2 * h + 1] * inv);
+                }
+            } else {
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    w[j] = pack2<T>(acc_o[4 * c + j][2 * h] * inv, acc_o[4 * c + j][2 * h + 1] * inv);
-                quad_transpose(w, t4);  // (all lanes: the shuffles come before the row test)
-                const int col = (4 * c + t4) * 8;  // D % 8 == 0: a chunk is all in or all out
-                if (row < sq && col < d && !((redo >> h) & 1))
-                    *reinterpret_cast<uint4*>(dst + col) = make_uint4(w[0], w[1], w[2], w[3]);
+                for (int c = 0; c < Cfg::NT_O / 4; ++c) {
+                    unsigned int w[4];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        w[j] = pack2<T>(acc_o[4 * c + j][2 * h] * inv,
+                                        acc_o[4 * c + j][2 * h + 1] * inv);
+                    quad_transpose(w, t4);  // (all lanes: the shuffles come before the row test)
+                    const int col = (4 * c + t4) * 8;  // D % 8 == 0: all in or all out
+                    if (row < sq && col < d && !((redo >> h) & 1))
+                        *reinterpret_cast<uint4*>(dst + col) = make_uint4(w[0], w[1], w[2], w[3]);
+                }
             }
         }
         if constexpr (CAUSAL) {

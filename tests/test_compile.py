@@ -125,9 +125,14 @@ def test_missing_family_is_a_clear_error():
         _compile.family_source("does_not_exist")
 
 
-def test_hopper_kernel_uses_tma_and_wgmma():
+@pytest.mark.parametrize("dtype,d,precision", [("float16", 128, "highest"), ("float32", 64, "high"),
+                                               ("float32", 128, "highest")])
+def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision):
     """The sm_90a cubin really holds the Hopper instructions (HGMMA: warpgroup MMA, UTMALDG: TMA
-    loads) and no mma.sync (HMMA), checked on the disassembly when nvdisasm is available."""
+    loads) and no mma.sync (HMMA), checked on the disassembly when nvdisasm is available. The
+    float32 form's warpgroup MMAs are all TF32 (HGMMA.64xNx8.F32.TF32), three per multiply-add
+    step for "highest"."""
+    import re
     import os
     import shutil
     import subprocess
@@ -143,7 +148,7 @@ def test_hopper_kernel_uses_tma_and_wgmma():
             break
     if nvdisasm is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm, in the test extra)")
-    plan = _dispatch.hopper_plan("float16", 128, True, 1024)
+    plan = _dispatch.hopper_plan(dtype, d, True, 1024, precision)
     rep = _compile.compile_report(plan.spec)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
@@ -153,6 +158,16 @@ def test_hopper_kernel_uses_tma_and_wgmma():
                               check=True).stdout
     assert "HGMMA" in sass and "UTMALDG" in sass
     assert "HMMA" not in sass.replace("HGMMA", "")
+    hgmma = re.findall(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32\.?(\w*)", sass)
+    assert hgmma, "no HGMMA with float32 accumulators found"
+    if dtype == "float32":
+        assert all(k == "8" and t == "TF32" for _, _, k, t in hgmma), sorted(set(hgmma))
+        # one wgmma per k8 step of each product and term: S over D / 8 steps, P V over BN / 8
+        terms = 3 if precision == "highest" else 1
+        per_tile = terms * (d // 8 + plan.block_n // 8)
+        assert len(hgmma) % per_tile == 0, (len(hgmma), per_tile)
+    else:
+        assert all(t in ("F16", "") for _, _, _, t in hgmma), sorted(set(hgmma))
 
 
 def test_wgmma_header_is_current():

@@ -1,5 +1,7 @@
-"""GPU tests of float32 on the tensor cores (attn_mma.cu with T = float): the float32-accurate
-split-precision mode (precision="highest", the default) and the one-pass TF32 mode ("high"),
+"""GPU tests of float32 on the tensor cores (attn_mma.cu with T = float, and on compute capability
+9.0 attn_wgmma.cu with T = float, which kernel="auto" takes there for 64 <= D <= 128, D % 8 == 0):
+the float32-accurate split-precision mode (precision="highest", the default) and the one-pass TF32
+mode ("high"),
 against the float64 reference under the project's pass rule (for "high" the naive counterpart is
 the one-pass TF32 matmul -> softmax -> matmul). Fresh random inputs, NaN-poisoned outputs, tails,
 Sq != Sk, causal, broadcast batch axes, strided views, both epilogues. Skipped without a GPU."""
@@ -38,6 +40,28 @@ def _tc_dims(precision):
     return _dispatch.f32_head_dims(precision, int(cupy().cuda.Device().compute_capability))
 
 
+def _hopper_f32(d, precision):
+    """kernel="auto" takes the Hopper (wgmma) float32 form for this head dim on this GPU."""
+    cc = int(cupy().cuda.Device().compute_capability)
+    dims = [dp for dp, mode in _dispatch.HOPPER_F32_TABLE if mode == precision]
+    return cc == 90 and bool(dims) and 64 <= d <= max(dims) and d % 8 == 0
+
+
+def _auto_label(d, precision):
+    """The label prefix kernel="auto" gives float32 inputs of head dim d (tensor-core sizes)."""
+    mode = "3xtf32" if precision == "highest" else "tf32"
+    kind = "hopper" if _hopper_f32(d, precision) else "tensorcore"
+    return f"{kind}<float32,{mode},"
+
+
+def _needs_hopper(d=64, precision="highest"):
+    cc = _needs_tensorcores()
+    if cc != 90:
+        pytest.skip(f"the Hopper float32 kernel needs compute capability 9.0 (this GPU: {cc})")
+    if not _hopper_f32(d, precision):
+        pytest.skip(f"_dispatch.HOPPER_F32_TABLE has no precision={precision!r} form for D={d}")
+
+
 def _lse_tol(q, k, scale, precision):
     """lse bound: the audit's float32 rule, plus for "high" the one-pass TF32 score error
     2 u_tf32 |scale| max||q_i|| max||k_j|| (cuflash._audit._lse_extra)."""
@@ -66,19 +90,26 @@ def _check(o, lse, q, k, v, *, causal, scale, precision, ref=None):
                                    lse_tol=_lse_tol(q, k, scale, precision))
 
 
+@pytest.mark.parametrize("kernel", ["auto", "tensorcore"])
 @pytest.mark.parametrize("precision", MODES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", SHAPES)
-def test_matches_reference(sq, sk, causal, precision):
+def test_matches_reference(sq, sk, causal, precision, kernel):
+    """kernel="auto" (the Hopper kernel on an H200 where it qualifies) and the mma.sync kernel."""
     _needs_tensorcores()
     d = [64, 128, 96, 32][(sq + sk) % 4]
     batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
-    q, k, v = random_inputs(_rng("f32", sq, sk, causal, precision), batch, batch, sq, sk, d, d,
-                            "float32")
-    o, lse, label = _run(q, k, v, causal=causal, precision=precision)
+    q, k, v = random_inputs(_rng("f32", sq, sk, causal, precision, kernel), batch, batch, sq, sk,
+                            d, d, "float32")
+    if kernel == "tensorcore" and d > max(_tc_dims(precision), default=0):
+        pytest.skip(f"precision={precision!r} takes D <= {max(_tc_dims(precision), default=0)} "
+                    "on this GPU's mma.sync kernel")
+    o, lse, label = _run(q, k, v, causal=causal, precision=precision, kernel=kernel)
     mode = "3xtf32" if precision == "highest" else "tf32"
-    if d <= max(_tc_dims(precision), default=0):
+    if kernel == "tensorcore":
         assert label.startswith(f"tensorcore<float32,{mode},"), label
+    elif d <= max(_tc_dims(precision), default=0) or _hopper_f32(d, precision):
+        assert label.startswith(_auto_label(d, precision)), label
     _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
 
 
@@ -92,7 +123,9 @@ def test_head_dims(d, causal, precision):
     q, k, v = random_inputs(_rng("f32hd", d, causal, precision), (2,), (2,), 113, 200, d, d,
                             "float32")
     o, lse, label = _run(q, k, v, causal=causal, precision=precision)
-    if d > max(_tc_dims(precision), default=0):
+    if _hopper_f32(d, precision):
+        assert label.startswith(_auto_label(d, precision)), label
+    elif d > max(_tc_dims(precision), default=0):
         assert label.startswith("generic<float32"), label
     else:
         assert label.startswith("tensorcore<float32"), label
@@ -159,8 +192,8 @@ def test_large_scores_and_long_keys(d, scale):
     v = reference.round_to(rng.standard_normal((1, 2, sk, d)), "float32")
     sc = 1 / math.sqrt(d) if scale is None else scale
     o, lse, label = _run(q, k, v, causal=False, precision="highest", scale=sc)
-    if d <= max(_tc_dims("highest"), default=0):
-        assert label.startswith("tensorcore<float32,3xtf32"), label
+    if d <= max(_tc_dims("highest"), default=0) or _hopper_f32(d, "highest"):
+        assert label.startswith(_auto_label(d, "highest")), label
     err, naive = _check(o, lse, q, k, v, causal=False, scale=sc, precision="highest")
     print(f"D={d} scale={sc}: max err {err:.3e}, naive float32 {naive:.3e}")
 
@@ -232,6 +265,81 @@ def test_one_pass_tf32_takes_every_rescale():
     cases += [_rng("f32tail", i) for i in range(4)]
     for rng in cases:
         q, k, v = random_inputs(rng, (2,), (2,), 113, 200, 100, 100, "float32")
-        o, lse, label = _run(q, k, v, causal=False, precision="high")
+        o, lse, label = _run(q, k, v, causal=False, precision="high", kernel="tensorcore")
         assert label.startswith("tensorcore<float32,tf32"), label
         _check(o, lse, q, k, v, causal=False, scale=0.1, precision="high")
+
+
+# ------------------------------------------------------------------------------------------------
+# The Hopper float32 form (attn_wgmma.cu, T = float; notes/FLOAT32.md, "Hopper wgmma form"),
+# forced with kernel="hopper"; skipped on GPUs other than compute capability 9.0.
+# ------------------------------------------------------------------------------------------------
+
+HOPPER_SHAPES = [(1, 1), (7, 7), (113, 113), (1000, 1000), (1, 1000), (1000, 7), (113, 1000),
+                 (257, 64), (300, 2048)]
+
+
+@pytest.mark.parametrize("precision", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 96, 72])
+@pytest.mark.parametrize("sq,sk", HOPPER_SHAPES)
+def test_hopper_float32(sq, sk, d, causal, precision):
+    """Tails (1, 7, 113, 1000), Sq != Sk both ways, zero-padded head dims (72, 96), both masks,
+    both modes; the label names the form."""
+    _needs_hopper(d, precision)
+    batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
+    q, k, v = random_inputs(_rng("f32hopper", sq, sk, d, causal, precision), batch, batch, sq,
+                            sk, d, d, "float32")
+    o, lse, label = _run(q, k, v, causal=causal, precision=precision, kernel="hopper")
+    mode = "3xtf32" if precision == "highest" else "tf32"
+    assert label.startswith(f"hopper<float32,{mode},"), label
+    _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
+
+
+@pytest.mark.parametrize("precision", MODES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_float32_persistent_broadcast(d, precision):
+    """More work items than SMs (the persistent loop over items, causal pairs), a broadcast
+    key/value head axis (multi-query), a non-default scale."""
+    _needs_hopper(d, precision)
+    q, k, v = random_inputs(_rng("f32hpers", d, precision), (4, 8), (4, 1), 1000, 777, d, d,
+                            "float32")
+    for causal in (False, True):
+        o, lse, label = _run(q, k, v, causal=causal, precision=precision, scale=0.3,
+                             kernel="hopper")
+        assert "persistent" in label, label
+        _check(o, lse, q, k, v, causal=causal, scale=0.3, precision=precision)
+
+
+@pytest.mark.parametrize("precision", MODES)
+def test_hopper_float32_strided_view(precision):
+    """A (B, S, H, D) buffer passed as a (B, H, S, D) view: the tensor maps take its strides."""
+    _needs_hopper(128, precision)
+    cp = cupy()
+    rng = _rng("f32hbshd", precision)
+    B, S, H, D = 2, 300, 4, 128
+    x = [reference.round_to(rng.standard_normal((B, S, H, D)), "float32") for _ in range(3)]
+    views = [cp.asarray(a.astype(np.float32)).transpose(0, 2, 1, 3) for a in x]
+    out = poisoned((B, H, S, D), "float32")
+    lse = poisoned((B, H, S), "float32")
+    label = cuflash.dispatch_info(*views, causal=True, precision=precision)
+    assert label.startswith(_auto_label(D, precision)), label
+    cuflash.attention(*views, causal=True, out=(out, lse), return_lse=True, precision=precision)
+    ref_in = [a.transpose(0, 2, 1, 3) for a in x]
+    _check(out, lse, *ref_in, causal=True, scale=1 / math.sqrt(D), precision=precision)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sk", [64, 113, 128])
+def test_short_rows_hopper(sk, d):
+    """Single query rows over one or two key tiles in the float32-accurate mode, 6 fresh seeds
+    each (the shapes that exposed the truncating accumulator on the mma.sync kernel)."""
+    _needs_hopper(d, "highest")
+    for seed in range(6):
+        kv = (2, 4) if seed % 2 == 0 else (2, 1)
+        q, k, v = random_inputs(_rng("f32hshort", sk, d, seed), (2, 4), kv, 1, sk, d, d,
+                                "float32")
+        o, lse, label = _run(q, k, v, causal=seed % 3 == 2, precision="highest", kernel="hopper")
+        assert label.startswith("hopper<float32,3xtf32"), label
+        _check(o, lse, q, k, v, causal=seed % 3 == 2, scale=1 / math.sqrt(d),
+               precision="highest")

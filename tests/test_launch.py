@@ -98,3 +98,56 @@ def test_repeated_call_reuses_parameters(launches):
     _launch.launch_forward(plan, prob, o2, None, ATTRS)
     assert len(launches["maps"]) == 6
     assert int(launches["launches"][2][2]["o"]) == 9 << 20
+
+
+@pytest.mark.parametrize("precision,terms", [("highest", 3), ("high", 1)])
+@pytest.mark.parametrize("D", [64, 128, 96])
+def test_hopper_float32_maps_and_plan(launches, D, precision, terms):
+    """float32 on the Hopper kernel: boxes of 32 columns (128 bytes: the 128-byte swizzle), the
+    precision's TERMS in the instantiation and the label, shared memory within one block's."""
+    B, H, S = 2, 4, 300
+    st = (H * S * D, S * D, D, 1)
+    q, k, v, o = (FakeArray((B, H, S, D), st, (i + 1) << 20, itemsize=4) for i in range(4))
+    plan = _dispatch.hopper_plan("float32", D, True, S, precision)
+    dpad = 64 if D <= 64 else 128
+    mode = "3xtf32" if terms == 3 else "tf32"
+    assert plan.spec.name.startswith(f"cuflash::cuflash_fwd_wgmma<float, {terms}, {dpad}, ")
+    assert plan.label.startswith(f"hopper<float32,{mode},D{dpad},"), plan.label
+    assert plan.smem_bytes <= ATTRS["max_smem_optin"]
+    prob = _problem(q, k, v, (B, H), S, S, D)
+    prob.dtype_name = "float32"
+    _launch.launch_forward(plan, prob, o, None, ATTRS)
+    qm, km, vm = launches["maps"]
+    assert qm[3] == [32, plan.block_m, 1, 1, 1]
+    assert km[3] == vm[3] == [32, plan.block_n, 1, 1, 1]
+    assert qm[2][0] == D * 4
+    assert launches["launches"][0][3] == plan.smem_bytes
+
+
+def test_float32_dispatch_on_hopper(monkeypatch):
+    """kernel="auto" takes the Hopper float32 form on compute capability 9.0 for 64 <= D <= 128
+    (D % 8 == 0), with the precision's TERMS; kernel="tensorcore" keeps the mma.sync kernel, and
+    sm_80 never sees the Hopper form."""
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    B, H, S = 1, 2, 256
+
+    def prob(d, kernel="auto", precision="highest"):
+        x = FakeArray((B, H, S, d), (H * S * d, S * d, d, 1), 1 << 20, itemsize=4)
+        return types.SimpleNamespace(q=x, k=x, v=x, out=None, backend="gpu", kernel=kernel,
+                                     dtype_name="float32", d=d, dv=d, sq=S, sk=S, scale=0.125,
+                                     precision=precision, causal=False, variant=None)
+
+    for precision, mode in (("highest", "3xtf32"), ("high", "tf32")):
+        for d in (64, 96, 128):
+            plan = _dispatch.plan_for(prob(d, precision=precision), 90)
+            assert plan.label.startswith(f"hopper<float32,{mode},"), plan.label
+            assert plan.spec.family == "attn_wgmma"
+            tc = _dispatch.plan_for(prob(d, "tensorcore", precision), 90)
+            assert tc.label.startswith(f"tensorcore<float32,{mode},"), tc.label
+            assert not _dispatch.plan_for(prob(d, precision=precision), 80).label.startswith(
+                "hopper")
+        for d in (32, 100):  # below 64, or not a multiple of 8: the mma.sync kernel
+            assert _dispatch.plan_for(prob(d, precision=precision), 90).label.startswith(
+                "tensorcore<float32"), d
+    with pytest.raises(ValueError, match="kernel='hopper'.*head dims from 64 to 128"):
+        _dispatch.plan_for(prob(160, "hopper"), 90)
