@@ -241,32 +241,46 @@ def _capturing(stream):
         return True
 
 
-def _kept_workspace(nbytes, device_id, stream):
-    """A uint8 CuPy array of `nbytes` that the caller keeps for as long as its command buffers
-    may replay (never returned to the pool). Under stream capture the allocation runs on a
-    helper thread: XLA captures in thread-local mode, where cudaMalloc on the capturing thread
-    would invalidate the capture."""
+def _gpu_call(fn, device_id, stream, cmdbuf, prepare=None):
+    """Run `fn()` (cuflash calls) on XLA's `stream` as CuPy's current stream.
+
+    Without command buffers: inline. With them (``command_buffer=True``): `prepare()` (if any)
+    first, then `fn()` with CuPy's allocator replaced by one that raises (`_forbid_pool`);
+    and when XLA is tracing (`stream` is being captured) both run on a helper thread, which
+    enqueues onto the captured stream like the callback would (the capture records work from
+    any thread) but is itself outside the capture: XLA captures in thread-local mode, where
+    the first call's host work (compiling and loading the kernels through NVRTC and the
+    driver, allocating a kept workspace) on the capturing thread could invalidate it."""
     cupy = _cupy()
-    box = []
 
-    def alloc():
+    def run():
+        with cupy.cuda.Device(device_id), cupy.cuda.ExternalStream(stream, device_id):
+            if not cmdbuf:
+                fn()
+                return
+            if prepare is not None:
+                prepare()
+            with cupy.cuda.using_allocator(_forbid_pool):
+                fn()
+
+    if not (cmdbuf and _capturing(stream)):
+        run()
+        return
+    import threading
+
+    err = []
+
+    def target():
         try:
-            with cupy.cuda.Device(device_id):
-                box.append(cupy.empty(nbytes, dtype=cupy.uint8))
-        except Exception as exc:  # re-raised on the callback's thread
-            box.append(exc)
+            run()
+        except BaseException as exc:  # re-raised on XLA's thread
+            err.append(exc)
 
-    if _capturing(stream):
-        import threading
-
-        t = threading.Thread(target=alloc, name="cuflash-jax-workspace")
-        t.start()
-        t.join()
-    else:
-        alloc()
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
+    t = threading.Thread(target=target, name="cuflash-jax-capture")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
 
 
 def _fwd_callback(cfg, with_lse):
@@ -306,20 +320,20 @@ def _fwd_callback(cfg, with_lse):
         if stream is None:
             _api.attention(qv, kv, vv, **kw)
             return
-        cupy = _cupy()
         # Copies cuflash may make (batch axes that do not merge, as vmap over some arguments
         # with grouped heads gives) must run on XLA's stream too, and come from its pool arena.
-        with cupy.cuda.ExternalStream(stream):
-            if not cmdbuf:
-                _api.attention(qv, kv, vv, stream=stream, **kw)
-            else:
-                if sig not in kept:
-                    need = _api.attention_workspace_size(
-                        qv, kv, vv, causal=causal, return_lse=with_lse, out=res, kernel=kernel,
-                        precision=precision)
-                    kept[sig] = _kept_workspace(need, dev[1], stream) if need else None
-                with cupy.cuda.using_allocator(_forbid_pool):
-                    _api.attention(qv, kv, vv, stream=stream, workspace=kept[sig], **kw)
+        def prepare():
+            if sig not in kept:
+                need = _api.attention_workspace_size(
+                    qv, kv, vv, causal=causal, return_lse=with_lse, out=res, kernel=kernel,
+                    precision=precision)
+                kept[sig] = _cupy().empty(need, dtype=np.uint8) if need else None
+
+        def call():
+            ws = kept[sig] if cmdbuf else None
+            _api.attention(qv, kv, vv, stream=stream, workspace=ws, **kw)
+
+        _gpu_call(call, dev[1], stream, cmdbuf, prepare)
         rec = _callcache.lookup(_callcache.signature(qv, kv, vv, causal, scale, with_lse, res,
                                                      kernel, precision))
         if rec is not None:
@@ -396,15 +410,11 @@ def _bwd_callback(cfg):
             return
         # The workspace is XLA's (out[3]). Temporaries of the rare layouts that need them come
         # from CuPy's pool, which hands a freed block only to later work on the stream it was
-        # allocated under: make that XLA's stream (and forbid them under command buffers).
-        with xp.cuda.ExternalStream(stream):
-            ws = _workspace_view(out[3])
-            if not cmdbuf:
-                _api.attention_backward(dov, *xs, ov, lsev, stream=stream, workspace=ws, **kw)
-            else:
-                with xp.cuda.using_allocator(_forbid_pool):
-                    _api.attention_backward(dov, *xs, ov, lsev, stream=stream, workspace=ws,
-                                            **kw)
+        # allocated under: XLA's stream (command_buffer=True forbids them, _gpu_call).
+        ws = _workspace_view(out[3])
+        _gpu_call(lambda: _api.attention_backward(dov, *xs, ov, lsev, stream=stream,
+                                                  workspace=ws, **kw),
+                  q.__dlpack_device__()[1], stream, cmdbuf)
     return callback
 
 
