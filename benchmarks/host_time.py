@@ -8,7 +8,13 @@ launch. All rows run in this one process, back to back:
 - cuflash on torch tensors (DLPack/CUDA array interface), and torch's SDPA on the same tensors;
 - JAX, each inside one ``jax.jit``-compiled function called N times: ``cuflash.jax.attention``,
   an empty ``buffer_callback`` with the same operands (the floor of that route), and
-  ``jax.nn.dot_product_attention(implementation="cudnn")``.
+  ``jax.nn.dot_product_attention(implementation="cudnn")``;
+- the same JAX calls of cuflash and of the empty callback with XLA command buffers (CUDA
+  graphs) on: ``cuflash.jax.attention(..., command_buffer=True)`` and an empty
+  ``buffer_callback(..., command_buffer_compatible=True)``, in a child process started with
+  ``XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL
+  --xla_gpu_graph_min_graph_size=1`` (XLA reads its flags once, when JAX starts). A replayed
+  call runs no Python callback at all.
 
 Peers that are not installed are skipped (and say why). Targets (issue 13): <= 10 us for CuPy
 with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty buffer_callback.
@@ -16,7 +22,10 @@ with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty bu
     python benchmarks/host_time.py [--calls 2000] [--s 16] [--d 64] [--dtype float16]
 """
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 
 # CuPy, torch and JAX share the GPU in this process: JAX must not take 75% of it at start.
@@ -101,17 +110,66 @@ def jax_rows(args):
     return rows
 
 
+#: What a user sets to let XLA put cuflash's callbacks into command buffers (notes/JAX.md).
+CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+
+def jax_cmdbuf_child(args):
+    """The command-buffer rows, in this (child) process started with CMDBUF_FLAGS."""
+    import jax
+    from jax.experimental.buffer_callback import buffer_callback
+
+    import cuflash.jax as cj
+
+    if jax.default_backend() != "gpu":
+        raise RuntimeError(f"JAX's default backend is {jax.default_backend()}, not a GPU")
+    shape = (1, args.s, 1, args.d)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(kk, shape, dtype=args.dtype) for kk in keys)
+    res = {}
+
+    def call(f):
+        def run():
+            res["o"] = f(q, k, v)
+        return run
+
+    sync = lambda: jax.block_until_ready(res["o"])  # noqa: E731
+    f = jax.jit(lambda q, k, v: cj.attention(q, k, v, command_buffer=True))
+    empty = buffer_callback(lambda ctx, out, *a: None, jax.ShapeDtypeStruct(shape, q.dtype),
+                            command_buffer_compatible=True)
+    g = jax.jit(lambda q, k, v: empty(q, k, v))
+    return [("JAX jit, command buffers: cuflash.jax.attention(command_buffer=True)",
+             _time(call(f), sync, args.calls)),
+            ("JAX jit, command buffers: empty buffer_callback", _time(call(g), sync, args.calls))]
+
+
+def jax_cmdbuf_rows(args):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + CMDBUF_FLAGS).strip()
+    cmd = [sys.executable, os.path.abspath(__file__), "--jax-cmdbuf-child", "--calls",
+           str(args.calls), "--s", str(args.s), "--d", str(args.d), "--dtype", args.dtype]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+    return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--s", type=int, default=16)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--jax-cmdbuf-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.jax_cmdbuf_child:
+        print(json.dumps(jax_cmdbuf_child(args)))
+        return
     print(f"host time per call, {args.calls} calls, (1, 1, {args.s}, {args.d}) {args.dtype}, "
           "one sync at the end")
     rows = []
-    for name, fn in (("CuPy", cupy_rows), ("torch", torch_rows), ("JAX", jax_rows)):
+    for name, fn in (("CuPy", cupy_rows), ("torch", torch_rows), ("JAX", jax_rows),
+                     ("JAX command-buffer", jax_cmdbuf_rows)):
         try:
             rows += fn(args)
         except Exception as exc:  # a peer that is missing or has no GPU here

@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import cuflash.jax as cj  # noqa: E402
 import test_jax as tj  # noqa: E402  (its checks: float64 reference, pass rules)
