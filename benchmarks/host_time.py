@@ -74,52 +74,9 @@ def torch_rows(args):
              _time(lambda: F.scaled_dot_product_attention(q, k, v), sync, args.calls))]
 
 
-def jax_rows(args):
+def _jax_setup(args):
+    """q, k, v (JAX layout (B, S, H, D)) and the timing helpers of the JAX rows."""
     import jax
-    import jax.numpy as jnp
-    from jax.experimental.buffer_callback import buffer_callback
-
-    import cuflash.jax as cj
-
-    if jax.default_backend() != "gpu":
-        raise RuntimeError(f"JAX's default backend is {jax.default_backend()}, not a GPU")
-    shape = (1, args.s, 1, args.d)  # JAX layout (B, S, H, D)
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(kk, shape, dtype=args.dtype) for kk in keys)
-    rows = []
-    res = {}
-
-    def call(f):
-        def run():
-            res["o"] = f(q, k, v)
-        return run
-
-    sync = lambda: jax.block_until_ready(res["o"])  # noqa: E731
-    f = jax.jit(lambda q, k, v: cj.attention(q, k, v))
-    rows.append(("JAX jit: cuflash.jax.attention", _time(call(f), sync, args.calls)))
-    empty = buffer_callback(lambda ctx, out, *a: None, jax.ShapeDtypeStruct(shape, q.dtype))
-    g = jax.jit(lambda q, k, v: empty(q, k, v))
-    rows.append(("JAX jit: empty buffer_callback", _time(call(g), sync, args.calls)))
-    try:
-        h = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
-                                                                 implementation="cudnn"))
-        rows.append(("JAX jit: dot_product_attention cudnn", _time(call(h), sync, args.calls)))
-    except Exception as exc:  # cuDNN attention unavailable for this dtype/shape/version
-        rows.append(("JAX jit: dot_product_attention cudnn", f"skipped: {type(exc).__name__}: "
-                     f"{str(exc).splitlines()[0][:80]}"))
-    return rows
-
-
-#: What a user sets to let XLA put cuflash's callbacks into command buffers (notes/JAX.md).
-CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-
-
-def jax_cmdbuf_child(args):
-    """The command-buffer rows, in this (child) process started with CMDBUF_FLAGS."""
-    import jax
-    from jax.experimental.buffer_callback import buffer_callback
-
-    import cuflash.jax as cj
 
     if jax.default_backend() != "gpu":
         raise RuntimeError(f"JAX's default backend is {jax.default_backend()}, not a GPU")
@@ -128,19 +85,49 @@ def jax_cmdbuf_child(args):
     q, k, v = (jax.random.normal(kk, shape, dtype=args.dtype) for kk in keys)
     res = {}
 
-    def call(f):
+    def timed(f):
         def run():
             res["o"] = f(q, k, v)
-        return run
+        return _time(run, lambda: jax.block_until_ready(res["o"]), args.calls)
+    return q, k, v, timed
 
-    sync = lambda: jax.block_until_ready(res["o"])  # noqa: E731
-    f = jax.jit(lambda q, k, v: cj.attention(q, k, v, command_buffer=True))
-    empty = buffer_callback(lambda ctx, out, *a: None, jax.ShapeDtypeStruct(shape, q.dtype),
-                            command_buffer_compatible=True)
-    g = jax.jit(lambda q, k, v: empty(q, k, v))
-    return [("JAX jit, command buffers: cuflash.jax.attention(command_buffer=True)",
-             _time(call(f), sync, args.calls)),
-            ("JAX jit, command buffers: empty buffer_callback", _time(call(g), sync, args.calls))]
+
+def _jax_callback_rows(args, cmdbuf):
+    """cuflash.jax.attention and an empty buffer_callback with the same operands, jitted;
+    `cmdbuf`: both command-buffer compatible (the process must run with CMDBUF_FLAGS)."""
+    import jax
+    from jax.experimental.buffer_callback import buffer_callback
+
+    import cuflash.jax as cj
+
+    q, k, v, timed = _jax_setup(args)
+    empty = buffer_callback(lambda ctx, out, *a: None, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            command_buffer_compatible=cmdbuf)
+    name = ("JAX jit, command buffers: cuflash.jax.attention(command_buffer=True)" if cmdbuf
+            else "JAX jit: cuflash.jax.attention")
+    prefix = "JAX jit, command buffers:" if cmdbuf else "JAX jit:"
+    return [(name, timed(jax.jit(lambda q, k, v: cj.attention(q, k, v,
+                                                              command_buffer=cmdbuf)))),
+            (f"{prefix} empty buffer_callback", timed(jax.jit(lambda q, k, v: empty(q, k, v))))]
+
+
+def jax_rows(args):
+    import jax
+
+    rows = _jax_callback_rows(args, False)
+    _, _, _, timed = _jax_setup(args)
+    try:
+        h = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                                 implementation="cudnn"))
+        rows.append(("JAX jit: dot_product_attention cudnn", timed(h)))
+    except Exception as exc:  # cuDNN attention unavailable for this dtype/shape/version
+        rows.append(("JAX jit: dot_product_attention cudnn", f"skipped: {type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0][:80]}"))
+    return rows
+
+
+#: What a user sets to let XLA put cuflash's callbacks into command buffers (notes/JAX.md).
+CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 
 def jax_cmdbuf_rows(args):
@@ -163,7 +150,7 @@ def main():
     ap.add_argument("--jax-cmdbuf-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.jax_cmdbuf_child:
-        print(json.dumps(jax_cmdbuf_child(args)))
+        print(json.dumps(_jax_callback_rows(args, True)))
         return
     print(f"host time per call, {args.calls} calls, (1, 1, {args.s}, {args.d}) {args.dtype}, "
           "one sync at the end")
