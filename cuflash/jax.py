@@ -18,7 +18,9 @@ On the CPU the same callback views the buffers as NumPy arrays and runs cuflash'
 Gradients: ``jax.custom_vjp``, the forward saving ``o`` and ``lse``, the backward one more
 buffer callback onto `cuflash.attention_backward`. ``vmap``: the callback is batched with
 ``vmap_method="expand_dims"`` (the mapped axes become leading batch axes, which cuflash accepts
-and broadcasts).
+and broadcasts). The backward's workspace is one more output of its callback (XLA's memory).
+``command_buffer=True``: the callbacks are command-buffer compatible, so XLA may capture them
+into CUDA graphs and replay them without Python (notes/JAX.md, "Command buffers").
 """
 from __future__ import annotations
 
