@@ -125,9 +125,17 @@ def _run_check(tmp_path, mode):
 
 
 def _in_command_buffer(comps, target):
+    """(computations holding the custom call `target` that are command buffers, all that hold
+    it). XLA's command-buffer scheduling moves each captured run of commands into a
+    computation named ``command_buffer...``, called from the schedule; a computation counts as
+    one when its name says so or a ``call`` that names it does."""
     pat = f'custom_call_target="{target}"'
-    inside = [n for n, b in comps.items() if pat in b and "command_buffer" in n.split(":")[1]]
     anywhere = [n for n, b in comps.items() if pat in b]
+    calls = [ln for b in comps.values() for ln in b.splitlines()
+             if "command_buffer" in ln and "to_apply=" in ln]
+    inside = [n for n in anywhere if "command_buffer" in n.split(":", 1)[1]
+              or any(re.search(r"to_apply=%?" + re.escape(n.split(":", 1)[1]) + r"\b", ln)
+                     for ln in calls)]
     return inside, anywhere
 
 
