@@ -82,8 +82,9 @@ def attention(q, k, v, *, causal=False, scale=None, precision=None, return_lse=F
         notes/JAX.md). While compatible, a callback queues only kernels on XLA's stream and
         takes no memory from CuPy's pool: the backward's workspace is an XLA buffer, the
         decode kernel's split partials a buffer kept per signature; layouts that would need
-        temporaries (more than three batch axes that no stride pattern merges) raise
-        RuntimeError when the callback runs. No effect on the CPU.
+        temporaries (more than three batch axes that no stride pattern merges; in the backward
+        also k and v broadcast along different batch axes) raise RuntimeError when the
+        callback runs. No effect on the CPU.
 
     Returns
     -------
@@ -226,10 +227,14 @@ def _lse_view(x, hk):
 def _forbid_pool(nbytes):
     """CuPy allocator inside a command-buffer-compatible callback: memory from CuPy's pool goes
     back to it when the callback returns, while XLA's replays of the captured kernels still
-    use it."""
+    use it. (Empty allocations hold no memory and are allowed.)"""
+    if nbytes == 0:
+        mem = _cupy().cuda.memory
+        return mem.MemoryPointer(mem.Memory(0), 0)
     raise RuntimeError(
         f"cuflash.jax.attention(command_buffer=True): this call needs {nbytes} bytes of "
-        "temporaries from CuPy's memory pool (inputs whose batch axes no stride pattern merges, "
+        "temporaries from CuPy's memory pool (inputs whose batch axes no stride pattern "
+        "merges; in the backward also k and v broadcast along different batch axes: "
         "notes/JAX.md), which a replayed XLA command buffer would use after the pool handed "
         "them on; call it with command_buffer=False")
 
