@@ -8,7 +8,13 @@ launch. All rows run in this one process, back to back:
 - cuflash on torch tensors (DLPack/CUDA array interface), and torch's SDPA on the same tensors;
 - JAX, each inside one ``jax.jit``-compiled function called N times: ``cuflash.jax.attention``,
   an empty ``buffer_callback`` with the same operands (the floor of that route), and
-  ``jax.nn.dot_product_attention(implementation="cudnn")``.
+  ``jax.nn.dot_product_attention(implementation="cudnn")``;
+- the same JAX calls of cuflash and of the empty callback with XLA command buffers (CUDA
+  graphs) on: ``cuflash.jax.attention(..., command_buffer=True)`` and an empty
+  ``buffer_callback(..., command_buffer_compatible=True)``, in a child process started with
+  ``XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL
+  --xla_gpu_graph_min_graph_size=1`` (XLA reads its flags once, when JAX starts). A replayed
+  call runs no Python callback at all.
 
 Peers that are not installed are skipped (and say why). Targets (issue 13): <= 10 us for CuPy
 with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty buffer_callback.
@@ -16,7 +22,10 @@ with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty bu
     python benchmarks/host_time.py [--calls 2000] [--s 16] [--d 64] [--dtype float16]
 """
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 
 # CuPy, torch and JAX share the GPU in this process: JAX must not take 75% of it at start.
@@ -65,40 +74,71 @@ def torch_rows(args):
              _time(lambda: F.scaled_dot_product_attention(q, k, v), sync, args.calls))]
 
 
-def jax_rows(args):
+def _jax_setup(args):
+    """q, k, v (JAX layout (B, S, H, D)) and the timing helpers of the JAX rows."""
     import jax
-    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        raise RuntimeError(f"JAX's default backend is {jax.default_backend()}, not a GPU")
+    shape = (1, args.s, 1, args.d)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(kk, shape, dtype=args.dtype) for kk in keys)
+    res = {}
+
+    def timed(f):
+        def run():
+            res["o"] = f(q, k, v)
+        return _time(run, lambda: jax.block_until_ready(res["o"]), args.calls)
+    return q, k, v, timed
+
+
+def _jax_callback_rows(args, cmdbuf):
+    """cuflash.jax.attention and an empty buffer_callback with the same operands, jitted;
+    `cmdbuf`: both command-buffer compatible (the process must run with CMDBUF_FLAGS)."""
+    import jax
     from jax.experimental.buffer_callback import buffer_callback
 
     import cuflash.jax as cj
 
-    if jax.default_backend() != "gpu":
-        raise RuntimeError(f"JAX's default backend is {jax.default_backend()}, not a GPU")
-    shape = (1, args.s, 1, args.d)  # JAX layout (B, S, H, D)
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(kk, shape, dtype=args.dtype) for kk in keys)
-    rows = []
-    res = {}
+    q, k, v, timed = _jax_setup(args)
+    empty = buffer_callback(lambda ctx, out, *a: None, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            command_buffer_compatible=cmdbuf)
+    name = ("JAX jit, command buffers: cuflash.jax.attention(command_buffer=True)" if cmdbuf
+            else "JAX jit: cuflash.jax.attention")
+    prefix = "JAX jit, command buffers:" if cmdbuf else "JAX jit:"
+    return [(name, timed(jax.jit(lambda q, k, v: cj.attention(q, k, v,
+                                                              command_buffer=cmdbuf)))),
+            (f"{prefix} empty buffer_callback", timed(jax.jit(lambda q, k, v: empty(q, k, v))))]
 
-    def call(f):
-        def run():
-            res["o"] = f(q, k, v)
-        return run
 
-    sync = lambda: jax.block_until_ready(res["o"])  # noqa: E731
-    f = jax.jit(lambda q, k, v: cj.attention(q, k, v))
-    rows.append(("JAX jit: cuflash.jax.attention", _time(call(f), sync, args.calls)))
-    empty = buffer_callback(lambda ctx, out, *a: None, jax.ShapeDtypeStruct(shape, q.dtype))
-    g = jax.jit(lambda q, k, v: empty(q, k, v))
-    rows.append(("JAX jit: empty buffer_callback", _time(call(g), sync, args.calls)))
+def jax_rows(args):
+    import jax
+
+    rows = _jax_callback_rows(args, False)
+    _, _, _, timed = _jax_setup(args)
     try:
         h = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                                  implementation="cudnn"))
-        rows.append(("JAX jit: dot_product_attention cudnn", _time(call(h), sync, args.calls)))
+        rows.append(("JAX jit: dot_product_attention cudnn", timed(h)))
     except Exception as exc:  # cuDNN attention unavailable for this dtype/shape/version
         rows.append(("JAX jit: dot_product_attention cudnn", f"skipped: {type(exc).__name__}: "
                      f"{str(exc).splitlines()[0][:80]}"))
     return rows
+
+
+#: What a user sets to let XLA put cuflash's callbacks into command buffers (notes/JAX.md).
+CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+
+def jax_cmdbuf_rows(args):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + CMDBUF_FLAGS).strip()
+    cmd = [sys.executable, os.path.abspath(__file__), "--jax-cmdbuf-child", "--calls",
+           str(args.calls), "--s", str(args.s), "--d", str(args.d), "--dtype", args.dtype]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+    return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 def main():
@@ -107,11 +147,16 @@ def main():
     ap.add_argument("--s", type=int, default=16)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--jax-cmdbuf-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.jax_cmdbuf_child:
+        print(json.dumps(_jax_callback_rows(args, True)))
+        return
     print(f"host time per call, {args.calls} calls, (1, 1, {args.s}, {args.d}) {args.dtype}, "
           "one sync at the end")
     rows = []
-    for name, fn in (("CuPy", cupy_rows), ("torch", torch_rows), ("JAX", jax_rows)):
+    for name, fn in (("CuPy", cupy_rows), ("torch", torch_rows), ("JAX", jax_rows),
+                     ("JAX command-buffer", jax_cmdbuf_rows)):
         try:
             rows += fn(args)
         except Exception as exc:  # a peer that is missing or has no GPU here

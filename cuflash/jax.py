@@ -18,7 +18,9 @@ On the CPU the same callback views the buffers as NumPy arrays and runs cuflash'
 Gradients: ``jax.custom_vjp``, the forward saving ``o`` and ``lse``, the backward one more
 buffer callback onto `cuflash.attention_backward`. ``vmap``: the callback is batched with
 ``vmap_method="expand_dims"`` (the mapped axes become leading batch axes, which cuflash accepts
-and broadcasts).
+and broadcasts). The backward's workspace is one more output of its callback (XLA's memory).
+``command_buffer=True``: the callbacks are command-buffer compatible, so XLA may capture them
+into CUDA graphs and replay them without Python (notes/JAX.md, "Command buffers").
 """
 from __future__ import annotations
 
@@ -29,13 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _api, _callcache, _checks
+from . import _api, _callcache, _checks, _dispatch, _launch
 
 __all__ = ["attention", "merge_states"]
 
 
 def attention(q, k, v, *, causal=False, scale=None, precision=None, return_lse=False,
-              kernel="auto", deterministic=False):
+              kernel="auto", deterministic=False, command_buffer=False):
     """Exact scaled-dot-product attention on JAX arrays, ``softmax(scale * q @ k^T) @ v``.
 
     The same computation and rules as `cuflash.attention` (tiled online softmax, float32
@@ -69,6 +71,20 @@ def attention(q, k, v, *, causal=False, scale=None, precision=None, return_lse=F
         ``"generic"`` for ``"generic"`` and ``"auto"`` otherwise). Only ``"auto"`` on the CPU.
     deterministic : bool, optional
         Passed to `cuflash.attention_backward`.
+    command_buffer : bool, optional
+        Let XLA put the GPU callbacks into its command buffers (CUDA graphs):
+        ``buffer_callback(..., command_buffer_compatible=True)``. XLA then runs the Python
+        callback once under stream capture per set of buffer addresses and replays the captured
+        kernels on later calls, so a replayed call costs no Python at all. Whether XLA builds a
+        command buffer at all is XLA's choice: it needs ``CUSTOM_CALL`` in
+        ``--xla_gpu_enable_command_buffer`` and a sequence of at least
+        ``--xla_gpu_graph_min_graph_size`` commands (``XLA_FLAGS``, set before JAX starts;
+        notes/JAX.md). While compatible, a callback queues only kernels on XLA's stream and
+        takes no memory from CuPy's pool: the backward's workspace is an XLA buffer, the
+        decode kernel's split partials a buffer kept per signature; layouts that would need
+        temporaries (more than three batch axes that no stride pattern merges; in the backward
+        also k and v broadcast along different batch axes) raise RuntimeError when the
+        callback runs. No effect on the CPU.
 
     Returns
     -------
@@ -85,13 +101,15 @@ def attention(q, k, v, *, causal=False, scale=None, precision=None, return_lse=F
     Notes
     -----
     Nothing is copied: on the GPU the kernels read and write XLA's buffers in place, on XLA's
-    stream. The backward allocates its workspace (``delta``, float32 row statistics; O(batch x
-    Sq)) from CuPy's memory pool, beside XLA's own pool. A cotangent on ``lse`` (``dlse``) adds
+    stream. The backward's workspace (``delta``, the float32 row statistics or the float32 dq
+    accumulator; O(batch x Sq x D)) is one more output of its callback, allocated by XLA and
+    discarded. A cotangent on ``lse`` (``dlse``) adds
     ``dlse_i p_ij`` to the score gradient; it costs one more forward (``P k``, for dq) and
     backward (``P^T (dlse q)``, for dk), with ``dlse q`` rounded to the input dtype.
     """
     cfg = _config(q, k, v, causal=causal, scale=scale, precision=precision,
-                  return_lse=return_lse, kernel=kernel, deterministic=deterministic)
+                  return_lse=return_lse, kernel=kernel, deterministic=deterministic,
+                  command_buffer=command_buffer)
     return _attention_fn(cfg)(q, k, v)
 
 
@@ -152,10 +170,11 @@ def _config(q, k, v, **kw):
     prob = _checks.check_attention(*stand, causal=kw["causal"], scale=kw["scale"],
                                    return_lse=kw["return_lse"], out=None, stream=None,
                                    kernel="auto", precision=precision)
-    if not isinstance(kw["deterministic"], (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(kw['deterministic']).__name__}")
+    for name in ("deterministic", "command_buffer"):
+        if not isinstance(kw[name], (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(kw[name]).__name__}")
     return (bool(kw["causal"]), prob.scale, precision,
-            bool(kw["return_lse"]), kernel, bool(kw["deterministic"]))
+            bool(kw["return_lse"]), kernel, bool(kw["deterministic"]), bool(kw["command_buffer"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,12 +224,83 @@ def _lse_view(x, hk):
     return x.reshape(tuple(lead) + (hk, h // hk, s))
 
 
+def _forbid_pool(nbytes):
+    """CuPy allocator inside a command-buffer-compatible callback: memory from CuPy's pool goes
+    back to it when the callback returns, while XLA's replays of the captured kernels still
+    use it. (Empty allocations hold no memory and are allowed.)"""
+    if nbytes == 0:
+        mem = _cupy().cuda.memory
+        return mem.MemoryPointer(mem.Memory(0), 0)
+    raise RuntimeError(
+        f"cuflash.jax.attention(command_buffer=True): this call needs {nbytes} bytes of "
+        "temporaries from CuPy's memory pool (inputs whose batch axes no stride pattern "
+        "merges; in the backward also k and v broadcast along different batch axes: "
+        "notes/JAX.md), which a replayed XLA command buffer would use after the pool handed "
+        "them on; call it with command_buffer=False")
+
+
+def _capturing(stream):
+    """Whether `stream` (a CUDA stream handle) is being captured (XLA tracing a command
+    buffer)."""
+    try:
+        return _cupy().cuda.runtime.streamIsCapturing(stream) != 0
+    except Exception:  # an older CuPy: assume it is, the careful choice
+        return True
+
+
+def _gpu_call(fn, device_id, stream, cmdbuf, prepare=None):
+    """Run `fn()` (cuflash calls) on XLA's `stream` as CuPy's current stream.
+
+    Without command buffers: inline. With them (``command_buffer=True``): `prepare()` (if any)
+    first, then `fn()` with CuPy's allocator replaced by one that raises (`_forbid_pool`);
+    and when XLA is tracing (`stream` is being captured) both run on a helper thread, which
+    enqueues onto the captured stream like the callback would (the capture records work from
+    any thread) but is itself outside the capture: XLA captures in thread-local mode, where
+    the first call's host work (compiling and loading the kernels through NVRTC and the
+    driver, allocating a kept workspace) on the capturing thread could invalidate it."""
+    cupy = _cupy()
+
+    def run():
+        with cupy.cuda.Device(device_id), cupy.cuda.ExternalStream(stream, device_id):
+            if not cmdbuf:
+                fn()
+                return
+            if prepare is not None:
+                prepare()
+            with cupy.cuda.using_allocator(_forbid_pool):
+                fn()
+
+    if not (cmdbuf and _capturing(stream)):
+        run()
+        return
+    import threading
+
+    err = []
+
+    def target():
+        try:
+            run()
+        except BaseException as exc:  # re-raised on XLA's thread
+            err.append(exc)
+
+    t = threading.Thread(target=target, name="cuflash-jax-capture")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+
+
 def _fwd_callback(cfg, with_lse):
-    causal, scale, precision, _, kernel, _ = cfg
+    causal, scale, precision, _, kernel, _, cmdbuf = cfg
     # GPU: buffer signature (device, shapes, dtypes, pointer alignment) -> the record that
     # cuflash's call cache made for the first call (_callcache): later calls launch it with the
     # pointers of XLA's buffers, skipping the views and the cuflash call around the launch.
+    # Under command buffers XLA runs the callback again for every new set of buffer addresses
+    # (it traces again): the record then launches with the new pointers, as without them.
     records = {}
+    # command_buffer=True: signature -> the workspace its calls use (the decode kernel's split
+    # partials; None when the plan needs none), kept for the function's lifetime.
+    kept = {}
 
     def callback(ctx, out, q, k, v):
         dev = q.__dlpack_device__()
@@ -239,8 +329,18 @@ def _fwd_callback(cfg, with_lse):
             return
         # Copies cuflash may make (batch axes that do not merge, as vmap over some arguments
         # with grouped heads gives) must run on XLA's stream too, and come from its pool arena.
-        with _cupy().cuda.ExternalStream(stream):
-            _api.attention(qv, kv, vv, stream=stream, **kw)
+        def prepare():
+            if sig not in kept:
+                need = _api.attention_workspace_size(
+                    qv, kv, vv, causal=causal, return_lse=with_lse, out=res, kernel=kernel,
+                    precision=precision)
+                kept[sig] = _cupy().empty(need, dtype=np.uint8) if need else None
+
+        def call():
+            ws = kept[sig] if cmdbuf else None
+            _api.attention(qv, kv, vv, stream=stream, workspace=ws, **kw)
+
+        _gpu_call(call, dev[1], stream, cmdbuf, prepare)
         rec = _callcache.lookup(_callcache.signature(qv, kv, vv, causal, scale, with_lse, res,
                                                      kernel, precision))
         if rec is not None:
@@ -248,14 +348,54 @@ def _fwd_callback(cfg, with_lse):
     return callback
 
 
+def _workspace_view(buf):
+    """The XLA workspace buffer as a flat uint8 CuPy array starting on cuflash's workspace
+    alignment (XLA's buffers are aligned less; the buffer holds that slack, `_bwd_workspace`)."""
+    cupy = _cupy()
+    ptr = buf.__cuda_array_interface__["data"][0]
+    nbytes = int(np.prod(tuple(buf.shape)))
+    a = _launch.WORKSPACE_ALIGN
+    skip = -ptr % a
+    mem = cupy.cuda.UnownedMemory(ptr + skip, nbytes - skip, buf)
+    return cupy.ndarray((nbytes - skip,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+
+
+#: Slack in the backward's XLA workspace: the base's alignment (< 256 bytes) and the sections'
+#: (< 256 bytes each, three sections), for the workspace of every vmap entry.
+_WS_SLACK = 4 * 256
+
+
+def _bwd_workspace(q, k, v, do):
+    """The backward workspace as one more output of its callback, so that XLA owns it (no
+    CuPy pool allocation; nothing a command-buffer replay could find handed on): a bound on
+    `cuflash.attention_backward_workspace_size` for every backward plan these shapes can take
+    (the tensor-core plan's float32 dq accumulator for 16-bit inputs, the recomputed row max
+    and sum of the float32/float64 plans: both, where they apply), plus alignment slack. It
+    is linear in the batch, so under ``vmap`` (which gives it a leading axis) it still bounds."""
+    lead = _lead(q, k, v, do)
+    nbatch = int(np.prod(lead, dtype=np.int64)) * q.shape[-2]
+    dt = np.dtype(q.dtype).name
+    try:
+        row = _dispatch.head_dim_bucket(q.shape[-1], _dispatch.TC_BWD_CONFIGS) \
+            + _dispatch.TC_BWD_DQ_PAD if dt in ("float16", "bfloat16") else 0
+    except ValueError:  # a head dim the tensor-core backward does not take
+        row = 0
+    import types
+
+    bplan = types.SimpleNamespace(lse_acc=True, dq_accum_row=row)
+    prob = types.SimpleNamespace(batch_shape=(nbatch,), sq=q.shape[-3], dtype_name=dt)
+    return jax.ShapeDtypeStruct((_launch.backward_workspace_bytes(bplan, prob) + _WS_SLACK,),
+                                jnp.uint8)
+
+
 def _bwd_callback(cfg):
-    causal, scale, _, _, kernel, deterministic = cfg
+    causal, scale, _, _, kernel, deterministic, cmdbuf = cfg
     bkernel = "generic" if kernel == "generic" else "auto"
 
     def callback(ctx, out, do, q, k, v, o, lse):
         stream = _platform(ctx, q)
         hk = k.shape[-2]
-        dq, dk, dv = (_view(_as_array(x, stream), hk) for x in out)
+        dq, dk, dv = (_view(_as_array(x, stream), hk) for x in out[:3])
         xs = [_view(_as_array(x, stream), hk) for x in (q, k, v)]
         dov, ov = (_view(_as_array(x, stream), hk) for x in (do, o))
         lsev = _lse_view(_as_array(lse, stream), hk)
@@ -275,10 +415,13 @@ def _bwd_callback(cfg):
         if stream is None:
             _api.attention_backward(dov, *xs, ov, lsev, **kw)
             return
-        # The workspace comes from CuPy's pool, which hands a freed block only to later work
-        # on the stream it was allocated under: make that XLA's stream.
-        with xp.cuda.ExternalStream(stream):
-            _api.attention_backward(dov, *xs, ov, lsev, stream=stream, **kw)
+        # The workspace is XLA's (out[3]). Temporaries of the rare layouts that need them come
+        # from CuPy's pool, which hands a freed block only to later work on the stream it was
+        # allocated under: XLA's stream (command_buffer=True forbids them, _gpu_call).
+        ws = _workspace_view(out[3])
+        _gpu_call(lambda: _api.attention_backward(dov, *xs, ov, lsev, stream=stream,
+                                                  workspace=ws, **kw),
+                  q.__dlpack_device__()[1], stream, cmdbuf)
     return callback
 
 
@@ -290,18 +433,20 @@ def _forward(cfg, q, k, v, with_lse):
     lead = _lead(q, k, v)
     sq, h = q.shape[-3], q.shape[-2]
     o_t = jax.ShapeDtypeStruct(lead + (sq, h, v.shape[-1]), q.dtype)
+    opts = dict(vmap_method="expand_dims", command_buffer_compatible=cfg[6])
     if not with_lse:
-        return buffer_callback(_fwd_callback(cfg, False), o_t, vmap_method="expand_dims")(q, k, v), None
+        return buffer_callback(_fwd_callback(cfg, False), o_t, **opts)(q, k, v), None
     lse_t = jax.ShapeDtypeStruct(lead + (h, sq), jnp.float32)
-    o, lse = buffer_callback(_fwd_callback(cfg, True), (o_t, lse_t),
-                             vmap_method="expand_dims")(q, k, v)
+    o, lse = buffer_callback(_fwd_callback(cfg, True), (o_t, lse_t), **opts)(q, k, v)
     return o, lse
 
 
 def _backward(cfg, do, q, k, v, o, lse):
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return buffer_callback(_bwd_callback(cfg), shapes, vmap_method="expand_dims")(
-        do, q, k, v, o, lse)
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) \
+        + (_bwd_workspace(q, k, v, do),)
+    dq, dk, dv, _ = buffer_callback(_bwd_callback(cfg), shapes, vmap_method="expand_dims",
+                                    command_buffer_compatible=cfg[6])(do, q, k, v, o, lse)
+    return dq, dk, dv
 
 
 @functools.lru_cache(maxsize=None)
