@@ -13,9 +13,6 @@ from __future__ import annotations
 
 from ._dispatch import _CXX_TYPE, Plan, Specialisation
 
-#: Why the backward's fast kernels are passed over for a variant.
-FAST_KERNELS_REASON = "variants run on the generic kernels only so far"
-
 
 def policy_name(variant) -> str:
     """The C++ policy type of a `cuflash.variants.Variant`, e.g.
@@ -87,12 +84,12 @@ def generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, variant
 #: Tile configs of the tensor-core forward with a variant, in the format of
 #: `_dispatch.TC_CONFIGS`, {(dpad, reads tensors): config} for 16-bit inputs; absent: the plain
 #: kernel's. The per-element work of a policy (its reads and their addresses, the masks) needs
-#: registers the plain configs do not leave (NVRTC 13.5, sm_90, 2026-12-01): at D = 64 a float32
-#: bias or a mask spilled 4-24 bytes at four blocks per SM (128 registers) and 12-56 at three
-#: or two with hoisted loads, user hooks 250; two blocks per SM fit (181-196 registers). At
-#: D = 96 / 128 the plain configs (two m-tiles a warp) sit at 250 registers: every part combined
-#: spilled 388 bytes at D = 128, so variants take one m-tile a warp (BM = 64). At D = 192 / 256
-#: (O alone 96-128 registers) they take 32-key tiles.
+#: registers the plain configs do not leave (NVRTC 13.0 and 13.5, sm_90, 2026-12-01): at D = 64
+#: window, softcap and ALiBi fit the plain four blocks per SM (120-128 registers), a float32 bias
+#: or a mask spilled 4-24 bytes there and 12-40 at three blocks, user hooks 250; two blocks per SM
+#: fit (181-204 registers). At D = 96 / 128 the plain configs (two m-tiles a warp) sit at 250
+#: registers: every part combined spilled 388 bytes at D = 128, so variants take one m-tile a
+#: warp (BM = 64). At D = 192 / 256 (O alone 96-128 registers) they take 32-key tiles.
 TC_VARIANT_CONFIGS = {
     (64, True): (64, 4, 1, 2, True),
     (96, False): (64, 4, 1, 2, True), (96, True): (64, 4, 1, 2, True),
@@ -100,6 +97,9 @@ TC_VARIANT_CONFIGS = {
     (192, False): (32, 4, 1, 2, True), (192, True): (32, 4, 1, 2, True),
     (256, False): (32, 4, 1, 2, True), (256, True): (32, 4, 1, 2, True),
 }
+#: User hooks (16-bit inputs), {dpad: config}, before TC_VARIANT_CONFIGS: both hooks on every
+#: built-in part at D = 128 spilled 40 bytes at 64-key tiles under NVRTC 13.0 (255 registers).
+TC_HOOK_CONFIGS = {96: (32, 4, 1, 2, True), 128: (32, 4, 1, 2, True)}
 #: float32 (TF32) inputs, {(dpad, precision, reads tensors): config}; absent: the plain one's.
 TC_F32_VARIANT_CONFIGS = {}
 
@@ -124,6 +124,8 @@ def tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, compute_capab
     def config(dpad, plain):
         if dtype_name == "float32":
             return TC_F32_VARIANT_CONFIGS.get((dpad, precision, reads), plain)
+        if getattr(variant, "has_mods", False) and dpad in TC_HOOK_CONFIGS:
+            return TC_HOOK_CONFIGS[dpad]
         return TC_VARIANT_CONFIGS.get((dpad, reads), plain)
 
     base = tensorcore_plan(dtype_name, d, causal, compute_capability, precision, config=config)

@@ -180,13 +180,18 @@ struct Variant {
         if constexpr (HAS_BIAS) t += ldg_tc(bias + i * bias_sr + (j & bias_cm));
         return t;
     }
+    // The window's bounds of row i as 32-bit keys, clamped to [-1, 2^31 - 1) (exact for keys
+    // j in [0, Sk)): per row, so that each key's test is two 32-bit comparisons.
+    __device__ __forceinline__ int window_lo(long long i) const {
+        return left >= 0 ? static_cast<int>(max(-1ll, min(i + off - left, 0x7ffffffell))) : -1;
+    }
+    __device__ __forceinline__ int window_hi(long long i) const {
+        return right >= 0 ? static_cast<int>(max(-1ll, min(i + off + right, 0x7ffffffell)))
+                          : 0x7fffffff;
+    }
     __device__ __forceinline__ bool visible_tc(long long i, int j) const {
         bool ok = true;
-        if constexpr (WINDOW) {
-            const long long c = i + off;
-            if (left >= 0) ok = ok && j >= c - left;
-            if (right >= 0) ok = ok && j <= c + right;
-        }
+        if constexpr (WINDOW) ok = j >= window_lo(i) && j <= window_hi(i);
         if constexpr (MASK) ok = ok && ldg_tc_nonzero(mask + i * mask_sr + (j & mask_cm));
         return ok;
     }
