@@ -518,9 +518,10 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
                     s[mt], var, need_mask || var_partial, key0, t4, sq, sk, row_of(mt, 0), diag,
                     static_cast<float>(p.scale));
             }
-            softmax_step<Cfg::NT_S, CAUSAL>(s[mt], m_run[mt], l_run[mt], alpha,
-                                            V::PLAIN && need_mask, key0, t4, sk, row_of(mt, 0),
-                                            diag, scale_log2);
+            // One-pass TF32 takes every rescale (LAZY = false: common.cuh, RESCALE_LOG2).
+            softmax_step<Cfg::NT_S, CAUSAL, !(Cfg::F32 && TERMS == 1)>(
+                s[mt], m_run[mt], l_run[mt], alpha, V::PLAIN && need_mask, key0, t4, sk,
+                row_of(mt, 0), diag, scale_log2);
             rescale_rows<Cfg::NT_O>(acc_o[mt], alpha);
             if constexpr (!Cfg::F32) pack_p<T, Cfg::NT_S>(s[mt], pk[mt]);
         }

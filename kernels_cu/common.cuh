@@ -442,6 +442,14 @@ namespace cuflash {
 // fp16/bf16 P) and l, O need no rescale, which saves D/2 multiplies per row and tile after the
 // first few tiles. The state stays consistent (l and O are sums relative to the same m), so the
 // result is exact up to rounding, as in the plain form.
+// LAZY = false moves m whenever the tile's max exceeds it (every rescale taken): the one-pass TF32
+// mode needs it, because there P is rounded to TF32 (2^-11) for the P.V product, and relative to a
+// stale m the row's dominant weight is a rounded p > 1 instead of an exact 1. That made the mode's
+// error a heavy-tailed copy of its naive counterpart's (err/naive over 800 draws of Sq = 113,
+// Sk = 200, D = 64-128 in a NumPy transcription: max 2.63, 3 draws over the 2x-naive bar, one of
+// them test_head_dims on the H200); with every rescale taken: max 1.61, median 0.90
+// (notes/FLOAT32.md). 16-bit P and the split float32 P lose far less to the stale max than the
+// naive implementation of their dtype does, so they stay lazy.
 constexpr float RESCALE_LOG2 = 8.f;
 
 // Tree reduction of the first W values of part into part[0]: short dependency chains (a serial
@@ -459,7 +467,7 @@ __device__ __forceinline__ void tree_reduce(float (&part)[N], Op op) {
 
 // Masks (when need_mask), turns s into p in place, updates m_run and l_run (the thread's partial
 // row sums), and returns the factors O must be multiplied by (1 when m did not move).
-template <int NT, bool CAUSAL>
+template <int NT, bool CAUSAL, bool LAZY = true>
 __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m_run)[2],
                                              float (&l_run)[2], float (&alpha)[2], bool need_mask,
                                              int key0, int t4, int sk, int row_lo, int diag,
@@ -486,7 +494,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m_run)[2
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // grow is true on the first visible key (m = -inf, mx finite) and false while nothing is
         // visible (-inf - -inf is NaN): then m stays -inf and every p is 0.
-        const bool grow = (mx - m_run[h]) * scale_log2 > RESCALE_LOG2;
+        const bool grow = (mx - m_run[h]) * scale_log2 > (LAZY ? RESCALE_LOG2 : 0.f);
         alpha[h] = grow ? fast_exp2((m_run[h] - mx) * scale_log2) : 1.f;
         if (grow) m_run[h] = mx;
         const float m_c = (m_run[h] == neg_inf<float>()) ? 0.f : m_run[h] * scale_log2;
