@@ -75,7 +75,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         TMA/wgmma kernel (compute capability 9.0, float16/bfloat16 with 64 <= D <= 256, float32
         with 64 <= D <= 128 and D % 8 == 0 in either precision mode); both need
         D == Dv and 16-byte aligned rows, and raise ValueError, saying why, if the inputs do not
-        qualify.
+        qualify. With a variant (window, softcap, alibi_slopes, bias, mask, hooks) ``"auto"``
+        takes the tensor-core kernel where it qualifies (bias and mask contiguous or broadcast
+        along their last axis), else the generic one; ``"hopper"`` refuses a variant.
     precision : {None, "default", "highest", "high"}, optional
         How accurate the products of float32 inputs must be (the names of JAX's
         ``jax.lax.Precision`` and PyTorch's float32 matmul precision; JAX's enum members are
@@ -114,7 +116,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     score_mod : cuflash.ScoreMod, optional
         A user score modification (CUDA C for the GPU, a NumPy callable for the CPU path and the
         references; :mod:`cuflash.mods`), applied to the score after softcap, alibi and bias.
-        GPU: the generic kernels only (the others refuse it).
+        GPU: the generic and the tensor-core forward kernels (the Hopper kernel refuses it).
     mask_mod : cuflash.MaskMod, optional
         A user mask ``keep(b, h, q_idx, kv_idx, args)``, one more visibility condition.
     mod_args : array, shape (n,), float32, optional
@@ -308,9 +310,10 @@ def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None, windo
     ``"cpu-numpy"``, ``"generic<float16,D64,full>"`` or
     ``"tensorcore<float32,3xtf32,D128,BM64,BN64,stagedO,full>"`` (float32 on the tensor cores names
     its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"). With a variant
-    (window, softcap, alibi_slopes, bias, mask) the label names its parts and, where a faster
-    kernel was passed over, why, e.g. ``"generic<float16,D64,causal,window(8,-1)> (variants run
-    on the generic kernel only so far)"``. Validates like `attention`; launches nothing."""
+    (window, softcap, alibi_slopes, bias, mask, user hooks) the label names its parts, e.g.
+    ``"tensorcore<float16,D64,BM64,BN64,stagedO,causal,window,softcap>"``, and, where the
+    tensor-core kernel was passed over, why, e.g. ``"generic<float64,D64,full,window> (the
+    tensor-core kernel cannot run them: ...)"``. Validates like `attention`; launches nothing."""
     prob = _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=False,
                                    out=None, stream=None, kernel=kernel, precision=precision,
                                    variant=_variant_kwargs(window, softcap, alibi_slopes, bias,

@@ -169,13 +169,17 @@ def tensorcore_config(dpad: int, compute_capability: int, dtype_name: str = "flo
 
 
 def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: int,
-                    precision: str = "highest") -> Plan:
+                    precision: str = "highest", config=None) -> Plan:
     """The mma.sync kernel for these inputs. float32 takes the TF32 form with the products of
-    `precision` (F32_TERMS); 16-bit dtypes ignore it (their products are exact in float32)."""
+    `precision` (F32_TERMS); 16-bit dtypes ignore it (their products are exact in float32).
+    ``config``: a function of (dpad, plain config) giving the tile config to use instead (the
+    variants' plans, cuflash/_dispatch_variants.py)."""
     f32 = dtype_name == "float32"
     dpad = head_dim_bucket(d, f32_head_dims(precision, compute_capability) if f32 else TC_CONFIGS)
     bn, nwarps, mt, minb, stage_o = tensorcore_config(dpad, compute_capability, dtype_name,
                                                       precision)
+    if config is not None:
+        bn, nwarps, mt, minb, stage_o = config(dpad, (bn, nwarps, mt, minb, stage_o))
     terms, mode = F32_TERMS[precision] if f32 else (1, None)
     bm = 16 * mt * nwarps
     if f32:
@@ -396,7 +400,7 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     """The plan for a validated `Problem` on a device of the given compute capability (e.g. 90)."""
     if getattr(prob, "variant", None) is not None:   # window, softcap, alibi, bias, mask
         from ._dispatch_variants import variant_plan_for
-        return variant_plan_for(prob)
+        return variant_plan_for(prob, compute_capability)
     if prob.kernel == "generic":
         return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
     if prob.kernel in ("auto", "decode"):  # few query rows: kernels_cu/attn_decode.cu

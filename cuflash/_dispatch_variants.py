@@ -1,17 +1,17 @@
 """Dispatch of attention variants (window, softcap, ALiBi, bias, mask; cuflash/variants.py).
 
-Every variant runs on the generic kernels, instantiated with the policy of kernels_cu/variants.cuh
-as a template parameter: ``cuflash_fwd_generic_var<T, Acc, DB, DVB, CAUSAL, Variant<WINDOW,
-SOFTCAP, ALIBI, BiasT, MASK>>``. The tensor-core (mma.sync) and Hopper kernels take no policy yet
-(notes/VARIANTS.md: the plan); ``kernel="auto"`` passes them over and the plan's label says why,
-``kernel="tensorcore"`` / ``"hopper"`` raise ValueError saying why.
+Kernels take the variant as the policy of kernels_cu/variants.cuh, a template parameter: the
+generic kernels (``cuflash_fwd_generic_var<T, Acc, DB, DVB, CAUSAL, Variant<WINDOW, SOFTCAP,
+ALIBI, BiasT, MASK>>`` and the backward's) and the mma.sync tensor-core forward
+(``cuflash_fwd_mma_var<..., CAUSAL, V>``, attn_mma.cu). Forward: ``kernel="auto"`` takes the
+tensor-core kernel where the inputs qualify (`tensorcore_variant_reason`; never the Hopper
+kernel, which takes no policy yet), else the generic one, whose label says why;
+``kernel="tensorcore"`` demands it and raises ValueError saying why not; ``"hopper"`` raises.
+The backward runs on the generic kernels.
 """
 from __future__ import annotations
 
 from ._dispatch import _CXX_TYPE, Plan, Specialisation
-
-#: Why the fast kernels are passed over for a variant (in the plan label of kernel="auto").
-FAST_KERNELS_REASON = "variants run on the generic kernels only so far"
 
 
 def policy_name(variant) -> str:
@@ -81,16 +81,100 @@ def generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, variant
         base.spec.family, name, extra_source=_hook_source(variant)))
 
 
-def variant_plan_for(prob) -> Plan:
-    """The forward plan of a problem with a variant (``prob.variant`` not None)."""
-    if prob.kernel in ("tensorcore", "hopper"):
+#: Tile configs of the tensor-core forward with a variant, in the format of
+#: `_dispatch.TC_CONFIGS`, {(dpad, reads tensors): config} for 16-bit inputs; absent: the plain
+#: kernel's. The per-element work of a policy (its reads and their addresses, the masks) needs
+#: registers the plain configs do not leave (NVRTC 13.0 and 13.5, sm_90, 2026-12-01): at D = 64
+#: window, softcap and ALiBi fit the plain four blocks per SM (120-128 registers), a float32 bias
+#: or a mask spilled 4-24 bytes there and 12-40 at three blocks, user hooks 250; two blocks per SM
+#: fit (181-204 registers). At D = 96 / 128 the plain configs (two m-tiles a warp) sit at 250
+#: registers: every part combined spilled 388 bytes at D = 128, so variants take one m-tile a
+#: warp (BM = 64). At D = 192 / 256 (O alone 96-128 registers) they take 32-key tiles.
+TC_VARIANT_CONFIGS = {
+    (64, True): (64, 4, 1, 2, True),
+    (96, False): (64, 4, 1, 2, True), (96, True): (64, 4, 1, 2, True),
+    (128, False): (64, 4, 1, 2, True), (128, True): (64, 4, 1, 2, True),
+    (192, False): (32, 4, 1, 2, True), (192, True): (32, 4, 1, 2, True),
+    (256, False): (32, 4, 1, 2, True), (256, True): (32, 4, 1, 2, True),
+}
+#: User hooks (16-bit inputs), {dpad: config}, before TC_VARIANT_CONFIGS: both hooks on every
+#: built-in part at D = 128 spilled 40 bytes at 64-key tiles under NVRTC 13.0 (255 registers).
+TC_HOOK_CONFIGS = {96: (32, 4, 1, 2, True), 128: (32, 4, 1, 2, True)}
+#: float32 (TF32) inputs, {(dpad, precision, reads tensors): config}; absent: the plain one's.
+TC_F32_VARIANT_CONFIGS = {}
+
+
+def variant_reads(variant) -> bool:
+    """Whether the policy reads tensors per element (variants.cuh: READS, ALiBi's slope aside)."""
+    return (variant.bias is not None or variant.mask is not None
+            or getattr(variant, "has_mods", False))
+
+
+def tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, compute_capability: int,
+                            variant, precision: str = "highest") -> Plan:
+    """The mma.sync forward with the variant's policy (attn_mma.cu: cuflash_fwd_mma_var): the
+    plain tensor-core plan with the tiles of `TC_VARIANT_CONFIGS` (registers) where it has
+    them."""
+    import dataclasses
+
+    from ._dispatch import tensorcore_plan
+
+    reads = variant_reads(variant)
+
+    def config(dpad, plain):
+        if dtype_name == "float32":
+            return TC_F32_VARIANT_CONFIGS.get((dpad, precision, reads), plain)
+        if getattr(variant, "has_mods", False) and dpad in TC_HOOK_CONFIGS:
+            return TC_HOOK_CONFIGS[dpad]
+        return TC_VARIANT_CONFIGS.get((dpad, reads), plain)
+
+    base = tensorcore_plan(dtype_name, d, causal, compute_capability, precision, config=config)
+    name = (base.spec.name.replace("cuflash_fwd_mma<", "cuflash_fwd_mma_var<")[:-1]
+            + f", {policy_name(variant)}>")
+    label = base.label[:-1] + f",{policy_label(variant)}>"
+    return dataclasses.replace(base, label=label, spec=Specialisation(
+        base.spec.family, name, extra_source=_hook_source(variant)))
+
+
+def tensorcore_variant_reason(prob, compute_capability) -> "str | None":
+    """Why the tensor-core forward cannot run these inputs with their variant (None: it can):
+    the plain kernel's conditions (`_dispatch.tensorcore_reason`), and bias / mask tensors whose
+    last axis is contiguous or broadcast (variants.cuh: score_tc, visible_tc read column j or
+    0). Every variant part and user hook is supported there."""
+    from ._dispatch import tensorcore_reason
+    why = tensorcore_reason(prob, compute_capability)
+    if why is not None:
+        return why
+    for name in ("bias", "mask"):
+        x = getattr(prob.variant, name, None)
+        if x is not None and x.shape[-1] > 1 and x.strides[-1] not in (0, x.itemsize):
+            return (f"it reads {name} with a column stride of 0 or 1 element (got "
+                    f"{x.strides[-1] // x.itemsize}); pass a {name} contiguous along its last "
+                    "axis")
+    return None
+
+
+def variant_plan_for(prob, compute_capability=None) -> Plan:
+    """The forward plan of a problem with a variant (``prob.variant`` not None) on a device of
+    this compute capability: the tensor-core kernel for ``kernel="auto"`` where it qualifies
+    (also on sm_90: the Hopper kernel takes no policy), else the generic one."""
+    if prob.kernel == "hopper":
         hooks = prob.variant.hook_names() if getattr(prob.variant, "has_mods", False) else []
-        what = (f"the user hook{'s' if len(hooks) > 1 else ''} {' and '.join(hooks)} "
-                "(compiled into the generic kernels only)" if hooks
+        what = (f"the user hook{'s' if len(hooks) > 1 else ''} {' and '.join(hooks)}" if hooks
                 else f"the attention variant ({policy_label(prob.variant)})")
-        raise ValueError(f"kernel={prob.kernel!r} cannot run these inputs: {what} is not "
-                         "supported there yet; use kernel='auto' or 'generic'")
-    reason = FAST_KERNELS_REASON if prob.kernel == "auto" else ""
+        raise ValueError(f"kernel='hopper' cannot run these inputs: {what} is not supported "
+                         "there yet; use kernel='auto', 'tensorcore' or 'generic'")
+    reason = ""
+    if prob.kernel in ("auto", "tensorcore"):
+        why_not = tensorcore_variant_reason(prob, compute_capability)
+        if why_not is None:
+            return tensorcore_variant_plan(prob.dtype_name, prob.d, prob.causal,
+                                           compute_capability, prob.variant,
+                                           getattr(prob, "precision", "highest"))
+        if prob.kernel != "auto":
+            raise ValueError(f"kernel={prob.kernel!r} cannot run these inputs with the attention "
+                             f"variant ({policy_label(prob.variant)}): {why_not}")
+        reason = f"the tensor-core kernel cannot run them: {why_not}"
     return generic_variant_plan(prob.dtype_name, prob.d, prob.dv, prob.causal, prob.variant,
                                 reason)
 
@@ -210,3 +294,49 @@ def _with_mods(spec, score_mod, mask_mod):
     spec.score_mod, spec.mask_mod = score_mod, mask_mod
     spec.has_mods = True
     return spec
+
+
+def tensorcore_variant_compile_specs(compute_capability: int = 90):
+    """The tensor-core forward's variant specialisations the compile check builds (sm_90): at
+    D64 every part alone (bias in float16 and float32), window and the five parts combined with
+    and without causal, for float16, bfloat16 and float32 (3xTF32), the forms
+    tests/test_variants_gpu.py runs; every part combined under causal at each larger head dim
+    (float16), at D128 for bfloat16, float32 "highest" and, at D256, "high"; the positional
+    parts alone combined (no reads: the plain tiles at D64); and the user hooks of
+    `mod_compile_specs` on the tensor-core kernel."""
+    from .mods import example_hooks
+    cc = compute_capability
+    out = []
+
+    def add(dt, d, causal, pol, precision="highest"):
+        spec = tensorcore_variant_plan(dt, d, causal, cc, pol, precision).spec
+        if spec not in out:
+            out.append(spec)
+
+    for dt in ("float16", "bfloat16", "float32"):
+        every = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
+        for pol in (_Spec(softcap=True), _Spec(alibi=True), _Spec(bias="float32"),
+                    _Spec(bias="float16"), _Spec(mask=True)):
+            add(dt, 64, False, pol)
+        for causal in (False, True):
+            add(dt, 64, causal, _Spec(window=True))
+            add(dt, 64, causal, every)
+        add(dt, 64, True, _Spec(window=True, softcap=True, alibi=True))
+    every16 = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
+    for d in (96, 128, 192, 256):
+        add("float16", d, True, every16)
+    add("float16", 128, True, _Spec(window=True, softcap=True, alibi=True))
+    add("float16", 256, True, _Spec(window=True, softcap=True, alibi=True))
+    add("float16", 64, False, _Spec(bias="float64"))
+    add("bfloat16", 128, True, every16)
+    add("float32", 128, True, every16)
+    add("float32", 256, True, every16, "high")
+    ex = example_hooks()
+    cap, rel, doc = ex["tanh_cap"], ex["rel_bias"], ex["document"]
+    for dt in ("float16", "bfloat16", "float32"):
+        add(dt, 64, False, _with_mods(_Spec(), cap, None))
+        add(dt, 64, True, _with_mods(_Spec(), rel, doc))
+        add(dt, 64, True, _with_mods(_Spec(window=True, alibi=True), cap, doc))
+    add("float16", 128, True, _with_mods(_Spec(window=True, softcap=True, alibi=True,
+                                               bias="float32", mask=True), cap, doc))
+    return out

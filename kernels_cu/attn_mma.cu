@@ -1,5 +1,13 @@
 // attn_mma.cu: tensor-core forward kernel for float16 / bfloat16 / float32 (sm_80 and later).
 //
+// Variants (kernels_cu/variants.cuh, notes/VARIANTS.md): the body takes the policy V as a template
+// parameter. cuflash_fwd_mma is the plain policy (one argument; the code it had before policies,
+// checked on the SASS: benchmarks/sass_counts.py); cuflash_fwd_mma_var<..., V> takes VariantParams
+// as a second argument. The window narrows the key tiles a block visits (key_range); on each tile
+// the scores are scaled, transformed and, on partial tiles (tile_kind, the causal diagonal, the key
+// tail), masked by the policy where they sit in registers (variant_scores); the softmax then runs
+// in scaled units. Partial tiles of a policy that hides keys take the non-finite V scan.
+//
 // Version 3: float32 operands (T = float) through TF32 mma.sync m16n8k8, with TERMS = 3 products
 // (split precision, float32-accurate: common.cuh, Tf32Split) or TERMS = 1 (one-pass TF32). The
 // structure (tiles, cp.async pipeline, online softmax, epilogue) is the 16-bit kernel's; what
@@ -50,6 +58,7 @@
 // D % 4 == 0 (float32), D <= DPAD, every row of q, k, v, o 16-byte aligned. Head dims below DPAD
 // are zero-padded in shared memory.
 #include "common.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -288,10 +297,12 @@ struct Mma32Ops {
 // parks its P (as the product would take it: 16-bit P for 16-bit inputs) in its own Q rows of
 // shared memory, which only it reads, KC keys at a time, and the block reloads Q afterwards.
 // `ps` is this warp's m-tile scratch (16 rows of SP elements of P's type PT).
-template <int NT_O, int KC, int SP, int SV, bool CAUSAL, typename T, typename PT, typename RowOf>
+// `vis(h, key)`: the variant's visibility of key (< Sk) for half h's row (true: plain).
+template <int NT_O, int KC, int SP, int SV, bool CAUSAL, typename T, typename PT, typename RowOf,
+          typename Vis>
 __device__ __forceinline__ void pv_visible_keys(float (&acc_o)[NT_O][4], const PT* ps,
                                                 const T* v_s, int key0, int sk, int diag,
-                                                RowOf row_of, int g, int t4) {
+                                                RowOf row_of, Vis vis, int g, int t4) {
 #pragma unroll 1
     for (int j = 0; j < KC; ++j) {
         const float p0 = to_float(ps[g * SP + j]), p1 = to_float(ps[(g + 8) * SP + j]);
@@ -301,6 +312,8 @@ __device__ __forceinline__ void pv_visible_keys(float (&acc_o)[NT_O][4], const P
             vis0 = vis0 && key <= row_of(0) + diag;
             vis1 = vis1 && key <= row_of(1) + diag;
         }
+        if (vis0) vis0 = vis(0, key);
+        if (vis1) vis1 = vis(1, key);
         const T* vrow = v_s + j * SV + 2 * t4;
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) {
@@ -342,10 +355,60 @@ __device__ __forceinline__ bool tile_has_nonfinite(const T* smem, int row_from, 
     return bad;
 }
 
-template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O,
-          bool CAUSAL>
-__global__ void __launch_bounds__(32 * NWARPS, MINB)
-cuflash_fwd_mma(const AttnParams p) {
+// ---- Variants (kernels_cu/variants.cuh): the scores of one 16-row slab (the m16n8 layout of
+// softmax_step) scaled, transformed by the policy and masked, in place. The plain kernel leaves
+// its scores raw and folds the scale into exp2's FFMA; a score transform (softcap, ALiBi, a
+// bias, a user score_mod) needs the scaled score, so the variant path scales first and then runs
+// the softmax in scaled units (scale_log2 = log2 e). `partial`: the tile needs per-element
+// visibility (the key tail, the causal diagonal, a window edge, a mask); on other tiles only the
+// transform runs. Rows past Sq are clamped for the policy's reads (their results are never
+// written), as are keys past Sk (masked anyway).
+template <int NT, bool CAUSAL, bool FAST, bool PARTIAL, typename V>
+__device__ __forceinline__ void variant_scores_as(float (&s)[NT][4], const V& var, int key0,
+                                                  int t4, int sq, int sk, int row_lo, int diag,
+                                                  float scale) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row_lo + 8 * h;
+        const int r = V::READS ? min(row, sq - 1) : row;
+        // i + off - j for this thread's first key of the tile, once per row and tile.
+        const float dist0 = static_cast<float>(row + diag - key0 - 2 * t4);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float& x = s[nt][2 * h + e];
+                const int key = key0 + nt * 8 + 2 * t4 + e;
+                const float dist = dist0 - static_cast<float>(nt * 8 + e);
+                if constexpr (PARTIAL) {
+                    const int kc = V::READS ? min(key, sk - 1) : key;
+                    bool ok = key < sk;
+                    if (CAUSAL) ok = ok && key <= row + diag;
+                    if (V::MASKS) ok = ok && var.visible_tc(r, kc);
+                    const float t = var.template score_tc<FAST>(x * scale, r, kc, dist);
+                    x = ok ? t : neg_inf<float>();
+                } else {
+                    x = var.template score_tc<FAST>(x * scale, r, key, dist);
+                }
+            }
+    }
+}
+// The two forms as separate loops (one branch per tile): with the choice per element, ptxas
+// if-converted both into one predicated sequence that kept both forms' addresses live (a float32
+// bias at D = 64 went past 128 registers and spilled).
+template <int NT, bool CAUSAL, bool FAST, typename V>
+__device__ __forceinline__ void variant_scores(float (&s)[NT][4], const V& var, bool partial,
+                                               int key0, int t4, int sq, int sk, int row_lo,
+                                               int diag, float scale) {
+    if (partial)
+        variant_scores_as<NT, CAUSAL, FAST, true>(s, var, key0, t4, sq, sk, row_lo, diag, scale);
+    else
+        variant_scores_as<NT, CAUSAL, FAST, false>(s, var, key0, t4, sq, sk, row_lo, diag, scale);
+}
+
+template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, bool STAGE_O, bool CAUSAL,
+          typename V>
+__device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantParams& vp) {
     using Cfg = MmaConfig<T, DPAD, BN, NWARPS, MT>;
     static_assert(Cfg::F32 ? (TERMS == 1 || TERMS == 3) : TERMS == 1,
                   "TERMS: 1 for 16-bit operands; 1 (one-pass TF32) or 3 (split) for float32");
@@ -369,12 +432,27 @@ cuflash_fwd_mma(const AttnParams p) {
     const int d = static_cast<int>(p.d);
     const int diag = sk - sq;  // row i sees keys j <= i + diag
 
-    const int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
+    int n_tiles = (keys_needed<CAUSAL>(row0, Cfg::BM, sq, sk) + BN - 1) / BN;
     const int masked_from = first_masked_tile<CAUSAL>(row0, BN, sq, sk);
+    // The variant's policy, bound to the block's batch entry; its window narrows the key tiles
+    // the block visits to [j_first, n_tiles) (a window of w keys costs ~ Sq * w).
+    V var;
+    int j_first = 0;
+    if constexpr (!V::PLAIN) {
+        const unsigned int ub = static_cast<unsigned int>(bc.b);
+        const unsigned int n2 = static_cast<unsigned int>(p.nb2);
+        const unsigned int n1 = static_cast<unsigned int>(p.nb1);
+        var.bind(vp, p.sq, p.sk, (ub / n2) / n1, (ub / n2) % n1, ub % n2);
+        long long j0, j1;
+        var.key_range(row0, min(row0 + Cfg::BM, sq), j0, j1, p.sk);
+        n_tiles = min(n_tiles, static_cast<int>((j1 + BN - 1) / BN));
+        j_first = static_cast<int>(j0 / BN);
+    }
 
     load_tile<Cfg::BM, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(q_s, q, p.q_sr, row0, sq, d, tid);
-    if (n_tiles > 0)
-        load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, 0, sk, d, tid);
+    if (j_first < n_tiles)
+        load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, j_first * BN, sk, d,
+                                                           tid);
     cp_async_commit();
 
     // Warp w owns m-tiles mt = 0..MT-1 at rows row0 + (w * MT + mt) * 16; a thread holds rows
@@ -396,12 +474,14 @@ cuflash_fwd_mma(const AttnParams p) {
             l_run[mt][h] = 0.f;
         }
     }
-    const float scale_log2 = static_cast<float>(p.scale_log2);
+    // Units of the scores the softmax sees: raw (the scale folded into exp2) on the plain path,
+    // scaled on the variant path (variant_scores).
+    const float scale_log2 = V::PLAIN ? static_cast<float>(p.scale_log2) : 1.4426950408889634f;
     using Ops = typename Select<Cfg::F32, Mma32Ops<TERMS, DPAD, BN, NWARPS, MT>,
                                  Mma16Ops<T, DPAD, BN, NWARPS, MT>>::type;
     const Ops ops(q_s, k_s, v_s, warp, lane);
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = j_first; j < n_tiles; ++j) {
         const int key0 = j * BN;
         cp_async_wait<0>();
         __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
@@ -422,14 +502,26 @@ cuflash_fwd_mma(const AttnParams p) {
         // away, in the A-operand layout of the P.V product: it halves the registers P occupies
         // while V_j is awaited. float32: P stays in the score registers.
         const bool need_mask = j >= masked_from;
+        // Variants: the tile's kind by position (TILE_PARTIAL: a window edge or a mask; a
+        // non-empty one, as [j_first, n_tiles) holds no empty tile).
+        [[maybe_unused]] bool var_partial = false;
+        if constexpr (!V::PLAIN)
+            var_partial = var.tile_kind(row0, min(row0 + Cfg::BM, sq), key0, key0 + BN) ==
+                          TILE_PARTIAL;
         [[maybe_unused]] unsigned int pk[MT][Cfg::F32 ? 1 : BN / 16][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             float alpha[2];
+            if constexpr (!V::PLAIN) {
+                // softcap_fast unless float32 at float32 accuracy (TERMS = 3: tanhf).
+                variant_scores<Cfg::NT_S, CAUSAL, TERMS == 1>(
+                    s[mt], var, need_mask || var_partial, key0, t4, sq, sk, row_of(mt, 0), diag,
+                    static_cast<float>(p.scale));
+            }
             // One-pass TF32 takes every rescale (LAZY = false: common.cuh, RESCALE_LOG2).
             softmax_step<Cfg::NT_S, CAUSAL, !(Cfg::F32 && TERMS == 1)>(
-                s[mt], m_run[mt], l_run[mt], alpha, need_mask, key0, t4, sk, row_of(mt, 0), diag,
-                scale_log2);
+                s[mt], m_run[mt], l_run[mt], alpha, V::PLAIN && need_mask, key0, t4, sk,
+                row_of(mt, 0), diag, scale_log2);
             rescale_rows<Cfg::NT_O>(acc_o[mt], alpha);
             if constexpr (!Cfg::F32) pack_p<T, Cfg::NT_S>(s[mt], pk[mt]);
         }
@@ -440,12 +532,14 @@ cuflash_fwd_mma(const AttnParams p) {
         // infinities in V there (the OR over the block is the barrier): see pv_visible_keys.
         // (Keys past Sk arrive as zeros, so without the causal mask every real key is seen by
         // every row and no tile needs the scan.)
+        // A variant that hides keys (window, mask) scans every partial tile from its first key.
         bool v_nonfinite = false;
         const int hidden = row0 + diag + 1 - key0;  // first key of the tile row0 does not see
-        if (CAUSAL && hidden < BN)
+        const bool var_scan = V::MASKS && var_partial;
+        if ((CAUSAL && hidden < BN) || var_scan)
             v_nonfinite = __syncthreads_or(tile_has_nonfinite<T, BN, Cfg::CHUNKS, Cfg::SV,
                                                               Cfg::THREADS>(
-                              v_s, hidden > 0 ? hidden : 0, tid)) != 0;
+                              v_s, hidden > 0 && !var_scan ? hidden : 0, tid)) != 0;
         else
             __syncthreads();
         const auto load_next_k = [&]() {
@@ -486,7 +580,16 @@ cuflash_fwd_mma(const AttnParams p) {
                     __syncwarp();
                     pv_visible_keys<Cfg::NT_O, KC, SP, Cfg::SV, CAUSAL>(
                         acc_o[mt], ps, v_s + c0 * Cfg::SV, key0 + c0, sk, diag,
-                        [&](int h) { return row_of(mt, h); }, g, t4);
+                        [&](int h) { return row_of(mt, h); },
+                        [&](int h, int key) {
+                            if constexpr (V::MASKS) {
+                                const int r = row_of(mt, h);
+                                return var.visible_tc(V::READS ? min(r, sq - 1) : r, key);
+                            } else {
+                                return true;
+                            }
+                        },
+                        g, t4);
                 }
             }
             __syncthreads();  // every warp is done with K_j's buffer
@@ -547,6 +650,22 @@ cuflash_fwd_mma(const AttnParams p) {
             }
         }
     }
+}
+
+// cuflash_fwd_mma: the plain policy (one kernel argument, the code it always had);
+// cuflash_fwd_mma_var<..., V>: a variant's policy V (variants.cuh), VariantParams the second
+// argument. Both are named instantiations a profiler shows.
+template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O,
+          bool CAUSAL>
+__global__ void __launch_bounds__(32 * NWARPS, MINB) cuflash_fwd_mma(const AttnParams p) {
+    fwd_mma_body<T, TERMS, DPAD, BN, NWARPS, MT, STAGE_O, CAUSAL, PlainVariant>(p,
+                                                                               VariantParams{});
+}
+template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O,
+          bool CAUSAL, typename V>
+__global__ void __launch_bounds__(32 * NWARPS, MINB)
+cuflash_fwd_mma_var(const AttnParams p, const VariantParams vp) {
+    fwd_mma_body<T, TERMS, DPAD, BN, NWARPS, MT, STAGE_O, CAUSAL, V>(p, vp);
 }
 
 }  // namespace cuflash

@@ -16,6 +16,8 @@
 //   bind(vp, i0, i1, i2)            the collapsed batch coordinates of the block's entry
 //   visible(q_idx, kv_idx)          window and mask
 //   score(t, q_idx, kv_idx)         the transform of the scaled score t
+//   score_tc<FAST>(t, i, j, dist)   the same in float32 for the tensor-core kernels (dist =
+//                                    i + off - j as a float; FAST: softcap through softcap_fast)
 //   dscore(t)                       d score / d t (softcap: 1 - tanh^2(t / c); else 1)
 //   key_range(r0, r1, sq, sk, &j0, &j1)   keys [j0, j1) rows [r0, r1) can see by position
 //   row_range(j0, j1, sq, sk, &r0, &r1)   rows [r0, r1) that can see keys [j0, j1) by position
@@ -52,6 +54,44 @@ static_assert(sizeof(VariantParams) == 26 * 8, "VariantParams must match cuflash
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
+// c tanh(x / c) for the tensor-core kernels, with k = 2 log2(e) / c: c (1 - 2 / (1 + 2^(k x))),
+// two MUFU operations (ex2, rcp) and three FMA-pipe ones instead of tanhf's branchy sequence.
+// Its error is absolute, a few units of 2^-22 c (ex2.approx and rcp.approx), which is what a
+// softmax needs (an absolute score error is a relative error of p); both ends saturate exactly
+// (2^(kx) = inf gives c, 0 gives -c) and NaN stays NaN.
+__device__ __forceinline__ float softcap_fast(float x, float c, float k) {
+    float e, r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * k));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+    return fmaf(-2.f * c, r, c);
+}
+
+// One element of a bias or mask tensor for the tensor-core kernels, as a float / a byte, through
+// a volatile read-only load: ptxas keeps such loads where they stand instead of hoisting a tile's
+// worth of them (and their addresses) ahead, which took every register and spilled (at D = 64 a
+// float32 bias alone reached 255 registers with spills; NVRTC 13.5, sm_90).
+__device__ __forceinline__ float ldg_tc(const float* p) {
+    float x;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(x) : "l"(p));
+    return x;
+}
+__device__ __forceinline__ float ldg_tc(const double* p) {
+    double x;
+    asm volatile("ld.global.nc.f64 %0, [%1];" : "=d"(x) : "l"(p));
+    return static_cast<float>(x);
+}
+template <typename H>
+__device__ __forceinline__ float ldg_tc(const H* p) {   // fp16_t, bf16_t
+    H x;
+    asm volatile("ld.global.nc.b16 %0, [%1];" : "=h"(x.bits) : "l"(p));
+    return to_float(x);
+}
+__device__ __forceinline__ bool ldg_tc_nonzero(const unsigned char* p) {
+    unsigned int x;
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(x) : "l"(p));
+    return x != 0;
+}
+
 enum TileKind { TILE_EMPTY = 0, TILE_FULL = 1, TILE_PARTIAL = 2 };
 
 struct NoBias {};   // BiasT of a policy without a bias tensor
@@ -72,23 +112,33 @@ struct Variant {
     long long bias_sr, bias_sc, mask_sr, mask_sc, left, right, off;
     float slope;
     double cap, inv_cap;
+    float cap_f, inv_f, k_f;   // the tensor-core form (score_tc): c, 1 / c, 2 log2(e) / c
+    int bias_cm, mask_cm;      // score_tc / visible_tc: column stride 1 (-1) or 0 (0) as a mask
 
     __device__ __forceinline__ void bind(const VariantParams& vp, long long sq, long long sk,
                                          long long i0, long long i1, long long i2) {
         off = sk - sq;
         if constexpr (WINDOW) { left = vp.left; right = vp.right; }
-        if constexpr (SOFTCAP) { cap = vp.softcap; inv_cap = vp.inv_softcap; }
+        if constexpr (SOFTCAP) {
+            cap = vp.softcap;
+            inv_cap = vp.inv_softcap;
+            cap_f = static_cast<float>(vp.softcap);
+            inv_f = static_cast<float>(vp.inv_softcap);
+            k_f = static_cast<float>(2.0 * 1.4426950408889634 * vp.inv_softcap);
+        }
         if constexpr (ALIBI) slope = vp.slopes[i0 * vp.sl_s0 + i1 * vp.sl_s1 + i2 * vp.sl_s2];
         if constexpr (HAS_BIAS) {
             bias = static_cast<const BiasT*>(vp.bias) + i0 * vp.bias_s0 + i1 * vp.bias_s1 +
                    i2 * vp.bias_s2;
             bias_sr = vp.bias_sr;
             bias_sc = vp.bias_sc;
+            bias_cm = vp.bias_sc != 0 ? -1 : 0;
         }
         if constexpr (MASK) {
             mask = vp.mask + i0 * vp.mask_s0 + i1 * vp.mask_s1 + i2 * vp.mask_s2;
             mask_sr = vp.mask_sr;
             mask_sc = vp.mask_sc;
+            mask_cm = vp.mask_sc != 0 ? -1 : 0;
         }
     }
 
@@ -112,6 +162,38 @@ struct Variant {
         }
         if constexpr (HAS_BIAS) t += load_acc<Acc>(bias + i * bias_sr + j * bias_sc);
         return t;
+    }
+
+    // score() and visible() in the form of the tensor-core kernels (attn_mma.cu), float32, for
+    // bias and mask tensors whose column stride is 1 or 0 (checked on the host): the column
+    // offset is j or 0 (a 32-bit AND), so no 64-bit product per key is formed or kept in
+    // registers. `dist` is i + off - j as a float, which the kernel forms once per tile and row
+    // and offsets by each element's constant key offset (an FADD), where score() converts each
+    // element's distance; FAST takes softcap_fast for tanhf (16-bit and one-pass TF32 kernels).
+    template <bool FAST>
+    __device__ __forceinline__ float score_tc(float t, long long i, int j, float dist) const {
+        if constexpr (SOFTCAP) {
+            if constexpr (FAST) t = softcap_fast(t, cap_f, k_f);
+            else t = cap_f * tanhf(t * inv_f);
+        }
+        if constexpr (ALIBI) t -= slope * fabsf(dist);
+        if constexpr (HAS_BIAS) t += ldg_tc(bias + i * bias_sr + (j & bias_cm));
+        return t;
+    }
+    // The window's bounds of row i as 32-bit keys, clamped to [-1, 2^31 - 1) (exact for keys
+    // j in [0, Sk)): per row, so that each key's test is two 32-bit comparisons.
+    __device__ __forceinline__ int window_lo(long long i) const {
+        return left >= 0 ? static_cast<int>(max(-1ll, min(i + off - left, 0x7ffffffell))) : -1;
+    }
+    __device__ __forceinline__ int window_hi(long long i) const {
+        return right >= 0 ? static_cast<int>(max(-1ll, min(i + off + right, 0x7ffffffell)))
+                          : 0x7fffffff;
+    }
+    __device__ __forceinline__ bool visible_tc(long long i, int j) const {
+        bool ok = true;
+        if constexpr (WINDOW) ok = j >= window_lo(i) && j <= window_hi(i);
+        if constexpr (MASK) ok = ok && ldg_tc_nonzero(mask + i * mask_sr + (j & mask_cm));
+        return ok;
     }
 
     // d score / d t at the scaled score t (of row i, key j: the user hooks' derivative reads
@@ -199,6 +281,21 @@ struct UserVariant : Base {
         if constexpr (!Base::PLAIN) s = Base::score(t, i, j);
         if constexpr (SCORE_MOD) s = Hook::template score_mod<Acc>(s, mod_b, mod_h, i, j, mod_args);
         return s;
+    }
+
+    template <bool FAST>
+    __device__ __forceinline__ float score_tc(float t, long long i, int j, float dist) const {
+        float s = t;
+        if constexpr (!Base::PLAIN) s = Base::template score_tc<FAST>(t, i, j, dist);
+        if constexpr (SCORE_MOD) s = Hook::template score_mod<float>(s, mod_b, mod_h, i, j, mod_args);
+        return s;
+    }
+
+    __device__ __forceinline__ bool visible_tc(long long i, int j) const {
+        bool ok = true;
+        if constexpr (Base::MASKS) ok = Base::visible_tc(i, j);
+        if constexpr (MASK_MOD) ok = ok && Hook::mask_mod(mod_b, mod_h, i, j, mod_args);
+        return ok;
     }
 
     template <typename Acc>

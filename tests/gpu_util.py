@@ -171,22 +171,25 @@ def skip_unsupported_dtype(dtype):
         pytest.skip("bfloat16 on the GPU needs ml_dtypes (CuPy's bfloat16 dtype)")
 
 
-def check_variant_case(q, k, v, qg, kg, vg, kw, dkw, *, causal, dtype, rng, seed):
+def check_variant_case(q, k, v, qg, kg, vg, kw, dkw, *, causal, dtype, rng, seed,
+                       kernel="generic"):
     """One attention variant (built-in parts or user hooks) on the GPU against the float64
-    references: the forward into NaN-poisoned o and lse under `pass_threshold` (and the lse rule
+    references: the forward with `kernel` ("generic" or "tensorcore", asserted through
+    dispatch_info) into NaN-poisoned o and lse under `pass_threshold` (and the lse rule
     of `check_against_reference`), then the backward (dbias too when `kw` has a bias) into
-    poisoned buffers under `grad_pass_threshold`. `kw` holds the variant as NumPy arrays (for
-    the references), `dkw` on the device. Returns (dispatch label, o on the host, lse on the
-    host)."""
+    poisoned buffers under `grad_pass_threshold`, from that forward's o and lse. `kw` holds the
+    variant as NumPy arrays (for the references), `dkw` on the device. Returns (dispatch label,
+    o on the host, lse on the host)."""
     import cuflash
 
     cp = cupy()
     batch, sq, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
-    label = cuflash.dispatch_info(qg, kg, vg, causal=causal, **dkw)
-    assert label.startswith("generic<"), label
+    label = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel=kernel, **dkw)
+    assert label.startswith(f"{kernel}<"), label
     o = poisoned(batch + (sq, dv), dtype)
     lse = poisoned(batch + (sq,), "float32")
-    cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), **dkw)
+    cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), kernel=kernel,
+                      **dkw)
     rule = reference.pass_threshold(q, k, v, causal=causal, dtype=dtype, **kw)
     verdict = rule.judge(to_host64(o))
     assert verdict.passed, (seed, label, verdict.reasons)

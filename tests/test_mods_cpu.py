@@ -293,12 +293,17 @@ def test_fast_kernels_refuse_and_name_the_hook():
         prob = SimpleNamespace(kernel=kern, variant=var, dtype_name="float16", d=64, dv=64,
                                causal=False)
         with pytest.raises(ValueError, match="score_mod and mask_mod"):
-            variant_plan_for(prob)
-        with pytest.raises(ValueError, match="score_mod and mask_mod"):
             variant_backward_plan_for(prob)
+    prob.kernel = "hopper"
+    with pytest.raises(ValueError, match="score_mod and mask_mod"):
+        variant_plan_for(prob, 90)
+    prob.kernel = "tensorcore"   # no GPU described (compute capability None): refused, with why
+    with pytest.raises(ValueError, match=r"score_mod\[.*compute capability 8.0"):
+        variant_plan_for(prob)
     prob = SimpleNamespace(kernel="auto", variant=var, dtype_name="float16", d=64, dv=64,
                            causal=True)
-    plan = variant_plan_for(prob)
+    plan = variant_plan_for(prob)   # no GPU described: the generic kernels, saying why
+    assert plan.label.startswith("generic<") and "tensor-core kernel cannot" in plan.label
     assert "cuflash::UserVariant<cuflash::Variant<false, false, false, cuflash::NoBias, false>, " \
            "cuflash_user::Mod_" in plan.spec.name
     assert f"score_mod[{EX['tanh_cap'].digest[:8]}]" in plan.label

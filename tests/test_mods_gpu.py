@@ -1,5 +1,5 @@
-"""GPU tests of the user hooks (score_mod / mask_mod, cuflash/mods.py) on the generic kernels,
-forward and backward, against the float64 references under the project's pass rule
+"""GPU tests of the user hooks (score_mod / mask_mod, cuflash/mods.py), forward on the generic and
+the mma.sync tensor-core kernels (float64: generic only), backward on the generic kernels, against the float64 references under the project's pass rule
 (reference.pass_threshold / grad_pass_threshold), on fresh random inputs with every output
 poisoned with NaN: tails, Sq != Sk, causal on and off, broadcast kv heads, a strided q, rows
 without keys, hooks composed with built-in parts. Skipped without a GPU."""
@@ -64,13 +64,19 @@ CASES = [("tanh_cap", False, "float16", False), ("tanh_cap", True, "float16", Tr
 LONG_CASES = [CASES[1], CASES[6], CASES[9]]
 
 
-@pytest.mark.parametrize("name,causal,dtype,strided,sq,sk",
-                         [c + s for c in CASES for s in SHAPES]
-                         + [c + s for c in LONG_CASES for s in LONG])
-def test_hooks_forward_backward(name, causal, dtype, strided, sq, sk):
+def _kernels(dtype):
+    return ("generic",) if dtype == "float64" else ("generic", "tensorcore")
+
+
+@pytest.mark.parametrize("name,causal,dtype,strided,sq,sk,kernel",
+                         [c + s + (kern,) for c in CASES for s in SHAPES
+                          for kern in _kernels(c[2])]
+                         + [c + s + (kern,) for c in LONG_CASES for s in LONG
+                            for kern in _kernels(c[2])])
+def test_hooks_forward_backward(name, causal, dtype, strided, sq, sk, kernel):
     if dtype == "bfloat16" and bf16_dtype() is None:
         pytest.skip("bfloat16 on the GPU needs ml_dtypes")
-    rng = _rng(name, causal, dtype, sq, sk)
+    rng = _rng(name, causal, dtype, sq, sk, kernel)
     d = dv = 64
     q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, dv, dtype)
     q = q * 2.0   # scores large enough for the cap to act
@@ -81,7 +87,7 @@ def test_hooks_forward_backward(name, causal, dtype, strided, sq, sk):
         qg = to_gpu(np.ascontiguousarray(np.swapaxes(q, 1, 2)), dtype).swapaxes(1, 2)
         assert sq == 1 or not qg.flags.c_contiguous
     label, o, lse = check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal,
-                                       dtype=dtype, rng=rng, seed=SEED)
+                                       dtype=dtype, rng=rng, seed=SEED, kernel=kernel)
     assert "_mod[" in label, label
     if name == "empty_rows":
         assert np.all(o[..., 1::2, :] == 0) and np.all(np.isneginf(lse[..., 1::2]))
@@ -95,13 +101,14 @@ def test_hook_compile_error_before_any_launch():
         cuflash.attention(q, q, q, score_mod=bad)
 
 
-def test_hooks_refuse_fast_kernels():
+def test_hooks_dispatch():
+    """kernel="auto" runs hooks on the mma.sync kernel (named by their hash in the label); the
+    Hopper kernel refuses them, naming the hook."""
     cp = cupy()
     q = cp.ones((1, 2, 64, 64), dtype=cp.float16)
-    for kern in ("tensorcore", "hopper"):
-        with pytest.raises(ValueError, match="score_mod"):
-            cuflash.attention(q, q, q, score_mod=EX["tanh_cap"], kernel=kern)
-        with pytest.raises(ValueError, match="mask_mod"):
-            cuflash.attention(q, q, q, mask_mod=EX["prefix_lm"], kernel=kern)
+    with pytest.raises(ValueError, match="score_mod"):
+        cuflash.attention(q, q, q, score_mod=EX["tanh_cap"], kernel="hopper")
+    with pytest.raises(ValueError, match="mask_mod"):
+        cuflash.attention(q, q, q, mask_mod=EX["prefix_lm"], kernel="hopper")
     label = cuflash.dispatch_info(q, q, q, mask_mod=EX["prefix_lm"])
-    assert label.startswith("generic<") and "generic kernels only" in label
+    assert label.startswith("tensorcore<") and "mask_mod[" in label, label

@@ -1,8 +1,9 @@
-"""GPU tests of the attention variants (window, softcap, ALiBi, bias, mask) on the generic kernels,
-forward and backward (dbias included), against the float64 references under the project's pass
-rule (reference.pass_threshold / grad_pass_threshold), on fresh random inputs with every output
-poisoned with NaN. Tails, Sq != Sk, causal on and off, broadcast heads, rows without keys.
-Skipped without a GPU."""
+"""GPU tests of the attention variants (window, softcap, ALiBi, bias, mask), forward on the generic
+and the mma.sync tensor-core kernels (float16, bfloat16, float32: both; float64: generic), each
+followed by the backward (generic kernels; dbias included) from that forward's o and lse, against
+the float64 references under the project's pass rule (reference.pass_threshold /
+grad_pass_threshold), on fresh random inputs with every output poisoned with NaN. Tails,
+Sq != Sk, causal on and off, broadcast heads, rows without keys. Skipped without a GPU."""
 import numpy as np
 import pytest
 
@@ -58,29 +59,54 @@ CASES = ([(n, c, dt) for n in ("window", "combined") for c in (False, True)
          + [("combined", c, dt) for c in (False, True) for dt in ("bfloat16", "float64")])
 
 
-@pytest.mark.parametrize("sq,sk", SHAPES)
-@pytest.mark.parametrize("name,causal,dtype", CASES)
-def test_variant_forward_backward(name, causal, dtype, sq, sk):
+KERNEL_CASES = [c + (kern,) for c in CASES
+                for kern in (("generic",) if c[2] == "float64" else ("generic", "tensorcore"))]
+
+
+def _run_case(name, causal, dtype, sq, sk, kernel, d=64):
     if dtype == "bfloat16" and bf16_dtype() is None:
         pytest.skip("bfloat16 on the GPU needs ml_dtypes")
-    rng = _rng(name, causal, dtype, sq, sk)
-    d = dv = 64
-    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, dv, dtype)
+    rng = _rng(name, causal, dtype, sq, sk, kernel, d)
+    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, dtype)
     kw = _host_variant(name, rng, sq, sk, dtype)
     dkw = _to_device(kw)
     qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
-    check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
-                       seed=SEED)
+    return check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype,
+                              rng=rng, seed=SEED, kernel=kernel)
 
 
-def test_variant_refuses_fast_kernels():
+@pytest.mark.parametrize("sq,sk", SHAPES)
+@pytest.mark.parametrize("name,causal,dtype,kernel", KERNEL_CASES)
+def test_variant_forward_backward(name, causal, dtype, kernel, sq, sk):
+    _run_case(name, causal, dtype, sq, sk, kernel)
+
+
+# The tensor-core tiles of the larger head dims (_dispatch_variants.TC_VARIANT_CONFIGS).
+@pytest.mark.parametrize("name,causal,dtype,d", [
+    ("combined", True, "float16", 96), ("combined", False, "float16", 128),
+    ("window", True, "float16", 128), ("combined", True, "float16", 256),
+    ("softcap", False, "bfloat16", 192), ("combined", True, "float32", 128)])
+def test_variant_tensorcore_head_dims(name, causal, dtype, d):
+    _run_case(name, causal, dtype, 113, 1000, "tensorcore", d=d)
+
+
+def test_variant_dispatch():
+    """kernel="auto" takes the mma.sync kernel for a variant (on sm_90 too: not the Hopper
+    kernel), names the variant in the label; "hopper" refuses; float64 and D > 256 fall back to
+    the generic kernel and say why; "tensorcore" then raises."""
     cp = cupy()
     q = cp.ones((1, 2, 64, 64), dtype=cp.float16)
-    for kern in ("tensorcore", "hopper"):
-        with pytest.raises(ValueError, match="variant"):
-            cuflash.attention(q, q, q, softcap=3.0, kernel=kern)
     label = cuflash.dispatch_info(q, q, q, window=(8, 0))
-    assert "window" in label and "generic kernels only" in label
+    assert label.startswith("tensorcore<float16,D64,") and label.endswith(",full,window>"), label
+    assert cuflash.dispatch_info(q, q, q, softcap=3.0, causal=True).endswith(",causal,softcap>")
+    with pytest.raises(ValueError, match="variant"):
+        cuflash.attention(q, q, q, softcap=3.0, kernel="hopper")
+    q64 = cp.ones((1, 2, 64, 64), dtype=cp.float64)
+    label = cuflash.dispatch_info(q64, q64, q64, window=(8, 0))
+    assert label.startswith("generic<float64,") and "tensor-core kernel cannot" in label, label
+    with pytest.raises(ValueError, match="kernel='tensorcore' cannot run these inputs with the "
+                                         "attention variant"):
+        cuflash.attention(q64, q64, q64, window=(8, 0), kernel="tensorcore")
 
 
 def test_plain_still_picks_fast_kernels():

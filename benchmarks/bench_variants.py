@@ -1,0 +1,232 @@
+#!/usr/bin/env python
+"""Forward speed of the attention variants: cuflash with softcap, ALiBi, a sliding window, a
+bias tensor and a boolean mask, against plain cuflash on the same inputs and torch SDPA with the
+same ``attn_mask`` (bias, mask and the window and ALiBi as a float mask), issue 15's targets.
+
+    PYTHONPATH=. python benchmarks/bench_variants.py                  # S = 4096, 16384
+    PYTHONPATH=. python benchmarks/bench_variants.py --s 2048 --quick --json /tmp/v.json
+
+Every result is checked first: cuflash's (and torch's) output on a few (batch, head) slices
+against the float64 reference (cuflash.reference.attention_ref with the same variant) under the
+project's pass rule (reference.pass_threshold); a failing implementation is not timed. Timing:
+--warmup untimed calls, then --repeats calls each between CUDA events; the median is reported.
+
+Columns: ms; "per tile" compares time per visited unit of work with plain cuflash's,
+plain_ms / pairs_plain / (ms / pairs) where pairs counts the (query, key) pairs each computes
+by position (a window of w keys: ~S * w; every other variant: all of them), so 1.0 means the
+variant costs what plain attention costs per pair it visits (the target: >= 0.9 for softcap,
+ALiBi and the window). "vs torch" is torch's time over cuflash's for the same variant (bias and
+mask target: >= 1.0 against cuDNN; the backend torch ran is named).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--s", default="4096,16384", help="sequence lengths (Sq = Sk)")
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=32768, help="B * S (B at least 1)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--window", type=int, default=4096, help="left extent of the window")
+    ap.add_argument("--causal", type=int, default=1)
+    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="warmup 1, repeats 3")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default="plain,softcap,alibi,window,bias,mask")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.warmup, args.repeats = 1, 3
+    return args
+
+
+def time_ms(fn, warmup, repeats):
+    """Median milliseconds of `fn` between CUDA events (bench_inference's timer)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_inference import _events
+    return _events(fn, warmup, repeats) * 1e3
+
+
+def variant_kwargs(name, rng, b, h, s, args):
+    import cupy
+    if name == "plain":
+        return {}
+    if name == "softcap":
+        return dict(softcap=30.0)
+    if name == "alibi":
+        return dict(alibi_slopes=cupy.asarray(
+            (2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)))
+    if name == "window":
+        return dict(window=(args.window, -1))
+    if name == "bias":   # one float16 (S, S) bias shared by every batch entry and head
+        return dict(bias=cupy.random.standard_normal((1, s, s), dtype=cupy.float32)
+                    .astype(cupy.float16))
+    if name == "mask":   # a padding-like mask per batch entry, (B, 1, S, S)
+        m = np.ones((b, 1, s, s), bool)
+        for i in range(b):
+            m[i, :, :, s - (i * 97) % (s // 4) - 1:] = False
+        m[..., 0] = True
+        return dict(mask=cupy.asarray(m))
+    raise ValueError(name)
+
+
+def visible_pairs(name, s, causal, args):
+    full = s * (s + 1) / 2 if causal else float(s) * s
+    if name != "window":
+        return full
+    i = np.arange(s, dtype=np.float64)
+    lo = np.maximum(0, i - args.window)
+    hi = i if causal else np.full(s, s - 1.0)
+    return float(np.sum(hi - lo + 1))
+
+
+def torch_mask(name, kw, b, h, s, causal, dtype, left):
+    """The same variant as an SDPA attn_mask (bool or additive float), or None (plain)."""
+    import torch
+    dev = "cuda"
+    if name in ("plain", "softcap"):
+        return None
+    i = torch.arange(s, device=dev)[:, None]
+    j = torch.arange(s, device=dev)[None, :]
+    tdt = getattr(torch, dtype)
+    if name == "alibi":
+        sl = torch.as_tensor(kw["alibi_slopes"], device=dev)
+        m = -sl[:, None, None] * (i - j).abs()[None].to(torch.float32)
+        if causal:
+            m = m.masked_fill(j > i, float("-inf"))
+        return m.to(tdt)[None]
+    if name == "window":
+        keep = j >= i - left
+        if causal:
+            keep = keep & (j <= i)
+        return keep[None, None]
+    if name == "bias":
+        m = torch.as_tensor(kw["bias"], device=dev).to(tdt)[None]
+        if causal:
+            m = m.masked_fill(j > i, float("-inf"))
+        return m
+    if name == "mask":
+        keep = torch.as_tensor(kw["mask"], device=dev)
+        if causal:
+            keep = keep & (j <= i)
+        return keep
+    raise ValueError(name)
+
+
+def check(o, q, k, v, causal, kw, dtype, slices, rows=256):
+    """o against the float64 reference on a few (batch, head) slices, by the pass rule, on the
+    last `rows` query rows: with the keys kept whole, rows i of that Sq' = rows problem are rows
+    i + Sq - rows of the full one under every variant (each aligns on i + Sk - Sq)."""
+    import cupy
+    from cuflash import reference as R
+    r0 = max(0, q.shape[-2] - rows)
+    for bi, hi in slices:
+        sub = {}
+        for n, x in kw.items():
+            if isinstance(x, cupy.ndarray):
+                x = cupy.asnumpy(x)
+                if n == "alibi_slopes":
+                    x = x[hi:hi + 1]
+                else:   # broadcast to (B, H, ...) then take the slice, keeping a (1, 1) batch
+                    full = np.broadcast_to(x, (q.shape[0], q.shape[1]) + x.shape[-2:])
+                    x = full[bi:bi + 1, hi:hi + 1, r0:] if x.shape[-2] > 1 else \
+                        full[bi:bi + 1, hi:hi + 1]
+            sub[n] = x
+        qs = cupy.asnumpy(q[bi:bi + 1, hi:hi + 1, r0:]).astype(np.float64)
+        ks, vs = (cupy.asnumpy(t[bi:bi + 1, hi:hi + 1]).astype(np.float64) for t in (k, v))
+        rule = R.pass_threshold(qs, ks, vs, causal=causal, dtype=dtype, **sub)
+        got = np.asarray(o[bi:bi + 1, hi:hi + 1, r0:].get(), dtype=np.float64)
+        verdict = rule.judge(got)
+        if not verdict.passed:
+            return f"slice ({bi}, {hi}): {verdict.reasons}"
+    return None
+
+
+def main(argv=None):
+    import cupy
+
+    import cuflash
+
+    args = parse_args(argv)
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception:   # pragma: no cover - optional
+        torch = None
+    rows = []
+    for s in (int(x) for x in args.s.split(",")):
+        b, h, d = max(1, args.tokens // s), args.heads, args.d
+        rng = np.random.default_rng(s)
+        if torch is not None:
+            tq, tk, tv = (torch.randn(b, h, s, d, device="cuda", dtype=getattr(torch, args.dtype))
+                          for _ in range(3))
+            q, k, v = (cupy.from_dlpack(t) for t in (tq, tk, tv))
+        else:
+            dt = cupy.float16 if args.dtype == "float16" else None
+            q, k, v = (cupy.random.standard_normal((b, h, s, d)).astype(dt) for _ in range(3))
+        causal = bool(args.causal)
+        slices = [(0, 0), (b - 1, h - 1)]
+        plain_ms = None
+        for name in args.variants.split(","):
+            kw = variant_kwargs(name, rng, b, h, s, args)
+            row = dict(s=s, b=b, h=h, d=d, causal=causal, variant=name,
+                       label=cuflash.dispatch_info(q, k, v, causal=causal, **kw))
+            run = lambda: cuflash.attention(q, k, v, causal=causal, **kw)  # noqa: E731
+            bad = check(run(), q, k, v, causal, kw, args.dtype, slices)
+            if bad:
+                row["cuflash_error"] = bad
+            else:
+                row["ms"] = time_ms(run, args.warmup, args.repeats)
+                if name == "plain":
+                    plain_ms = row["ms"]
+                pairs = visible_pairs(name, s, causal, args)
+                if plain_ms is not None:
+                    row["per_tile"] = (plain_ms / visible_pairs("plain", s, causal, args)) / (
+                        row["ms"] / pairs)
+            if torch is not None and name != "softcap":
+                tm = torch_mask(name, kw, b, h, s, causal, args.dtype, args.window)
+                for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+                    try:
+                        with sdpa_kernel(getattr(SDPBackend, backend)):
+                            tfn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa
+                                tq, tk, tv, attn_mask=tm, is_causal=causal and tm is None)
+                            to = tfn()
+                        torch.cuda.synchronize()
+                    except Exception:
+                        continue
+                    bad = check(cupy.from_dlpack(to), q, k, v, causal, kw, args.dtype, slices)
+                    if bad:
+                        row[f"torch_{backend}_error"] = bad
+                        continue
+
+                    def tfn_ctx(fn=tfn, be=backend):
+                        with sdpa_kernel(getattr(SDPBackend, be)):
+                            fn()
+                    row["torch_backend"] = backend
+                    row["torch_ms"] = time_ms(tfn_ctx, args.warmup, args.repeats)
+                    if "ms" in row:
+                        row["vs_torch"] = row["torch_ms"] / row["ms"]
+                    break
+            rows.append(row)
+            print(f"S={s} {name:8s} {row.get('ms', float('nan')):8.3f} ms  per tile "
+                  f"{row.get('per_tile', float('nan')):5.2f}  torch "
+                  f"{row.get('torch_backend', '-')} {row.get('torch_ms', float('nan')):8.3f} ms"
+                  f"  vs torch {row.get('vs_torch', float('nan')):5.2f}  [{row['label']}]"
+                  + "".join(f"  {k}: {v}" for k, v in row.items() if k.endswith("_error")),
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
