@@ -707,6 +707,30 @@ MMA_MODEL_CASES = [  # (dtype, q batch, k batch, Sq, Sk, D, causal, deterministi
 ]
 
 
+# The speed candidates (_dispatch.TC_BWD_CANDIDATES) in place of the defaults: BN = 128 at D = 64
+# (8 warps, a new dQ split), the OPT bits (lean bookkeeping, late hand-over).
+MMA_MODEL_CANDIDATE_CASES = [  # (candidate, dtype, q batch, k batch, Sq, Sk, D, causal, det)
+    ("w8+lean+late", "float16", (2,), (2,), 150, 200, 64, True, True),
+    ("w8", "bfloat16", (1, 2), (1, 1), 70, 130, 48, False, False),
+    ("lean+late", "float16", (2,), (2,), 90, 140, 64, False, True),
+    ("lean+late", "bfloat16", (1,), (1,), 45, 150, 128, True, True),
+]
+
+
+@pytest.mark.parametrize("cand,dtype,qb,kb,sq,sk,d,causal,det", MMA_MODEL_CANDIDATE_CASES)
+def test_tensorcore_kernel_model_candidates(cand, dtype, qb, kb, sq, sk, d, causal, det,
+                                            monkeypatch):
+    cfgs = {**_dispatch.TC_BWD_CONFIGS, **_dispatch.TC_BWD_CANDIDATES[cand]}
+    monkeypatch.setattr(_dispatch, "TC_BWD_CONFIGS", cfgs)
+    bm, nwarps, _, _, opt = _dispatch.bwd_tensorcore_config(
+        _dispatch.head_dim_bucket(d, cfgs), 90)
+    name = _dispatch.bwd_tensorcore_plan(dtype, d, causal, det, 90).passes[0][1].spec.name
+    assert f", {bm}, {16 * nwarps}, {nwarps}," in name, name  # the candidate's tiles run
+    assert name.endswith(f", {opt if det else opt & 1}>"), name  # and its OPT bits
+    test_tensorcore_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, 90, "contiguous",
+                                 monkeypatch)
+
+
 @pytest.mark.parametrize("dtype,qb,kb,sq,sk,d,causal,det,cc,layout", MMA_MODEL_CASES)
 def test_tensorcore_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, cc, layout, monkeypatch):
     import bwd_generic_model as gmodel
