@@ -483,6 +483,29 @@ def test_backward_plans():
     assert any("cuflash_bwd_mma" in s.name for s in specs)
 
 
+def test_backward_candidate_plans():
+    """The speed candidates (TC_BWD_CANDIDATES) make launchable plans on an H200, name their
+    OPT bits in the label and the kernel name, keep the late hand-over for deterministic plans
+    only, and leave the default tables as they were."""
+    before = dict(_dispatch.TC_BWD_CONFIGS)
+    plans = _dispatch.bwd_candidate_plans(90)
+    assert _dispatch.TC_BWD_CONFIGS == before
+    names = set()
+    for bp in plans:
+        kern = bp.passes[0][1]
+        assert kern.smem_bytes <= 227 * 1024 and kern.threads <= 1024, kern.label
+        assert kern.block_n == kern.threads // 2
+        opt = int(kern.spec.name.rsplit(",", 1)[1].rstrip(">"))
+        assert ("lean," in bp.label) == bool(opt & 1) and ("late," in bp.label) == bool(opt & 2)
+        assert bp.deterministic or not opt & 2, bp.label
+        names.add(kern.spec.name)
+    assert len(names) == len(plans)
+    for name, cand in _dispatch.TC_BWD_CANDIDATES.items():
+        for dpad, cfg in cand.items():
+            bm, nwarps, stages, _ = cfg[:4]
+            assert _dispatch.bwd_tensorcore_smem(dpad, bm, nwarps, stages) <= 227 * 1024, name
+
+
 # ---------------------------------------------------------------------------------------------
 # The gradient section of cuflash-check
 

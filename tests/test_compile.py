@@ -78,7 +78,10 @@ def _hopper_schedule_specs():
 
 def _bwd_candidate_specs(cc):
     """The tensor-core backward's speed candidates (_dispatch.TC_BWD_CANDIDATES), which
-    tests/test_backward_gpu.py and benchmarks/bwd_tune.py put in place of the defaults."""
+    tests/test_backward_gpu.py and benchmarks/bwd_tune.py put in place of the defaults on the
+    H200 (sm_90 only: a candidate that becomes a default is compiled for sm_80 with them)."""
+    if cc != 90:
+        return []
     return [plan.spec for bp in _dispatch.bwd_candidate_plans(cc) for _, plan in bp.passes]
 
 
