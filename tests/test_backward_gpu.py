@@ -472,6 +472,9 @@ def test_tensorcore_backward_candidates(cand, dpad, causal, monkeypatch):
         grads, label = _run_bwd(inputs, "float16", causal=causal, kernel="tensorcore",
                                 deterministic=deterministic)
         assert f"BM{bm},BN{16 * nwarps}," in label, label
+        for opt_name, bit in _dispatch.TC_BWD_OPTS.items():  # the candidate's OPT bits ran
+            want = bool(opt & bit) and (deterministic or opt_name != "late")
+            assert (f"{opt_name}," in label) == want, label
         check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=None,
                                       dtype="float16", ref=ref, label=label)
     again, _ = _run_bwd(inputs, "float16", causal=causal, kernel="tensorcore",
