@@ -8,12 +8,14 @@ import collections, os, re, subprocess, sys, tempfile
 from pathlib import Path
 from cuflash import _compile, _dispatch
 
-nvdisasm = str(sorted(p for e in sys.path for p in Path(e).glob("nvidia/*/bin/nvdisasm"))[-1])
 KEEP = ("HMMA", "FADD", "FMUL", "FFMA", "LDS", "IADD3", "LOP3", "MUFU", "FSETP", "FSEL")
 
 
-def sass_lines(name):
-    rep = _compile.compile_report(_compile.Specialisation("attn_mma", name), "sm_90")
+def sass_lines(name, family="attn_mma"):
+    """(compile report, [(opcode without modifiers, operands)], {label: index}) of one kernel
+    specialisation for sm_90 (benchmarks/bwd_sass.py uses it too)."""
+    nvdisasm = str(sorted(p for e in sys.path for p in Path(e).glob("nvidia/*/bin/nvdisasm"))[-1])
+    rep = _compile.compile_report(_compile.Specialisation(family, name), "sm_90")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         Path(path).write_bytes(rep.cubin)
@@ -36,30 +38,36 @@ def hist(lines):
     return c, sum(c.values())
 
 
-for dpad in (64, 128):
-    bn, nw, mt, minb, stage = _dispatch.tensorcore_config(dpad, 90, "float32", "highest")
-    b = {True: "true", False: "false"}
-    name = f"cuflash::cuflash_fwd_mma<float, 3, {dpad}, {bn}, {nw}, {mt}, {minb}, {b[stage]}, false>"
-    rep, lines, labels = sass_lines(name)
-    loops = []
-    for i, (op, args) in enumerate(lines):
-        if op == "BRA":
-            m = re.search(r"(\.L_x_\d+)", args)
-            if m and labels.get(m.group(1), i + 1) <= i:
-                lo = labels[m.group(1)]
-                if any(o == "HMMA" for o, _ in lines[lo:i]):
-                    loops.append((i - lo, lo, i))
-    _, lo, hi = min(loops)
-    kc_body = lines[lo:hi + 1]
-    after = [i for i in range(hi + 1, len(lines)) if lines[i][0] == "HMMA"]
-    pv = lines[after[0]:after[-1] + 1]
-    kc, nkc = hist(kc_body)
-    pc, npv = hist(pv)
-    steps = dpad // 16
-    tot = nkc * steps + npv
-    hm = kc["HMMA"] * steps + pc["HMMA"]
-    print(f"D={dpad} BN={bn} regs={rep.registers}: per tile and warp {tot} instructions, "
-          f"{hm} HMMA, {kc['FADD'] * steps + pc['FADD']} FADD "
-          f"(scores: {steps} x {nkc} [{kc['HMMA']} HMMA, {kc['FADD']} FADD], "
-          f"P.V: {npv} [{pc['HMMA']} HMMA, {pc['FADD']} FADD]); "
-          + " ".join(f"{o}={kc[o] * steps + pc[o]}" for o in KEEP), flush=True)
+def main():
+    for dpad in (64, 128):
+        bn, nw, mt, minb, stage = _dispatch.tensorcore_config(dpad, 90, "float32", "highest")
+        b = {True: "true", False: "false"}
+        name = (f"cuflash::cuflash_fwd_mma<float, 3, {dpad}, {bn}, {nw}, {mt}, {minb}, "
+                f"{b[stage]}, false>")
+        rep, lines, labels = sass_lines(name)
+        loops = []
+        for i, (op, args) in enumerate(lines):
+            if op == "BRA":
+                m = re.search(r"(\.L_x_\d+)", args)
+                if m and labels.get(m.group(1), i + 1) <= i:
+                    lo = labels[m.group(1)]
+                    if any(o == "HMMA" for o, _ in lines[lo:i]):
+                        loops.append((i - lo, lo, i))
+        _, lo, hi = min(loops)
+        kc_body = lines[lo:hi + 1]
+        after = [i for i in range(hi + 1, len(lines)) if lines[i][0] == "HMMA"]
+        pv = lines[after[0]:after[-1] + 1]
+        kc, nkc = hist(kc_body)
+        pc, npv = hist(pv)
+        steps = dpad // 16
+        tot = nkc * steps + npv
+        hm = kc["HMMA"] * steps + pc["HMMA"]
+        print(f"D={dpad} BN={bn} regs={rep.registers}: per tile and warp {tot} instructions, "
+              f"{hm} HMMA, {kc['FADD'] * steps + pc['FADD']} FADD "
+              f"(scores: {steps} x {nkc} [{kc['HMMA']} HMMA, {kc['FADD']} FADD], "
+              f"P.V: {npv} [{pc['HMMA']} HMMA, {pc['FADD']} FADD]); "
+              + " ".join(f"{o}={kc[o] * steps + pc[o]}" for o in KEEP), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -545,7 +545,8 @@ def bwd_generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Backward
 
 #: Tensor-core backward tiles per padded head dim (kernels_cu/attn_bwd_mma.cu: BwdMmaConfig):
 #: (BM query rows per tile, warps per block (BN = 16 * warps keys), Q/dO stages, min blocks per
-#: SM). Shared memory: D = 64 64 KiB, D = 128 155 KiB (BN = 128, two stages; an A100 allows
+#: SM[, OPT]): an optional fifth entry is the kernel's OPT bits (TC_BWD_OPTS; 0 when absent).
+#: Shared memory: D = 64 64 KiB, D = 128 155 KiB (BN = 128, two stages; an A100 allows
 #: 163 KiB, an H200 227 KiB).
 TC_BWD_CONFIGS = {
     64: (64, 4, 2, 2),
@@ -560,14 +561,32 @@ TC_BWD_ARCH_CONFIGS = {
     90: {},
 }
 TC_BWD_DTYPES = ("float16", "bfloat16")
+#: OPT bits of cuflash_bwd_mma (attn_bwd_mma.cu: BWD_OPT_LEAN, BWD_OPT_LATE): "lean" per-tile
+#: bookkeeping without divisions, deferred lse/delta stores and an unmasked exp2 path; "late"
+#: deterministic hand-over after the next barrier. Same results, bit for bit.
+TC_BWD_OPTS = {"lean": 1, "late": 2}
+#: Speed candidates of the tensor-core backward, not yet measured (notes/BACKWARD.md "Speed
+#: candidates"): name -> {dpad: config}, the form of TC_BWD_CONFIGS. Only benchmarks
+#: (benchmarks/bwd_tune.py) and tests put them in place of the defaults; the compile check
+#: builds every one (bwd_candidate_plans).
+TC_BWD_CANDIDATES = {
+    "base": {64: (64, 4, 2, 2), 128: (32, 8, 2, 1)},
+    "lean": {64: (64, 4, 2, 2, 1), 128: (32, 8, 2, 1, 1)},
+    "late": {64: (64, 4, 2, 2, 2), 128: (32, 8, 2, 1, 2)},
+    "lean+late": {64: (64, 4, 2, 2, 3), 128: (32, 8, 2, 1, 3)},
+    "w8": {64: (64, 8, 2, 1)},
+    "w8+lean": {64: (64, 8, 2, 1, 1)},
+    "w8+lean+late": {64: (64, 8, 2, 1, 3)},
+}
 #: Padding column of a dq accumulator row past DPAD (the turn counters of deterministic mode sit
 #: at column DPAD of each query tile's first row; 4 keeps rows 16-byte aligned).
 TC_BWD_DQ_PAD = 4
 
 
 def bwd_tensorcore_config(dpad: int, compute_capability: int):
-    """(BM, warps, stages, min blocks per SM) of the tensor-core backward on a device."""
-    return _arch_config(TC_BWD_CONFIGS, TC_BWD_ARCH_CONFIGS, dpad, compute_capability)
+    """(BM, warps, stages, min blocks per SM, OPT) of the tensor-core backward on a device."""
+    cfg = tuple(_arch_config(TC_BWD_CONFIGS, TC_BWD_ARCH_CONFIGS, dpad, compute_capability))
+    return cfg + (0,) * (5 - len(cfg))
 
 
 def bwd_tensorcore_smem(dpad: int, bm: int, nwarps: int, stages: int) -> int:
@@ -583,13 +602,17 @@ def bwd_tensorcore_plan(dtype_name: str, d: int, causal: bool, deterministic: bo
     float32 (atomics; with `deterministic`, in key-block order through turn counters), then the
     dq conversion."""
     dpad = head_dim_bucket(d, TC_BWD_CONFIGS)
-    bm, nwarps, stages, minb = bwd_tensorcore_config(dpad, compute_capability)
+    bm, nwarps, stages, minb, opt = bwd_tensorcore_config(dpad, compute_capability)
+    if not deterministic:
+        opt &= ~TC_BWD_OPTS["late"]  # a deterministic hand-over only
     bn = 16 * nwarps
     cxx_bool = {True: "true", False: "false"}
     mask = "causal" if causal else "full"
     name = (f"cuflash::cuflash_bwd_mma<{_CXX_TYPE[dtype_name]}, {dpad}, {bm}, {bn}, {nwarps}, "
-            f"{stages}, {minb}, {cxx_bool[bool(causal)]}, {cxx_bool[bool(deterministic)]}>")
+            f"{stages}, {minb}, {cxx_bool[bool(causal)]}, {cxx_bool[bool(deterministic)]}, "
+            f"{opt}>")
     det = "det," if deterministic else ""
+    det += "".join(f"{k}," for k, bit in TC_BWD_OPTS.items() if opt & bit)
     kern = Plan(label=f"bwd_mma<{dtype_name},D{dpad},BM{bm},BN{bn},S{stages},{det}{mask}>",
                 spec=Specialisation("attn_bwd_mma", name), block_m=bm, block_n=bn,
                 threads=32 * nwarps, smem_bytes=bwd_tensorcore_smem(dpad, bm, nwarps, stages))
@@ -675,6 +698,29 @@ def all_backward_specialisations(compute_capability: int = 90):
                         bp = bwd_tensorcore_plan(dt, dpad, causal, det, cc)
                         if all(bp.label != x.label or bp.passes != x.passes for x in plans):
                             plans.append(bp)
+    return plans
+
+
+def bwd_candidate_plans(compute_capability: int = 90):
+    """The tensor-core backward plans of every entry of TC_BWD_CANDIDATES (both dtypes, masks and
+    determinism modes) on a device of this compute capability, for the compile check."""
+    plans = []
+    saved = dict(TC_BWD_CONFIGS)
+    try:
+        for cand in TC_BWD_CANDIDATES.values():
+            for dpad, cfg in cand.items():
+                TC_BWD_CONFIGS[dpad] = cfg
+                for dt in TC_BWD_DTYPES:
+                    for causal in (False, True):
+                        for det in (False, True):
+                            bp = bwd_tensorcore_plan(dt, dpad, causal, det, compute_capability)
+                            if all(bp.passes != x.passes for x in plans):
+                                plans.append(bp)
+                TC_BWD_CONFIGS.clear()
+                TC_BWD_CONFIGS.update(saved)
+    finally:
+        TC_BWD_CONFIGS.clear()
+        TC_BWD_CONFIGS.update(saved)
     return plans
 
 

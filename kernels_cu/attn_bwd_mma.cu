@@ -198,10 +198,28 @@ __device__ __forceinline__ void bwd_turn_store(int* p, int v) {
     asm volatile("st.release.gpu.global.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
 }
 
+// OPT: bits of the speed candidates (notes/BACKWARD.md "Speed candidates"; the dispatcher's
+// config tables choose them, 0 is the form measured first):
+//   BWD_OPT_LEAN (1): per-tile bookkeeping without integer divisions (the query tile and the
+//     reduction step advance as counters; a batch entry's coordinates are recomputed only when
+//     the reduction step changes), lse and delta of the next tile fetched into registers after
+//     the opening barrier and stored to shared memory only before the dS^T barrier (STAGES = 2;
+//     the store no longer waits for the global load at once), and the exp2 of tiles that need
+//     no mask without the mask's compares and selects. Same arithmetic, bitwise the same result.
+//   BWD_OPT_LATE (2, DET only): the turn of a tile is handed on after the block's next barrier,
+//     by thread 0 alone (fence + release, cumulative through bar.sync), instead of every thread
+//     fencing its additions and a barrier before the release.
+constexpr int BWD_OPT_LEAN = 1;
+constexpr int BWD_OPT_LATE = 2;
+
 template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
-          bool DET>
+          bool DET, int OPT>
 __global__ void __launch_bounds__(32 * NWARPS, MINB)
 cuflash_bwd_mma(const BwdParams p) {
+    constexpr bool LEAN = (OPT & BWD_OPT_LEAN) != 0;
+    constexpr bool LATE = DET && (OPT & BWD_OPT_LATE) != 0;
+    static_assert((OPT & ~(BWD_OPT_LEAN | BWD_OPT_LATE)) == 0, "unknown OPT bits");
+    static_assert(!LEAN || BM <= 32 * NWARPS, "LEAN: one thread per lse / delta row");
     using Cfg = BwdMmaConfig<DPAD, BM, BN, NWARPS, STAGES>;
     using Ops = BwdMmaOps<T, DPAD, BM, BN, NWARPS, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -243,32 +261,65 @@ cuflash_bwd_mma(const BwdParams p) {
     load_tile<BN, Cfg::CHUNKS, Cfg::SD, Cfg::THREADS>(v_s, static_cast<const T*>(p.v) + off0.v,
                                                       p.v_sr, key0, sk, d, tid);
 
-    // Request iteration `it`'s query tile (Q, dO, lse * log2(e), delta) into buffer it % STAGES.
-    const auto load_rows = [&](int it) {
-        const int red = it / (n_mtiles - m_first);
-        const int i0 = (m_first + it % (n_mtiles - m_first)) * BM;
-        const BwdOffsets off = bwd_offsets(p, bwd_index(p, p.kv_red, owner, red));
-        const int buf = STAGES == 2 ? it % 2 : 0;
+    // Request a query tile (Q, dO, lse * log2(e), delta) of batch coordinates ix, first row i0,
+    // into buffer buf. `defer` (LEAN, STAGES = 2): lse * log2(e) and delta go to l2_r, dl_r
+    // (thread tid < BM: row i0 + tid), stored to shared memory before the dS^T barrier;
+    // otherwise straight to shared memory.
+    const auto fetch_ld = [&](const BwdOffsets& off, int i0, int r, float& l2, float& dl) {
+        const int row = i0 + r;
+        l2 = __int_as_float(0x7f800000);  // +inf: P = exp2(x - inf) = 0
+        dl = 0.f;
+        if (row < sq) {
+            const float l = p.lse[off.lse + static_cast<long long>(row) * p.lse_sr];
+            if (l != neg_inf<float>()) l2 = l * LOG2E;
+            dl = static_cast<const float*>(p.delta)[off.delta + row];
+        }
+    };
+    const auto load_rows_at = [&](const BwdIndex& ix, int i0, int buf, bool defer, float& l2_r,
+                                  float& dl_r) {
+        const BwdOffsets off = bwd_offsets(p, ix);
         load_tile<BM, Cfg::CHUNKS, Cfg::SD, Cfg::THREADS>(
             smem + Cfg::Q_OFF + buf * BM * Cfg::SD, static_cast<const T*>(p.q) + off.q, p.q_sr,
             i0, sq, d, tid);
         load_tile<BM, Cfg::CHUNKS, Cfg::SD, Cfg::THREADS>(
             smem + Cfg::DO_OFF + buf * BM * Cfg::SD, static_cast<const T*>(p.dout) + off.dout,
             p.do_sr, i0, sq, d, tid);
+        if (defer) {
+            if (tid < BM) fetch_ld(off, i0, tid, l2_r, dl_r);
+            return;
+        }
         for (int r = tid; r < BM; r += Cfg::THREADS) {
-            const int row = i0 + r;
-            float l2 = __int_as_float(0x7f800000);  // +inf: P = exp2(x - inf) = 0
-            float dl = 0.f;
-            if (row < sq) {
-                const float l = p.lse[off.lse + static_cast<long long>(row) * p.lse_sr];
-                if (l != neg_inf<float>()) l2 = l * LOG2E;
-                dl = static_cast<const float*>(p.delta)[off.delta + row];
-            }
+            float l2, dl;
+            fetch_ld(off, i0, r, l2, dl);
             lse_s[buf * BM + r] = l2;
             delta_s[buf * BM + r] = dl;
         }
     };
-    if (n_iter > 0) load_rows(0);
+    // Iteration `it`'s query tile (the form without LEAN: coordinates from divisions).
+    const auto load_rows = [&](int it) {
+        const int red = it / (n_mtiles - m_first);
+        const int i0 = (m_first + it % (n_mtiles - m_first)) * BM;
+        float unused0, unused1;
+        load_rows_at(bwd_index(p, p.kv_red, owner, red), i0, STAGES == 2 ? it % 2 : 0, false,
+                     unused0, unused1);
+    };
+    // LEAN: the iteration after (mt, red, ix): the next query tile, or the first tile of the next
+    // reduction step (the only place that divides).
+    const auto advance = [&](int& mt, int& red, BwdIndex& ix) {
+        if (++mt == n_mtiles) {
+            mt = m_first;
+            ++red;
+            if (red < static_cast<int>(n_red)) ix = bwd_index(p, p.kv_red, owner, red);
+        }
+    };
+    // LEAN: the current iteration's query tile and reduction step, and its batch coordinates.
+    int cur_mt = m_first, cur_red = 0;
+    BwdIndex cur_ix = bwd_index(p, p.kv_red, owner, 0);
+    float l2_next = 0.f, dl_next = 0.f;  // LEAN, STAGES = 2: the next tile's lse2 / delta row
+    if (n_iter > 0) {
+        if (LEAN) load_rows_at(cur_ix, m_first * BM, 0, false, l2_next, dl_next);
+        else load_rows(0);
+    }
     cp_async_commit();
 
     float dk_acc[Cfg::NT_D][4], dv_acc[Cfg::NT_D][4];
@@ -287,14 +338,37 @@ cuflash_bwd_mma(const BwdParams p) {
     // dQ split: warp -> query m-tile mq, column group cg.
     const int mq = warp % Cfg::MT_Q, cg = warp / Cfg::MT_Q;
 
+    // LATE (DET): the turn this block hands on once a barrier has ordered all its additions
+    // before the hand-over: thread 0 releases it after the next barrier, so that no warp waits
+    // for the fence of the release (cumulative through bar.sync, as a grid-wide barrier releases).
+    int* pending = nullptr;
+    int pending_turn = 0;
+    const auto hand_on = [&]() {
+        if (LATE && tid == 0 && pending != nullptr) {
+            __threadfence();
+            bwd_turn_store(pending, pending_turn);
+        }
+        pending = nullptr;
+    };
+
     for (int it = 0; it < n_iter; ++it) {
         const int buf = STAGES == 2 ? it % 2 : 0;
-        const int red = it / (n_mtiles - m_first);
-        const int mtile = m_first + it % (n_mtiles - m_first);
+        const int red = LEAN ? cur_red : it / (n_mtiles - m_first);
+        const int mtile = LEAN ? cur_mt : m_first + it % (n_mtiles - m_first);
         const int i0 = mtile * BM;
         cp_async_wait<0>();
         __syncthreads();  // this tile's Q/dO/lse/delta landed (K, V too); the previous dQ is done
-        if (STAGES == 2 && it + 1 < n_iter) load_rows(it + 1);
+        if (LATE) hand_on();
+        if (STAGES == 2 && it + 1 < n_iter) {
+            if (LEAN) {
+                int mt_n = cur_mt, red_n = cur_red;
+                BwdIndex ix_n = cur_ix;
+                advance(mt_n, red_n, ix_n);
+                load_rows_at(ix_n, mt_n * BM, 1 - buf, true, l2_next, dl_next);
+            } else {
+                load_rows(it + 1);
+            }
+        }
         cp_async_commit();
         const unsigned int q_t = smem_addr(smem + Cfg::Q_OFF + buf * BM * Cfg::SD);
         const unsigned int do_t = smem_addr(smem + Cfg::DO_OFF + buf * BM * Cfg::SD);
@@ -312,17 +386,27 @@ cuflash_bwd_mma(const BwdParams p) {
             // and (causal) qc >= key_w + 8 h - i0 - diag. Tiles that need no mask get bounds
             // that every element passes.
             const bool need_mask = key0 + BN > sk || (CAUSAL && key0 + BN - 1 > i0 + diag);
-            const int lo = (CAUSAL && need_mask) ? key_w - i0 - diag : -BM;
-            const bool real0 = key_w < sk, real1 = key_w + 8 < sk;
+            if (LEAN && !need_mask) {  // (uniform branch) every key real and seen
 #pragma unroll
-            for (int nt = 0; nt < Cfg::NT_Q; ++nt)
+                for (int nt = 0; nt < Cfg::NT_Q; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int qc = nt * 8 + 2 * t4 + (e % 2);  // query column in the tile
-                    const float x = fast_exp2(fmaf(s[nt][e], scale_log2, -lse_t[qc]));
-                    const bool ok = (e / 2 ? real1 : real0) && qc >= lo + 8 * (e / 2);
-                    s[nt][e] = ok ? x : 0.f;
-                }
+                    for (int e = 0; e < 4; ++e) {
+                        const int qc = nt * 8 + 2 * t4 + (e % 2);
+                        s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -lse_t[qc]));
+                    }
+            } else {
+                const int lo = (CAUSAL && need_mask) ? key_w - i0 - diag : -BM;
+                const bool real0 = key_w < sk, real1 = key_w + 8 < sk;
+#pragma unroll
+                for (int nt = 0; nt < Cfg::NT_Q; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int qc = nt * 8 + 2 * t4 + (e % 2);  // query column in the tile
+                        const float x = fast_exp2(fmaf(s[nt][e], scale_log2, -lse_t[qc]));
+                        const bool ok = (e / 2 ? real1 : real0) && qc >= lo + 8 * (e / 2);
+                        s[nt][e] = ok ? x : 0.f;
+                    }
+            }
             pack_p<T, Cfg::NT_Q>(s, pk);
         }
         ops.keys_by_cols(dv_acc, pk, do_t);  // dV += P^T dO
@@ -364,9 +448,17 @@ cuflash_bwd_mma(const BwdParams p) {
                 *reinterpret_cast<unsigned int*>(ds_s + row * Cfg::SDS + col) = dsk[kk][w];
             }
         ops.keys_by_cols(dk_acc, dsk, q_t);  // dK += dS^T Q (scaled at the end)
+        // LEAN, STAGES = 2: the next tile's lse2 / delta, fetched after the opening barrier, into
+        // the other buffer (last read before the previous iteration's dS^T barrier; read next
+        // after the next opening barrier).
+        if (LEAN && STAGES == 2 && it + 1 < n_iter && tid < BM) {
+            lse_s[(1 - buf) * BM + tid] = l2_next;
+            delta_s[(1 - buf) * BM + tid] = dl_next;
+        }
 
         // Turn (DET): wait until the key blocks before this one have added into this dq tile.
-        float* dqa = p.dq_accum + bwd_offsets(p, bwd_index(p, p.kv_red, owner, red)).dqa;
+        float* dqa = p.dq_accum +
+                     bwd_offsets(p, LEAN ? cur_ix : bwd_index(p, p.kv_red, owner, red)).dqa;
         int* turn = reinterpret_cast<int*>(dqa + static_cast<long long>(i0) * p.dqa_sr + DPAD);
         // Turns of a query tile: its last key block (the diagonal one under the causal mask)
         // first, key block 0 last. With every block starting together, that is the order in
@@ -378,7 +470,14 @@ cuflash_bwd_mma(const BwdParams p) {
         }
         __syncthreads();  // dS^T complete; Q/dO of this tile no longer read; (DET) our turn
         if (STAGES == 1 && it + 1 < n_iter) {
-            load_rows(it + 1);
+            if (LEAN) {
+                int mt_n = cur_mt, red_n = cur_red;
+                BwdIndex ix_n = cur_ix;
+                advance(mt_n, red_n, ix_n);
+                load_rows_at(ix_n, mt_n * BM, 0, false, l2_next, dl_next);
+            } else {
+                load_rows(it + 1);
+            }
             cp_async_commit();
         }
 
@@ -401,11 +500,19 @@ cuflash_bwd_mma(const BwdParams p) {
                     }
                 }
         }
-        if (DET) {
+        if (LATE) {
+            pending = turn;
+            pending_turn = my_turn + 1;
+        } else if (DET) {
             __threadfence();
             __syncthreads();  // every thread's additions are visible before the next turn
             if (tid == 0) bwd_turn_store(turn, my_turn + 1);
         }
+        if (LEAN) advance(cur_mt, cur_red, cur_ix);
+    }
+    if (LATE) {
+        __syncthreads();  // every warp's additions to the last tile are ordered before the release
+        hand_on();
     }
     cp_async_wait<0>();  // nothing in flight when the block exits
 

@@ -148,10 +148,13 @@ def _dq_chunk(smem, c, offs, ds_tile, k_tile):
     return acc
 
 
-def bwd_mma_kernel(mem, p, grid, c, causal, det):
+def bwd_mma_kernel(mem, p, grid, c, causal, det, late=False):
     """Every block of cuflash_bwd_mma, in block-index order (the order the hardware dispatches
     them, which the turn counters rely on: a block waits only for blocks dispatched before it,
-    so running them one after another must find every turn ready)."""
+    so running them one after another must find every turn ready). `late` (OPT bit
+    BWD_OPT_LATE): a tile's turn is handed on after the block's next opening barrier, or at its
+    end. (BWD_OPT_LEAN changes how the kernel computes the same addresses and values, not them:
+    the model is the same.)"""
     sq, sk, d = int(p["sq"]), int(p["sk"]), int(p["d"])
     diag = sk - sq
     nn_blocks = int(p["n_nblocks"])
@@ -201,7 +204,11 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det):
             load_rows(0)
         dk_acc = np.zeros((c.nwarps, c.nt_d, 4, 32))
         dv_acc = np.zeros((c.nwarps, c.nt_d, 4, 32))
+        pending = None  # late: (turn address, value) released after the next barrier
         for it in range(n_iter):
+            if pending is not None:
+                mem.write(int(p["dq_accum"]), [pending[0]], [pending[1]])
+                pending = None
             buf = it % 2 if c.stages == 2 else 0
             red = it // (n_mtiles - m_first)
             i0 = (m_first + it % (n_mtiles - m_first)) * c.bm
@@ -271,12 +278,16 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det):
                                 at = dqa_off + row[ok] * dqa_sr + col0 + nt * 8 + 2 * T4[ok] + j
                                 cur = mem.read(dqa, at)
                                 mem.write(dqa, at, cur + acc[nt][2 * h + j][ok])
-            if det:
+            if det and late:
+                pending = (turn_at, my_turn + 1)
+            elif det:
                 mem.write(dqa, [turn_at], [my_turn + 1])
             if load_rows_after:
                 load_rows(it + 1)
             elif c.stages == 2 and it + 1 < n_iter:
                 load_rows(it + 1)
+        if pending is not None:
+            mem.write(int(p["dq_accum"]), [pending[0]], [pending[1]])
         off = bwd_offsets(p, bwd_index(p, kv_red, owner, 0))
         for w in range(c.nwarps):
             for h in range(2):
@@ -309,6 +320,8 @@ def run_plan_launches(mem, launches, bplan, causal):
     dpad, bm, bn, nwarps, stages = (int(x) for x in targs[1:6])
     assert targs[7] == ("true" if causal else "false")
     det = targs[8] == "true"
+    opt = int(targs[9])
+    assert opt & ~3 == 0, f"no model of OPT bits {opt}"
     c = Cfg(dpad, bm, bn, nwarps, stages)
     assert c.smem_bytes == kern.smem_bytes, "the host's shared-memory size is BwdMmaConfig's"
     for spec_name, grid, threads, params in launches:
@@ -316,7 +329,7 @@ def run_plan_launches(mem, launches, bplan, causal):
             preprocess(mem, params, grid)
         elif "cuflash_bwd_mma" in spec_name:
             assert threads == 32 * nwarps
-            bwd_mma_kernel(mem, params, grid, c, causal, det)
+            bwd_mma_kernel(mem, params, grid, c, causal, det, late=bool(opt & 2))
         elif "cuflash_bwd_convert_dq" in spec_name:
             convert_dq(mem, params, grid)
         else:

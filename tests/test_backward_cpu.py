@@ -483,6 +483,29 @@ def test_backward_plans():
     assert any("cuflash_bwd_mma" in s.name for s in specs)
 
 
+def test_backward_candidate_plans():
+    """The speed candidates (TC_BWD_CANDIDATES) make launchable plans on an H200, name their
+    OPT bits in the label and the kernel name, keep the late hand-over for deterministic plans
+    only, and leave the default tables as they were."""
+    before = dict(_dispatch.TC_BWD_CONFIGS)
+    plans = _dispatch.bwd_candidate_plans(90)
+    assert _dispatch.TC_BWD_CONFIGS == before
+    names = set()
+    for bp in plans:
+        kern = bp.passes[0][1]
+        assert kern.smem_bytes <= 227 * 1024 and kern.threads <= 1024, kern.label
+        assert kern.block_n == kern.threads // 2
+        opt = int(kern.spec.name.rsplit(",", 1)[1].rstrip(">"))
+        assert ("lean," in bp.label) == bool(opt & 1) and ("late," in bp.label) == bool(opt & 2)
+        assert bp.deterministic or not opt & 2, bp.label
+        names.add(kern.spec.name)
+    assert len(names) == len(plans)
+    for name, cand in _dispatch.TC_BWD_CANDIDATES.items():
+        for dpad, cfg in cand.items():
+            bm, nwarps, stages, _ = cfg[:4]
+            assert _dispatch.bwd_tensorcore_smem(dpad, bm, nwarps, stages) <= 227 * 1024, name
+
+
 # ---------------------------------------------------------------------------------------------
 # The gradient section of cuflash-check
 
@@ -705,6 +728,30 @@ MMA_MODEL_CASES = [  # (dtype, q batch, k batch, Sq, Sk, D, causal, deterministi
     ("bfloat16", (2,), (2,), 100, 70, 96, False, False, 86, "bshd"),  # one stage (sm_86 tiles)
     ("float16", (3,), (1,), 7, 1, 64, True, False, 80, "contiguous"),  # one key
 ]
+
+
+# The speed candidates (_dispatch.TC_BWD_CANDIDATES) in place of the defaults: BN = 128 at D = 64
+# (8 warps, a new dQ split), the OPT bits (lean bookkeeping, late hand-over).
+MMA_MODEL_CANDIDATE_CASES = [  # (candidate, dtype, q batch, k batch, Sq, Sk, D, causal, det)
+    ("w8+lean+late", "float16", (2,), (2,), 150, 200, 64, True, True),
+    ("w8", "bfloat16", (1, 2), (1, 1), 70, 130, 48, False, False),
+    ("lean+late", "float16", (2,), (2,), 90, 140, 64, False, True),
+    ("lean+late", "bfloat16", (1,), (1,), 45, 150, 128, True, True),
+]
+
+
+@pytest.mark.parametrize("cand,dtype,qb,kb,sq,sk,d,causal,det", MMA_MODEL_CANDIDATE_CASES)
+def test_tensorcore_kernel_model_candidates(cand, dtype, qb, kb, sq, sk, d, causal, det,
+                                            monkeypatch):
+    cfgs = {**_dispatch.TC_BWD_CONFIGS, **_dispatch.TC_BWD_CANDIDATES[cand]}
+    monkeypatch.setattr(_dispatch, "TC_BWD_CONFIGS", cfgs)
+    bm, nwarps, _, _, opt = _dispatch.bwd_tensorcore_config(
+        _dispatch.head_dim_bucket(d, cfgs), 90)
+    name = _dispatch.bwd_tensorcore_plan(dtype, d, causal, det, 90).passes[0][1].spec.name
+    assert f", {bm}, {16 * nwarps}, {nwarps}," in name, name  # the candidate's tiles run
+    assert name.endswith(f", {opt if det else opt & 1}>"), name  # and its OPT bits
+    test_tensorcore_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, 90, "contiguous",
+                                 monkeypatch)
 
 
 @pytest.mark.parametrize("dtype,qb,kb,sq,sk,d,causal,det,cc,layout", MMA_MODEL_CASES)

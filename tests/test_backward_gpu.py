@@ -435,3 +435,65 @@ def test_tensorcore_backward_fallbacks_say_why():
         o, lse = cuflash.attention(y, y, y, return_lse=True)
         info = cuflash.backward_dispatch_info(o, y, y, y, o, lse)
         assert info.startswith("generic-bwd") and why in info, info
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor-core backward's speed candidates (_dispatch.TC_BWD_CANDIDATES, notes/BACKWARD.md
+# "Speed candidates"), each in place of the default tiles: gradients against float64 with the
+# project's rule, and deterministic=True bitwise reproducible and grid-independent. The "lean" and
+# "late" OPT bits change no arithmetic and no order: their deterministic results must be the
+# default tiles' bits.
+
+def _candidate_cases():
+    from cuflash import _dispatch
+
+    return [(name, dpad) for name, cand in _dispatch.TC_BWD_CANDIDATES.items() for dpad in cand]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("cand,dpad", _candidate_cases())
+def test_tensorcore_backward_candidates(cand, dpad, causal, monkeypatch):
+    cp = cupy()
+    from cuflash import _dispatch
+
+    base = dict(_dispatch.TC_BWD_CONFIGS)
+    d = dpad - 8  # padded: zero-filled columns
+    q, k, v, do = random_backward_inputs(_rng("cand", cand, dpad, causal), (2, 2), (2, 2), 1000,
+                                         1113, d, d, "float16")
+    ref = grad_reference(do, q, k, v, causal=causal, scale=None, dtype="float16")
+    inputs = _gpu_inputs(q, k, v, do, "float16", causal=causal, scale=None)
+    det_base, _ = _run_bwd(inputs, "float16", causal=causal, kernel="tensorcore",
+                           deterministic=True)
+    monkeypatch.setattr(_dispatch, "TC_BWD_CONFIGS",
+                        {**base, **_dispatch.TC_BWD_CANDIDATES[cand]})
+    cc = _launch_cc(inputs)
+    bm, nwarps, _, _, opt = _dispatch.bwd_tensorcore_config(dpad, cc)
+    for deterministic in (False, True):
+        grads, label = _run_bwd(inputs, "float16", causal=causal, kernel="tensorcore",
+                                deterministic=deterministic)
+        assert f"BM{bm},BN{16 * nwarps}," in label, label
+        for opt_name, bit in _dispatch.TC_BWD_OPTS.items():  # the candidate's OPT bits ran
+            want = bool(opt & bit) and (deterministic or opt_name != "late")
+            assert (f"{opt_name}," in label) == want, label
+        check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=None,
+                                      dtype="float16", ref=ref, label=label)
+    again, _ = _run_bwd(inputs, "float16", causal=causal, kernel="tensorcore",
+                        deterministic=True)
+    qg, kg, vg, dog, o, lse = inputs
+    one = cuflash.attention_backward(dog[1:], qg[1:], kg[1:], vg[1:], o[1:], lse[1:],
+                                     causal=causal, deterministic=True, kernel="tensorcore")
+    same_tiles = _dispatch.TC_BWD_CANDIDATES[cand][dpad][:2] == base[dpad][:2]
+    for name, a, b, c, e in zip(("dq", "dk", "dv"), grads, again, one, det_base):
+        assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), \
+            f"{label}: {name} differs between two identical calls"
+        assert bool(cp.all(a[1:].view(cp.uint8) == c.view(cp.uint8))), \
+            f"{label}: {name} of batch entry 1 depends on the launch (batch size)"
+        if same_tiles:  # OPT bits only: the same additions in the same order
+            assert bool(cp.all(a.view(cp.uint8) == e.view(cp.uint8))), \
+                f"{label}: {name} differs from the default tiles' deterministic result"
+
+
+def _launch_cc(inputs):
+    from cuflash import _launch
+
+    return _launch.device_attributes(inputs[0].device.id)["compute_capability"]

@@ -76,8 +76,18 @@ def _hopper_schedule_specs():
     return sorted(specs, key=lambda s: s.name)
 
 
+def _bwd_candidate_specs(cc):
+    """The tensor-core backward's speed candidates (_dispatch.TC_BWD_CANDIDATES), which
+    tests/test_backward_gpu.py and benchmarks/bwd_tune.py put in place of the defaults on the
+    H200 (sm_90 only: a candidate that becomes a default is compiled for sm_80 with them)."""
+    if cc != 90:
+        return []
+    return [plan.spec for bp in _dispatch.bwd_candidate_plans(cc) for _, plan in bp.passes]
+
+
 CASES = [(spec, arch) for arch in ARCHS
-         for spec in _specs(int(arch[3:])) + _other_epilogue_specs(int(arch[3:]))]
+         for spec in (_specs(int(arch[3:])) + _other_epilogue_specs(int(arch[3:]))
+                      + _bwd_candidate_specs(int(arch[3:])))]
 CASES += [(spec, "sm_90a") for spec in _hopper_schedule_specs()
           if (spec, "sm_90a") not in CASES and (spec, "sm_90") not in CASES]
 # Each distinct compilation once: a spec with a fixed arch compiles for it whatever the list it came
