@@ -200,8 +200,7 @@ __device__ __forceinline__ void bwd_turn_store(int* p, int v) {
 
 template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
           bool DET>
-__global__ void __launch_bounds__(32 * NWARPS, MINB)
-cuflash_bwd_mma(const BwdParams p) {
+__device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
     using Cfg = BwdMmaConfig<DPAD, BM, BN, NWARPS, STAGES>;
     using Ops = BwdMmaOps<T, DPAD, BM, BN, NWARPS, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -429,6 +428,27 @@ cuflash_bwd_mma(const BwdParams p) {
             }
         }
     }
+}
+
+template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
+          bool DET>
+__global__ void __launch_bounds__(32 * NWARPS, MINB)
+cuflash_bwd_mma(const BwdParams p) {
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET>(p);
+}
+
+// Packed variable-length batches (common.cuh: bwd_varlen_segment): the body on the segment view
+// of the block's sequence, over the grid of max_seqlen_k; key blocks past the sequence's keys
+// leave (key blocks run in reverse, as in the body, so the turns of DET keep their order).
+template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
+          bool DET>
+__global__ void __launch_bounds__(32 * NWARPS, MINB)
+cuflash_bwd_mma_varlen(const BwdParams p_in) {
+    BwdParams p = p_in;
+    const unsigned int nn = static_cast<unsigned int>(p.n_nblocks);
+    bwd_varlen_segment<T, float>(p, blockIdx.x / nn, p.kv_red);
+    if (static_cast<long long>(nn - 1 - blockIdx.x % nn) * BN >= p.sk) return;
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET>(p);
 }
 
 }  // namespace cuflash

@@ -358,8 +358,8 @@ def _bwd_problem(qb, kb, vb, sq, sk, d, dv, dtype="float16"):
 
 
 def test_bwd_params_match_the_struct():
-    """kernels_cu/common.cuh static_asserts sizeof(BwdParams) == 66 * 8."""
-    assert _launch.BWD_PARAMS_DTYPE.itemsize == 66 * 8
+    """kernels_cu/common.cuh static_asserts sizeof(BwdParams) == 68 * 8."""
+    assert _launch.BWD_PARAMS_DTYPE.itemsize == 68 * 8
     names = _launch.BWD_PARAMS_DTYPE.names
     assert names[:12] == ("q", "k", "v", "o", "dout", "lse", "delta", "lse_acc", "dq_accum",
                           "dq", "dk", "dv")
