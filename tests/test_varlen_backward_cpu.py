@@ -270,3 +270,84 @@ def test_parameter_block_and_grids():
     assert [grid for _, grid in launches] == [
         -(-17 // 8) * nseq * h, -(-23 // bn) * nseq * hkv, -(-17 // 8) * nseq * h]
     assert p["n_mblocks"] == -(-17 // bm) and p["n_nblocks"] == -(-23 // bn)
+
+
+def _segment_view(p, s, cu_q, cu_k, item, acc):
+    """A transcription of kernels_cu/common.cuh: bwd_varlen_segment for sequence s (what every
+    block of s runs its body on), on the model's byte addresses."""
+    v = np.zeros((), dtype=p.dtype)   # a copy (np.array of a record may share its memory)
+    v[()] = p
+    q0, k0 = int(cu_q[s]), int(cu_k[s])
+    heads = int(p["nb1"]) * int(p["nb2"])
+    v["sq"], v["sk"], v["nb0"] = int(cu_q[s + 1]) - q0, int(cu_k[s + 1]) - k0, 1
+    for name, sr in (("q", "q_sr"), ("o", "o_sr"), ("dout", "do_sr"), ("dq", "dq_sr")):
+        v[name] = int(p[name]) + q0 * int(p[sr]) * item
+    v["lse"] = int(p["lse"]) + q0 * int(p["lse_sr"]) * 4
+    for name in ("k", "v", "dk", "dv"):
+        v[name] = int(p[name]) + k0 * int(p[f"{name}_sr"]) * item
+    v["delta"] = int(p["delta"]) + heads * q0 * acc
+    if int(p["lse_acc"]):
+        v["lse_acc"] = int(p["lse_acc"]) + 2 * heads * q0 * acc
+    if int(p["dq_accum"]):
+        v["dq_accum"] = int(p["dq_accum"]) + q0 * int(p["dqa_sr"]) * 4
+    return v
+
+
+@pytest.mark.parametrize("dtype,heads,causal", [("float16", (4, 2), True),
+                                                ("float32", (3, 3), False),
+                                                ("float64", (4, 1), True)])
+def test_generic_kernels_model_on_the_varlen_parameter_block(dtype, heads, causal):
+    """The generic backward's NumPy kernel model (tests/bwd_generic_model.py: block decoding,
+    bwd_index/bwd_offsets, tiles, masks, stores, bounds-checked memory) run on the parameter
+    block `varlen_backward_params` builds, through the segment view of each sequence, over the
+    grids of max_seqlen with upper bounds: every sequence's gradients pass the rule, nothing is
+    read or written outside its buffers (the workspace sections of delta and m, l included), and
+    dq, dk, dv poisoned with NaN are fully written."""
+    import bwd_generic_model as model
+
+    h, hkv = heads
+    d = 24
+    lens_q, lens_k = [37, 1, 0, 20], [5, 40, 3, 0]
+    rng = _rng("model", dtype, heads, causal)
+    q, k, v, cu_q, cu_k = make_varlen(rng, lens_q, lens_k, h, hkv, d, dtype)
+    o_ref, lse_ref = reference.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal)
+    o, lse = reference.round_to(o_ref, dtype), reference.round_to(lse_ref, "float32")
+    do = reference.round_to(rng.standard_normal(o.shape), dtype)
+    item = {"float16": 2, "float32": 4, "float64": 8}[dtype]
+    acc = 8 if dtype == "float64" else 4
+    mem = model.Memory()
+    fq, fk, fv, fo, fdo = (model.FakeArray(mem, x, item) for x in (q, k, v, o, do))
+    flse = model.FakeArray(mem, lse, 4)
+    grads = [model.FakeArray(mem, np.full(x.shape, np.nan), item) for x in (q, k, v)]
+    fcu = model.FakeArray(mem, cu_q, 4)
+    max_q, max_k = max(lens_q) + 3, max(lens_k) + 5    # upper bounds
+    prob = _varlen_backward.VarlenBackwardProblem(
+        "gpu", 0, fq, fk, fv, fcu, fcu, max_q, max_k, dtype, len(lens_q), h, hkv, d, d,
+        causal=causal, scale=d ** -0.5, return_lse=False, out=None, out_lse=None, stream=None,
+        kernel="generic", o=fo, do=fdo, lse=flse, deterministic=False)
+    bplan = _varlen_backward.varlen_backward_plan_for(prob, 90)
+    assert bplan.label.startswith("varlen-generic-bwd")
+    from cuflash import _launch
+
+    ws = model.FakeArray(mem, np.full(_launch.backward_workspace_bytes(bplan, prob) // acc,
+                                      np.nan), acc)
+    p, launches = _varlen_backward.varlen_backward_params(bplan, prob, *grads, ws.data.ptr)
+    nwarps, rows = _dispatch.bwd_generic_config(dtype, 32, 32)
+    block = nwarps * rows
+    assert [g for _, g in launches] == [-(-max_q // 8) * 4 * h, -(-max_q // block) * 4 * h,
+                                        -(-max_k // block) * 4 * hkv]
+    g = h // hkv
+    for s in range(len(lens_q)):
+        view = _segment_view(p, s, cu_q, cu_k, item, acc)
+        sq_s = int(view["sq"])
+        if sq_s:
+            model.preprocess(mem, view, h * -(-sq_s // 8))
+    for s in range(len(lens_q)):    # the "rows" pass, then the "keys" pass, as launched
+        view = _segment_view(p, s, cu_q, cu_k, item, acc)
+        model.dq_pass(mem, view, h * int(p["n_mblocks"]), block, causal, dtype)
+    for s in range(len(lens_q)):
+        view = _segment_view(p, s, cu_q, cu_k, item, acc)
+        model.dkdv_pass(mem, view, hkv * int(p["n_nblocks"]), block, causal, dtype)
+    assert (int(p["nb1"]), int(p["nb2"])) == (hkv, g)
+    got = [reference.round_to(x.values(), dtype) for x in grads]
+    check_varlen_grads(got, do, q, k, v, cu_q, cu_k, causal=causal, dtype=dtype)
