@@ -351,3 +351,55 @@ def test_generic_kernels_model_on_the_varlen_parameter_block(dtype, heads, causa
     assert (int(p["nb1"]), int(p["nb2"])) == (hkv, g)
     got = [reference.round_to(x.values(), dtype) for x in grads]
     check_varlen_grads(got, do, q, k, v, cu_q, cu_k, causal=causal, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype,d,causal,det", [("float16", 64, True, True),
+                                                ("bfloat16", 40, False, True),
+                                                ("float16", 128, True, False)])
+def test_tensorcore_kernel_model_on_the_varlen_parameter_block(dtype, d, causal, det):
+    """The tensor-core backward's lane-level model (tests/bwd_mma_model.py: fragments, shared
+    memory, masks, the dq accumulator and, with det, the turn counters, blocks in dispatch
+    order) on each sequence's segment view of the varlen parameter block. The key blocks past a
+    sequence leave in cuflash_bwd_mma_varlen; here the view's n_nblocks is the sequence's own
+    count, which leaves the surviving blocks' numbering and order as they are."""
+    import bwd_generic_model as gmodel
+    import bwd_mma_model as model
+
+    from cuflash import _launch
+
+    h, hkv = 4, 2
+    lens_q, lens_k = [37, 1, 0, 70], [50, 3, 9, 0]
+    rng = _rng("mma-model", dtype, d, causal, det)
+    q, k, v, cu_q, cu_k = make_varlen(rng, lens_q, lens_k, h, hkv, d, dtype)
+    o_ref, lse_ref = reference.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal)
+    o, lse = reference.round_to(o_ref, dtype), reference.round_to(lse_ref, "float32")
+    do = reference.round_to(rng.standard_normal(o.shape), dtype)
+    mem = gmodel.Memory()
+    fq, fk, fv, fo, fdo = (gmodel.FakeArray(mem, x, 2) for x in (q, k, v, o, do))
+    flse = gmodel.FakeArray(mem, lse, 4)
+    grads = [gmodel.FakeArray(mem, np.full(x.shape, np.nan), 2) for x in (q, k, v)]
+    fcu = gmodel.FakeArray(mem, cu_q, 4)
+    max_q, max_k = max(lens_q) + 1, max(lens_k) + 9
+    prob = _varlen_backward.VarlenBackwardProblem(
+        "gpu", 0, fq, fk, fv, fcu, fcu, max_q, max_k, dtype, len(lens_q), h, hkv, d, d,
+        causal=causal, scale=d ** -0.5, return_lse=False, out=None, out_lse=None, stream=None,
+        kernel="tensorcore", o=fo, do=fdo, lse=flse, deterministic=det)
+    bplan = _dispatch.varlen_backward_plan(_dispatch.bwd_tensorcore_plan(dtype, d, causal, det,
+                                                                         90))
+    ws = gmodel.FakeArray(mem, np.full(_launch.backward_workspace_bytes(bplan, prob) // 4,
+                                       np.nan), 4)
+    p, _ = _varlen_backward.varlen_backward_params(bplan, prob, *grads, ws.data.ptr)
+    name = bplan.passes[0][1].spec.name
+    targs = [int(x) for x in name[name.index("<") + 1:name.rindex(">")].split(",")[1:6]]
+    c = model.Cfg(*targs)
+    views = [_segment_view(p, s, cu_q, cu_k, 2, 4) for s in range(len(lens_q))]
+    for view in views:
+        gmodel.preprocess(mem, view, h * -(-int(view["sq"]) // 8))
+    for view in views:
+        nn_s = -(-int(view["sk"]) // c.bn)
+        view["n_nblocks"] = nn_s
+        model.bwd_mma_kernel(mem, view, hkv * nn_s, c, causal, det)
+    for view in views:
+        model.convert_dq(mem, view, h * -(-int(view["sq"]) // 8))
+    got = [reference.round_to(x.values(), dtype) for x in grads]
+    check_varlen_grads(got, do, q, k, v, cu_q, cu_k, causal=causal, dtype=dtype)
