@@ -21,6 +21,9 @@ from . import _checks, _interop
 from ._varlen import VarlenProblem, check_varlen
 
 VARLEN_BACKWARD_KERNELS = ("auto", "generic", "tensorcore")
+#: Static shared memory of the generic and tensor-core twins: the segment view, one BwdParams
+#: (common.cuh: bwd_varlen_segment_shared), besides the plan's dynamic shared memory.
+SEGMENT_VIEW_BYTES = 68 * 8
 
 
 @dataclass
@@ -248,9 +251,10 @@ def launch_varlen_backward(bplan, prob, dq, dk, dv, attrs):
         if grid > _launch.MAX_GRID_X:
             raise ValueError(f"{plan.label}: {grid} blocks is too many for one launch "
                              f"(at most {_launch.MAX_GRID_X})")
-        if plan.smem_bytes > attrs["max_smem_optin"]:
-            raise ValueError(f"{plan.label} needs {plan.smem_bytes} bytes of shared memory per "
-                             f"block; this GPU allows {attrs['max_smem_optin']}")
+        smem = plan.smem_bytes + SEGMENT_VIEW_BYTES
+        if smem > attrs["max_smem_optin"]:
+            raise ValueError(f"{plan.label} needs {smem} bytes of shared memory per block; this "
+                             f"GPU allows {attrs['max_smem_optin']}")
     for plan, grid in launches:
         kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
         kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=st)

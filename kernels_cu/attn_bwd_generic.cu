@@ -432,18 +432,16 @@ CUFLASH_POLICY_KERNELS(cuflash_bwd_dkdv_generic, bwd_dkdv_generic_body, BwdParam
 template <typename T, typename Acc, int DB, int DVB, bool CAUSAL>
 __global__ void __launch_bounds__(128, 1) cuflash_bwd_dq_generic_varlen(const BwdParams p_in) {
     using Cfg = BwdGenericConfig<T, Acc, DB, DVB, CAUSAL>;
-    BwdParams p = p_in;
-    const unsigned int nm = static_cast<unsigned int>(p.n_mblocks);
-    bwd_varlen_segment<T, Acc>(p, blockIdx.x / nm, p.q_red);
+    const unsigned int nm = static_cast<unsigned int>(p_in.n_mblocks);
+    const BwdParams& p = bwd_varlen_segment_shared<T, Acc>(p_in, blockIdx.x / nm, p_in.q_red);
     if (static_cast<long long>(nm - 1 - blockIdx.x % nm) * Cfg::BLOCK >= p.sq) return;
     bwd_dq_generic_body<T, Acc, DB, DVB, CAUSAL, PlainVariant>(p, VariantParams{});
 }
 template <typename T, typename Acc, int DB, int DVB, bool CAUSAL>
 __global__ void __launch_bounds__(128, 1) cuflash_bwd_dkdv_generic_varlen(const BwdParams p_in) {
     using Cfg = BwdGenericConfig<T, Acc, DB, DVB, CAUSAL>;
-    BwdParams p = p_in;
-    const unsigned int nn = static_cast<unsigned int>(p.n_nblocks);
-    bwd_varlen_segment<T, Acc>(p, blockIdx.x / nn, p.kv_red);
+    const unsigned int nn = static_cast<unsigned int>(p_in.n_nblocks);
+    const BwdParams& p = bwd_varlen_segment_shared<T, Acc>(p_in, blockIdx.x / nn, p_in.kv_red);
     if (static_cast<long long>(blockIdx.x % nn) * Cfg::BLOCK >= p.sk) return;
     bwd_dkdv_generic_body<T, Acc, DB, DVB, CAUSAL, PlainVariant>(p, VariantParams{});
 }

@@ -444,10 +444,9 @@ template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB
           bool DET>
 __global__ void __launch_bounds__(32 * NWARPS, MINB)
 cuflash_bwd_mma_varlen(const BwdParams p_in) {
-    BwdParams p = p_in;
-    const unsigned int nn = static_cast<unsigned int>(p.n_nblocks);
-    bwd_varlen_segment<T, float>(p, blockIdx.x / nn, p.kv_red);
-    if (static_cast<long long>(nn - 1 - blockIdx.x % nn) * BN >= p.sk) return;
+    const unsigned int nn = static_cast<unsigned int>(p_in.n_nblocks);
+    const BwdParams& p = bwd_varlen_segment_shared<T, float>(p_in, blockIdx.x / nn, p_in.kv_red);
+    if (static_cast<long long>(nn - 1 - blockIdx.x % nn) * BN >= p.sk) return;  // block-uniform
     bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET>(p);
 }
 

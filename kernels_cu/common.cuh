@@ -834,6 +834,23 @@ __device__ __forceinline__ void bwd_varlen_segment(BwdParams& p, unsigned int ow
     if (p.dq_accum != nullptr) p.dq_accum = p.dq_accum + q0 * p.dqa_sr;
 }
 
+// The segment view in shared memory, built by thread 0 (a barrier follows): a body then reads
+// its fields as it reads the kernel's parameters, instead of holding the moved pointers and
+// lengths in registers across its loops (in registers the tensor-core D = 128 twins spilled).
+template <typename T, typename Acc>
+__device__ __forceinline__ const BwdParams& bwd_varlen_segment_shared(const BwdParams& p_in,
+                                                                      unsigned int owner,
+                                                                      long long red) {
+    __shared__ BwdParams view;
+    if (threadIdx.x == 0) {
+        BwdParams p = p_in;
+        bwd_varlen_segment<T, Acc>(p, owner, red);
+        view = p;
+    }
+    __syncthreads();
+    return view;
+}
+
 // The first query row that sees key j under the bottom-right causal mask (j <= i + Sk - Sq).
 __device__ __forceinline__ long long causal_first_row(long long j, long long sq, long long sk) {
     const long long r = j - (sk - sq);

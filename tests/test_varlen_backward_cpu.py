@@ -234,6 +234,12 @@ def test_varlen_plans_are_the_dense_plans_with_varlen_kernels(dtype):
             assert p.spec in _dispatch.varlen_backward_kernel_specs(90)
 
 
+def test_segment_view_size_is_the_struct():
+    from cuflash import _launch
+
+    assert _varlen_backward.SEGMENT_VIEW_BYTES == _launch.BWD_PARAMS_DTYPE.itemsize
+
+
 def test_parameter_block_and_grids():
     """The BwdParams of a packed GQA batch: batch (B, Hkv, G), batch stride 0 on the sequence
     axis, per-head strides, lse (H, total_q) strides, the dq accumulator (H, total_q, row),
