@@ -11,6 +11,8 @@ from ._api import (attention, attention_backward, attention_backward_workspace_s
                    gpu_available, merge_states)
 from ._kvcache import attention_with_kvcache, attention_with_kvcache_workspace_size
 from ._varlen import attention_varlen, attention_varlen_workspace_size
+from ._varlen_backward import (attention_varlen_backward, attention_varlen_backward_workspace_size,
+                               varlen_backward_dispatch_info)
 from .mods import MaskMod, ScoreMod
 
 __version__ = "0.1.0"
@@ -19,4 +21,6 @@ __all__ = ["attention", "attention_backward", "attention_backward_workspace_size
            "dispatch_info", "backward_dispatch_info", "gpu_available", "attention_with_kvcache",
            "attention_varlen", "attention_workspace_size",
            "attention_with_kvcache_workspace_size", "attention_varlen_workspace_size",
+           "attention_varlen_backward", "attention_varlen_backward_workspace_size",
+           "varlen_backward_dispatch_info",
            "ScoreMod", "MaskMod", "__version__"]

@@ -2,7 +2,9 @@
 `attention` (every kernel the device offers, decode-shaped and prefill-shaped), and
 `attention_with_kvcache` (a paged cache: appends to an empty cache, to a one-key one and
 across a page) and `attention_varlen` (ragged lengths), each sequence judged by the
-per-case rule of `_audit` against the float64 reference."""
+per-case rule of `_audit` against the float64 reference; and `attention_varlen_backward` on the
+varlen forward's (o, lse), each sequence's dq, dk, dv judged by the gradient rule
+(`reference.grad_pass_threshold`)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +12,8 @@ from typing import List
 
 import numpy as np
 
-from cuflash import attention, attention_varlen, attention_with_kvcache, reference
+from cuflash import (attention, attention_varlen, attention_varlen_backward,
+                     attention_with_kvcache, reference)
 
 
 def _sequence_verdict(dtype, o, lse, q, k, v, causal, spec="auto"):
@@ -141,7 +144,52 @@ def _varlen(device, dtypes, rng):
         err, thr, ok, why = _worst(verdicts)
         out.append(PropertyResult("varlen (packed sequences)", where, err, thr, ok,
                                   why or "lengths (1, 1), (37, 300), (5, 0), causal"))
+        out.append(_varlen_backward(device, dtype, rng, (q, k, v), (o, lse), cu_q, cu_k,
+                                    (int(lens_q.max()), int(lens_k.max())), where))
     return out
+
+
+def _varlen_backward(device, dtype, rng, qkv, o_lse, cu_q, cu_k, maxlens, where):
+    """One PropertyResult: attention_varlen_backward on the forward's (o, lse) (round trip), each
+    sequence's dq, dk, dv against attention_backward_ref under grad_pass_threshold; the reported
+    error and threshold are those of the worst ratio."""
+    from ._audit import PropertyResult, _describe_exc, numpy_dtype
+
+    name = "varlen backward (packed sequences)"
+    npdt = numpy_dtype(dtype)
+    q, k, v = qkv
+    o, lse = o_lse
+    do = reference.round_to(rng.standard_normal(o.shape), dtype)
+    try:
+        grads = attention_varlen_backward(
+            *(device.to_device(x.astype(npdt)) for x in (do, q, k, v, o)),
+            device.to_device(lse), device.to_device(cu_q), device.to_device(cu_k), *maxlens,
+            causal=True)
+        grads = [device.to_host(g).astype(np.float64) for g in grads]
+    except Exception as exc:
+        return PropertyResult(name, where, math.nan, math.nan, False,
+                              f"raised {_describe_exc(exc)}")
+    verdicts = []
+    for s in range(cu_q.size - 1):
+        a, b_, c, e = (int(x) for x in (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]))
+        if a == b_ or c == e:
+            zero = all(bool(np.all(g[lo:hi] == 0)) for g, lo, hi in
+                       zip(grads, (a, c, c), (b_, e, e)))
+            verdicts.append((0.0, 0.0, zero, "" if zero else f"sequence {s} not 0"))
+            continue
+        seg = [x.transpose(1, 0, 2) for x in (do[a:b_], q[a:b_], k[c:e], v[c:e])]
+        ref = reference.attention_backward_ref(*seg, causal=True)
+        tols, _ = reference.grad_pass_threshold(*seg, causal=True, dtype=dtype, ref=ref)
+        for gname, g, r, tol, lo, hi in zip(("dq", "dk", "dv"), grads, ref, tols, (a, c, c),
+                                            (b_, e, e)):
+            err = float(np.max(np.abs(g[lo:hi].transpose(1, 0, 2) - r)))
+            ok = err <= tol  # NaN fails
+            verdicts.append((err, tol, ok, "" if ok else f"sequence {s} {gname}"))
+    worst = max(verdicts, key=lambda x: x[0] / x[1] if x[1] > 0 else 0.0)
+    ok = all(x[2] for x in verdicts)
+    why = "; ".join(x[3] for x in verdicts if x[3])
+    return PropertyResult(name, where, worst[0], worst[1], ok,
+                          why or "round trip of the varlen forward, causal")
 
 
 def inference_audits(device, dtypes, rng) -> List:

@@ -737,3 +737,37 @@ def backward_kernel_specs(compute_capability: int = 90):
         if spec not in specs:
             specs.append(spec)
     return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length batches (cuflash/_varlen_backward.py): every kernel of a backward plan
+# has a `_varlen` twin (kernels_cu: the plain body on the segment view of its block's sequence,
+# common.cuh: bwd_varlen_segment) with the same template arguments and launch configuration.
+
+def _varlen_kernel(plan: Plan) -> Plan:
+    family, name = plan.spec.family, plan.spec.name
+    head, sep, targs = name.partition("<")
+    return Plan(label="varlen-" + plan.label, spec=Specialisation(family, head + "_varlen" + sep
+                                                                  + targs),
+                block_m=plan.block_m, block_n=plan.block_n, threads=plan.threads,
+                smem_bytes=plan.smem_bytes)
+
+
+def varlen_backward_plan(bplan: BackwardPlan) -> BackwardPlan:
+    """The packed-varlen form of a plain backward plan (same tiles, same passes)."""
+    return BackwardPlan(label="varlen-" + bplan.label, preprocess=_varlen_kernel(bplan.preprocess),
+                        passes=tuple((g, _varlen_kernel(p)) for g, p in bplan.passes),
+                        dq_accum_row=bplan.dq_accum_row, deterministic=bplan.deterministic,
+                        lse_acc=bplan.lse_acc)
+
+
+def varlen_backward_kernel_specs(compute_capability: int = 90):
+    """The `_varlen` twins of `backward_kernel_specs` (the varlen entry point takes float16 and
+    bfloat16 on the tensor-core plans, every dtype on the generic ones)."""
+    specs = []
+    for bp in all_backward_specialisations(compute_capability):
+        for plan in (bp.preprocess,) + tuple(p for _, p in bp.passes):
+            spec = _varlen_kernel(plan).spec
+            if spec not in specs:
+                specs.append(spec)
+    return specs

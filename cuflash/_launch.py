@@ -275,10 +275,12 @@ _BWD_STRIDED = ("q", "k", "v", "o", "do", "dq", "dk", "dv", "lse", "dqa")
 _BWD_INT_FIELDS = (("sq", "sk", "d", "dv_dim", "nb0", "nb1", "nb2")
                    + tuple(f"{t}_{s}" for t in _BWD_STRIDED for s in ("s0", "s1", "s2", "sr"))
                    + ("q_red", "kv_red", "n_mblocks", "n_nblocks", "deterministic"))
-#: The backward kernels' `BwdParams` (kernels_cu/common.cuh), 66 fields of 8 bytes.
+#: The backward kernels' `BwdParams` (kernels_cu/common.cuh), 68 fields of 8 bytes; cu_q and
+#: cu_k (packed varlen batches, cuflash/_varlen_backward.py) are 0 for every other call.
 BWD_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _BWD_PTR_FIELDS]
                             + [(f, np.int64) for f in _BWD_INT_FIELDS]
-                            + [("scale_log2", np.float64), ("scale", np.float64)])
+                            + [("scale_log2", np.float64), ("scale", np.float64)]
+                            + [("cu_q", np.uint64), ("cu_k", np.uint64)])
 #: Workspace sections start on this alignment (bytes).
 WORKSPACE_ALIGN = 256
 

@@ -1770,3 +1770,25 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = 
         o[q0:q1] = o_s.transpose(1, 0, 2)
         lse[:, q0:q1] = lse_s
     return o, lse
+
+
+def attention_varlen_backward_ref(do, q, k, v, cu_seqlens_q, cu_seqlens_k, *,
+                                  causal: bool = False, scale: Optional[float] = None):
+    """float64 truth of ``cuflash.attention_varlen_backward``: :func:`attention_backward_ref`
+    per sequence on the packed layouts of :func:`attention_varlen_ref` (do ``(total_q, H, Dv)``).
+
+    Returns dq ``(total_q, H, D)``, dk ``(total_k, Hkv, D)``, dv ``(total_k, Hkv, Dv)``, float64;
+    dk and dv sum over the query heads of a group; rows of no sequence, of a sequence with no
+    key or no query, and query rows that see no key get 0."""
+    do, q, k, v = (np.asarray(x, dtype=np.float64) for x in (do, q, k, v))
+    cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for s in range(cq.size - 1):
+        q0, q1, k0, k1 = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        grads = attention_backward_ref(*(x.transpose(1, 0, 2) for x in (
+            do[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1])), causal=causal, scale=scale)
+        for g, x, lo, hi in zip(grads, (dq, dk, dv), (q0, k0, k0), (q1, k1, k1)):
+            x[lo:hi] = g.transpose(1, 0, 2)
+    return dq, dk, dv

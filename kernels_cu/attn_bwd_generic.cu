@@ -426,4 +426,24 @@ __device__ __forceinline__ void bwd_dkdv_generic_body(const BwdParams& p, const 
 CUFLASH_POLICY_KERNELS(cuflash_bwd_dq_generic, bwd_dq_generic_body, BwdParams)
 CUFLASH_POLICY_KERNELS(cuflash_bwd_dkdv_generic, bwd_dkdv_generic_body, BwdParams)
 
+// Packed variable-length batches (common.cuh: bwd_varlen_segment): the plain bodies on the
+// segment view of the block's sequence, over the grids of max_seqlen_q/k; blocks whose rows
+// (dq pass, reverse order as in the body) or keys (dk/dv pass) lie past the sequence leave.
+template <typename T, typename Acc, int DB, int DVB, bool CAUSAL>
+__global__ void __launch_bounds__(128, 1) cuflash_bwd_dq_generic_varlen(const BwdParams p_in) {
+    using Cfg = BwdGenericConfig<T, Acc, DB, DVB, CAUSAL>;
+    const unsigned int nm = static_cast<unsigned int>(p_in.n_mblocks);
+    const BwdParams& p = bwd_varlen_segment_shared<T, Acc>(p_in, blockIdx.x / nm, p_in.q_red);
+    if (static_cast<long long>(nm - 1 - blockIdx.x % nm) * Cfg::BLOCK >= p.sq) return;
+    bwd_dq_generic_body<T, Acc, DB, DVB, CAUSAL, PlainVariant>(p, VariantParams{});
+}
+template <typename T, typename Acc, int DB, int DVB, bool CAUSAL>
+__global__ void __launch_bounds__(128, 1) cuflash_bwd_dkdv_generic_varlen(const BwdParams p_in) {
+    using Cfg = BwdGenericConfig<T, Acc, DB, DVB, CAUSAL>;
+    const unsigned int nn = static_cast<unsigned int>(p_in.n_nblocks);
+    const BwdParams& p = bwd_varlen_segment_shared<T, Acc>(p_in, blockIdx.x / nn, p_in.kv_red);
+    if (static_cast<long long>(blockIdx.x % nn) * Cfg::BLOCK >= p.sk) return;
+    bwd_dkdv_generic_body<T, Acc, DB, DVB, CAUSAL, PlainVariant>(p, VariantParams{});
+}
+
 }  // namespace cuflash

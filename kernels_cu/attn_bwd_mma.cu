@@ -214,8 +214,7 @@ constexpr int BWD_OPT_LATE = 2;
 
 template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
           bool DET, int OPT>
-__global__ void __launch_bounds__(32 * NWARPS, MINB)
-cuflash_bwd_mma(const BwdParams p) {
+__device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
     constexpr bool LEAN = (OPT & BWD_OPT_LEAN) != 0;
     constexpr bool LATE = DET && (OPT & BWD_OPT_LATE) != 0;
     static_assert((OPT & ~(BWD_OPT_LEAN | BWD_OPT_LATE)) == 0, "unknown OPT bits");
@@ -536,6 +535,26 @@ cuflash_bwd_mma(const BwdParams p) {
             }
         }
     }
+}
+
+template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
+          bool DET, int OPT>
+__global__ void __launch_bounds__(32 * NWARPS, MINB)
+cuflash_bwd_mma(const BwdParams p) {
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT>(p);
+}
+
+// Packed variable-length batches (common.cuh: bwd_varlen_segment): the body on the segment view
+// of the block's sequence, over the grid of max_seqlen_k; key blocks past the sequence's keys
+// leave (key blocks run in reverse, as in the body, so the turns of DET keep their order).
+template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
+          bool DET, int OPT>
+__global__ void __launch_bounds__(32 * NWARPS, MINB)
+cuflash_bwd_mma_varlen(const BwdParams p_in) {
+    const unsigned int nn = static_cast<unsigned int>(p_in.n_nblocks);
+    const BwdParams& p = bwd_varlen_segment_shared<T, float>(p_in, blockIdx.x / nn, p_in.kv_red);
+    if (static_cast<long long>(nn - 1 - blockIdx.x % nn) * BN >= p.sk) return;  // block-uniform
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT>(p);
 }
 
 }  // namespace cuflash

@@ -15,10 +15,10 @@ namespace cuflash {
 constexpr int BWD_PREP_ROWS = 8;  // rows (warps) per block; cuflash/_dispatch.py mirrors it
 
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(256) cuflash_bwd_preprocess(const BwdParams p) {
+__device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p, unsigned int bid) {
     const unsigned int nblk = static_cast<unsigned int>((p.sq + BWD_PREP_ROWS - 1) / BWD_PREP_ROWS);
-    const unsigned int b = blockIdx.x / nblk;
-    const long long row = static_cast<long long>(blockIdx.x % nblk) * BWD_PREP_ROWS + threadIdx.x / 32;
+    const unsigned int b = bid / nblk;
+    const long long row = static_cast<long long>(bid % nblk) * BWD_PREP_ROWS + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= p.sq) return;  // whole warps leave: the warp sum below needs all 32 lanes
     const BwdIndex ix = bwd_index(p, 0, b, 0);  // red = 0: the owner index is the flat index
@@ -46,10 +46,10 @@ __global__ void __launch_bounds__(256) cuflash_bwd_preprocess(const BwdParams p)
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) cuflash_bwd_convert_dq(const BwdParams p) {
+__device__ __forceinline__ void bwd_convert_dq_body(const BwdParams& p, unsigned int bid) {
     const unsigned int nblk = static_cast<unsigned int>((p.sq + BWD_PREP_ROWS - 1) / BWD_PREP_ROWS);
-    const unsigned int owner = blockIdx.x / nblk;
-    const long long row = static_cast<long long>(blockIdx.x % nblk) * BWD_PREP_ROWS + threadIdx.x / 32;
+    const unsigned int owner = bid / nblk;
+    const long long row = static_cast<long long>(bid % nblk) * BWD_PREP_ROWS + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= p.sq) return;
     const BwdIndex ix = bwd_index(p, p.q_red, owner, 0);
@@ -58,6 +58,44 @@ __global__ void __launch_bounds__(256) cuflash_bwd_convert_dq(const BwdParams p)
     T* dq = static_cast<T*>(p.dq) + off.dq + row * p.dq_sr;
     const float scale = static_cast<float>(p.scale);
     for (long long c = lane; c < p.d; c += 32) dq[c] = from_acc<T>(scale * acc[c]);
+}
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(256) cuflash_bwd_preprocess(const BwdParams p) {
+    bwd_preprocess_body<T, Acc>(p, blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) cuflash_bwd_convert_dq(const BwdParams p) {
+    bwd_convert_dq_body<T>(p, blockIdx.x);
+}
+
+// Packed variable-length batches (common.cuh: bwd_varlen_segment): the grid is
+// ceil(max_seqlen_q / 8) row blocks x B x H; a block past its sequence's rows leaves, the others
+// run the body on the segment view with their block renumbered for the sequence's row blocks.
+template <typename T, typename Acc>
+__device__ __forceinline__ bool bwd_prep_varlen_view(BwdParams& p, unsigned int& bid) {
+    const unsigned int nblk = static_cast<unsigned int>((p.sq + BWD_PREP_ROWS - 1) / BWD_PREP_ROWS);
+    const unsigned int owner = blockIdx.x / nblk, blk = blockIdx.x % nblk;
+    bwd_varlen_segment<T, Acc>(p, owner, 0);
+    const unsigned int nblk_s =
+        static_cast<unsigned int>((p.sq + BWD_PREP_ROWS - 1) / BWD_PREP_ROWS);
+    bid = owner * nblk_s + blk;
+    return blk < nblk_s;
+}
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(256) cuflash_bwd_preprocess_varlen(const BwdParams p_in) {
+    BwdParams p = p_in;
+    unsigned int bid;
+    if (bwd_prep_varlen_view<T, Acc>(p, bid)) bwd_preprocess_body<T, Acc>(p, bid);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) cuflash_bwd_convert_dq_varlen(const BwdParams p_in) {
+    BwdParams p = p_in;
+    unsigned int bid;
+    if (bwd_prep_varlen_view<T, float>(p, bid)) bwd_convert_dq_body<T>(p, bid);
 }
 
 }  // namespace cuflash

@@ -704,6 +704,9 @@ namespace cuflash {
 //     key-parallel pass (each kernel derives its grid from them, see bwd_owner_count).
 //   deterministic: 1 when the caller asked for bitwise-reproducible results (kernels that use
 //     float atomics must not be launched then; the flag is for kernels that adapt).
+//   cu_q, cu_k: null, or (packed variable-length batches, the *_varlen kernels only) the
+//     sequences' int32 row offsets (B + 1,) into q/o/dout/dq/lse/dq_accum and into k/v/dk/dv:
+//     see bwd_varlen_segment.
 struct BwdParams {
     const void* q;
     const void* k;
@@ -734,8 +737,10 @@ struct BwdParams {
     long long deterministic;
     double scale_log2;     // softmax scale * log2(e)
     double scale;
+    const int* cu_q;       // packed varlen batches only (null otherwise), see bwd_varlen_segment
+    const int* cu_k;
 };
-static_assert(sizeof(BwdParams) == 66 * 8, "BwdParams must match cuflash/_launch.py");
+static_assert(sizeof(BwdParams) == 68 * 8, "BwdParams must match cuflash/_launch.py");
 
 // A batch entry as its three collapsed coordinates.
 struct BwdIndex { unsigned int i0, i1, i2; };
@@ -799,6 +804,59 @@ __device__ __forceinline__ BwdOffsets bwd_offsets(const BwdParams& p, const BwdI
     r.dv = bwd_offset(ix, p.dv_s0, p.dv_s1, p.dv_s2);
     r.dqa = bwd_offset(ix, p.dqa_s0, p.dqa_s1, p.dqa_s2);
     return r;
+}
+
+// Packed variable-length batches (cuflash.attention_varlen_backward, the *_varlen kernels). The
+// host launches the plain kernels' grids over a batch (nb0, nb1, nb2) = (B sequences, Hkv,
+// H / Hkv) with sq, sk = max_seqlen_q/k, batch stride 0 on axis 0 for every tensor and axis 0 in
+// neither q_red nor kv_red. A block of owner `owner` (for the reduction mask `red`) belongs to
+// sequence s = owner / (owners per sequence); bwd_varlen_segment turns p into the *segment view*
+// of s: sq, sk its lengths, nb0 = 1 (so the owner index, whose multiple of the per-sequence
+// owners is then dropped by bwd_index, and bwd_flat give the head h), the pointers moved to the
+// sequence's first row (rows cu_q[s].. of q, o, dout, dq, lse and dq_accum, keys cu_k[s].. of k,
+// v, dk, dv; dq_accum holds rows (H, total_q, dqa_sr)), and the row-statistics workspaces moved
+// to the sequence's own section: delta (H, Sq_s) at H * cu_q[s], lse_acc's m and l (2, H, Sq_s)
+// at 2 * H * cu_q[s]. The kernel body then runs unchanged on it; blocks past the sequence's rows
+// or keys leave before it (the *_varlen wrappers).
+template <typename T, typename Acc>
+__device__ __forceinline__ void bwd_varlen_segment(BwdParams& p, unsigned int owner,
+                                                   long long red) {
+    const unsigned int per_seq = bwd_owner_count(p, red) / static_cast<unsigned int>(p.nb0);
+    const unsigned int s = owner / per_seq;
+    const long long q0 = p.cu_q[s], k0 = p.cu_k[s];
+    const long long heads = p.nb1 * p.nb2;
+    p.sq = p.cu_q[s + 1] - q0;
+    p.sk = p.cu_k[s + 1] - k0;
+    p.nb0 = 1;
+    p.q = static_cast<const T*>(p.q) + q0 * p.q_sr;
+    p.o = static_cast<const T*>(p.o) + q0 * p.o_sr;
+    p.dout = static_cast<const T*>(p.dout) + q0 * p.do_sr;
+    p.dq = static_cast<T*>(p.dq) + q0 * p.dq_sr;
+    p.lse = p.lse + q0 * p.lse_sr;
+    p.k = static_cast<const T*>(p.k) + k0 * p.k_sr;
+    p.v = static_cast<const T*>(p.v) + k0 * p.v_sr;
+    p.dk = static_cast<T*>(p.dk) + k0 * p.dk_sr;
+    p.dv = static_cast<T*>(p.dv) + k0 * p.dv_sr;
+    p.delta = static_cast<Acc*>(p.delta) + heads * q0;
+    if (p.lse_acc != nullptr) p.lse_acc = static_cast<Acc*>(p.lse_acc) + 2 * heads * q0;
+    if (p.dq_accum != nullptr) p.dq_accum = p.dq_accum + q0 * p.dqa_sr;
+}
+
+// The segment view in shared memory, built by thread 0 (a barrier follows): a body then reads
+// its fields as it reads the kernel's parameters, instead of holding the moved pointers and
+// lengths in registers across its loops (in registers the tensor-core D = 128 twins spilled).
+template <typename T, typename Acc>
+__device__ __forceinline__ const BwdParams& bwd_varlen_segment_shared(const BwdParams& p_in,
+                                                                      unsigned int owner,
+                                                                      long long red) {
+    __shared__ BwdParams view;
+    if (threadIdx.x == 0) {
+        BwdParams p = p_in;
+        bwd_varlen_segment<T, Acc>(p, owner, red);
+        view = p;
+    }
+    __syncthreads();
+    return view;
 }
 
 // The first query row that sees key j under the bottom-right causal mask (j <= i + Sk - Sq).

@@ -358,12 +358,12 @@ def _bwd_problem(qb, kb, vb, sq, sk, d, dv, dtype="float16"):
 
 
 def test_bwd_params_match_the_struct():
-    """kernels_cu/common.cuh static_asserts sizeof(BwdParams) == 66 * 8."""
-    assert _launch.BWD_PARAMS_DTYPE.itemsize == 66 * 8
+    """kernels_cu/common.cuh static_asserts sizeof(BwdParams) == 68 * 8."""
+    assert _launch.BWD_PARAMS_DTYPE.itemsize == 68 * 8
     names = _launch.BWD_PARAMS_DTYPE.names
     assert names[:12] == ("q", "k", "v", "o", "dout", "lse", "delta", "lse_acc", "dq_accum",
                           "dq", "dk", "dv")
-    assert names[-2:] == ("scale_log2", "scale")
+    assert names[-4:] == ("scale_log2", "scale", "cu_q", "cu_k")
     src = (_compile.SOURCE_DIR / "common.cuh").read_text()
     body = src[src.index("struct BwdParams {"):src.index("static_assert(sizeof(BwdParams)")]
     fields = []
