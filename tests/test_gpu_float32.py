@@ -40,11 +40,17 @@ def _tc_dims(precision):
     return _dispatch.f32_head_dims(precision, int(cupy().cuda.Device().compute_capability))
 
 
-def _hopper_f32(d, precision):
-    """kernel="auto" takes the Hopper (wgmma) float32 form for this head dim on this GPU."""
+def _hopper_f32_form(d, precision):
+    """The Hopper (wgmma) float32 form takes this head dim on this GPU (kernel="hopper")."""
     cc = int(cupy().cuda.Device().compute_capability)
     dims = [dp for dp, mode in _dispatch.HOPPER_F32_TABLE if mode == precision]
     return cc == 90 and bool(dims) and 64 <= d <= max(dims) and d % 8 == 0
+
+
+def _hopper_f32(d, precision):
+    """kernel="auto" takes the Hopper float32 form for this head dim on this GPU (only with
+    _dispatch.HOPPER_F32_AUTO, off until the form has had a complete GPU run)."""
+    return _dispatch.HOPPER_F32_AUTO and _hopper_f32_form(d, precision)
 
 
 def _auto_label(d, precision):
@@ -58,7 +64,7 @@ def _needs_hopper(d=64, precision="highest"):
     cc = _needs_tensorcores()
     if cc != 90:
         pytest.skip(f"the Hopper float32 kernel needs compute capability 9.0 (this GPU: {cc})")
-    if not _hopper_f32(d, precision):
+    if not _hopper_f32_form(d, precision):
         pytest.skip(f"_dispatch.HOPPER_F32_TABLE has no precision={precision!r} form for D={d}")
 
 

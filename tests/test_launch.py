@@ -124,11 +124,15 @@ def test_hopper_float32_maps_and_plan(launches, D, precision, terms):
     assert launches["launches"][0][3] == plan.smem_bytes
 
 
-def test_float32_dispatch_on_hopper(monkeypatch):
-    """kernel="auto" takes the Hopper float32 form on compute capability 9.0 for 64 <= D <= 128
-    (D % 8 == 0), with the precision's TERMS; kernel="tensorcore" keeps the mma.sync kernel, and
-    sm_80 never sees the Hopper form."""
+@pytest.mark.parametrize("auto_hopper", [False, True])
+def test_float32_dispatch_on_hopper(monkeypatch, auto_hopper):
+    """With _dispatch.HOPPER_F32_AUTO, kernel="auto" takes the Hopper float32 form on compute
+    capability 9.0 for 64 <= D <= 128 (D % 8 == 0), with the precision's TERMS; without it (the
+    default until that form has had a complete GPU run) auto keeps the mma.sync kernel and
+    kernel="hopper" opts in. kernel="tensorcore" keeps the mma.sync kernel, and sm_80 never sees
+    the Hopper form."""
     monkeypatch.setattr(_tma, "available", lambda: True)
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_AUTO", auto_hopper)
     B, H, S = 1, 2, 256
 
     def prob(d, kernel="auto", precision="highest"):
@@ -140,8 +144,11 @@ def test_float32_dispatch_on_hopper(monkeypatch):
     for precision, mode in (("highest", "3xtf32"), ("high", "tf32")):
         for d in (64, 96, 128):
             plan = _dispatch.plan_for(prob(d, precision=precision), 90)
-            assert plan.label.startswith(f"hopper<float32,{mode},"), plan.label
-            assert plan.spec.family == "attn_wgmma"
+            forced = _dispatch.plan_for(prob(d, "hopper", precision), 90)
+            assert forced.label.startswith(f"hopper<float32,{mode},"), forced.label
+            assert forced.spec.family == "attn_wgmma"
+            kind = "hopper" if auto_hopper else "tensorcore"
+            assert plan.label.startswith(f"{kind}<float32,{mode},"), plan.label
             tc = _dispatch.plan_for(prob(d, "tensorcore", precision), 90)
             assert tc.label.startswith(f"tensorcore<float32,{mode},"), tc.label
             assert not _dispatch.plan_for(prob(d, precision=precision), 80).label.startswith(
