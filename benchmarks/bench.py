@@ -70,10 +70,12 @@ DEFAULT_REPEATS = 30
 DEFAULT_WARMUP = 5
 
 # Implementations in table order. cuflash-tensorcore forces the mma.sync kernel (what "auto" runs
-# before Hopper; for float32 its 3xTF32 form, what sm_80-89 run, while "auto" takes the Hopper
-# wgmma form on sm_90), cuflash-generic the scalar audit kernel: both off by default.
-IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-generic",
-         "torch-flash", "torch-cudnn", "torch-efficient", "torch-math", "cupy-naive")
+# before Hopper, and for float32 everywhere for now: _dispatch.HOPPER_F32_AUTO), cuflash-hopper
+# the Hopper kernel (for float32 its 3xTF32 wgmma form; cuflash-hopper-high its one-pass TF32
+# form), cuflash-generic the scalar audit kernel: all off by default.
+IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-hopper",
+         "cuflash-hopper-high", "cuflash-generic", "torch-flash", "torch-cudnn",
+         "torch-efficient", "torch-math", "cupy-naive")
 DEFAULT_IMPLS = ("cuflash", "torch-flash", "torch-cudnn", "torch-efficient", "cupy-naive")
 # float32 (--dtype float32): cuflash's float32-accurate default and its one-pass TF32 mode
 # (precision="high"), against torch's two float32 SDPA backends (FLASH and CUDNN refuse float32).
@@ -879,8 +881,9 @@ class CuflashImpl(Impl):
         self.kernel = kernel
         self.precision = precision
         self.deterministic = deterministic
-        self.name = ("cuflash" if kernel == "auto" else f"cuflash-{kernel}") if precision is None \
-            else f"cuflash-{precision}"
+        self.name = "cuflash" if kernel == "auto" else f"cuflash-{kernel}"
+        if precision is not None:
+            self.name = f"cuflash-{precision}" if kernel == "auto" else f"{self.name}-{precision}"
         if deterministic:
             self.name = "cuflash-det"
         self.use_out = True
@@ -1107,8 +1110,10 @@ def make_impls(env, args):
             impls.append(CuflashImpl(env, args, "auto", deterministic=True))
         elif name == "cuflash-high":
             impls.append(CuflashImpl(env, args, "auto", precision="high"))
-        elif name in ("cuflash-generic", "cuflash-tensorcore"):
+        elif name in ("cuflash-generic", "cuflash-tensorcore", "cuflash-hopper"):
             impls.append(CuflashImpl(env, args, name.split("-", 1)[1]))
+        elif name == "cuflash-hopper-high":
+            impls.append(CuflashImpl(env, args, "hopper", precision="high"))
         elif name in TorchSDPAImpl.BACKENDS:
             impls.append(TorchSDPAImpl(env, args, name))
         elif name == "cupy-naive":
