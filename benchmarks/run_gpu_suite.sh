@@ -42,7 +42,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     shard fwd tests/test_gpu.py &
     shard bwd tests/test_backward_gpu.py tests/test_varlen_backward_gpu.py &
     shard nonfinite tests/test_nonfinite.py tests/test_gpu_float32.py &
-    shard inference tests/test_inference_gpu.py &
+    shard inference tests/test_inference_gpu.py tests/test_workspace_gpu.py &
     shard variants_ring tests/test_variants_gpu.py tests/test_ring_gpu.py tests/test_callcache.py &
     shard misc tests/test_jax.py tests/test_issue16_defects.py tests/test_bound.py \
       tests/test_report.py tests/test_examples.py tests/test_mods_gpu.py tests/test_jax_cmdbuf.py &
