@@ -363,6 +363,30 @@ def check_workspace(workspace, backend, device_id):
     return workspace.reshape(-1).view("uint8")
 
 
+def _check_forward_results(o, do, lse, o_shape, lse_shape, dt, backend, device_id, entry):
+    """The backward's o, do (both `o_shape`, dtype `dt`) and lse (`lse_shape`, float32): on q's
+    device, as arrays of its backend, with the shapes `entry` (the forward's name) returned.
+    Returns {"o": ..., "do": ..., "lse": ...}."""
+    arrays = {}
+    for name, x, shape, want in (("o", o, o_shape, dt), ("do", do, o_shape, dt),
+                                 ("lse", lse, lse_shape, "float32")):
+        _refuse_subclass(name, x)
+        b = _interop.backend_of(x, name)
+        if b != (backend, device_id):
+            raise ValueError(f"{name} is on {_interop.describe(*b)} but q, k and v are on "
+                             f"{_interop.describe(backend, device_id)}")
+        x = _interop.as_backend_array(x, backend)
+        if tuple(x.shape) != tuple(shape):
+            what = "o's shape" if name == "do" else f"the shape {entry} returned"
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {tuple(shape)} "
+                             f"({what} for these q, k, v)")
+        got = _check_array_dtype(name, x) if name != "lse" else dtype_name(x.dtype)
+        if got != want:
+            raise TypeError(f"{name} has dtype {got}; expected {want}")
+        arrays[name] = x
+    return arrays
+
+
 def _no_self_overlap(name, buf):
     """A gradient buffer must not be a broadcast view (stride 0 on an axis of size > 1): each of
     its elements is written once."""
@@ -393,23 +417,8 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
         raise ValueError("return_dbias=True needs bias= (the gradient of which bias?)")
     pub = gqa.public_batch(batch) if gqa else batch
     o_shape, lse_shape = pub + (sq, dv), pub + (sq,)
-    arrays = {}
-    for name, x, shape, want in (("o", o, o_shape, dt), ("do", do, o_shape, dt),
-                                 ("lse", lse, lse_shape, "float32")):
-        _refuse_subclass(name, x)
-        b = _interop.backend_of(x, name)
-        if b != (backend, device_id):
-            raise ValueError(f"{name} is on {_interop.describe(*b)} but q, k and v are on "
-                             f"{_interop.describe(backend, device_id)}")
-        x = _interop.as_backend_array(x, backend)
-        if tuple(x.shape) != tuple(shape):
-            what = "o's shape" if name == "do" else "the shape attention returned"
-            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {tuple(shape)} "
-                             f"({what} for these q, k, v)")
-        got = _check_array_dtype(name, x) if name != "lse" else dtype_name(x.dtype)
-        if got != want:
-            raise TypeError(f"{name} has dtype {got}; expected {want}")
-        arrays[name] = x
+    arrays = _check_forward_results(o, do, lse, o_shape, lse_shape, dt, backend, device_id,
+                                    "attention")
 
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")

@@ -65,24 +65,9 @@ def check_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_s
         raise ValueError(f"kernel={kernel!r} selects a GPU kernel, but the inputs are on the CPU "
                          "(NumPy); pass GPU arrays or kernel='auto'")
     total_q = int(fwd.q.shape[0])
-    arrays = {}
-    for name, x, shape, want in (("o", o, (total_q, fwd.h, fwd.dv), dt),
-                                 ("do", do, (total_q, fwd.h, fwd.dv), dt),
-                                 ("lse", lse, (fwd.h, total_q), "float32")):
-        _checks._refuse_subclass(name, x)
-        b = _interop.backend_of(x, name)
-        if b != (backend, device_id):
-            raise ValueError(f"{name} is on {_interop.describe(*b)} but q, k and v are on "
-                             f"{_interop.describe(backend, device_id)}")
-        x = _interop.as_backend_array(x, backend)
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {shape} (what "
-                             "attention_varlen returns for these q, k, v)")
-        got = _checks._check_array_dtype(name, x) if name != "lse" else \
-            _checks.dtype_name(x.dtype)
-        if got != want:
-            raise TypeError(f"{name} has dtype {got}; expected {want}")
-        arrays[name] = x
+    arrays = _checks._check_forward_results(o, do, lse, (total_q, fwd.h, fwd.dv),
+                                            (fwd.h, total_q), dt, backend, device_id,
+                                            "attention_varlen")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     grads = None
