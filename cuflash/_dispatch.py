@@ -557,18 +557,22 @@ def bwd_generic_plan(dtype_name: str, d: int, dv: int, causal: bool) -> Backward
 #: Tensor-core backward tiles per padded head dim (kernels_cu/attn_bwd_mma.cu: BwdMmaConfig):
 #: (BM query rows per tile, warps per block (BN = 16 * warps keys), Q/dO stages, min blocks per
 #: SM[, OPT]): an optional fifth entry is the kernel's OPT bits (TC_BWD_OPTS; 0 when absent).
-#: Shared memory: D = 64 64 KiB, D = 128 155 KiB (BN = 128, two stages; an A100 allows
-#: 163 KiB, an H200 227 KiB).
+#: Both head dims take 8 warps (BN = 128 keys) and OPT = lean + late ("late" applies to the
+#: deterministic mode only): the H200 run of 2026-12-01 (benchmarks/RESULTS.md, "night",
+#: bwd_tune.py) measured +8-18% for lean over the earlier (64, 4, 2, 2) / (32, 8, 2, 1) forms, and
+#: 8 warps at D = 64 the same default speed with a cheaper deterministic mode.
+#: Shared memory: D = 64 91 KiB, D = 128 113 KiB (two stages; an A100 allows 163 KiB, an H200
+#: 227 KiB).
 TC_BWD_CONFIGS = {
-    64: (64, 4, 2, 2),
-    128: (32, 8, 2, 1),
+    64: (64, 8, 2, 1, 3),
+    128: (32, 8, 2, 1, 3),
 }
 #: Per-architecture exceptions, {first compute capability: {dpad: config}}, applied when the
 #: device's compute capability is below the next key: sm_86 / sm_89 allow 99 KiB of shared memory
 #: per block, so D = 128 takes 64-key blocks and one Q/dO stage (78 KiB).
 TC_BWD_ARCH_CONFIGS = {
     80: {},
-    86: {128: (32, 4, 1, 1)},
+    86: {128: (32, 4, 1, 1, 3)},
     90: {},
 }
 TC_BWD_DTYPES = ("float16", "bfloat16")

@@ -461,7 +461,7 @@ def test_backward_plans():
         _dispatch.backward_plan_for(prob, 90)
     prob.kernel = "auto"
     assert _dispatch.backward_plan_for(prob, 90).label == \
-        "tensorcore-bwd<float16,D64,BM64,BN64,full>"
+        "tensorcore-bwd<float16,D64,BM64,BN128,lean,full>"
     assert _dispatch.backward_plan_for(prob, 75).label == "generic-bwd<float16,D64,full>"
     prob.deterministic = True
     bp = _dispatch.backward_plan_for(prob, 90)
