@@ -276,7 +276,8 @@ def test_errors_on_gpu():
         cuflash.attention(q.astype(cp.float64), q.astype(cp.float64), q.astype(cp.float64),
                           kernel="tensorcore")
     with pytest.raises(ValueError, match="kernel='hopper' cannot run these inputs"):
-        cuflash.attention(q.astype(cp.float32), q.astype(cp.float32), q.astype(cp.float32),
+        # float64 has no tensor-core form (float32 has: the TF32 Hopper form)
+        cuflash.attention(q.astype(cp.float64), q.astype(cp.float64), q.astype(cp.float64),
                           kernel="hopper")
     q32 = cp.ones((2, 8, 32), dtype=cp.float16)
     with pytest.raises(ValueError, match="kernel='hopper' cannot run these inputs"):

@@ -44,7 +44,8 @@ def _qkv(seed, lead=(2,), sq=7, sk=13, h=4, hk=2, d=16):
 def test_cpu_command_buffer_option_changes_nothing():
     """On the CPU command_buffer=True lowers to the same CPU callback: jit, vmap, grad and the
     lse give exactly what the default gives (the same NumPy path)."""
-    q, k, v = _qkv(1)
+    cpu = jax.devices("cpu")[0]
+    q, k, v = (jax.device_put(t, cpu) for t in _qkv(1))
 
     def run(flag):
         f = jax.jit(lambda q, k, v: cj.attention(q, k, v, causal=True, return_lse=True,
@@ -54,7 +55,9 @@ def test_cpu_command_buffer_option_changes_nothing():
         vm = jax.jit(jax.vmap(lambda q: cj.attention(q, k, v, command_buffer=flag)))
         return (*f(q, k, v), *g(q, k, v), vm(jnp.stack([q, q * 0.5])))
 
-    for a, b in zip(run(False), run(True)):
+    with jax.default_device(cpu):  # on a GPU machine too: this is the CPU path's test
+        runs = run(False), run(True)
+    for a, b in zip(*runs):
         a, b = np.asarray(a), np.asarray(b)
         assert not np.isnan(a).any()
         assert np.array_equal(a, b)
