@@ -325,15 +325,34 @@ HOPPER_F32_TABLE = {
 }
 
 
-def hopper_choice(dpad: int, causal: bool, sk: int):
-    """(HopperTiles, persistent) for a padded head dim, mask and key count (16-bit inputs)."""
-    return HOPPER_TABLE[(dpad, bool(causal), sk > HOPPER_LONG_SK)]
+#: What the wider query block of three consumers (BM = 192) gains per useful row over two
+#: (BM = 128) where both are fully used (HOPPER_TABLE's note: +8-19% at D = 64 without the mask).
+HOPPER_C3_GAIN = 1.15
+
+
+def _row_use(sq: int, bm: int) -> float:
+    """The fraction of a kernel's query rows that are real rows: Sq over the padded Sq."""
+    return sq / (-(-sq // bm) * bm)
+
+
+def hopper_choice(dpad: int, causal: bool, sk: int, sq: Optional[int] = None):
+    """(HopperTiles, persistent) for a padded head dim, mask, key count and, if given, query
+    count (16-bit inputs). Three consumers (BM = 192) give way to two (BM = 128) when the last
+    query block would be so empty that the wider block's gain is lost: ViT's Sq = 197 pads to
+    384 rows at BM = 192 (51% used) and to 256 at BM = 128 (77%)."""
+    cfg, persistent = HOPPER_TABLE[(dpad, bool(causal), sk > HOPPER_LONG_SK)]
+    if sq is not None and cfg.consumers == 3:
+        c2 = cfg._replace(consumers=2)
+        if _row_use(sq, cfg.bm) * HOPPER_C3_GAIN < _row_use(sq, c2.bm):
+            cfg = c2
+    return cfg, persistent
 
 
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
-                precision: str = "highest") -> Plan:
+                precision: str = "highest", sq: Optional[int] = None) -> Plan:
     """The Hopper kernel for these inputs; float32 takes the TF32 form with the products of
-    `precision` (F32_TERMS, HOPPER_F32_TABLE), 16-bit dtypes ignore it."""
+    `precision` (F32_TERMS, HOPPER_F32_TABLE), 16-bit dtypes ignore it. `sq` (None: not known)
+    lets short query counts take narrower query blocks (hopper_choice)."""
     f32 = dtype_name == "float32"
     if f32:
         dpad = head_dim_bucket(d, {dp for dp, mode in HOPPER_F32_TABLE if mode == precision})
@@ -341,7 +360,7 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
         terms, mode = F32_TERMS[precision]
     else:
         dpad = head_dim_bucket(d, {key[0] for key in HOPPER_TABLE})
-        cfg, persistent = hopper_choice(dpad, causal, sk)
+        cfg, persistent = hopper_choice(dpad, causal, sk, sq)
         terms, mode = 1, None
     cxx_bool = {True: "true", False: "false"}
     name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {cfg.bn}, "
@@ -426,7 +445,8 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     if prob.kernel == "hopper" or (prob.kernel == "auto" and hopper_auto):
         why_not = hopper_reason(prob, compute_capability)
         if why_not is None:
-            return hopper_plan(prob.dtype_name, prob.d, prob.causal, prob.sk, prob.precision)
+            return hopper_plan(prob.dtype_name, prob.d, prob.causal, prob.sk, prob.precision,
+                               sq=prob.sq)
         if prob.kernel == "hopper":
             raise ValueError(f"kernel='hopper' cannot run these inputs: {why_not}")
     why_not = tensorcore_reason(prob, compute_capability)
@@ -456,7 +476,10 @@ def all_specialisations(compute_capability: int = 90):
     if compute_capability == 90:
         for dt in HOPPER_DTYPES:
             for dpad, causal, long_keys in HOPPER_TABLE:
-                plans.append(hopper_plan(dt, dpad, causal, HOPPER_LONG_SK + long_keys))
+                for sq in (None, 1):  # 1: the narrower block short query counts take
+                    plan = hopper_plan(dt, dpad, causal, HOPPER_LONG_SK + long_keys, sq=sq)
+                    if plan not in plans:
+                        plans.append(plan)
         for dpad, precision in HOPPER_F32_TABLE:
             for causal in (False, True):
                 plans.append(hopper_plan("float32", dpad, causal, 1024, precision))
