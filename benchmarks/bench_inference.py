@@ -2,7 +2,8 @@
 """Inference benchmark (issue 14): decoding (Sq = 1) in GB/s of K and V read, cuflash against
 PyTorch SDPA's cuDNN and FLASH backends (enable_gqa) in the same run; cuflash's paged cache
 (page 16) against its contiguous one; varlen prefill against the same batch through cuflash's
-dense kernel (and torch's, padded) when cuflash.attention_varlen exists.
+dense kernel when cuflash.attention_varlen exists; GQA prefill (B = 1, H = 32, Hkv = 8, S = 8k,
+causal, bfloat16) against torch's cuDNN and FLASH backends.
 
 Run from the repository root::
 
@@ -57,17 +58,28 @@ def _host(x):
     return cp.asnumpy(cp.asarray(x).astype(cp.float32)).astype(np.float64)
 
 
-def _check(o, q, k, v, b, hkv):
-    """o, q: (B, H, 1, D); k, v: (B, Hkv, Sk, D) (CuPy views). Judge slices (0, 0), (B-1, Hkv-1)."""
-    g = q.shape[1] // hkv
-    for bi, hi in ((0, 0), (b - 1, hkv - 1)):
-        qs = _host(q[bi, hi * g:(hi + 1) * g])
-        ks, vs = _host(k[bi, hi:hi + 1]), _host(v[bi, hi:hi + 1])
-        rule = reference.pass_threshold(qs, ks, vs, dtype="float16")
-        verdict = rule.judge(_host(o[bi, hi * g:(hi + 1) * g]))
-        if not verdict.passed:
-            return "; ".join(verdict.reasons)
-    return None
+class _Checker:
+    """The pass rules of one point's inputs, computed once and applied to every implementation's
+    output (the float64 reference and the rule's naive counterpart are the costly part: at
+    Sk = 128k computing them per implementation took most of the run's time).
+    q: (B, H, 1, D); k, v: (B, Hkv, Sk, D) (CuPy views). Judges slices (0, 0), (B-1, Hkv-1)."""
+
+    def __init__(self, q, k, v, b, hkv):
+        self.g = g = q.shape[1] // hkv
+        self.rules = []
+        for bi, hi in dict.fromkeys(((0, 0), (b - 1, hkv - 1))):
+            qs = _host(q[bi, hi * g:(hi + 1) * g])
+            ks, vs = _host(k[bi, hi:hi + 1]), _host(v[bi, hi:hi + 1])
+            self.rules.append((bi, hi, reference.pass_threshold(qs, ks, vs, dtype="float16")))
+
+    def __call__(self, o):
+        """None if `o` (B, H, 1, D) passes on every judged slice, else the reasons."""
+        g = self.g
+        for bi, hi, rule in self.rules:
+            verdict = rule.judge(_host(o[bi, hi * g:(hi + 1) * g]))
+            if not verdict.passed:
+                return "; ".join(verdict.reasons)
+        return None
 
 
 def _torch_impls():
@@ -79,10 +91,10 @@ def _torch_impls():
     out = {}
     for name, be in (("torch-cudnn", SDPBackend.CUDNN_ATTENTION),
                      ("torch-flash", SDPBackend.FLASH_ATTENTION)):
-        def run(q, k, v, be=be):
+        def run(q, k, v, be=be, causal=False):
             with sdpa_kernel([be]):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+                    q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
         out[name] = run
     return out
 
@@ -106,12 +118,13 @@ def bench_decode(grid, args, rows):
                 o = cp.empty((b, H, 1, D), dtype=cp.float16)
                 fn = lambda: cuflash.attention(q, k, v, out=o)  # noqa: E731
                 fn()
-                why = _check(o, q, k, v, b, hkv)
+                check = _Checker(q, k, v, b, hkv)
+                why = check(o)
                 res["cuflash"] = why or kv_bytes / _events(fn, args.warmup, args.repeats) / 1e9
                 for name, run in torch_impls.items():
                     try:
                         to = run(tq, tk, tv)
-                        why = _check(cp.from_dlpack(to), q, k, v, b, hkv)
+                        why = check(cp.from_dlpack(to))
                         res[name] = why or kv_bytes / _events(lambda: run(tq, tk, tv),
                                                               args.warmup, args.repeats) / 1e9
                     except Exception as exc:  # backend refuses the shape
@@ -147,13 +160,14 @@ def bench_paged(grid, args, rows):
                 kp[bt.ravel()] = kc.reshape(b * per, page, hkv, D)
                 vp[bt.ravel()] = vc.reshape(b * per, page, hkv, D)
                 res = {}
+                check = _Checker(q.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
+                                 vc.transpose(0, 2, 1, 3), b, hkv)
                 for name, kk, vv, tab in (("contiguous", kc, vc, None), ("paged16", kp, vp, bt)):
                     o = cp.empty((b, 1, H, D), dtype=cp.float16)
                     fn = lambda: cuflash.attention_with_kvcache(  # noqa: E731
                         q, kk, vv, lens, block_table=tab, out=o)
                     fn()
-                    why = _check(o.transpose(0, 2, 1, 3), q.transpose(0, 2, 1, 3),
-                                 kc.transpose(0, 2, 1, 3), vc.transpose(0, 2, 1, 3), b, hkv)
+                    why = check(o.transpose(0, 2, 1, 3))
                     res[name] = why or kv_bytes / _events(fn, args.warmup, args.repeats) / 1e9
                 rows.append(("kvcache", b, sk, hkv, res, ""))
                 _print_row(rows[-1])
@@ -197,6 +211,13 @@ def bench_varlen(args, rows):
     qd = q.reshape(bd, 8192, H, D).transpose(0, 2, 1, 3)
     kd = k.reshape(bd, 8192, hkv, D).transpose(0, 2, 1, 3)
     vd = v.reshape(bd, 8192, hkv, D).transpose(0, 2, 1, 3)
+    od = cuflash.attention(qd, kd, vd, causal=True)
+    why = _first_head_check(od, qd, kd, vd)
+    if why:
+        res["cuflash-dense-8k"] = "FAILED " + why
+        rows.append(("varlen", len(lens), total, hkv, res, ""))
+        _print_row(rows[-1])
+        return
     t = _events(lambda: cuflash.attention(qd, kd, vd, causal=True), args.warmup, args.repeats)
     res["cuflash-dense-8k"] = bd * 2.0 * 2 * 8192 * 8193 / 2 * D * H / t / 1e12
     rows.append(("varlen", len(lens), total, hkv, res, cuflash.dispatch_info(qd, kd, vd,
@@ -204,22 +225,64 @@ def bench_varlen(args, rows):
     _print_row(rows[-1])
 
 
+def _first_head_check(o, q, k, v, dtype="float16"):
+    """Judge query head 0 of batch entry 0 of a causal (B, H, S, D) result (its kv head is 0)
+    against the float64 reference with the pass rule: None if it passes, else the reasons."""
+    rule = reference.pass_threshold(_host(q[0, :1]), _host(k[0, :1]), _host(v[0, :1]),
+                                    causal=True, dtype=dtype)
+    verdict = rule.judge(_host(o[0, :1]))
+    return None if verdict.passed else "; ".join(verdict.reasons)
+
+
+def bench_gqa(args, rows):
+    """GQA prefill (issue 14): B = 1, H = 32, Hkv = 8, S = 8k (2k with --quick), D = 128, causal,
+    bfloat16: cuflash.attention with the kv heads shared by groups of 4 query heads, against
+    torch SDPA's cuDNN and FLASH backends (enable_gqa) on the same tensors, in TFLOP/s."""
+    import cupy as cp
+    import torch
+
+    s, hkv = (2048 if args.quick else 8192), 8
+    tq = torch.randn(1, H, s, D, device="cuda", dtype=torch.bfloat16)
+    tk = torch.randn(1, hkv, s, D, device="cuda", dtype=torch.bfloat16)
+    tv = torch.randn(1, hkv, s, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (cp.from_dlpack(x) for x in (tq, tk, tv))
+    flops = 2.0 * 2 * s * (s + 1) / 2 * D * H
+    res = {}
+    fn = lambda: cuflash.attention(q, k, v, causal=True)  # noqa: E731
+    why = _first_head_check(fn(), q, k, v, "bfloat16")
+    res["cuflash"] = ("FAILED " + why) if why else \
+        flops / _events(fn, args.warmup, args.repeats) / 1e12
+    for name, run in _torch_impls().items():
+        try:
+            why = _first_head_check(cp.from_dlpack(run(tq, tk, tv, causal=True)), q, k, v,
+                                    "bfloat16")
+            res[name] = ("FAILED " + why) if why else flops / _events(
+                lambda: run(tq, tk, tv, causal=True), args.warmup, args.repeats) / 1e12
+        except Exception as exc:  # backend refuses the shape
+            res[name] = f"n/a ({type(exc).__name__})"
+    rows.append(("gqa", 1, s, hkv, res, cuflash.dispatch_info(q, k, v, causal=True)))
+    _print_row(rows[-1])
+
+
 def _print_row(row):
     kind, b, sk, hkv, res, label = row
     cells = "  ".join(f"{k}={v:7.0f}" if isinstance(v, float) else f"{k}={v}"
                       for k, v in res.items())
-    unit = "TFLOP/s" if kind == "varlen" else "GB/s"
+    unit = "TFLOP/s" if kind in ("varlen", "gqa") else "GB/s"
     print(f"{kind:8s} B={b:<3d} Sk={sk:<7d} Hkv={hkv:<3d} {unit}: {cells}  {label}", flush=True)
 
 
 def _markdown(rows):
     out = []
-    for kind in ("decode", "kvcache", "varlen"):
+    for kind in ("decode", "kvcache", "varlen", "gqa"):
         sel = [r for r in rows if r[0] == kind]
         if not sel:
             continue
         impls = list(sel[0][4])
-        if kind == "varlen":
+        if kind == "gqa":
+            out.append(f"\nGQA prefill (causal, B = 1, H = {H}, D = {D}, bfloat16), TFLOP/s; "
+                       "Sk = S\n")
+        elif kind == "varlen":
             out.append(f"\nvarlen prefill (causal, H = {H}, D = {D}, float16), TFLOP/s; B = "
                        "sequences, Sk = total tokens\n")
         else:
@@ -246,7 +309,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a few points (< 60 s)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--only", default="decode,kvcache,varlen", help="decode,kvcache,varlen")
+    ap.add_argument("--only", default="decode,kvcache,varlen,gqa",
+                    help="comma-separated parts: decode,kvcache,varlen,gqa")
     ap.add_argument("--markdown", default=None, help="write the tables to this file")
     args = ap.parse_args(argv)
     if not cuflash.gpu_available():
@@ -263,6 +327,8 @@ def main(argv=None):
         bench_paged(grid, args, rows)
     if "varlen" in parts:
         bench_varlen(args, rows)
+    if "gqa" in parts:
+        bench_gqa(args, rows)
     md = _markdown(rows)
     print(md)
     print(f"\n{time.time() - t0:.0f} s", file=sys.stderr)
