@@ -225,8 +225,9 @@ class Call:
 
 
 def signature_of(q, k, v, causal, scale, return_lse, out, kernel, precision, workspace=None):
-    """The `Call` of these arguments, or None when it cannot be cached (an argument that is
-    neither a plain CuPy array nor a plain torch tensor, an unhashable argument)."""
+    """The `Call` of these arguments, or None when it cannot be cached (an array argument that
+    is neither a plain CuPy array nor a plain torch tensor; CuPy only for out and workspace).
+    A key holding an unhashable argument is never recorded (`record`) nor found (`_get`)."""
     cp = sys.modules.get("cupy")
     if cp is None:
         return None
@@ -253,9 +254,11 @@ def signature_of(q, k, v, causal, scale, return_lse, out, kernel, precision, wor
                 workspace.data.ptr % _launch.WORKSPACE_ALIGN,)
         key += (ok, wk, type(causal), causal, type(scale), scale, type(return_lse), return_lse,
                 type(kernel), kernel, type(precision), precision, tuple(map(id, _tables())))
-        hash(key)
-    except (LookupError, TypeError):
+    except LookupError:
         return None
+    # (an unhashable argument, e.g. a list as scale, raises TypeError at the first lookup:
+    # `_get` treats it as not recorded, `record` never records it; hashing here too would
+    # hash every key twice)
     return Call(key, ptrs, is_torch)
 
 
@@ -270,6 +273,10 @@ def record(call, prob, plan, attrs, o, lse, pub_o, pub_lse):
     `lse` the buffers the kernels wrote (grouped-query heads split), `pub_o`, `pub_lse` what
     the call returned."""
     if call is None or prob.q is None or getattr(prob, "variant", None) is not None:
+        return
+    try:
+        hash(call.key)
+    except TypeError:
         return
     if [x.data.ptr for x in (prob.q, prob.k, prob.v)] != call.ptrs:
         return  # the checks copied an input: the kernels must read the caller's buffers
@@ -298,9 +305,17 @@ def record(call, prob, plan, attrs, o, lse, pub_o, pub_lse):
     _CACHE[call.key] = rec
 
 
+def _get(key):
+    """The record of `key`, or None (also for an unhashable key)."""
+    try:
+        return _CACHE.get(key)
+    except TypeError:
+        return None
+
+
 def lookup(key):
     """The valid record of `key`, or None."""
-    rec = _CACHE.get(key)
+    rec = _get(key)
     return rec if rec is not None and rec.valid() else None
 
 
@@ -338,7 +353,7 @@ def launch(rec, ptrs, stream, workspace=None, current=False):
 def run(call, out, workspace, stream):
     """Launch a recorded signature with this call's buffers; None if `call` is not recorded
     (or, for torch tensors, torch's current stream is not the launch stream)."""
-    rec = _CACHE.get(call.key)
+    rec = _get(call.key)
     if rec is None:
         return None
     cp = sys.modules["cupy"]
@@ -358,11 +373,13 @@ def _hit(cp, rec, call, out, workspace, stream):
         return None
     if out is None:
         o = cp.empty(rec.o_shape, dtype=rec.dtype)
-        lse = cp.empty(rec.lse_shape, dtype=cp.float32) if rec.return_lse else None
+        lse = None
     elif isinstance(out, (tuple, list)):
         o, lse = out
     else:
-        o, lse = out, None
+        o, lse = out, None   # (with return_lse=True: lse allocated, as on the full path)
+    if rec.return_lse and lse is None:
+        lse = cp.empty(rec.lse_shape, dtype=cp.float32)
     q, k, v = call.ptrs
     launch(rec, (q, k, v, o.data.ptr, 0 if lse is None else lse.data.ptr), st, workspace,
            current)

@@ -285,7 +285,7 @@ _DECODE_CASES = [  # (q shape, k/v shape, causal): all take the decode kernel wi
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
-@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("with_out", [False, True, "o_only"])
 @pytest.mark.parametrize("qs,ks,causal", _DECODE_CASES)
 def test_decode_hit_launches_what_the_full_path_launches(fake, qs, ks, causal, with_out,
                                                          return_lse):
@@ -298,7 +298,7 @@ def test_decode_hit_launches_what_the_full_path_launches(fake, qs, ks, causal, w
         if not with_out:
             return None
         o = _new(qs)
-        return (o, _new(lse_shape, "float32")) if return_lse else o
+        return (o, _new(lse_shape, "float32")) if return_lse and with_out is True else o
 
     kw = dict(causal=causal, return_lse=return_lse)
     cuflash.attention(_new(qs), _new(ks), _new(ks), out=outs(), **kw)   # full path, recorded
@@ -321,8 +321,8 @@ def test_decode_hit_launches_what_the_full_path_launches(fake, qs, ks, causal, w
     if return_lse:
         assert lse_hit.shape == lse_full.shape == lse_shape
     if with_out:
-        assert o_hit is (out[0] if return_lse else out)
-        assert not return_lse or lse_hit is out[1]
+        assert o_hit is (out[0] if isinstance(out, tuple) else out)
+        assert not isinstance(out, tuple) or lse_hit is out[1]
     p = _dec_block(hit[0])
     assert (int(p["q"]), int(p["k"]), int(p["v"])) == (q.data.ptr, k.data.ptr, v.data.ptr)
     assert int(p["o"]) == o_hit.data.ptr
@@ -473,3 +473,11 @@ def test_grouped_query_dense_hit(fake, return_lse):
     _callcache.clear()
     cuflash.attention(q, k, v, return_lse=return_lse, out=out)
     assert fake["checks"] == 3 and fake["launches"][-1] == hit
+
+
+def test_an_unhashable_argument_takes_the_full_path(fake):
+    q, k = _new((1, 1, 16, 64)), _new((1, 1, 16, 64))
+    for _ in range(2):
+        with pytest.raises((TypeError, ValueError)):
+            cuflash.attention(q, k, k, precision=["highest"])
+    assert fake["checks"] == 2 and not _callcache._CACHE
