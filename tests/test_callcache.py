@@ -108,7 +108,7 @@ def fake(monkeypatch):
     cp.float32, cp.uint8 = np.float32, np.uint8
     cp.empty = empty
     cp.ascontiguousarray = ascontiguousarray
-    cp.cuda = types.SimpleNamespace(Device=Device, ExternalStream=Stream,
+    cp.cuda = types.SimpleNamespace(Device=Device, ExternalStream=lambda p, d=-1: Stream(p),
                                    runtime=types.SimpleNamespace(getDevice=lambda: rec["device"]),
                                    get_current_stream=_current_stream)
     monkeypatch.setitem(sys.modules, "cupy", cp)
@@ -481,3 +481,28 @@ def test_an_unhashable_argument_takes_the_full_path(fake):
         with pytest.raises((TypeError, ValueError)):
             cuflash.attention(q, k, k, precision=["highest"])
     assert fake["checks"] == 2 and not _callcache._CACHE
+
+
+def test_jax_callback_launches_decode_records_on_xlas_stream(fake):
+    """cuflash.jax's forward callback launches a recorded decode call with XLA's pointers on
+    XLA's stream: the partials from the pool with that stream current, or the kept workspace."""
+    cj = pytest.importorskip("cuflash.jax")
+    qs, ks = (2, 4, 1, 64), (2, 4, 4096, 64)
+    q, k, v = _new(qs), _new(ks), _new(ks)
+    cuflash.attention(q, k, v)
+    rec = _callcache.lookup(_callcache.signature(q, k, v, False, None, False, None, "auto",
+                                                 None))
+    assert isinstance(rec, _callcache._DecodeRecord) and rec.part_bytes > 0
+    ptrs = (1 << 44, 2 << 44, 3 << 44, 4 << 44, 0)
+    n_alloc, n = len(fake["allocs"]), len(fake["launches"])
+    cj._launch_record(rec, 0, ptrs, 0xABC0, None)
+    dec, comb = fake["launches"][n:]
+    assert dec[5] == comb[5] == 0xABC0 and "combine" in comb[4]
+    p = _dec_block(dec)
+    assert tuple(int(p[f]) for f in ("q", "k", "v", "o", "lse")) == ptrs
+    (part,) = fake["allocs"][n_alloc:]
+    assert part[0] == int(p["o_part"]) and part[2] == 0xABC0 and part[1] == rec.part_bytes
+    ws = _new((rec.part_bytes,), "uint8")
+    cj._launch_record(rec, 0, ptrs, 0xABC0, ws)
+    assert len(fake["allocs"]) == n_alloc + 1
+    assert int(_dec_block(fake["launches"][-2])["o_part"]) == ws.data.ptr
