@@ -76,6 +76,19 @@ def _install():
     return cp
 
 
+def _cupy_scalar():
+    """CuPy's kernel-argument wrapper for NumPy scalars, if the real CuPy imports here (it needs
+    no GPU), else None. Imported before the stand-in replaces `cupy` in sys.modules."""
+    try:
+        from cupy._core._scalar import CScalar
+    except Exception:  # no CuPy, or another layout of its internals
+        return None
+    return CScalar
+
+
+_CSCALAR = None
+
+
 def _per_call(fn, calls):
     fn()
     t0 = time.process_time()  # CPU time: less disturbed by other jobs than the wall clock
@@ -90,6 +103,8 @@ def main():
     ap.add_argument("--s", default="16,128")
     ap.add_argument("--sk", type=int, default=0, help="keys (default: Sk = S)")
     args = ap.parse_args()
+    global _CSCALAR
+    _CSCALAR = _cupy_scalar()
     cp = _install()
     import cuflash
     from cuflash import _callcache, _decode, _launch
@@ -124,12 +139,21 @@ def main():
         rows.append(("  allocation of o (stand-in empty)",
                      _per_call(lambda: cp.empty(rec.o_shape, dtype=rec.dtype), n)))
         decode = isinstance(rec, _callcache._DecodeRecord)
-        fmt, dt = ((_callcache._DPTRS, _decode.DECODE_PARAMS_DTYPE) if decode
-                   else (_callcache._PTRS, _launch.PARAMS_DTYPE))
+        fmt, dt, full_dt = ((_callcache._DPTRS, _callcache._DECODE_V,
+                             _decode.DECODE_PARAMS_DTYPE) if decode
+                            else (_callcache._PTRS, _callcache._PARAMS_V, _launch.PARAMS_DTYPE))
         ptrs = (1, 2, 3, 4, 0, 0, 0)[:fmt.size // 8]
         tmpl = rec.template
         rows.append(("  packing the block (struct + frombuffer)",
                      _per_call(lambda: np.frombuffer(fmt.pack(*ptrs) + tmpl, dt)[0], n)))
+        scalar = _CSCALAR
+        if scalar is not None:   # what CuPy's kernel call does with the block (real CuPy)
+            blk = np.frombuffer(fmt.pack(*ptrs) + tmpl, dt)[0]
+            rows.append(("  CuPy's argument copy (CScalar), plain void",
+                         _per_call(lambda: scalar(blk), n)))
+            blk_s = np.frombuffer(blk.tobytes(), full_dt)[0]
+            rows.append(("  CuPy's argument copy (CScalar), structured",
+                         _per_call(lambda: scalar(blk_s), n)))
         st = cp.cuda.get_current_stream()
         rows.append(("  record launch (block + no-op kernel)",
                      _per_call(lambda: rec.launch((1, 2, 3, 4, 0), st, 1 << 30), n)))

@@ -16,9 +16,9 @@ the workspace's modulo WORKSPACE_ALIGN) (for torch tensors also ``requires_grad`
 and conjugation bits and the layout, which decide whether DLPack export succeeds; and a torch
 hit needs torch's current stream to be the launch stream, since the full path's DLPack import
 would order the launch after torch's stream), ``causal``, ``scale``, ``return_lse``, ``kernel``
-and ``precision`` with their types, and the identity of the dispatcher's tables (the decode
-thresholds and split rule included). Every check and every dispatch decision is a function of
-those (the 16-byte alignment rules read ``ptr % 16`` and the strides; the workspace's size and
+and ``precision`` with their types; a record is used only under the dispatcher's tables it
+was made under (the decode thresholds and split rule included: `_tables`). Every check and
+every dispatch decision is a function of those (the 16-byte alignment rules read ``ptr % 16`` and the strides; the workspace's size and
 alignment rules its byte count and ``ptr % 256``; the tensor-map API's availability is fixed
 per process; the stream is resolved on each call, as on the full path). A signature is recorded
 only after its full-path call succeeded without copying an input (the checks' copy of a
@@ -40,6 +40,7 @@ launches it with the pointers of XLA's buffers (`lookup`, `launch`).
 from __future__ import annotations
 
 import copy
+import operator
 import struct
 import sys
 import types
@@ -61,20 +62,36 @@ assert [_decode.DECODE_PARAMS_DTYPE.fields[f][1] for f in _decode._DEC_PTRS[:7]]
     [8 * i for i in range(7)] and _decode._DEC_PTRS[:7] == (
         "q", "k", "v", "o", "lse", "o_part", "lse_part"), "DecodeParams must start so"
 
+#: A hit passes its block to the kernel as a NumPy scalar of a plain (unstructured) void dtype
+#: of the block's size: the same bytes, but CuPy's kernel-argument conversion (CScalar) copies
+#: it about four times faster than a scalar of the 49-field structured dtype.
+_PARAMS_V = np.dtype(f"V{_launch.PARAMS_DTYPE.itemsize}")
+_DECODE_V = np.dtype(f"V{_decode.DECODE_PARAMS_DTYPE.itemsize}")
+_HOPPER_V = np.dtype(f"V{_launch.HOPPER_PARAMS_DTYPE.itemsize}")
+#: HopperParams holds the three tensor maps (made from q, k, v), then AttnParams' pointers.
+_HOPPER_PTRS_AT = _launch.HOPPER_PARAMS_DTYPE.fields["q"][1]
+assert [_launch.HOPPER_PARAMS_DTYPE.fields[f][1] - _HOPPER_PTRS_AT
+        for f in ("q", "k", "v", "o", "lse")] == [0, 8, 16, 24, 32]
+
 #: Recorded signatures -> _Record or _DecodeRecord; bounded (oldest dropped first).
 _CACHE = {}
 _CACHE_SIZE = 256
 
 
+_DISPATCH_TABLES = operator.attrgetter(
+    "TC_CONFIGS", "TC_ARCH_CONFIGS", "TC_F32_CONFIGS", "TC_F32_ARCH_CONFIGS", "HOPPER_TABLE",
+    "HOPPER_F32_TABLE", "HOPPER_F32_AUTO", "HOPPER_LONG_SK", "plan_for")
+_DECODE_TABLES = operator.attrgetter(
+    "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "MIN_TILES_PER_WARP", "MAX_SPLITS", "choose_splits")
+
+
 def _tables():
-    """The dispatcher's tables as they are now: a record made under other tables (tests swap
-    them with monkeypatch) must not be used. The record keeps them alive, so their ids stay
-    unique while it exists (an int constant swapped for an equal one may miss: harmless)."""
-    d, dc = _dispatch, _decode
-    return (d.TC_CONFIGS, d.TC_ARCH_CONFIGS, d.TC_F32_CONFIGS, d.TC_F32_ARCH_CONFIGS,
-            d.HOPPER_TABLE, d.HOPPER_F32_TABLE, d.HOPPER_F32_AUTO, d.HOPPER_LONG_SK,
-            d.plan_for, dc.DECODE_MAX_SQ, dc.DECODE_MAX_ROWS, dc.MIN_TILES_PER_WARP,
-            dc.MAX_SPLITS, dc.choose_splits)
+    """The dispatcher's tables (and the decode thresholds and split rule) as they are now. A
+    record keeps the ones it was made under and is used only while they are still the same
+    objects or equal to them (tuple comparison: identity first, so the usual case costs a few
+    pointer compares); tests swap them with monkeypatch, and a record made under other tables
+    then misses and is replaced."""
+    return _DISPATCH_TABLES(_dispatch) + _DECODE_TABLES(_decode)
 
 
 class _Layout:
@@ -111,7 +128,7 @@ class _RecordBase:
         self.part_bytes = 0   # workspace bytes a launch needs (decode kernel, split keys)
 
     def valid(self):
-        return all(a is b for a, b in zip(self.tables, _tables()))
+        return self.tables == _tables()
 
 
 class _Record(_RecordBase):
@@ -127,9 +144,11 @@ class _Record(_RecordBase):
         self.hopper = plan.spec.family == "attn_wgmma"
         # the block's bytes after the pointers (Hopper: the whole block, for the last pointers)
         self.template = template.tobytes()[_PTRS.size:]
+        assert self.hopper or template.dtype == _launch.PARAMS_DTYPE
         self.grid = grid
         self.layouts = tuple(None if x is None else _Layout(x) for x in arrays)
-        self.last = (tuple(0 if x is None else x.data.ptr for x in arrays), template)
+        # Hopper: the q, k, v pointers the last block's tensor maps were made from, its bytes
+        self.last = (tuple(x.data.ptr for x in arrays[:3]), template.tobytes())
         self.kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
 
     def launch(self, ptrs, stream, parts=0):
@@ -138,16 +157,18 @@ class _Record(_RecordBase):
         current. `parts` is unused (the dense kernels need no workspace)."""
         plan = self.plan
         if not self.hopper:
-            params = np.frombuffer(_PTRS.pack(*ptrs) + self.template, _launch.PARAMS_DTYPE)[0]
-        elif ptrs == self.last[0]:
-            params = self.last[1]
+            params = np.frombuffer(_PTRS.pack(*ptrs) + self.template, _PARAMS_V)[0]
         else:
-            arrs = [lay if lay is None else lay.at(p) for lay, p in zip(self.layouts, ptrs)]
-            q, k, v, o, lse = arrs
-            prob = copy.copy(self.prob)
-            prob.q, prob.k, prob.v = q, k, v
-            params, _, _, _ = _launch.forward_params(plan, prob, q, k, v, o, lse, self.attrs)
-            self.last = (tuple(ptrs), params)
+            if tuple(ptrs[:3]) != self.last[0]:   # new inputs: new tensor maps
+                arrs = [lay if lay is None else lay.at(p) for lay, p in zip(self.layouts, ptrs)]
+                q, k, v, o, lse = arrs
+                prob = copy.copy(self.prob)
+                prob.q, prob.k, prob.v = q, k, v
+                full, _, _, _ = _launch.forward_params(plan, prob, q, k, v, o, lse, self.attrs)
+                self.last = (tuple(ptrs[:3]), full.tobytes())
+            b = self.last[1]   # the maps of these inputs; o and lse written in
+            params = np.frombuffer(b[:_HOPPER_PTRS_AT] + _PTRS.pack(*ptrs)
+                                   + b[_HOPPER_PTRS_AT + _PTRS.size:], _HOPPER_V)[0]
         self.kern((self.grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
                   stream=stream)
 
@@ -184,15 +205,14 @@ class _DecodeRecord(_RecordBase):
         WORKSPACE_ALIGN-aligned, that nothing else uses until both kernels have run in
         `stream`'s order (0 when ``part_bytes`` is 0)."""
         if self.comb is None:
-            params = np.frombuffer(_DPTRS.pack(*ptrs, 0, 0) + self.template,
-                                   _decode.DECODE_PARAMS_DTYPE)[0]
+            params = np.frombuffer(_DPTRS.pack(*ptrs, 0, 0) + self.template, _DECODE_V)[0]
             self.kern((self.grid,), (self.threads,), (params,), shared_mem=self.smem,
                       stream=stream)
             return
         if not parts:
             raise ValueError(f"{self.label}: the split partials need {self.part_bytes} bytes")
         params = np.frombuffer(_DPTRS.pack(*ptrs, parts, parts + self.o_part_bytes)
-                               + self.template, _decode.DECODE_PARAMS_DTYPE)[0]
+                               + self.template, _DECODE_V)[0]
         self.kern((self.grid,), (self.threads,), (params,), shared_mem=self.smem, stream=stream)
         self.comb((self.comb_grid,), (_decode.COMBINE_THREADS,), (params,), stream=stream)
 
@@ -253,7 +273,7 @@ def signature_of(q, k, v, causal, scale, return_lse, out, kernel, precision, wor
             wk = _arr_key(workspace, nd, None, more) + (
                 workspace.data.ptr % _launch.WORKSPACE_ALIGN,)
         key += (ok, wk, type(causal), causal, type(scale), scale, type(return_lse), return_lse,
-                type(kernel), kernel, type(precision), precision, tuple(map(id, _tables())))
+                type(kernel), kernel, type(precision), precision)
     except LookupError:
         return None
     # (an unhashable argument, e.g. a list as scale, raises TypeError at the first lookup:
@@ -354,7 +374,7 @@ def run(call, out, workspace, stream):
     """Launch a recorded signature with this call's buffers; None if `call` is not recorded
     (or, for torch tensors, torch's current stream is not the launch stream)."""
     rec = _get(call.key)
-    if rec is None:
+    if rec is None or rec.tables != _tables():   # (other tables: the full path re-records)
         return None
     cp = sys.modules["cupy"]
     dev = rec.device_id
@@ -381,8 +401,11 @@ def _hit(cp, rec, call, out, workspace, stream):
     if rec.return_lse and lse is None:
         lse = cp.empty(rec.lse_shape, dtype=cp.float32)
     q, k, v = call.ptrs
-    launch(rec, (q, k, v, o.data.ptr, 0 if lse is None else lse.data.ptr), st, workspace,
-           current)
+    ptrs = (q, k, v, o.data.ptr, 0 if lse is None else lse.data.ptr)
+    if rec.part_bytes:
+        launch(rec, ptrs, st, workspace, current)
+    else:
+        rec.launch(ptrs, st)
     return (o, lse) if rec.return_lse else o
 
 

@@ -238,6 +238,18 @@ def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
     monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
     cuflash.attention(*q2, causal=True, out=o)
     assert fake["checks"] == 3 and fake["launches"][-1] == hit
+    # the same inputs with another output (a fresh o each call without out=): the maps (made
+    # from q, k, v only) are kept, o is written in; the block is the full path's for that o
+    o2 = FakeArray((2, 4, 100, 64), ptr=5 << 36)
+    n = len(encoded)
+    cuflash.attention(*q2, causal=True, out=o2)
+    assert fake["checks"] == 3 and len(encoded) == n
+    hit2 = fake["launches"][-1]
+    assert hit2 != hit
+    _callcache.clear()
+    monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
+    cuflash.attention(*q2, causal=True, out=o2)
+    assert fake["checks"] == 4 and fake["launches"][-1] == hit2
 
 
 def test_signature_refuses_other_array_types():
