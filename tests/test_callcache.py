@@ -1,8 +1,10 @@
 """The call-signature cache of `attention` (cuflash/_callcache.py) without a GPU: CuPy is replaced
 by a stand-in module whose arrays carry shape, strides, dtype and a pointer, and launches are
 recorded. A repeated signature skips the checks and the dispatcher yet launches exactly the
-parameter block the full path builds for the same buffers; any change of signature takes the
-full path again."""
+parameter block(s) the full path builds for the same buffers, on the dense kernels and on the
+decode kernel (its split-KV kernel and combine; the partials allocated per call on the launch
+stream, or the caller's workspace); any change of signature takes the full path again. The GPU
+twin is tests/test_callcache_gpu.py."""
 import sys
 import types
 
