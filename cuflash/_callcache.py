@@ -91,7 +91,8 @@ def _tables():
     objects or equal to them (tuple comparison: identity first, so the usual case costs a few
     pointer compares); tests swap them with monkeypatch, and a record made under other tables
     then misses and is replaced."""
-    return _DISPATCH_TABLES(_dispatch) + _DECODE_TABLES(_decode)
+    return _DISPATCH_TABLES(_dispatch) + _DECODE_TABLES(_decode) + (
+        getattr(_dispatch, "HOPPER_C3_GAIN", None),)   # (the short-query Hopper rule, main)
 
 
 class _Layout:
