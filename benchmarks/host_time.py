@@ -16,10 +16,16 @@ launch. All rows run in this one process, back to back:
   --xla_gpu_graph_min_graph_size=1`` (XLA reads its flags once, when JAX starts). A replayed
   call runs no Python callback at all.
 
+Every row runs for each sequence length in ``--s`` (default 16 and 128: the first takes the
+decode kernel with ``kernel="auto"``, the second a dense kernel), and says which path it took
+(``decode`` or ``dense``, from the plan label `cuflash.dispatch_info` gives, printed above the
+rows) and, for the cuflash rows outside jit, whether the call's signature is recorded in the
+call cache (``hit``: repeated calls skip the checks and the dispatcher, cuflash/_callcache.py).
+
 Peers that are not installed are skipped (and say why). Targets (issue 13): <= 10 us for CuPy
 with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty buffer_callback.
 
-    python benchmarks/host_time.py [--calls 2000] [--s 16] [--d 64] [--dtype float16]
+    python benchmarks/host_time.py [--calls 2000] [--s 16,128] [--d 64] [--dtype float16]
 """
 import argparse
 import json
@@ -45,6 +51,19 @@ def _time(fn, sync, calls):
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def _path(label):
+    return "decode" if label.startswith("decode<") else "dense"
+
+
+def _cached(q, k, v, out=None):
+    """Whether this call's signature is recorded in cuflash's call cache (hits skip the
+    checks and the dispatcher)."""
+    from cuflash import _callcache
+
+    key = _callcache.signature(q, k, v, False, None, False, out, "auto", None)
+    return "hit" if key is not None and _callcache.lookup(key) is not None else "full path"
+
+
 def cupy_rows(args):
     import cupy as cp
 
@@ -54,9 +73,11 @@ def cupy_rows(args):
     q, k, v = (cp.random.standard_normal(shape).astype(args.dtype) for _ in range(3))
     out = cp.empty_like(q)
     sync = cp.cuda.Stream.null.synchronize
-    return [("cuflash, CuPy arrays", _time(lambda: cuflash.attention(q, k, v), sync, args.calls)),
-            ("cuflash, CuPy arrays, out=",
-             _time(lambda: cuflash.attention(q, k, v, out=out), sync, args.calls))]
+    path = _path(cuflash.dispatch_info(q, k, v))
+    t1 = _time(lambda: cuflash.attention(q, k, v), sync, args.calls)
+    t2 = _time(lambda: cuflash.attention(q, k, v, out=out), sync, args.calls)
+    return [(f"cuflash, CuPy arrays [{path}, {_cached(q, k, v)}]", t1),
+            (f"cuflash, CuPy arrays, out= [{path}, {_cached(q, k, v, out)}]", t2)]
 
 
 def torch_rows(args):
@@ -68,8 +89,9 @@ def torch_rows(args):
     dt = getattr(torch, args.dtype)
     q, k, v = (torch.randn(1, 1, args.s, args.d, device="cuda", dtype=dt) for _ in range(3))
     sync = torch.cuda.synchronize
-    return [("cuflash, torch tensors", _time(lambda: cuflash.attention(q, k, v), sync,
-                                             args.calls)),
+    path = _path(cuflash.dispatch_info(q, k, v))
+    t = _time(lambda: cuflash.attention(q, k, v), sync, args.calls)
+    return [(f"cuflash, torch tensors [{path}, {_cached(q, k, v)}]", t),
             ("torch SDPA (its default backend)",
              _time(lambda: F.scaled_dot_product_attention(q, k, v), sync, args.calls))]
 
@@ -103,8 +125,14 @@ def _jax_callback_rows(args, cmdbuf):
     q, k, v, timed = _jax_setup(args)
     empty = buffer_callback(lambda ctx, out, *a: None, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             command_buffer_compatible=cmdbuf)
-    name = ("JAX jit, command buffers: cuflash.jax.attention(command_buffer=True)" if cmdbuf
-            else "JAX jit: cuflash.jax.attention")
+    import cupy as cp
+
+    import cuflash
+
+    path = _path(cuflash.dispatch_info(*(cp.empty((1, 1, args.s, args.d), args.dtype)
+                                         for _ in range(3))))
+    name = (f"JAX jit, command buffers: cuflash.jax.attention(command_buffer=True) [{path}]"
+            if cmdbuf else f"JAX jit: cuflash.jax.attention [{path}]")
     prefix = "JAX jit, command buffers:" if cmdbuf else "JAX jit:"
     return [(name, timed(jax.jit(lambda q, k, v: cj.attention(q, k, v,
                                                               command_buffer=cmdbuf)))),
@@ -144,27 +172,47 @@ def jax_cmdbuf_rows(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--s", type=int, default=16)
+    ap.add_argument("--s", default="16,128",
+                    help="sequence lengths (Sq = Sk), comma-separated: each gets every row")
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--jax-cmdbuf-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    lengths = [int(x) for x in str(args.s).split(",") if x]
     if args.jax_cmdbuf_child:
+        args.s = lengths[0]
         print(json.dumps(_jax_callback_rows(args, True)))
         return
-    print(f"host time per call, {args.calls} calls, (1, 1, {args.s}, {args.d}) {args.dtype}, "
+    print(f"host time per call, {args.calls} calls, (1, 1, S, {args.d}) {args.dtype}, "
           "one sync at the end")
     rows = []
-    for name, fn in (("CuPy", cupy_rows), ("torch", torch_rows), ("JAX", jax_rows),
-                     ("JAX command-buffer", jax_cmdbuf_rows)):
+    for s in lengths:
+        args.s = s
         try:
-            rows += fn(args)
-        except Exception as exc:  # a peer that is missing or has no GPU here
-            rows.append((f"{name} rows", f"skipped: {type(exc).__name__}: {exc}"[:120]))
-    width = max(len(r[0]) for r in rows)
+            import cupy as cp
+
+            import cuflash
+
+            label = cuflash.dispatch_info(*(cp.empty((1, 1, s, args.d), args.dtype)
+                                            for _ in range(3)))
+        except Exception as exc:  # no GPU here
+            label = f"unknown ({type(exc).__name__}: {exc})"[:100]
+        rows.append((f"-- S = {s}: kernel='auto' takes {label}", None))
+        for name, fn in (("CuPy", cupy_rows), ("torch", torch_rows), ("JAX", jax_rows),
+                         ("JAX command-buffer", jax_cmdbuf_rows)):
+            try:
+                rows += fn(args)
+            except Exception as exc:  # a peer that is missing or has no GPU here
+                rows.append((f"{name} rows", f"skipped: {type(exc).__name__}: {exc}"[:120]))
+    width = max(len(r[0]) for r in rows if r[1] is not None)
     print(f"{'':{width}s}  us/call")
     for name, t in rows:
-        print(f"{name:{width}s}  {t:8.1f}" if isinstance(t, float) else f"{name:{width}s}  {t}")
+        if t is None:
+            print(name)
+        elif isinstance(t, float):
+            print(f"{name:{width}s}  {t:8.1f}")
+        else:
+            print(f"{name:{width}s}  {t}")
 
 
 if __name__ == "__main__":

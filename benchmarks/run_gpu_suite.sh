@@ -43,7 +43,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     shard bwd tests/test_backward_gpu.py tests/test_varlen_backward_gpu.py &
     shard nonfinite tests/test_nonfinite.py tests/test_gpu_float32.py &
     shard inference tests/test_inference_gpu.py tests/test_workspace_gpu.py &
-    shard variants_ring tests/test_variants_gpu.py tests/test_ring_gpu.py tests/test_callcache.py &
+    shard variants_ring tests/test_variants_gpu.py tests/test_ring_gpu.py tests/test_callcache.py tests/test_callcache_gpu.py &
     shard misc tests/test_jax.py tests/test_issue16_defects.py tests/test_bound.py \
       tests/test_report.py tests/test_examples.py tests/test_mods_gpu.py tests/test_jax_cmdbuf.py &
     wait
@@ -73,7 +73,7 @@ if [ "${EXTRA:-1}" = 1 ]; then
   python3 benchmarks/bench_inference.py --quick > "$OUT/inference.txt" 2>&1
   echo "bench_inference exit $?"; tail -4 "$OUT/inference.txt"
   python3 benchmarks/host_time.py > "$OUT/host_time.txt" 2>&1
-  echo "host_time exit $?"; tail -12 "$OUT/host_time.txt"
+  echo "host_time exit $?"; tail -24 "$OUT/host_time.txt"
 fi
 
 if [ "${BENCH:-1}" = 1 ] && [ "${BF16:-1}" = 1 ]; then

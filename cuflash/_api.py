@@ -136,8 +136,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         Without it the partials come from CuPy's memory pool, allocated per call on the launch
         stream. With ``out=`` and ``workspace=`` a call whose inputs need no copy (contiguous
         last axes, collapsible batch axes) allocates nothing and never synchronises, so it can
-        be captured in a CUDA graph. A call with ``workspace=`` always takes the full checking
-        path (the per-signature call cache of repeated calls is not used).
+        be captured in a CUDA graph. The workspace's type, size, device and alignment are part
+        of a call's signature in the per-signature call cache of repeated calls.
 
     Returns
     -------
@@ -169,17 +169,16 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     ``v`` makes that column NaN in every row that sees the key; an inf in ``v`` makes it inf, or
     NaN where it meets a weight that rounded to 0 or an inf of the other sign.
     """
-    # A signature (types, shapes, strides, dtypes, devices, alignment, flags) seen before has
-    # passed every check and has its plan and parameter block: see _callcache.
-    # Variant arguments are not part of a signature: such calls always take the full path.
-    # A workspace is checked on every call (it is not part of the signature either).
+    # A signature (types, shapes, strides, dtypes, devices, alignment, flags; the workspace's
+    # too) seen before has passed every check and has its plan and parameter block: see
+    # _callcache. Variant arguments are not part of a signature: such calls always take the
+    # full path.
     plain = window is None and softcap is None and alibi_slopes is None and bias is None \
-        and mask is None and score_mod is None and mask_mod is None and mod_args is None \
-        and workspace is None
-    key = _callcache.signature(q, k, v, causal, scale, return_lse, out, kernel, precision) \
-        if plain else None
-    if key is not None:
-        res = _callcache.run(key, q, k, v, out, stream)
+        and mask is None and score_mod is None and mask_mod is None and mod_args is None
+    call = _callcache.signature_of(q, k, v, causal, scale, return_lse, out, kernel, precision,
+                                   workspace) if plain else None
+    if call is not None:
+        res = _callcache.run(call, out, workspace, stream)
         if res is not None:
             return res
     prob = _checks.check_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
@@ -197,7 +196,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
             lse = prob.out_lse
         o, lse = _checks.public_forward(prob, o, lse)
         return (o, lse) if prob.return_lse else o
-    return _attention_gpu(prob, key)
+    return _attention_gpu(prob, call)
 
 
 def _variant_kwargs(window, softcap, alibi_slopes, bias, mask, score_mod=None, mask_mod=None,
@@ -208,7 +207,7 @@ def _variant_kwargs(window, softcap, alibi_slopes, bias, mask, score_mod=None, m
     return kw
 
 
-def _attention_gpu(prob, key=None):
+def _attention_gpu(prob, call=None):
     import cupy
 
     from . import _dispatch, _launch
@@ -225,11 +224,9 @@ def _attention_gpu(prob, key=None):
             if lse is None:
                 lse = cupy.empty(prob.lse_shape, dtype=cupy.float32)
         _launch.launch_forward(plan, prob, o, lse, attrs)
-        if prob.gqa is None and plan.spec.family != "attn_decode":
-            # (a grouped-query call returns reshaped views; the decode path launches two kernels)
-            _callcache.record(key, prob, plan, attrs, o, lse)
-    o, lse = _checks.public_forward(prob, o, lse)
-    return (o, lse) if prob.return_lse else o
+        pub_o, pub_lse = _checks.public_forward(prob, o, lse)
+        _callcache.record(call, prob, plan, attrs, o, lse, pub_o, pub_lse)
+    return (pub_o, pub_lse) if prob.return_lse else pub_o
 
 
 def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):

@@ -220,10 +220,12 @@ def scratch(nbytes, workspace, stream, query):
         return cupy.empty(nbytes, dtype=cupy.uint8)
 
 
-def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, cfg, parts=None):
-    """Launch the decode kernel (and, with more than one split, the combine) for `geom` with the
-    configuration `cfg` (`configure`). `parts`: a uint8 GPU buffer of at least
-    ``cfg.part_bytes`` (required when the keys are split); `stream`: a CuPy stream object."""
+def decode_params(plan, geom, q, k, v, o, lse, *, scale, cfg, parts=None):
+    """The DecodeParams block (a NumPy structured scalar) of one launch of `plan` for `geom`
+    with the configuration `cfg`; `parts` as in `launch`. Everything after its first
+    DECODE_PTRS_FIXED pointers (q, k, v, o, lse, o_part, lse_part) is a function of the plan,
+    the geometry (and, paged or packed, of the seqlens / block table / cu arrays' addresses),
+    the configuration and the scale: `_callcache` keeps those bytes per call signature."""
     o_part = lse_part = 0
     if cfg.splits > 1:
         if parts is None or parts.nbytes < cfg.part_bytes:
@@ -232,7 +234,7 @@ def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, cfg, parts=
         lse_part = o_part + cfg.o_part_bytes
     paged = geom.block_table is not None
     # One tuple in DecodeParams order (a structured array built field by field costs ~50 us).
-    params = np.array((
+    return np.array((
         q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, 0 if lse is None else lse.data.ptr,
         o_part, lse_part, 0 if geom.seqlens is None else geom.seqlens.data.ptr,
         geom.block_table.data.ptr if paged else 0,
@@ -243,12 +245,28 @@ def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, cfg, parts=
         int(geom.page).bit_length() - 1 if paged else 0,
         geom.block_table.shape[1] if paged else 0, geom.k_page if paged else 0,
         geom.v_page if paged else 0, scale * _LOG2E), dtype=DECODE_PARAMS_DTYPE)[()]
+
+
+#: The pointers at the front of DecodeParams that change from call to call of one signature of
+#: dense `attention` (q, k, v, o, lse, o_part, lse_part; the four after them are 0 there).
+DECODE_PTRS_FIXED = 7
+
+
+def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, cfg, parts=None):
+    """Launch the decode kernel (and, with more than one split, the combine) for `geom` with the
+    configuration `cfg` (`configure`). `parts`: a uint8 GPU buffer of at least
+    ``cfg.part_bytes`` (required when the keys are split); `stream`: a CuPy stream object."""
+    params = decode_params(plan, geom, q, k, v, o, lse, scale=scale, cfg=cfg, parts=parts)
     kern = _compile.get_kernel(plan.spec, device_id, plan.smem_bytes)
     kern((cfg.grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=stream)
     if cfg.splits > 1:
         comb = _compile.get_kernel(combine_spec(_dtype_of(plan), cfg.dpad), device_id)
-        comb((cfg.entries * cfg.rows,), (128,), (params,), stream=stream)
+        comb((cfg.entries * cfg.rows,), (COMBINE_THREADS,), (params,), stream=stream)
     return cfg.splits
+
+
+#: Threads per block of the combine kernel (one block per packed output row).
+COMBINE_THREADS = 128
 
 
 def _dtype_of(plan):
@@ -368,6 +386,12 @@ def dense_workspace_bytes(plan, prob, attrs) -> int:
     return configure(plan, geom.sizes, geom.g, geom.sq, geom.sk, geom.d, attrs).part_bytes
 
 
+def dense_config(plan, prob, o, lse, attrs):
+    """(DecodeGeometry, DecodeLaunch) of `attention` on the decode kernel for these outputs."""
+    geom = _dense_geometry(plan, prob, o, lse)
+    return geom, configure(plan, geom.sizes, geom.g, geom.sq, geom.sk, geom.d, attrs)
+
+
 def launch_dense(plan, prob, o, lse, attrs):
     """`attention` on the decode kernel: K and V are the dense tensors of `prob`; the split
     partials go to ``prob.workspace`` (or a pool allocation on the launch stream)."""
@@ -375,8 +399,7 @@ def launch_dense(plan, prob, o, lse, attrs):
 
     if any(not _aligned16(x) for x in (o,)):
         raise ValueError("out: every row must start on a 16-byte boundary for the decode kernel")
-    geom = _dense_geometry(plan, prob, o, lse)
-    cfg = configure(plan, geom.sizes, geom.g, geom.sq, geom.sk, geom.d, attrs)
+    geom, cfg = dense_config(plan, prob, o, lse, attrs)
     st = _stream_ptr(prob.stream)
     parts = scratch(cfg.part_bytes, getattr(prob, "workspace", None), st,
                     "attention_workspace_size")

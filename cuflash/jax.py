@@ -311,8 +311,8 @@ def _fwd_callback(cfg, with_lse):
             sig = (dev[1],) + tuple((b.shape, b.dtype, p & 15) for b, p in zip(bufs, ptrs))
             rec = records.get(sig)
             if rec is not None and rec.valid():
-                with _cupy().cuda.Device(dev[1]):
-                    rec.launch((*ptrs, 0) if len(ptrs) == 4 else tuple(ptrs), stream)
+                _launch_record(rec, dev[1], (*ptrs, 0) if len(ptrs) == 4 else tuple(ptrs),
+                               stream, kept.get(sig) if cmdbuf else None)
                 return
         hk = k.shape[-2]
         qv, kv, vv = (_view(_as_array(x, stream), hk) for x in (q, k, v))
@@ -341,11 +341,26 @@ def _fwd_callback(cfg, with_lse):
             _api.attention(qv, kv, vv, stream=stream, workspace=ws, **kw)
 
         _gpu_call(call, dev[1], stream, cmdbuf, prepare)
+        ws = kept[sig] if cmdbuf else None
         rec = _callcache.lookup(_callcache.signature(qv, kv, vv, causal, scale, with_lse, res,
-                                                     kernel, precision))
-        if rec is not None:
+                                                     kernel, precision, ws))
+        if rec is not None and (ws is not None or not (cmdbuf and rec.part_bytes)):
             records[sig] = rec
     return callback
+
+
+def _launch_record(rec, device_id, ptrs, stream, workspace):
+    """Launch a call-cache record (dense or decode kernel) with XLA's buffer pointers on XLA's
+    `stream` (a handle). The decode kernel's split partials: the signature's kept `workspace`
+    under command buffers, else a CuPy pool block taken on XLA's stream (as the full path's
+    `_gpu_call` does), which the pool hands on only in that stream's order."""
+    cupy = _cupy()
+    st = cupy.cuda.ExternalStream(stream, device_id)
+    if cupy.cuda.runtime.getDevice() == device_id:
+        _callcache.launch(rec, ptrs, st, workspace)
+        return
+    with cupy.cuda.Device(device_id):
+        _callcache.launch(rec, ptrs, st, workspace)
 
 
 def _workspace_view(buf):

@@ -1,8 +1,10 @@
 """The call-signature cache of `attention` (cuflash/_callcache.py) without a GPU: CuPy is replaced
 by a stand-in module whose arrays carry shape, strides, dtype and a pointer, and launches are
 recorded. A repeated signature skips the checks and the dispatcher yet launches exactly the
-parameter block the full path builds for the same buffers; any change of signature takes the
-full path again."""
+parameter block(s) the full path builds for the same buffers, on the dense kernels and on the
+decode kernel (its split-KV kernel and combine; the partials allocated per call on the launch
+stream, or the caller's workspace); any change of signature takes the full path again. The GPU
+twin is tests/test_callcache_gpu.py."""
 import sys
 import types
 
@@ -24,40 +26,107 @@ class FakeArray:
                 strides.insert(0, acc)
                 acc *= n
         self.strides = tuple(strides)
+        self.nbytes = int(np.prod(self.shape)) * self.itemsize
         self.data = types.SimpleNamespace(ptr=ptr, device_id=device)
         self.device = types.SimpleNamespace(id=device)
         self.flags = types.SimpleNamespace(c_contiguous=given is None)
 
+    def reshape(self, shape):
+        """A view (never a copy: NumPy's shape assignment refuses what needs one), the pointer
+        kept; the strides as NumPy gives them for the same layout."""
+        base = np.lib.stride_tricks.as_strided(np.empty(1, self.dtype), self.shape,
+                                               self.strides)
+        view = base.view()
+        view.shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        y = FakeArray(view.shape, self.dtype, ptr=self.data.ptr, strides=view.strides,
+                      device=self.data.device_id)
+        y.flags.c_contiguous = view.flags.c_contiguous
+        return y
+
+    def view(self, dtype):
+        """The same bytes as another dtype (C-contiguous arrays: flat byte views)."""
+        dt = np.dtype(dtype)
+        n = self.nbytes // dt.itemsize
+        return FakeArray((n,), dt, ptr=self.data.ptr, device=self.data.device_id)
+
+
+class Stream:
+    """A stand-in CUDA stream: entering it makes it CuPy's current stream."""
+
+    stack = []
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __enter__(self):
+        Stream.stack.append(self)
+        return self
+
+    def __exit__(self, *a):
+        Stream.stack.pop()
+        return False
+
+
+DEFAULT_STREAM = Stream(0)
+
+
+def _current_stream():
+    return (Stream.stack or [DEFAULT_STREAM])[-1]
+
 
 @pytest.fixture
 def fake(monkeypatch):
-    rec = {"launches": [], "checks": 0}
+    """A stand-in CuPy: allocations are logged with the stream current at the time, launches
+    with their kernel name, grid, block, parameter bytes, shared memory and stream; the device
+    switches and the checks are counted."""
+    rec = {"launches": [], "checks": 0, "allocs": [], "device_enters": 0, "device": 0}
     ptrs = iter(range(1 << 30, 1 << 40, 1 << 20))
 
     class Device:
         def __init__(self, i):
-            pass
+            self.id = i
 
         def __enter__(self):
+            rec["device_enters"] += 1
+            self.prev, rec["device"] = rec["device"], self.id
             return self
 
         def __exit__(self, *a):
+            rec["device"] = self.prev
             return False
+
+    def empty(shape, dtype):
+        shape = (shape,) if isinstance(shape, int) else shape
+        a = FakeArray(shape, dtype, ptr=next(ptrs), device=rec["device"])
+        rec["allocs"].append((a.data.ptr, int(np.prod(shape)) * a.itemsize,
+                              _current_stream().ptr))
+        return a
+
+    def ascontiguousarray(x):
+        return empty(x.shape, x.dtype)
 
     cp = types.ModuleType("cupy")
     cp.ndarray = FakeArray
-    cp.float32 = np.float32
-    cp.empty = lambda shape, dtype: FakeArray(shape, dtype, ptr=next(ptrs))
-    cp.cuda = types.SimpleNamespace(Device=Device,
-                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+    cp.float32, cp.uint8 = np.float32, np.uint8
+    cp.empty = empty
+    cp.ascontiguousarray = ascontiguousarray
+    cp.cuda = types.SimpleNamespace(Device=Device, ExternalStream=lambda p, d=-1: Stream(p),
+                                   runtime=types.SimpleNamespace(getDevice=lambda: rec["device"]),
+                                   get_current_stream=_current_stream)
     monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(Stream, "stack", [])
 
-    def kernel(grid, block, args, shared_mem=0, stream=None):
-        rec["launches"].append((grid, block, bytes(np.asarray(args[0]).tobytes()), shared_mem))
+    def get_kernel(spec, dev, smem=0):
+        def kernel(grid, block, args, shared_mem=0, stream=None):
+            rec["launches"].append((grid, block, bytes(np.asarray(args[0]).tobytes()),
+                                    shared_mem, spec.name, stream.ptr))
+        return kernel
 
-    monkeypatch.setattr(_compile, "get_kernel", lambda spec, dev, smem=0: kernel)
-    monkeypatch.setitem(_launch._DEVICE_ATTRS, 0, {"compute_capability": 80,
-                                                  "max_smem_optin": 232448, "sm_count": 108})
+    monkeypatch.setattr(_compile, "get_kernel", get_kernel)
+    for dev in (0, 1):
+        monkeypatch.setitem(_launch._DEVICE_ATTRS, dev, {"compute_capability": 80,
+                                                        "max_smem_optin": 232448,
+                                                        "sm_count": 108})
     real = _checks.check_attention
 
     def counting(*a, **kw):
@@ -171,8 +240,283 @@ def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
     monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
     cuflash.attention(*q2, causal=True, out=o)
     assert fake["checks"] == 3 and fake["launches"][-1] == hit
+    # the same inputs with another output (a fresh o each call without out=): the maps (made
+    # from q, k, v only) are kept, o is written in; the block is the full path's for that o
+    o2 = FakeArray((2, 4, 100, 64), ptr=5 << 36)
+    n = len(encoded)
+    cuflash.attention(*q2, causal=True, out=o2)
+    assert fake["checks"] == 3 and len(encoded) == n
+    hit2 = fake["launches"][-1]
+    assert hit2 != hit
+    _callcache.clear()
+    monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
+    cuflash.attention(*q2, causal=True, out=o2)
+    assert fake["checks"] == 4 and fake["launches"][-1] == hit2
 
 
 def test_signature_refuses_other_array_types():
     q = np.zeros((4, 8), np.float32)
     assert _callcache.signature(q, q, q, False, None, False, None, "auto", None) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode path (kernel="auto" with few query rows: cuflash/_decode.py) and grouped-query heads
+
+from cuflash import _decode  # noqa: E402
+
+_DEC = _decode.DECODE_PARAMS_DTYPE
+#: DecodeParams fields that hold per-call addresses (the outputs and the split partials).
+_PER_CALL = ("o", "lse", "o_part", "lse_part")
+
+
+def _dec_block(launch):
+    return np.frombuffer(launch[2], dtype=_DEC).copy()[0]
+
+
+def _same_but_per_call(hit, full, what):
+    """Two launch logs of one signature: the same kernels, grids, blocks, shared memory and
+    streams, and the same parameter bytes but for the per-call addresses."""
+    assert len(hit) == len(full), what
+    for h, f in zip(hit, full):
+        assert h[:2] == f[:2] and h[3:] == f[3:], what
+        ph, pf = _dec_block(h), _dec_block(f)
+        for name in _PER_CALL:
+            ph[name] = pf[name]
+        assert ph.tobytes() == pf.tobytes(), what
+
+
+def _new(shape, dtype="float16", ptr=None, _it=iter(range(1 << 41, 1 << 50, 1 << 24))):
+    return FakeArray(shape, dtype, ptr=next(_it) if ptr is None else ptr)
+
+
+_DECODE_CASES = [  # (q shape, k/v shape, causal): all take the decode kernel with kernel="auto"
+    ((1, 1, 16, 64), (1, 1, 16, 64), False),          # issue 13's host-time shape: one split
+    ((2, 4, 1, 64), (2, 4, 4096, 64), True),          # Sq = 1 causal, split keys (combine)
+    ((2, 4, 7, 128), (2, 4, 1000, 128), False),       # Sq = 7
+    ((1, 8, 16, 64), (1, 2, 1024, 64), False),        # grouped-query heads (4 per kv head)
+    ((3, 8, 1, 128), (3, 1, 777, 128), False),        # multi-query (a broadcast kv head)
+]
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("with_out", [False, True, "o_only"])
+@pytest.mark.parametrize("qs,ks,causal", _DECODE_CASES)
+def test_decode_hit_launches_what_the_full_path_launches(fake, qs, ks, causal, with_out,
+                                                         return_lse):
+    assert cuflash.dispatch_info(_new(qs), _new(ks), _new(ks), causal=causal).startswith(
+        "decode<"), "the case must take the decode kernel"
+    fake["checks"] = 0
+    lse_shape = qs[:-1]
+
+    def outs():
+        if not with_out:
+            return None
+        o = _new(qs)
+        return (o, _new(lse_shape, "float32")) if return_lse and with_out is True else o
+
+    kw = dict(causal=causal, return_lse=return_lse)
+    cuflash.attention(_new(qs), _new(ks), _new(ks), out=outs(), **kw)   # full path, recorded
+    q, k, v, out = _new(qs), _new(ks), _new(ks), outs()
+    n = len(fake["launches"])
+    res_hit = cuflash.attention(q, k, v, out=out, **kw)
+    hit = fake["launches"][n:]
+    assert fake["checks"] == 1, "the repeated signature must not rerun the checks"
+    _callcache.clear()
+    n = len(fake["launches"])
+    res_full = cuflash.attention(q, k, v, out=out, **kw)
+    full = fake["launches"][n:]
+    assert fake["checks"] == 2
+    _same_but_per_call(hit, full, "hit against full path")
+    splits = int(_dec_block(hit[0])["n_splits"])
+    assert len(hit) == (2 if splits > 1 else 1)
+    o_hit, lse_hit = res_hit if return_lse else (res_hit, None)
+    o_full, lse_full = res_full if return_lse else (res_full, None)
+    assert o_hit.shape == o_full.shape == qs and o_hit.strides == o_full.strides
+    if return_lse:
+        assert lse_hit.shape == lse_full.shape == lse_shape
+    if with_out:
+        assert o_hit is (out[0] if isinstance(out, tuple) else out)
+        assert not isinstance(out, tuple) or lse_hit is out[1]
+    p = _dec_block(hit[0])
+    assert (int(p["q"]), int(p["k"]), int(p["v"])) == (q.data.ptr, k.data.ptr, v.data.ptr)
+    assert int(p["o"]) == o_hit.data.ptr
+    assert int(p["lse"]) == (lse_hit.data.ptr if return_lse else 0)
+    if splits > 1:   # the partials: a fresh pool block of this call, on the launch stream
+        assert _dec_block(hit[1]).tobytes() == p.tobytes(), "both kernels read one block"
+        parts = [a for a in fake["allocs"] if a[0] == int(p["o_part"])]
+        assert len(parts) == 1 and parts[0][1] >= _decode.dense_workspace_bytes(
+            _decode.decode_plan("float16", qs[-1], causal, False),
+            _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=return_lse,
+                                    out=out, stream=None, kernel="auto"),
+            _launch._DEVICE_ATTRS[0])
+    else:
+        assert int(p["o_part"]) == int(p["lse_part"]) == 0
+
+
+def test_decode_partials_are_per_call_and_on_the_launch_stream(fake):
+    """Two hits on two streams never share a partials block: each allocates its own with its
+    launch stream current, so CuPy's pool hands it on only in that stream's order."""
+    qs, ks = (2, 4, 1, 64), (2, 4, 4096, 64)
+    s1, s2 = Stream(0x1100), Stream(0x2200)
+    cuflash.attention(_new(qs), _new(ks), _new(ks), stream=s1)
+    n_alloc, n = len(fake["allocs"]), len(fake["launches"])
+    for st in (s1, s2, s1):
+        cuflash.attention(_new(qs), _new(ks), _new(ks), stream=st)
+    assert fake["checks"] == 1
+    launches = fake["launches"][n:]
+    assert [x[5] for x in launches] == [s1.ptr] * 2 + [s2.ptr] * 2 + [s1.ptr] * 2
+    parts = [int(_dec_block(x)["o_part"]) for x in launches[::2]]
+    assert len(set(parts)) == 3
+    by_ptr = {a[0]: a[2] for a in fake["allocs"][n_alloc:]}
+    assert [by_ptr[p] for p in parts] == [s1.ptr, s2.ptr, s1.ptr]
+    # the outputs come from the current stream, as on the full path
+    outs = [int(_dec_block(x)["o"]) for x in launches[::2]]
+    assert [by_ptr[p] for p in outs] == [0, 0, 0]
+
+
+def test_decode_hit_uses_the_callers_workspace(fake):
+    qs, ks = (2, 4, 1, 64), (2, 4, 4096, 64)
+    size = cuflash.attention_workspace_size(_new(qs), _new(ks), _new(ks))
+    assert size > 0
+    ws = _new((size,), "uint8", ptr=5 << 40)
+    fake["checks"] = 0
+    cuflash.attention(_new(qs), _new(ks), _new(ks), workspace=ws, out=_new(qs))
+    n_alloc, n = len(fake["allocs"]), len(fake["launches"])
+    o = _new(qs)
+    cuflash.attention(_new(qs), _new(ks), _new(ks), workspace=ws, out=o)
+    assert fake["checks"] == 1 and len(fake["allocs"]) == n_alloc, "nothing allocated"
+    p = _dec_block(fake["launches"][n])
+    assert int(p["o_part"]) == ws.data.ptr and int(p["o"]) == o.data.ptr
+    # another workspace signature is checked on the full path
+    with pytest.raises(ValueError, match="attention_workspace_size"):
+        cuflash.attention(_new(qs), _new(ks), _new(ks), workspace=_new((size - 256,), "uint8"))
+    with pytest.raises(ValueError, match="256-byte boundary"):
+        cuflash.attention(_new(qs), _new(ks), _new(ks),
+                          workspace=_new((size,), "uint8", ptr=(6 << 40) + 16))
+    assert fake["checks"] == 3
+
+
+@pytest.mark.parametrize("change", [
+    lambda a: dict(a, q=_new((2, 4, 2, 64))),                               # Sq
+    lambda a: dict(a, k=_new((2, 4, 4000, 64)), v=_new((2, 4, 4000, 64))),  # Sk
+    lambda a: dict(a, q=_new((2, 4, 1, 64), "bfloat16"), k=_new((2, 4, 4096, 64), "bfloat16"),
+                   v=_new((2, 4, 4096, 64), "bfloat16")),                   # dtype
+    lambda a: dict(a, q=FakeArray((2, 4, 1, 64), ptr=1 << 44, device=1),
+                   k=FakeArray((2, 4, 4096, 64), ptr=2 << 44, device=1),
+                   v=FakeArray((2, 4, 4096, 64), ptr=3 << 44, device=1)),   # device
+    lambda a: dict(a, q=_new((2, 4, 1, 64), ptr=(1 << 45) + 8)),            # alignment
+    lambda a: dict(a, k=FakeArray((2, 4, 4096, 64), ptr=1 << 46,
+                                  strides=(4 * 4096 * 128, 128, 4 * 128, 2))),   # strides
+    lambda a: dict(a, causal=False),
+    lambda a: dict(a, kernel="tensorcore"),
+    lambda a: dict(a, return_lse=True),
+])
+def test_any_change_of_a_decode_signature_takes_the_full_path(fake, change):
+    args = dict(q=_new((2, 4, 1, 64)), k=_new((2, 4, 4096, 64)), v=_new((2, 4, 4096, 64)),
+                causal=True)
+    cuflash.attention(**args)
+    cuflash.attention(**dict(args, q=_new((2, 4, 1, 64))))
+    assert fake["checks"] == 1
+    new = change(args)
+    n = len(fake["launches"])
+    cuflash.attention(**new)
+    assert fake["checks"] == 2
+    if new.get("kernel") == "tensorcore":
+        assert "attn_decode" not in fake["launches"][n][4]
+
+
+def test_a_swapped_decode_threshold_is_not_served_from_an_old_record(fake, monkeypatch):
+    q, k = _new((1, 1, 16, 64)), _new((1, 1, 16, 64))
+    cuflash.attention(q, k, k)
+    assert "attn_decode" in fake["launches"][-1][4]
+    monkeypatch.setattr(_decode, "DECODE_MAX_SQ", 8)
+    cuflash.attention(q, k, k)
+    assert fake["checks"] == 2 and "attn_decode" not in fake["launches"][-1][4]
+
+
+def test_no_device_switch_when_the_records_device_is_current(fake):
+    q, k = _new((1, 1, 16, 64)), _new((1, 1, 16, 64))
+    cuflash.attention(q, k, k)
+    enters = fake["device_enters"]
+    cuflash.attention(q, k, k)
+    assert fake["checks"] == 1 and fake["device_enters"] == enters
+    q1, k1 = (FakeArray((1, 1, 16, 64), ptr=p << 40, device=1) for p in (1, 2))
+    cuflash.attention(q1, k1, k1)
+    cuflash.attention(q1, k1, k1)   # a hit on device 1 while device 0 is current: switches
+    assert fake["checks"] == 2 and fake["device_enters"] == enters + 2
+    assert fake["allocs"][-1][0] == int(_dec_block(fake["launches"][-1])["o"])
+
+
+def test_a_copied_input_is_never_served_from_a_record(fake):
+    """An input whose last axis is not contiguous is copied by the checks; the kernels read the
+    copy, so a record of that call would launch on the caller's buffer with the copy's strides.
+    Such signatures always take the full path."""
+    qs = (2, 4, 16, 64)
+    k = _new((2, 4, 100, 64))
+    q = FakeArray(qs, ptr=1 << 47, strides=(2 * 4 * 16 * 64 * 2, 2 * 16 * 64 * 2, 2 * 64 * 2, 4))
+    for kern in ("auto", "tensorcore"):
+        cuflash.attention(q, k, k, kernel=kern)
+        cuflash.attention(q, k, k, kernel=kern)
+    assert fake["checks"] == 4
+    assert int(np.frombuffer(fake["launches"][-1][2], dtype=_launch.PARAMS_DTYPE)[0]["q"]) \
+        != q.data.ptr
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_grouped_query_dense_hit(fake, return_lse):
+    """Grouped-query calls on the dense kernels are recorded too; a hit returns outputs in the
+    caller's head layout and launches the full path's block."""
+    qs, ks = (2, 8, 100, 64), (2, 2, 100, 64)
+    assert cuflash.dispatch_info(_new(qs), _new(ks), _new(ks)).startswith("tensorcore")
+    fake["checks"] = 0
+
+    def outs():
+        o = _new(qs)
+        return (o, _new(qs[:-1], "float32")) if return_lse else o
+
+    cuflash.attention(_new(qs), _new(ks), _new(ks), return_lse=return_lse)
+    cuflash.attention(_new(qs), _new(ks), _new(ks), return_lse=return_lse, out=outs())
+    q, k, v, out = _new(qs), _new(ks), _new(ks), outs()
+    res_hit = cuflash.attention(q, k, v, return_lse=return_lse, out=out)
+    hit = fake["launches"][-1]
+    res_hit2 = cuflash.attention(q, k, v, return_lse=return_lse)
+    assert fake["checks"] == 2
+    o2 = res_hit2[0] if return_lse else res_hit2
+    assert o2.shape == qs and (not return_lse or res_hit2[1].shape == qs[:-1])
+    assert (res_hit[0] is out[0] and res_hit[1] is out[1]) if return_lse else res_hit is out
+    _callcache.clear()
+    cuflash.attention(q, k, v, return_lse=return_lse, out=out)
+    assert fake["checks"] == 3 and fake["launches"][-1] == hit
+
+
+def test_an_unhashable_argument_takes_the_full_path(fake):
+    q, k = _new((1, 1, 16, 64)), _new((1, 1, 16, 64))
+    for _ in range(2):
+        with pytest.raises((TypeError, ValueError)):
+            cuflash.attention(q, k, k, precision=["highest"])
+    assert fake["checks"] == 2 and not _callcache._CACHE
+
+
+def test_jax_callback_launches_decode_records_on_xlas_stream(fake):
+    """cuflash.jax's forward callback launches a recorded decode call with XLA's pointers on
+    XLA's stream: the partials from the pool with that stream current, or the kept workspace."""
+    cj = pytest.importorskip("cuflash.jax")
+    qs, ks = (2, 4, 1, 64), (2, 4, 4096, 64)
+    q, k, v = _new(qs), _new(ks), _new(ks)
+    cuflash.attention(q, k, v)
+    rec = _callcache.lookup(_callcache.signature(q, k, v, False, None, False, None, "auto",
+                                                 None))
+    assert isinstance(rec, _callcache._DecodeRecord) and rec.part_bytes > 0
+    ptrs = (1 << 44, 2 << 44, 3 << 44, 4 << 44, 0)
+    n_alloc, n = len(fake["allocs"]), len(fake["launches"])
+    cj._launch_record(rec, 0, ptrs, 0xABC0, None)
+    dec, comb = fake["launches"][n:]
+    assert dec[5] == comb[5] == 0xABC0 and "combine" in comb[4]
+    p = _dec_block(dec)
+    assert tuple(int(p[f]) for f in ("q", "k", "v", "o", "lse")) == ptrs
+    (part,) = fake["allocs"][n_alloc:]
+    assert part[0] == int(p["o_part"]) and part[2] == 0xABC0 and part[1] == rec.part_bytes
+    ws = _new((rec.part_bytes,), "uint8")
+    cj._launch_record(rec, 0, ptrs, 0xABC0, ws)
+    assert len(fake["allocs"]) == n_alloc + 1
+    assert int(_dec_block(fake["launches"][-2])["o_part"]) == ws.data.ptr

@@ -335,6 +335,7 @@ def fakecp(monkeypatch):
 
     cp.empty, cp.add = empty, add
     cp.cuda = types.SimpleNamespace(Device=lambda i: contextlib.nullcontext(),
+                                   runtime=types.SimpleNamespace(getDevice=lambda: 0),
                                    ExternalStream=Stream,
                                    get_current_stream=lambda: (current or [default])[-1])
     monkeypatch.setitem(sys.modules, "cupy", cp)

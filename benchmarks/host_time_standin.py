@@ -1,0 +1,165 @@
+"""Host time of a call-cache hit without a GPU: CuPy replaced by a stand-in module (arrays that
+carry shape, strides, dtype and a pointer; `empty` hands out addresses; kernels are no-ops), so
+what is left is cuflash's own Python per call. Prints the whole call (full path and hit) and the
+hit's parts (signature, lookup, allocation, packing the block, the kernel call, the stream).
+
+    python benchmarks/host_time_standin.py [--calls 20000] [--s 16,128]
+
+The numbers are this process's CPU time per call on this machine (notes/JAX.md "Host time" has the development machine's);
+on the GPU add CuPy's real allocation and kernel-launch costs (benchmarks/host_time.py).
+"""
+import argparse
+import sys
+import time
+import types
+
+import numpy as np
+
+
+class _Array:
+    def __init__(self, shape, dtype="float16", ptr=1 << 20, device=0):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.itemsize, self.ndim = self.dtype.itemsize, len(shape)
+        strides, acc = [], self.itemsize
+        for n in reversed(self.shape):
+            strides.insert(0, acc)
+            acc *= n
+        self.strides = tuple(strides)
+        self.nbytes = acc
+        self.data = types.SimpleNamespace(ptr=ptr, device_id=device)
+        self.device = types.SimpleNamespace(id=device)
+        self.flags = types.SimpleNamespace(c_contiguous=True)
+
+
+class _Stream:
+    ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _install():
+    """Put the stand-in CuPy in sys.modules and no-op kernels into cuflash."""
+    ptrs = iter(range(1 << 30, 1 << 60, 1 << 20))
+    stream = _Stream()
+
+    class Device:
+        def __init__(self, i):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    cp = types.ModuleType("cupy")
+    cp.ndarray = _Array
+    cp.float32, cp.uint8 = np.float32, np.uint8
+    cp.empty = lambda shape, dtype: _Array((shape,) if isinstance(shape, int) else shape, dtype,
+                                           ptr=next(ptrs))
+    cp.cuda = types.SimpleNamespace(Device=Device, ExternalStream=lambda p, d=-1: stream,
+                                   runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                   get_current_stream=lambda: stream)
+    sys.modules["cupy"] = cp
+    from cuflash import _compile, _launch
+
+    def kernel(grid, block, args, shared_mem=0, stream=None):
+        pass
+
+    _compile.get_kernel = lambda spec, dev, smem=0: kernel
+    _launch._DEVICE_ATTRS[0] = {"compute_capability": 90, "max_smem_optin": 232448,
+                                "sm_count": 132}
+    return cp
+
+
+def _cupy_scalar():
+    """CuPy's kernel-argument wrapper for NumPy scalars, if the real CuPy imports here (it needs
+    no GPU), else None. Imported before the stand-in replaces `cupy` in sys.modules."""
+    try:
+        from cupy._core._scalar import CScalar
+    except Exception:  # no CuPy, or another layout of its internals
+        return None
+    return CScalar
+
+
+_CSCALAR = None
+
+
+def _per_call(fn, calls):
+    fn()
+    t0 = time.process_time()  # CPU time: less disturbed by other jobs than the wall clock
+    for _ in range(calls):
+        fn()
+    return (time.process_time() - t0) / calls * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--s", default="16,128")
+    ap.add_argument("--sk", type=int, default=0, help="keys (default: Sk = S)")
+    args = ap.parse_args()
+    global _CSCALAR
+    _CSCALAR = _cupy_scalar()
+    cp = _install()
+    import cuflash
+    from cuflash import _callcache, _decode, _launch
+
+    n = args.calls
+    for s in (int(x) for x in args.s.split(",")):
+        sk = args.sk or s
+        q = _Array((1, 1, s, 64), ptr=1 << 40)
+        k, v = _Array((1, 1, sk, 64), ptr=2 << 40), _Array((1, 1, sk, 64), ptr=3 << 40)
+        out = _Array((1, 1, s, 64), ptr=4 << 40)
+        label = cuflash.dispatch_info(q, k, v)
+        print(f"S = {s}, Sk = {sk}: {label}")
+
+        def full():
+            _callcache.clear()
+            cuflash.attention(q, k, v)
+        rows = [("full path (cache cleared each call)", _per_call(full, max(1, n // 20)))]
+        cuflash.attention(q, k, v)
+        cuflash.attention(q, k, v, out=out)
+        rows.append(("hit", _per_call(lambda: cuflash.attention(q, k, v), n)))
+        rows.append(("hit, out=", _per_call(lambda: cuflash.attention(q, k, v, out=out), n)))
+        sig = _callcache.signature_of
+        rows.append(("  signature", _per_call(
+            lambda: sig(q, k, v, False, None, False, None, "auto", None, None), n)))
+        call = sig(q, k, v, False, None, False, None, "auto", None, None)
+        rows.append(("  lookup", _per_call(lambda: _callcache._CACHE.get(call.key), n)))
+        rec = _callcache._CACHE[call.key]
+        rows.append(("  device check (runtime.getDevice)",
+                     _per_call(lambda: cp.cuda.runtime.getDevice() == 0, n)))
+        rows.append(("  stream (get_current_stream)",
+                     _per_call(lambda: cp.cuda.get_current_stream(), n)))
+        rows.append(("  allocation of o (stand-in empty)",
+                     _per_call(lambda: cp.empty(rec.o_shape, dtype=rec.dtype), n)))
+        decode = isinstance(rec, _callcache._DecodeRecord)
+        fmt, dt, full_dt = ((_callcache._DPTRS, _callcache._DECODE_V,
+                             _decode.DECODE_PARAMS_DTYPE) if decode
+                            else (_callcache._PTRS, _callcache._PARAMS_V, _launch.PARAMS_DTYPE))
+        ptrs = (1, 2, 3, 4, 0, 0, 0)[:fmt.size // 8]
+        tmpl = rec.template
+        rows.append(("  packing the block (struct + frombuffer)",
+                     _per_call(lambda: np.frombuffer(fmt.pack(*ptrs) + tmpl, dt)[0], n)))
+        scalar = _CSCALAR
+        if scalar is not None:   # what CuPy's kernel call does with the block (real CuPy)
+            blk = np.frombuffer(fmt.pack(*ptrs) + tmpl, dt)[0]
+            rows.append(("  CuPy's argument copy (CScalar), plain void",
+                         _per_call(lambda: scalar(blk), n)))
+            blk_s = np.frombuffer(blk.tobytes(), full_dt)[0]
+            rows.append(("  CuPy's argument copy (CScalar), structured",
+                         _per_call(lambda: scalar(blk_s), n)))
+        st = cp.cuda.get_current_stream()
+        rows.append(("  record launch (block + no-op kernel)",
+                     _per_call(lambda: rec.launch((1, 2, 3, 4, 0), st, 1 << 30), n)))
+        for name, t in rows:
+            print(f"  {name:45s} {t:8.2f} us")
+
+
+if __name__ == "__main__":
+    main()
