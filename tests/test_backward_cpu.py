@@ -438,8 +438,12 @@ def test_backward_plans():
     plans = _dispatch.all_backward_specialisations(90)
     generic = [bp for bp in plans if bp.label.startswith("generic-bwd")]
     tc = [bp for bp in plans if bp.label.startswith("tensorcore-bwd")]
+    hopper = [bp for bp in plans if bp.label.startswith("hopper-bwd")]
     assert len(generic) == 4 * 4 * 2
     assert len(tc) == 2 * len(_dispatch.TC_BWD_CONFIGS) * 2 * 2  # dtypes, D, mask, determinism
+    assert len(hopper) == 2 * len(_dispatch.HOPPER_BWD_CONFIGS) * 2 * 2
+    assert not any(bp.label.startswith("hopper-bwd")
+                   for bp in _dispatch.all_backward_specialisations(80))
     for bp in generic:
         assert bp.deterministic and bp.dq_accum_row == 0
         assert [g for g, _ in bp.passes] == ["rows", "keys"]
@@ -457,8 +461,10 @@ def test_backward_plans():
             assert "cuflash_bwd_mma<cuflash::fp16_t" in kern.spec.name
     prob = types.SimpleNamespace(kernel="hopper", dtype_name="float16", d=64, dv=64,
                                  causal=False, deterministic=False)
-    with pytest.raises(ValueError, match="no backward kernel yet"):
-        _dispatch.backward_plan_for(prob, 90)
+    assert _dispatch.backward_plan_for(prob, 90).label == \
+        "hopper-bwd<float16,D64,BM128,BN128,full>"
+    with pytest.raises(ValueError, match="kernel='hopper'.*compute capability 9.0"):
+        _dispatch.backward_plan_for(prob, 80)
     prob.kernel = "auto"
     assert _dispatch.backward_plan_for(prob, 90).label == \
         "tensorcore-bwd<float16,D64,BM64,BN64,full>"
