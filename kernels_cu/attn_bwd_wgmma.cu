@@ -8,9 +8,10 @@
 //       slots but never a wait in the steady state. All five products are wgmma (the tensor cores
 //       take 64 x N x 16 per instruction from shared memory without any ldmatrix), so the
 //       loop's issue count per FLOP drops by about 4x against mma.sync (whose loop notes/
-//       BACKWARD.md found issue-bound). Prediction: 1.5-2x the mma.sync backward, about
-//       1.0-1.3x torch's FLASH backward (FA2) and 0.6-0.8x cuDNN at D = 128; less at D = 64,
-//       where the exp2 / dS elementwise work per FLOP doubles.
+//       BACKWARD.md found issue-bound). Prediction (notes/BACKWARD.md, "The Hopper
+//       backward"): at long sequences D = 128 330 +- 60 TFLOP/s, D = 64 280 +- 60 (the exp2 /
+//       dS work per FLOP doubles there): 1.5-2x the mma.sync backward, 1.1-1.4x torch's FLASH
+//       backward (FA2), 0.6-0.9x cuDNN.
 //   2   (not written) a producer warpgroup that issues TMA loads (setmaxnreg: 24 registers for
 //       it, 240 for the consumers) and an mbarrier ring instead of cp.async and __syncthreads:
 //       frees the consumers of the load issue and of the block-wide barriers. Predicted +5-15%.
