@@ -666,6 +666,11 @@ HOPPER_BWD_CONFIGS = {
     128: (64, 128),
 }
 HOPPER_BWD_DTYPES = ("float16", "bfloat16")
+#: The Hopper backward's dS layout for dQ = dS K (kernel template argument DS_KMAJOR): True
+#: stores dS K-major (only operand forms the forward runs on the GPU: two 16-bit stores per
+#: pair of scores), False stores dS^T and reads it M-major (half the stores; an operand form
+#: nothing else uses). Tests and benchmarks flip it to measure the other.
+HOPPER_BWD_DS_KMAJOR = True
 #: Whether kernel="auto" takes the Hopper backward on compute capability 9.0 where it qualifies.
 #: Off until its GPU tests pass on an H200 (kernel="hopper" opts in meanwhile).
 HOPPER_BWD_AUTO = False
@@ -684,9 +689,11 @@ def bwd_hopper_plan(dtype_name: str, d: int, causal: bool, deterministic: bool) 
     bm, bn = HOPPER_BWD_CONFIGS[dpad]
     cxx_bool = {True: "true", False: "false"}
     mask = "causal" if causal else "full"
+    kmajor = bool(HOPPER_BWD_DS_KMAJOR)
     name = (f"cuflash::cuflash_bwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {bm}, {bn}, "
-            f"{cxx_bool[bool(causal)]}, {cxx_bool[bool(deterministic)]}, cuflash::PlainVariant>")
-    det = "det," if deterministic else ""
+            f"{cxx_bool[bool(causal)]}, {cxx_bool[bool(deterministic)]}, {cxx_bool[kmajor]}, "
+            "cuflash::PlainVariant>")
+    det = ("det," if deterministic else "") + ("" if kmajor else "dsT,")
     kern = Plan(label=f"bwd_wgmma<{dtype_name},D{dpad},BM{bm},BN{bn},{det}{mask}>",
                 spec=Specialisation("attn_bwd_wgmma", name, arch="sm_90a"), block_m=bm,
                 block_n=bn, threads=128 * (bn // 64), smem_bytes=bwd_hopper_smem(dpad, bm, bn))

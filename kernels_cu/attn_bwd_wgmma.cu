@@ -34,15 +34,17 @@
 //                                   forward's P V); B = dO with K = queries, N = head dim: dO rows
 //                                   are head-dim contiguous, so B is N-major (transpose bit).
 //   dK  += dS^T Q    (64 x DPAD, RS) A = dS^T packed; B = Q, N-major as dO.
-//   dS^T -> shared memory (16-bit, [key][query], 64-query panels, 128-byte swizzle);
-//          fence.proxy.async; barrier;
-//   dQ_tile = dS K   (BM x DPAD over the block's BN keys, SS, both transposed: sstt) split into
-//                    64 x 64 pieces, PIECES / CONSUMERS per warpgroup: A = dS with M = queries,
-//                    K = keys, read from dS^T whose rows are keys (query contiguous: M-major,
-//                    transpose bit of A); B = K with K = keys, N = head dim, from K rows (head
-//                    dim contiguous: N-major, transpose bit of B). The float32 result is added
-//                    to the dq accumulator (red.global.add.v2.f32; without the scale:
-//                    cuflash_bwd_convert_dq multiplies by it).
+//   dS -> shared memory (16-bit, 128-byte swizzle); fence.proxy.async; barrier;
+//   dQ_tile = dS K   (BM x DPAD over the block's BN keys, SS) split into 64 x 64 pieces,
+//                    PIECES / CONSUMERS per warpgroup: B = K with K = keys, N = head dim, from K
+//                    rows (head dim contiguous: N-major, transpose bit of B, the forward's V).
+//                    A = dS with M = queries, K = keys: DS_KMAJOR (the default), stored as dS
+//                    [query][key] in 64-key panels (keys contiguous: K-major, the forward's Q;
+//                    two 16-bit stores per pair of scores: sst), else stored as dS^T [key][query]
+//                    in 64-query panels and read M-major (transpose bit of A: sstt; one 32-bit
+//                    store per pair, but an operand form the forward never ran). The float32
+//                    result is added to the dq accumulator (red.global.add.v2.f32; without the
+//                    scale: cuflash_bwd_convert_dq multiplies by it).
 // At the end dk = scale * dK and dv = dV are written once (keys past Sk are not written; keys no
 // row sees get zeros).
 //
@@ -50,7 +52,7 @@
 // 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), each panel on
 // a 1024-byte boundary: K-major operands (S^T, dP^T) take sbo = 1024 (the next 8 rows) and move
 // along the head dim by 32 bytes a k16 step inside a panel and by a panel every 4 steps; the
-// transposed operands (dO, Q for dV, dK; dS^T and K for dQ) move along K by 16 rows
+// transposed operands (dO, Q for dV, dK; K and (not DS_KMAJOR) dS^T for dQ) move along K by 16 rows
 // (16 x 128 bytes) a step, sbo = 1024, lbo = the panel size (the next 64 elements of M or N).
 //
 // Pipeline (two stages, cp.async: the backward's launch path passes BwdParams by value and has no
@@ -82,7 +84,7 @@
 
 namespace cuflash {
 
-template <int DPAD, int BM, int BN>
+template <int DPAD, int BM, int BN, bool DS_KMAJOR>
 struct BwdWgmmaConfig {
     static constexpr int CONSUMERS = BN / 64;      // warpgroups, 64 keys each
     static constexpr int THREADS = 128 * CONSUMERS;
@@ -91,8 +93,10 @@ struct BwdWgmmaConfig {
     static constexpr int Q_PANEL = BM * 128;       // bytes per panel of Q or dO
     static constexpr int KV_BYTES = PANELS * KV_PANEL;
     static constexpr int Q_BYTES = PANELS * Q_PANEL;  // one stage of Q (or dO)
-    static constexpr int DS_PANEL = BN * 128;      // dS^T: BN key rows x 64 queries per panel
-    static constexpr int DS_BYTES = (BM / 64) * DS_PANEL;
+    // dS for dQ: DS_KMAJOR, dS itself (BM query rows x 64 keys per panel, keys contiguous: the
+    // K-major A that the forward's Q is); else dS^T (BN key rows x 64 queries per panel).
+    static constexpr int DS_PANEL = DS_KMAJOR ? BM * 128 : BN * 128;
+    static constexpr int DS_BYTES = BM * BN * 2;
     // Byte offsets from the 1024-aligned base: K, V, 2 x Q, 2 x dO, dS^T, then floats:
     // lse2 (2 x BM), delta (2 x BM).
     static constexpr int K_OFF = 0;
@@ -160,6 +164,9 @@ __device__ __forceinline__ void turn_release(int* p, int v) {
 __device__ __forceinline__ void sts_u32(unsigned int addr, unsigned int v) {
     asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
 }
+__device__ __forceinline__ void sts_u16(unsigned int addr, unsigned short v) {
+    asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(addr), "h"(v) : "memory");
+}
 __device__ __forceinline__ float2 lds_f2(unsigned int addr) {
     float2 r;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(r.x), "=f"(r.y) : "r"(addr) : "memory");
@@ -174,10 +181,11 @@ __device__ __forceinline__ void fence_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, typename POLICY>
+template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, bool DS_KMAJOR,
+          typename POLICY>
 __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     static_assert(POLICY::PLAIN, "the Hopper backward takes the plain policy only so far");
-    using Cfg = BwdWgmmaConfig<DPAD, BM, BN>;
+    using Cfg = BwdWgmmaConfig<DPAD, BM, BN, DS_KMAJOR>;
     constexpr int THREADS = Cfg::THREADS;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -347,20 +355,33 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
             }
             pack_p<T, BM / 8>(dp2, dsk);
         }
-        // dS^T to shared memory: word w of dsk[kk] holds tile 2 kk + w / 2, row g + 8 (w % 2),
-        // columns 2 t4, 2 t4 + 1 (pack_p). Row = key in the block, column = query in the tile;
-        // 64-query panels, chunk (col % 64) / 8 of row r at position chunk ^ (r % 8). The 8 rows
-        // x 4 words of a warp's store hit 32 different banks.
+        // dS to shared memory: word w of dsk[kk] holds tile 2 kk + w / 2, row (key) g + 8 (w % 2),
+        // columns (queries) 2 t4, 2 t4 + 1 (pack_p). DS_KMAJOR: element (query c, key r) of dS
+        // in panel r / 64, row c, chunk ((r % 64) / 8) ^ (c % 8), two 16-bit stores (a warp's
+        // 8 keys of one chunk x 4 rows of distinct chunks: no bank conflict); else element
+        // (key r, query c) of dS^T in panel c / 64, row r, one 32-bit store of both queries (8
+        // rows x 4 words of a warp hit 32 different banks).
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const int row = 64 * cw + 16 * warp + g + 8 * (w % 2);
-                const int col = (2 * kk + w / 2) * 8 + 2 * t4;
-                const unsigned int addr = ds_s + (col / 64) * Cfg::DS_PANEL + row * 128 +
-                                          ((static_cast<unsigned int>(((col % 64) / 8) ^ (row % 8))) << 4) +
-                                          (col % 8) * 2;
-                sts_u32(addr, dsk[kk][w]);
+                const int row = 64 * cw + 16 * warp + g + 8 * (w % 2);  // key in the block
+                const int col = (2 * kk + w / 2) * 8 + 2 * t4;           // query in the tile
+                if constexpr (DS_KMAJOR) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int c = col + h;
+                        sts_u16(ds_s + (row / 64) * Cfg::DS_PANEL + c * 128 +
+                                    (static_cast<unsigned int>(((row % 64) / 8) ^ (c % 8)) << 4) +
+                                    (row % 8) * 2,
+                                static_cast<unsigned short>(h ? dsk[kk][w] >> 16 : dsk[kk][w]));
+                    }
+                } else {
+                    sts_u32(ds_s + (col / 64) * Cfg::DS_PANEL + row * 128 +
+                                (static_cast<unsigned int>(((col % 64) / 8) ^ (row % 8)) << 4) +
+                                (col % 8) * 2,
+                            dsk[kk][w]);
+                }
             }
         // dV += P^T dO, dK += dS^T Q: BM / 16 k16 steps (16 query rows = 16 x 128 bytes a step),
         // B N-major (lbo: the next 64 head-dim columns, one panel on). Left in flight.
@@ -391,8 +412,8 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         fence_async_smem();
         __syncthreads();  // (2) dS^T complete; (DET) our turn
 
-        // dQ pieces: 64 queries (panel mp of dS^T) x 64 head-dim columns (panel np of K) over
-        // the block's BN keys, BN / 16 k16 steps of 16 key rows; A M-major, B N-major.
+        // dQ pieces: 64 queries (query panel mp) x 64 head-dim columns (panel np of K) over the
+        // block's BN keys, BN / 16 k16 steps of 16 keys; B = K N-major (16 key rows a step).
         float dq[Cfg::PIECES_WG][32];
         wgmma_fence();
 #pragma unroll
@@ -401,12 +422,19 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
             const int mp = piece / Cfg::PANELS, np = piece % Cfg::PANELS;
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
-                const unsigned long long da =
-                    wgmma_desc(ds_s + mp * Cfg::DS_PANEL + kk * 16 * 128, Cfg::DS_PANEL, 1024);
                 const unsigned long long db =
                     wgmma_desc(k_s + np * Cfg::KV_PANEL + kk * 16 * 128, Cfg::KV_PANEL, 1024);
-                if (kk == 0) Wgmma<T, 64>::sstt0(dq[pc], da, db);
-                else Wgmma<T, 64>::sstt(dq[pc], da, db, 1);
+                if constexpr (DS_KMAJOR) {  // A = dS rows 64 mp.., K-major (32 bytes a step)
+                    const unsigned long long da = wgmma_desc(
+                        ds_s + (kk / 4) * Cfg::DS_PANEL + 64 * mp * 128 + (kk % 4) * 32, 16, 1024);
+                    if (kk == 0) Wgmma<T, 64>::sst0(dq[pc], da, db);
+                    else Wgmma<T, 64>::sst(dq[pc], da, db, 1);
+                } else {  // A = dS from dS^T panel mp, M-major (16 key rows a step)
+                    const unsigned long long da = wgmma_desc(
+                        ds_s + mp * Cfg::DS_PANEL + kk * 16 * 128, Cfg::DS_PANEL, 1024);
+                    if (kk == 0) Wgmma<T, 64>::sstt0(dq[pc], da, db);
+                    else Wgmma<T, 64>::sstt(dq[pc], da, db, 1);
+                }
             }
         }
         wgmma_commit();
@@ -465,10 +493,11 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     write_keys(static_cast<T*>(p.dv) + off.dv, p.dv_sr, dv_acc, 1.f);
 }
 
-template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, typename POLICY>
-__global__ void __launch_bounds__(BwdWgmmaConfig<DPAD, BM, BN>::THREADS, 1)
+template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, bool DS_KMAJOR,
+          typename POLICY>
+__global__ void __launch_bounds__(BwdWgmmaConfig<DPAD, BM, BN, DS_KMAJOR>::THREADS, 1)
 cuflash_bwd_wgmma(const BwdParams p) {
-    bwd_wgmma_body<T, DPAD, BM, BN, CAUSAL, DET, POLICY>(p);
+    bwd_wgmma_body<T, DPAD, BM, BN, CAUSAL, DET, DS_KMAJOR, POLICY>(p);
 }
 
 }  // namespace cuflash

@@ -125,15 +125,15 @@ def wgmma_desc(addr, lbo, sbo):
 class Cfg:
     """BwdWgmmaConfig."""
 
-    def __init__(self, dpad, bm, bn):
-        self.dpad, self.bm, self.bn = dpad, bm, bn
+    def __init__(self, dpad, bm, bn, ds_kmajor=True):
+        self.dpad, self.bm, self.bn, self.ds_kmajor = dpad, bm, bn, ds_kmajor
         self.consumers = bn // 64
         self.threads = 128 * self.consumers
         self.panels = dpad // 64
         self.kv_panel, self.q_panel = bn * 128, bm * 128
         self.kv_bytes, self.q_bytes = self.panels * self.kv_panel, self.panels * self.q_panel
-        self.ds_panel = bn * 128
-        self.ds_bytes = (bm // 64) * self.ds_panel
+        self.ds_panel = bm * 128 if ds_kmajor else bn * 128
+        self.ds_bytes = bm * bn * 2
         self.k_off, self.v_off = 0, self.kv_bytes
         self.q_off = 2 * self.kv_bytes
         self.do_off = self.q_off + 2 * self.q_bytes
@@ -264,10 +264,16 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
                     for w in range(4):
                         row = 64 * cw + 16 * WARP + G + 8 * (w % 2)
                         col = (2 * kk + w // 2) * 8 + 2 * T4
-                        addr = (c.ds_off + (col // 64) * c.ds_panel + row * 128
-                                + ((((col % 64) // 8) ^ (row % 8)) << 4) + (col % 8) * 2)
-                        smem[addr // 2] = dsk[:, kk, w, 0]
-                        smem[addr // 2 + 1] = dsk[:, kk, w, 1]
+                        for h in range(2):
+                            if c.ds_kmajor:  # dS: (query, key), 64-key panels
+                                cq = col + h
+                                addr = (c.ds_off + (row // 64) * c.ds_panel + cq * 128
+                                        + ((((row % 64) // 8) ^ (cq % 8)) << 4) + (row % 8) * 2)
+                                smem[addr // 2] = dsk[:, kk, w, h]
+                            else:  # dS^T: (key, query), 64-query panels, one 32-bit word
+                                addr = (c.ds_off + (col // 64) * c.ds_panel + row * 128
+                                        + ((((col % 64) // 8) ^ (row % 8)) << 4) + (col % 8) * 2)
+                                smem[addr // 2 + h] = dsk[:, kk, w, h]
                 pks.append(pk)
                 dsks.append(dsk)
             for cw in range(c.consumers):  # dV, dK: after the stores (they read registers only)
@@ -298,11 +304,17 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
                     mp, np_ = piece // c.panels, piece % c.panels
                     acc = np.zeros((64, 64))
                     for kk in range(bn // 16):
-                        da = wgmma_desc(c.ds_off + mp * c.ds_panel + kk * 16 * 128, c.ds_panel,
-                                        1024)
                         db = wgmma_desc(c.k_off + np_ * c.kv_panel + kk * 16 * 128, c.kv_panel,
                                         1024)
-                        acc += read_mn_major(smem, da, 64) @ read_mn_major(smem, db, 64).T
+                        if c.ds_kmajor:
+                            da = wgmma_desc(c.ds_off + (kk // 4) * c.ds_panel + 64 * mp * 128
+                                            + (kk % 4) * 32, 16, 1024)
+                            a = read_k_major(smem, da, 64)
+                        else:
+                            da = wgmma_desc(c.ds_off + mp * c.ds_panel + kk * 16 * 128,
+                                            c.ds_panel, 1024)
+                            a = read_mn_major(smem, da, 64)
+                        acc += a @ read_mn_major(smem, db, 64).T
                     frag = to_frag(acc)
                     for h in range(2):
                         row = i0 + 64 * mp + 16 * WARP + G + 8 * h
@@ -357,8 +369,8 @@ def run_plan_launches(mem, launches, bplan, causal):
     dpad, bm, bn = (int(x) for x in targs[1:4])
     assert targs[4] == ("true" if causal else "false")
     det = targs[5] == "true"
-    assert targs[6] == "cuflash::PlainVariant"
-    c = Cfg(dpad, bm, bn)
+    assert targs[7] == "cuflash::PlainVariant"
+    c = Cfg(dpad, bm, bn, targs[6] == "true")
     assert c.smem == kern.smem_bytes, "the host's shared-memory size is BwdWgmmaConfig's"
     for spec_name, grid, threads, params in launches:
         if "cuflash_bwd_preprocess" in spec_name:

@@ -29,6 +29,12 @@ def test_hopper_backward_plans():
                     mask = "causal" if causal else "full"
                     assert bp.label == (f"hopper-bwd<{dt},D{dpad},BM{bm},BN{bn},"
                                         f"{'det,' if det else ''}{mask}>")
+                    assert kern.spec.name.endswith(", true, cuflash::PlainVariant>")
+    with pytest.MonkeyPatch.context() as mp:  # the other dS layout says so
+        mp.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", False)
+        bp = _dispatch.bwd_hopper_plan("float16", 64, True, True)
+        assert bp.label == "hopper-bwd<float16,D64,BM128,BN128,det,dsT,causal>"
+        assert bp.passes[0][1].spec.name.endswith(", false, cuflash::PlainVariant>")
     # smaller head dims take the next tile (zero-padded)
     assert "D64," in _dispatch.bwd_hopper_plan("float16", 40, False, False).label
     assert "D128," in _dispatch.bwd_hopper_plan("float16", 72, False, False).label
@@ -96,15 +102,22 @@ HOPPER_MODEL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("ds_kmajor", [True, False])
 @pytest.mark.parametrize("dtype,qb,kb,sq,sk,d,causal,det,layout", HOPPER_MODEL_CASES)
-def test_hopper_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, layout, monkeypatch):
+def test_hopper_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, layout, ds_kmajor,
+                             monkeypatch):
+    """Both dS layouts for dQ (_dispatch.HOPPER_BWD_DS_KMAJOR)."""
+    monkeypatch.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", ds_kmajor)
     _run_kernel_model("hopper", dtype, qb, kb, sq, sk, d, causal, det, 90, layout, monkeypatch)
 
 
-def test_hopper_model_catches_a_layout_error(monkeypatch):
+@pytest.mark.parametrize("ds_kmajor", [True, False])
+def test_hopper_model_catches_a_layout_error(monkeypatch, ds_kmajor):
     """The model is sharp: reading K for dQ = dS K without the transpose bit of B (the K-major
     reading the S^T product uses for the same tile: a plausible slip) gives a wrong dq."""
     import bwd_wgmma_model as model
+
+    monkeypatch.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", ds_kmajor)
 
     real_mn = model.read_mn_major
     calls = {"n": 0}

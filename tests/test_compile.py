@@ -85,9 +85,22 @@ def _bwd_candidate_specs(cc):
     return [plan.spec for bp in _dispatch.bwd_candidate_plans(cc) for _, plan in bp.passes]
 
 
+def _hopper_bwd_other_layout_specs(cc):
+    """The Hopper backward with its other dS layout (_dispatch.HOPPER_BWD_DS_KMAJOR flipped),
+    which tests/test_backward_gpu.py forces on the H200."""
+    if cc != 90:
+        return []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", not _dispatch.HOPPER_BWD_DS_KMAJOR)
+        return [_dispatch.bwd_hopper_plan(dt, dpad, causal, det).passes[0][1].spec
+                for dt in _dispatch.HOPPER_BWD_DTYPES for dpad in _dispatch.HOPPER_BWD_CONFIGS
+                for causal in (False, True) for det in (False, True)]
+
+
 CASES = [(spec, arch) for arch in ARCHS
          for spec in (_specs(int(arch[3:])) + _other_epilogue_specs(int(arch[3:]))
-                      + _bwd_candidate_specs(int(arch[3:])))]
+                      + _bwd_candidate_specs(int(arch[3:]))
+                      + _hopper_bwd_other_layout_specs(int(arch[3:])))]
 CASES += [(spec, "sm_90a") for spec in _hopper_schedule_specs()
           if (spec, "sm_90a") not in CASES and (spec, "sm_90") not in CASES]
 # Each distinct compilation once: a spec with a fixed arch compiles for it whatever the list it came
