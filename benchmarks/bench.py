@@ -30,7 +30,9 @@ backward runs in the timed calls), with an upstream gradient do drawn like the i
 result's dq, dk and dv are first checked on whole (batch, head) slices against float64 gradients
 computed on the GPU, under cuflash.reference's gradient rule (twice the error of a naive
 same-precision backward plus the small absolute term; see BackwardCheckSet). FLOPs are 2.5x the
-forward's (five matmuls instead of two). ``cuflash-det`` is cuflash with deterministic=True.
+forward's (five matmuls instead of two). ``cuflash-det`` is cuflash with deterministic=True;
+``cuflash-hopper`` / ``cuflash-hopper-det`` force the Hopper backward (kernel="hopper", sm_90a)
+in both modes, ``cuflash-tensorcore`` the mma.sync one.
 
 See benchmarks/README.md for the method in prose.
 """
@@ -74,7 +76,8 @@ DEFAULT_WARMUP = 5
 # the Hopper kernel (for float32 its 3xTF32 wgmma form; cuflash-hopper-high its one-pass TF32
 # form), cuflash-generic the scalar audit kernel: all off by default.
 IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-hopper",
-         "cuflash-hopper-high", "cuflash-generic", "torch-flash", "torch-cudnn",
+         "cuflash-hopper-det", "cuflash-hopper-high", "cuflash-generic", "torch-flash",
+         "torch-cudnn",
          "torch-efficient", "torch-math", "cupy-naive")
 DEFAULT_IMPLS = ("cuflash", "torch-flash", "torch-cudnn", "torch-efficient", "cupy-naive")
 # float32 (--dtype float32): cuflash's float32-accurate default and its one-pass TF32 mode
@@ -93,6 +96,7 @@ IMPL_ALIASES = {
     "flash": "torch-flash", "cudnn": "torch-cudnn", "efficient": "torch-efficient",
     "mem-efficient": "torch-efficient", "naive": "cupy-naive", "generic": "cuflash-generic",
     "tensorcore": "cuflash-tensorcore", "high": "cuflash-high", "math": "torch-math",
+    "hopper": "cuflash-hopper", "hopper-det": "cuflash-hopper-det",
 }
 # The peers the speed ratios are taken against, with the column title of each ratio.
 RATIO_PEERS = (("torch-flash", "cuflash/FLASH"), ("torch-cudnn", "cuflash/CUDNN"),
@@ -885,7 +889,7 @@ class CuflashImpl(Impl):
         if precision is not None:
             self.name = f"cuflash-{precision}" if kernel == "auto" else f"{self.name}-{precision}"
         if deterministic:
-            self.name = "cuflash-det"
+            self.name = "cuflash-det" if kernel == "auto" else f"cuflash-{kernel}-det"
         self.use_out = True
 
     def unavailable(self):
@@ -1112,6 +1116,8 @@ def make_impls(env, args):
             impls.append(CuflashImpl(env, args, "auto", precision="high"))
         elif name in ("cuflash-generic", "cuflash-tensorcore", "cuflash-hopper"):
             impls.append(CuflashImpl(env, args, name.split("-", 1)[1]))
+        elif name == "cuflash-hopper-det":  # --pass backward: the Hopper backward, deterministic
+            impls.append(CuflashImpl(env, args, "hopper", deterministic=True))
         elif name == "cuflash-hopper-high":
             impls.append(CuflashImpl(env, args, "hopper", precision="high"))
         elif name in TorchSDPAImpl.BACKENDS:

@@ -397,14 +397,16 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         than three batch axes that no stride pattern merges.
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on (default: CuPy's current stream). Never synchronises.
-    kernel : {"auto", "generic", "tensorcore"}, optional
+    kernel : {"auto", "generic", "tensorcore", "hopper"}, optional
         GPU only. ``"auto"`` lets the dispatcher pick: the tensor-core backward (mma.sync,
         compute capability 8.0+, float16/bfloat16, D == Dv, D % 8 == 0, D <= 128, 16-byte
         aligned rows) where it applies, else the generic one (`backward_dispatch_info` says
         why); ``"generic"`` forces the scalar audit kernels (float32/float64 arithmetic,
         accurate exp); ``"tensorcore"`` demands the tensor-core backward and raises ValueError,
-        saying why, when the inputs do not qualify. ``"hopper"`` raises ValueError until a
-        Hopper backward exists. With a variant the generic backward runs.
+        saying why, when the inputs do not qualify; ``"hopper"`` demands the Hopper backward
+        (wgmma, compute capability 9.0, the tensor-core backward's conditions; "auto" takes it
+        first once `cuflash._dispatch.HOPPER_BWD_AUTO` is set) in the same way. With a variant
+        the generic backward runs.
     window, softcap, alibi_slopes, bias, mask : optional
         The forward's variant, as in `attention` (pass the same values). Under softcap the
         gradient of the scaled score is ``dS * (1 - tanh(t / c)^2)``.

@@ -129,7 +129,7 @@ def _kernels(device, args, causal) -> List[Tuple[str, str]]:
     """(kernel argument, plan label): auto, and on a GPU every other backward that runs these."""
     pairs = [("auto", backward_dispatch_info(*args, causal=causal))]
     if device.name == "gpu":
-        for arg in ("tensorcore", "generic"):
+        for arg in ("tensorcore", "hopper", "generic"):
             try:
                 name = backward_dispatch_info(*args, causal=causal, kernel=arg)
             except ValueError:  # no such backward for these inputs

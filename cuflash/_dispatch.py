@@ -685,20 +685,86 @@ def bwd_tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[s
     return None
 
 
+#: Hopper backward tiles per padded head dim (kernels_cu/attn_bwd_wgmma.cu: BwdWgmmaConfig):
+#: (BM query rows per tile, BN keys per block = 64 per consumer warpgroup). Shared memory:
+#: D = 64 131 KiB, D = 128 146 KiB (K, V, two Q and dO stages, dS^T, lse and delta).
+HOPPER_BWD_CONFIGS = {
+    64: (128, 128),
+    128: (64, 128),
+}
+HOPPER_BWD_DTYPES = ("float16", "bfloat16")
+#: The Hopper backward's dS layout for dQ = dS K (kernel template argument DS_KMAJOR): True
+#: stores dS K-major (only operand forms the forward runs on the GPU: two 16-bit stores per
+#: pair of scores), False stores dS^T and reads it M-major (half the stores; an operand form
+#: nothing else uses). Tests and benchmarks flip it to measure the other.
+HOPPER_BWD_DS_KMAJOR = True
+#: Whether kernel="auto" takes the Hopper backward on compute capability 9.0 where it qualifies.
+#: Off until its GPU tests pass on an H200 (kernel="hopper" opts in meanwhile).
+HOPPER_BWD_AUTO = False
+
+
+def bwd_hopper_smem(dpad: int, bm: int, bn: int) -> int:
+    """Shared-memory bytes of cuflash_bwd_wgmma (BwdWgmmaConfig::SMEM)."""
+    return 1024 + 2 * bn * dpad * 2 + 2 * 2 * bm * dpad * 2 + bn * bm * 2 + 2 * 2 * bm * 4
+
+
+def bwd_hopper_plan(dtype_name: str, d: int, causal: bool, deterministic: bool) -> BackwardPlan:
+    """The Hopper backward (attn_bwd_wgmma.cu, sm_90a): one key-parallel wgmma kernel that
+    accumulates dq in float32 (atomics; with `deterministic`, in key-block order through the
+    turn counters), then the dq conversion. The same plan model as `bwd_tensorcore_plan`."""
+    dpad = head_dim_bucket(d, HOPPER_BWD_CONFIGS)
+    bm, bn = HOPPER_BWD_CONFIGS[dpad]
+    cxx_bool = {True: "true", False: "false"}
+    mask = "causal" if causal else "full"
+    kmajor = bool(HOPPER_BWD_DS_KMAJOR)
+    name = (f"cuflash::cuflash_bwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {bm}, {bn}, "
+            f"{cxx_bool[bool(causal)]}, {cxx_bool[bool(deterministic)]}, {cxx_bool[kmajor]}, "
+            "cuflash::PlainVariant>")
+    det = ("det," if deterministic else "") + ("" if kmajor else "dsT,")
+    kern = Plan(label=f"bwd_wgmma<{dtype_name},D{dpad},BM{bm},BN{bn},{det}{mask}>",
+                spec=Specialisation("attn_bwd_wgmma", name, arch="sm_90a"), block_m=bm,
+                block_n=bn, threads=128 * (bn // 64), smem_bytes=bwd_hopper_smem(dpad, bm, bn))
+    return BackwardPlan(
+        label=f"hopper-bwd<{dtype_name},D{dpad},BM{bm},BN{bn},{det}{mask}>",
+        preprocess=bwd_preprocess_plan(dtype_name),
+        passes=(("keys", kern), ("dq_convert", bwd_convert_dq_plan(dtype_name))),
+        dq_accum_row=dpad + TC_BWD_DQ_PAD, deterministic=bool(deterministic), lse_acc=False)
+
+
+def bwd_hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
+    """Why the Hopper backward cannot run these inputs, or None if it can: the tensor-core
+    backward's conditions (`bwd_tensorcore_reason`) and compute capability 9.0."""
+    if compute_capability != 90:
+        return ("the Hopper backward is built for sm_90a and runs on compute capability 9.0 "
+                f"only (this GPU: {compute_capability})")
+    why = bwd_tensorcore_reason(prob, compute_capability)
+    if why is not None:
+        return why
+    if prob.d > max(HOPPER_BWD_CONFIGS):
+        return (f"the Hopper backward takes head dims up to {max(HOPPER_BWD_CONFIGS)} "
+                f"(got {prob.d})")
+    return None
+
+
 def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
     """The backward plan for a validated `BackwardProblem` on a device of this compute capability.
 
     ``kernel="generic"`` gives the generic backward; ``"auto"`` the tensor-core backward where
     the inputs qualify (`bwd_tensorcore_reason`), else the generic one; ``"tensorcore"`` demands
-    the tensor-core backward and raises ValueError saying why it cannot run; ``"hopper"`` raises
-    (no Hopper backward yet). `backward_fallback_reason` says why ``"auto"`` fell back.
+    the tensor-core backward and raises ValueError saying why it cannot run; ``"hopper"`` demands
+    the Hopper backward (`bwd_hopper_reason`) in the same way, and ``"auto"`` takes it first when
+    `HOPPER_BWD_AUTO` is set. `backward_fallback_reason` says why ``"auto"`` fell back.
     """
     if getattr(prob, "variant", None) is not None:   # window, softcap, alibi, bias, mask
         from ._dispatch_variants import variant_backward_plan_for
         return variant_backward_plan_for(prob)
-    if prob.kernel == "hopper":
-        raise ValueError("kernel='hopper' has no backward kernel yet; "
-                         "use kernel='auto', 'tensorcore' or 'generic'")
+    deterministic = bool(getattr(prob, "deterministic", False))
+    if prob.kernel == "hopper" or (prob.kernel == "auto" and HOPPER_BWD_AUTO):
+        why_not = bwd_hopper_reason(prob, compute_capability)
+        if why_not is None:
+            return bwd_hopper_plan(prob.dtype_name, prob.d, prob.causal, deterministic)
+        if prob.kernel == "hopper":
+            raise ValueError(f"kernel='hopper' cannot run this backward: {why_not}")
     if prob.kernel in ("auto", "tensorcore"):
         why_not = bwd_tensorcore_reason(prob, compute_capability)
         if why_not is None:
@@ -736,6 +802,12 @@ def all_backward_specialisations(compute_capability: int = 90):
                         bp = bwd_tensorcore_plan(dt, dpad, causal, det, cc)
                         if all(bp.label != x.label or bp.passes != x.passes for x in plans):
                             plans.append(bp)
+    if compute_capability == 90:  # the Hopper backward (sm_90a; kernel="hopper", or auto)
+        for dt in HOPPER_BWD_DTYPES:
+            for dpad in HOPPER_BWD_CONFIGS:
+                for causal in (False, True):
+                    for det in (False, True):
+                        plans.append(bwd_hopper_plan(dt, dpad, causal, det))
     return plans
 
 
@@ -804,6 +876,8 @@ def varlen_backward_kernel_specs(compute_capability: int = 90):
     bfloat16 on the tensor-core plans, every dtype on the generic ones)."""
     specs = []
     for bp in all_backward_specialisations(compute_capability):
+        if bp.label.startswith("hopper-bwd"):  # varlen_backward_plan_for never picks it
+            continue
         for plan in (bp.preprocess,) + tuple(p for _, p in bp.passes):
             spec = _varlen_kernel(plan).spec
             if spec not in specs:

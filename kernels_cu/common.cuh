@@ -865,4 +865,40 @@ __device__ __forceinline__ long long causal_first_row(long long j, long long sq,
     return r > 0 ? r : 0;
 }
 
+// The work of one block of a key-parallel backward kernel with BN keys per block and query tiles
+// of BM rows (attn_bwd_wgmma.cu; the same arithmetic as attn_bwd_mma.cu's): its k/v owner, its
+// key block (numbered from the end of the grid, so that the deterministic turns wait only for
+// blocks dispatched before), the reduction steps over kv_red, and the query tiles it visits:
+// all, or under the causal mask those from the tile of the first row that sees its first key.
+struct BwdKeyBlock {
+    unsigned int owner, n_red;
+    int nblock, key0, sq, sk, d, diag, n_mtiles, m_first, n_iter;
+    // The visit after (query tile mt, reduction step red with batch coordinates ix): the next
+    // query tile, or the first one of the next step (whose coordinates are the only division).
+    __device__ __forceinline__ void step(const BwdParams& p, int& mt, int& red,
+                                         BwdIndex& ix) const {
+        if (++mt < n_mtiles) return;
+        mt = m_first;
+        if (++red < static_cast<int>(n_red)) ix = bwd_index(p, p.kv_red, owner, red);
+    }
+};
+template <int BM, int BN, bool CAUSAL>
+__device__ __forceinline__ BwdKeyBlock bwd_key_block(const BwdParams& p) {
+    BwdKeyBlock b;
+    const unsigned int nn = static_cast<unsigned int>(p.n_nblocks);
+    b.owner = blockIdx.x / nn;
+    b.nblock = static_cast<int>(nn - 1 - blockIdx.x % nn);
+    b.key0 = b.nblock * BN;
+    b.sq = static_cast<int>(p.sq);
+    b.sk = static_cast<int>(p.sk);
+    b.d = static_cast<int>(p.d);
+    b.diag = b.sk - b.sq;  // row i sees keys j <= i + diag
+    b.n_red = bwd_reduce_count(p, p.kv_red);
+    b.n_mtiles = (b.sq + BM - 1) / BM;
+    const int first_row = CAUSAL ? static_cast<int>(causal_first_row(b.key0, p.sq, p.sk)) : 0;
+    b.m_first = first_row >= b.sq ? b.n_mtiles : first_row / BM;
+    b.n_iter = static_cast<int>(b.n_red) * (b.n_mtiles - b.m_first);
+    return b;
+}
+
 }  // namespace cuflash

@@ -438,8 +438,12 @@ def test_backward_plans():
     plans = _dispatch.all_backward_specialisations(90)
     generic = [bp for bp in plans if bp.label.startswith("generic-bwd")]
     tc = [bp for bp in plans if bp.label.startswith("tensorcore-bwd")]
+    hopper = [bp for bp in plans if bp.label.startswith("hopper-bwd")]
     assert len(generic) == 4 * 4 * 2
     assert len(tc) == 2 * len(_dispatch.TC_BWD_CONFIGS) * 2 * 2  # dtypes, D, mask, determinism
+    assert len(hopper) == 2 * len(_dispatch.HOPPER_BWD_CONFIGS) * 2 * 2
+    assert not any(bp.label.startswith("hopper-bwd")
+                   for bp in _dispatch.all_backward_specialisations(80))
     for bp in generic:
         assert bp.deterministic and bp.dq_accum_row == 0
         assert [g for g, _ in bp.passes] == ["rows", "keys"]
@@ -457,8 +461,10 @@ def test_backward_plans():
             assert "cuflash_bwd_mma<cuflash::fp16_t" in kern.spec.name
     prob = types.SimpleNamespace(kernel="hopper", dtype_name="float16", d=64, dv=64,
                                  causal=False, deterministic=False)
-    with pytest.raises(ValueError, match="no backward kernel yet"):
-        _dispatch.backward_plan_for(prob, 90)
+    assert _dispatch.backward_plan_for(prob, 90).label == \
+        "hopper-bwd<float16,D64,BM128,BN128,full>"
+    with pytest.raises(ValueError, match="kernel='hopper'.*compute capability 9.0"):
+        _dispatch.backward_plan_for(prob, 80)
     prob.kernel = "auto"
     assert _dispatch.backward_plan_for(prob, 90).label == \
         "tensorcore-bwd<float16,D64,BM64,BN128,lean,full>"
@@ -756,10 +762,20 @@ def test_tensorcore_kernel_model_candidates(cand, dtype, qb, kb, sq, sk, d, caus
 
 @pytest.mark.parametrize("dtype,qb,kb,sq,sk,d,causal,det,cc,layout", MMA_MODEL_CASES)
 def test_tensorcore_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, cc, layout, monkeypatch):
-    import bwd_generic_model as gmodel
-    import bwd_mma_model as model
+    _run_kernel_model("tensorcore", dtype, qb, kb, sq, sk, d, causal, det, cc, layout,
+                      monkeypatch)
 
-    rng = _rng("mma-model", dtype, qb, kb, sq, sk, d, causal, det, cc)
+
+def _run_kernel_model(kernel, dtype, qb, kb, sq, sk, d, causal, det, cc, layout, monkeypatch):
+    """The plan backward_plan_for picks for kernel= ("tensorcore": tests/bwd_mma_model.py,
+    "hopper": tests/bwd_wgmma_model.py) on FakeArrays, its recorded launches run by the model."""
+    import bwd_generic_model as gmodel
+    import bwd_mma_model
+    import bwd_wgmma_model
+
+    model = {"tensorcore": bwd_mma_model, "hopper": bwd_wgmma_model}[kernel]
+    rng = _rng(f"{'mma' if kernel == 'tensorcore' else kernel}-model", dtype, qb, kb, sq, sk, d,
+               causal, det, cc)
     q, k, v, do, o, lse, lse_ref, batch = _model_inputs(rng, dtype, qb, kb, kb, sq, sk, d, d,
                                                         causal)
     mem = gmodel.Memory()
@@ -779,10 +795,10 @@ def test_tensorcore_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, cc, layo
     prob = types.SimpleNamespace(q=fq, k=fk, v=fv, o=fo, do=fdo, lse=flse, batch_shape=batch,
                                  sq=sq, sk=sk, d=d, dv=d, dtype_name=dtype, scale=d ** -0.5,
                                  stream=None, device_id=0, deterministic=det, causal=causal,
-                                 kernel="tensorcore", backend="gpu", out_grads=None)
+                                 kernel=kernel, backend="gpu", out_grads=None)
     monkeypatch.setattr(_dispatch, "_aligned16", lambda x: True)  # FakeArrays: no real pointers
     bp = _dispatch.backward_plan_for(prob, cc)
-    assert bp.label.startswith("tensorcore-bwd") and bp.deterministic == det
+    assert bp.label.startswith(f"{kernel}-bwd") and bp.deterministic == det
     launches = _record_launches(bp, prob, grads, mem, monkeypatch)
     model.run_plan_launches(mem, launches, bp, causal)
     _check_model_grads(grads, do, q, k, v, causal, dtype, lse_ref, lse_term=True)

@@ -35,11 +35,21 @@ def _skip_unsupported(dtype):
 def _backward_kernels(dtype=None, d=64, dv=None):
     """Backward kernels to force besides "auto": the generic one always; the tensor-core one
     for the inputs it takes (float16 / bfloat16, D == Dv, D % 8 == 0, D <= 128: see
-    _dispatch.bwd_tensorcore_reason), or for every dtype when none is given (tests that take the
-    kernel as a parameter skip it where it does not apply: _skip_kernel)."""
-    if dtype is None or _tensorcore_applies(dtype, d, d if dv is None else dv):
-        return ["generic", "tensorcore"]
+    _dispatch.bwd_tensorcore_reason) and the Hopper one for the same inputs on a compute
+    capability 9.0 device, or all three for every dtype when none is given (tests that take the
+    kernel as a parameter skip those that do not apply: _skip_kernel; this form touches no GPU,
+    as it runs at collection)."""
+    if dtype is None:
+        return ["generic", "tensorcore", "hopper"]
+    if _tensorcore_applies(dtype, d, d if dv is None else dv):
+        return ["generic", "tensorcore"] + (["hopper"] if _on_hopper() else [])
     return ["generic"]
+
+
+def _on_hopper():
+    from cuflash import _launch
+
+    return _launch.device_attributes(cupy().cuda.Device().id)["compute_capability"] == 90
 
 
 def _tensorcore_applies(dtype, d, dv):
@@ -50,8 +60,11 @@ def _tensorcore_applies(dtype, d, dv):
 
 
 def _skip_kernel(kernel, dtype, d, dv=None):
-    if kernel == "tensorcore" and not _tensorcore_applies(dtype, d, d if dv is None else dv):
-        pytest.skip(f"the tensor-core backward does not take {dtype}, D={d}")
+    if kernel in ("tensorcore", "hopper") and not _tensorcore_applies(dtype, d,
+                                                                      d if dv is None else dv):
+        pytest.skip(f"the {kernel} backward does not take {dtype}, D={d}")
+    if kernel == "hopper" and not _on_hopper():
+        pytest.skip("the Hopper backward (sm_90a) runs on compute capability 9.0 only")
 
 
 def _gpu_inputs(q, k, v, do, dtype, *, causal, scale):
@@ -108,8 +121,12 @@ def test_backward_matches_reference(sq, sk, dtype, causal, kernel):
     grads, label = _run_bwd(inputs, dtype, causal=causal, kernel=kernel)
     if kernel == "generic":
         assert label.startswith("generic-bwd"), label
-    if kernel == "tensorcore" or (kernel == "auto" and _tensorcore_applies(dtype, d, d)):
+    if kernel == "tensorcore":
         assert label.startswith("tensorcore-bwd"), label
+    if kernel == "hopper":
+        assert label.startswith("hopper-bwd"), label
+    if kernel == "auto" and _tensorcore_applies(dtype, d, d):  # hopper-bwd: HOPPER_BWD_AUTO
+        assert label.startswith(("tensorcore-bwd", "hopper-bwd")), label
     check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=scale, dtype=dtype,
                                   ref=ref, label=label)
 
@@ -166,6 +183,7 @@ def test_backward_broadcast_axes_are_summed(qb, kb, vb, dtype, causal):
 @pytest.mark.parametrize("kernel", ["auto"] + _backward_kernels())
 def test_backward_strided_bshd_views(kernel):
     """(B, S, H, D) buffers passed as (B, H, S, D) views, outputs too: used in place."""
+    _skip_kernel(kernel, "float16", 128)
     cp = cupy()
     rng = _rng("bshd", kernel)
     B, S, H, D = 2, 300, 4, 128
@@ -358,49 +376,58 @@ def test_backward_errors_on_gpu():
 # ---------------------------------------------------------------------------------------------
 # The tensor-core backward (kernels_cu/attn_bwd_mma.cu) specifically
 
+@pytest.mark.parametrize("kernel", ["auto", "hopper"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [16, 40, 64, 72, 96, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tensorcore_backward_head_dims_and_modes(dtype, d, causal, deterministic):
-    """Every padded head dim, both masks, both dq modes; Sq != Sk with tails on both sides."""
+def test_tensorcore_backward_head_dims_and_modes(dtype, d, causal, deterministic, kernel):
+    """Every padded head dim, both masks, both dq modes; Sq != Sk with tails on both sides.
+    "auto": the tensor-core backward (or the Hopper one with _dispatch.HOPPER_BWD_AUTO);
+    "hopper" forced (its D = 64 and 128 tiles, smaller head dims padded)."""
     _skip_unsupported(dtype)
-    q, k, v, do = random_backward_inputs(_rng("tc", dtype, d, causal, deterministic), (2, 3),
-                                         (2, 3), 177, 113, d, d, dtype)
+    _skip_kernel(kernel, dtype, d)
+    q, k, v, do = random_backward_inputs(_rng("tc", dtype, d, causal, deterministic, kernel),
+                                         (2, 3), (2, 3), 177, 113, d, d, dtype)
     inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
-    grads, label = _run_bwd(inputs, dtype, causal=causal, kernel="auto",
+    grads, label = _run_bwd(inputs, dtype, causal=causal, kernel=kernel,
                             deterministic=deterministic)
-    assert label.startswith("tensorcore-bwd"), label
+    want = ("hopper-bwd",) if kernel == "hopper" else ("tensorcore-bwd", "hopper-bwd")
+    assert label.startswith(want), label
     assert ("det," in label) == deterministic, label
     check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
                                   dtype=dtype, label=label)
 
 
+@pytest.mark.parametrize("kernel,d", [("auto", 64), ("hopper", 64), ("hopper", 128)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tensorcore_deterministic_mqa_is_bitwise_and_grid_independent(dtype, causal):
+def test_tensorcore_deterministic_mqa_is_bitwise_and_grid_independent(dtype, causal, kernel, d):
     """MQA (dk, dv summed over 8 query heads inside a block; dq tiles of each query head
     ordered by their turn counters): repeated calls give the same bits, and the first batch
-    entry alone (a smaller grid) gives the same bits as in the full batch."""
+    entry alone (a smaller grid) gives the same bits as in the full batch. "auto": the
+    tensor-core backward (or the Hopper one with _dispatch.HOPPER_BWD_AUTO); "hopper" forced."""
     _skip_unsupported(dtype)
+    _skip_kernel(kernel, dtype, d)
     cp = cupy()
-    q, k, v, do = random_backward_inputs(_rng("tcdet", dtype, causal), (3, 8), (3, 1), 1000,
-                                         700, 64, 64, dtype)
+    q, k, v, do = random_backward_inputs(_rng("tcdet", dtype, causal, kernel, d), (3, 8), (3, 1),
+                                         1000, 700, d, d, dtype)
     inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
-    first, label = _run_bwd(inputs, dtype, causal=causal, deterministic=True)
-    assert label.startswith("tensorcore-bwd") and "det," in label, label
+    first, label = _run_bwd(inputs, dtype, causal=causal, deterministic=True, kernel=kernel)
+    want = ("hopper-bwd",) if kernel == "hopper" else ("tensorcore-bwd", "hopper-bwd")
+    assert label.startswith(want) and "det," in label, label
     for _ in range(2):
-        again, _ = _run_bwd(inputs, dtype, causal=causal, deterministic=True)
+        again, _ = _run_bwd(inputs, dtype, causal=causal, deterministic=True, kernel=kernel)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), f"{label}: {name} differs"
     qg, kg, vg, dog, o, lse = inputs
     one = cuflash.attention_backward(dog[:1], qg[:1], kg[:1], vg[:1], o[:1], lse[:1],
-                                     causal=causal, deterministic=True)
+                                     causal=causal, deterministic=True, kernel=kernel)
     for name, a, b in zip(("dq", "dk", "dv"), first, one):
         assert bool(cp.all(a[:1].view(cp.uint8) == b.view(cp.uint8))), \
             f"{label}: {name} of batch entry 0 depends on the batch size"
-    check_grads_against_reference(first, do, q, k, v, causal=causal, scale=1 / 8, dtype=dtype,
-                                  label=label)
+    check_grads_against_reference(first, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                                  dtype=dtype, label=label)
 
 
 def test_tensorcore_backward_fallbacks_say_why():
@@ -497,3 +524,54 @@ def _launch_cc(inputs):
     from cuflash import _launch
 
     return _launch.device_attributes(inputs[0].device.id)["compute_capability"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper backward (kernels_cu/attn_bwd_wgmma.cu) specifically: kernel="hopper" (auto takes it
+# only with _dispatch.HOPPER_BWD_AUTO). The tests above that take the kernel as a parameter run it
+# too (tails, Sq != Sk, head dims, rows without keys, broadcast axes, strided views, determinism,
+# MQA turns).
+
+def _need_hopper():
+    if not _on_hopper():
+        pytest.skip("the Hopper backward (sm_90a) runs on compute capability 9.0 only")
+
+
+def test_hopper_backward_refusals_say_why():
+    """kernel="hopper" raises with the reason for inputs it does not take."""
+    _need_hopper()
+    cp = cupy()
+    rng = _rng("hopfall")
+    for shape, dt, why in (((2, 40, 256), cp.float16, "up to 128"),
+                           ((2, 40, 64), cp.float32, "float16 and bfloat16")):
+        y = cp.asarray(rng.standard_normal(shape)).astype(dt)
+        o, lse = cuflash.attention(y, y, y, return_lse=True)
+        with pytest.raises(ValueError, match=f"kernel='hopper'.*{why}"):
+            cuflash.attention_backward(o, y, y, y, o, lse, kernel="hopper")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_backward_other_ds_layout(dtype, causal, d, monkeypatch):
+    """dQ with dS^T read M-major (_dispatch.HOPPER_BWD_DS_KMAJOR = False: half the dS stores, an
+    operand form the forward never runs): the gradients against float64, deterministic bitwise
+    reproducible, in both modes."""
+    _skip_unsupported(dtype)
+    _need_hopper()
+    from cuflash import _dispatch
+
+    cp = cupy()
+    monkeypatch.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", False)
+    q, k, v, do = random_backward_inputs(_rng("hopdst", dtype, causal, d), (2, 3), (2, 3), 1000,
+                                         1113, d, d, dtype)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
+    ref = grad_reference(do, q, k, v, causal=causal, scale=None, dtype=dtype)
+    for det in (False, True):
+        grads, label = _run_bwd(inputs, dtype, causal=causal, kernel="hopper", deterministic=det)
+        assert label.startswith("hopper-bwd") and "dsT," in label, label
+        check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=None, dtype=dtype,
+                                      ref=ref, label=label)
+    again, _ = _run_bwd(inputs, dtype, causal=causal, kernel="hopper", deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, again):
+        assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), f"{label}: {name} differs"

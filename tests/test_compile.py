@@ -85,9 +85,22 @@ def _bwd_candidate_specs(cc):
     return [plan.spec for bp in _dispatch.bwd_candidate_plans(cc) for _, plan in bp.passes]
 
 
+def _hopper_bwd_other_layout_specs(cc):
+    """The Hopper backward with its other dS layout (_dispatch.HOPPER_BWD_DS_KMAJOR flipped),
+    which tests/test_backward_gpu.py forces on the H200."""
+    if cc != 90:
+        return []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", not _dispatch.HOPPER_BWD_DS_KMAJOR)
+        return [_dispatch.bwd_hopper_plan(dt, dpad, causal, det).passes[0][1].spec
+                for dt in _dispatch.HOPPER_BWD_DTYPES for dpad in _dispatch.HOPPER_BWD_CONFIGS
+                for causal in (False, True) for det in (False, True)]
+
+
 CASES = [(spec, arch) for arch in ARCHS
          for spec in (_specs(int(arch[3:])) + _other_epilogue_specs(int(arch[3:]))
-                      + _bwd_candidate_specs(int(arch[3:])))]
+                      + _bwd_candidate_specs(int(arch[3:]))
+                      + _hopper_bwd_other_layout_specs(int(arch[3:])))]
 CASES += [(spec, "sm_90a") for spec in _hopper_schedule_specs()
           if (spec, "sm_90a") not in CASES and (spec, "sm_90") not in CASES]
 # Each distinct compilation once: a spec with a fixed arch compiles for it whatever the list it came
@@ -143,29 +156,9 @@ def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision):
     float32 form's warpgroup MMAs are all TF32 (HGMMA.64xNx8.F32.TF32), three per multiply-add
     step for "highest"."""
     import re
-    import os
-    import shutil
-    import subprocess
-    import tempfile
 
-    import sys
-
-    nvdisasm = shutil.which("nvdisasm")
-    for entry in ([] if nvdisasm else sys.path):  # the nvidia-cuda-nvdisasm wheel (test extra)
-        found = sorted(Path(entry).glob("nvidia/*/bin/nvdisasm"))
-        if found:
-            nvdisasm = str(found[-1])
-            break
-    if nvdisasm is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm, in the test extra)")
     plan = _dispatch.hopper_plan(dtype, d, True, 1024, precision)
-    rep = _compile.compile_report(plan.spec)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(rep.cubin)
-        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
-                              check=True).stdout
+    sass = _sass(_compile.compile_report(plan.spec).cubin)
     assert "HGMMA" in sass and "UTMALDG" in sass
     assert "HMMA" not in sass.replace("HGMMA", "")
     hgmma = re.findall(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32\.?(\w*)", sass)
@@ -178,6 +171,56 @@ def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision):
         assert len(hgmma) % per_tile == 0, (len(hgmma), per_tile)
     else:
         assert all(t in ("F16", "") for _, _, _, t in hgmma), sorted(set(hgmma))
+
+
+def _sass(cubin):
+    """The disassembly of a cubin (nvdisasm -c), or skip when nvdisasm is not installed."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    nvdisasm = shutil.which("nvdisasm")
+    for entry in ([] if nvdisasm else sys.path):  # the nvidia-cuda-nvdisasm wheel (test extra)
+        found = sorted(Path(entry).glob("nvidia/*/bin/nvdisasm"))
+        if found:
+            nvdisasm = str(found[-1])
+            break
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm, in the test extra)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+@pytest.mark.parametrize("dtype,d", [("float16", 64), ("bfloat16", 128)])
+@pytest.mark.parametrize("causal,det", [(False, False), (True, True)])
+def test_hopper_backward_uses_wgmma(dtype, d, causal, det):
+    """The Hopper backward's cubin holds warpgroup MMAs only (no HMMA), 16-bit operands with
+    float32 accumulators, and exactly the predicted count per query tile and warpgroup: S^T and
+    dP^T D / 16 each (m64nBM), dV and dK BM / 16 each (m64nD), dQ BN / 16 per 64 x 64 piece
+    (m64n64, PIECES / 2 pieces): 32 at both head dims. The main loop is not unrolled, so the
+    static count is that of one tile."""
+    import re
+
+    bp = _dispatch.bwd_hopper_plan(dtype, d, causal, det)
+    kern = bp.passes[0][1]
+    sass = _sass(_compile.compile_report(kern.spec).cubin)
+    assert "HMMA" not in sass.replace("HGMMA", "")
+    hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32(\.BF16)?", sass)
+    bm, bn = kern.block_m, kern.block_n
+    pieces = (bm // 64) * (d // 64) // (bn // 64)
+    want = {str(bm): 2 * (d // 16), str(d): 2 * (bm // 16)}
+    want["64"] = want.get("64", 0) + pieces * (bn // 16)
+    got = {}
+    for n, _ in hgmma:
+        got[n] = got.get(n, 0) + 1
+    assert got == want, (got, want)
+    assert all((t == ".BF16") == (dtype == "bfloat16") for _, t in hgmma)
 
 
 def test_wgmma_header_is_current():

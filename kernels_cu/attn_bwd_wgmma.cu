@@ -1,0 +1,503 @@
+// attn_bwd_wgmma.cu: the Hopper backward kernel for float16 / bfloat16 (warpgroup MMA, sm_90a
+// only). notes/BACKWARD.md, "The Hopper backward".
+//
+// Versions (predictions against the mma.sync backward, attn_bwd_mma.cu, measured nowhere yet):
+//   1   (this file) key-parallel, no warp specialisation: a block is CONSUMERS = BN / 64
+//       warpgroups, each owning 64 keys; every thread also issues its share of the cp.async
+//       loads of the next query tile (two Q/dO stages), so loads cost the consumers some issue
+//       slots but never a wait in the steady state. All five products are wgmma (the tensor cores
+//       take 64 x N x 16 per instruction from shared memory without any ldmatrix), so the
+//       loop's issue count per FLOP drops by about 4x against mma.sync (whose loop notes/
+//       BACKWARD.md found issue-bound). Prediction (notes/BACKWARD.md, "The Hopper
+//       backward"): at long sequences D = 128 330 +- 60 TFLOP/s, D = 64 280 +- 60 (the exp2 /
+//       dS work per FLOP doubles there): 1.5-2x the mma.sync backward, 1.1-1.4x torch's FLASH
+//       backward (FA2), 0.6-0.9x cuDNN.
+//   2   (not written) a producer warpgroup that issues TMA loads (setmaxnreg: 24 registers for
+//       it, 240 for the consumers) and an mbarrier ring instead of cp.async and __syncthreads:
+//       frees the consumers of the load issue and of the block-wide barriers. Predicted +5-15%.
+//
+// One key-parallel kernel, cuflash_bwd_wgmma: a block owns BN keys of one k/v owner (dk, dv in
+// registers, float32) and loops over the batch entries it sums (kv_red) and, for each, over the
+// query tiles of BM rows that see its keys (causal: from the tile of the first row that sees its
+// first key). Consumer warpgroup c owns keys 64 c .. 64 c + 63 of the block; warp w of it rows
+// 16 w .. 16 w + 15 of every 64-row accumulator (the wgmma accumulator layout). Per query tile
+// (i = query, j = key), the operand of each wgmma and why it is K-major or transposed:
+//   S^T  = K_c Q^T   (64 x BM, SS)  A = K rows 64 c.. (M = keys, K = head dim: K rows are
+//                                   head-dim contiguous: K-major); B = Q (N = queries, K = head
+//                                   dim: Q rows are head-dim contiguous: K-major). No transpose.
+//   dP^T = V_c dO^T  (64 x BM, SS)  the same with V and dO. No transpose.
+//   P^T  = exp2(S^T scale_log2 - lse_i log2(e)) (lse per column, from shared memory), 0 where
+//          masked; dS^T = P^T (dP^T - delta_i) (delta per column), with P as rounded to 16 bits.
+//   dV  += P^T dO    (64 x DPAD, RS) A = P^T packed from the S^T accumulators (the m64nN
+//                                   accumulator of each warp is the m16n8 layout of its 16 rows,
+//                                   which pack_p turns into the A fragment of k16 steps, as the
+//                                   forward's P V); B = dO with K = queries, N = head dim: dO rows
+//                                   are head-dim contiguous, so B is N-major (transpose bit).
+//   dK  += dS^T Q    (64 x DPAD, RS) A = dS^T packed; B = Q, N-major as dO.
+//   dS -> shared memory (16-bit, 128-byte swizzle); fence.proxy.async; barrier;
+//   dQ_tile = dS K   (BM x DPAD over the block's BN keys, SS) split into 64 x 64 pieces,
+//                    PIECES / CONSUMERS per warpgroup: B = K with K = keys, N = head dim, from K
+//                    rows (head dim contiguous: N-major, transpose bit of B, the forward's V).
+//                    A = dS with M = queries, K = keys: DS_KMAJOR (the default), stored as dS
+//                    [query][key] in 64-key panels (keys contiguous: K-major, the forward's Q;
+//                    two 16-bit stores per pair of scores: sst), else stored as dS^T [key][query]
+//                    in 64-query panels and read M-major (transpose bit of A: sstt; one 32-bit
+//                    store per pair, but an operand form the forward never ran). The float32
+//                    result is added to the dq accumulator (red.global.add.v2.f32; without the
+//                    scale: cuflash_bwd_convert_dq multiplies by it).
+// At the end dk = scale * dK and dv = dV are written once (keys past Sk are not written; keys no
+// row sees get zeros).
+//
+// Shared-memory descriptors (common.cuh: wgmma_desc), every tile stored as 64-column panels of
+// 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), each panel on
+// a 1024-byte boundary: K-major operands (S^T, dP^T) take sbo = 1024 (the next 8 rows) and move
+// along the head dim by 32 bytes a k16 step inside a panel and by a panel every 4 steps; the
+// transposed operands (dO, Q for dV, dK; K and (not DS_KMAJOR) dS^T for dQ) move along K by 16 rows
+// (16 x 128 bytes) a step, sbo = 1024, lbo = the panel size (the next 64 elements of M or N).
+//
+// Pipeline (two stages, cp.async: the backward's launch path passes BwdParams by value and has no
+// tensor maps; the copies land in the same swizzled layout TMA would write). Per query tile:
+//   wait for the tile's copies; fence.proxy.async (cp.async writes are generic-proxy writes that
+//   the wgmmas read through the async proxy); barrier 1 (every copy landed; the previous tile's
+//   dQ products are complete, so dS^T and the other buffer are free); request the next tile into
+//   the other buffer (and fetch its lse, delta into registers); S^T and dP^T (two commit groups);
+//   P^T once S^T is in, dS^T once dP^T is; dS^T to shared memory; dV, dK (one commit group, left
+//   in flight); store the next tile's lse, delta; (DET: wait for the tile's turn); fence.proxy.
+//   async; barrier 2 (dS^T complete); dQ (one commit group); wait for all; the dq atomics;
+//   (DET: fence, barrier 3, hand the turn on).
+//
+// dq accumulation and determinism: as attn_bwd_mma.cu (notes/BACKWARD.md, "Deterministic dq"):
+// float atomics (DET = false), or (DET = true) the key blocks adding into one query tile take
+// turns in descending key-block order through a counter at column DPAD of the tile's first dq
+// accumulator row (zeroed by the preprocess); key blocks are numbered from the end of the grid,
+// so a block waits only for blocks dispatched before it. The tiles here are this kernel's BM rows.
+//
+// Requirements checked on the host (cuflash/_dispatch.py: bwd_hopper_reason): compute capability
+// 9.0, float16 or bfloat16, D == Dv, D % 8 == 0, D <= DPAD, rows of q, k, v, do (and dk, dv) on
+// 16-byte boundaries, q not broadcast when DET.
+//
+// POLICY: the attention variant (kernels_cu/variants.cuh); only PlainVariant is instantiated and
+// the kernel static_asserts it (score transforms and masks beyond causal are not written yet).
+#include "common.cuh"
+#include "wgmma_ops.cuh"
+#include "variants.cuh"
+
+namespace cuflash {
+
+template <int DPAD, int BM, int BN, bool DS_KMAJOR>
+struct BwdWgmmaConfig {
+    static constexpr int CONSUMERS = BN / 64;      // warpgroups, 64 keys each
+    static constexpr int THREADS = 128 * CONSUMERS;
+    static constexpr int PANELS = DPAD / 64;       // 64-column panels of K, V, Q, dO
+    static constexpr int KV_PANEL = BN * 128;      // bytes per panel of K or V
+    static constexpr int Q_PANEL = BM * 128;       // bytes per panel of Q or dO
+    static constexpr int KV_BYTES = PANELS * KV_PANEL;
+    static constexpr int Q_BYTES = PANELS * Q_PANEL;  // one stage of Q (or dO)
+    // dS for dQ: DS_KMAJOR, dS itself (BM query rows x 64 keys per panel, keys contiguous: the
+    // K-major A that the forward's Q is); else dS^T (BN key rows x 64 queries per panel).
+    static constexpr int DS_PANEL = DS_KMAJOR ? BM * 128 : BN * 128;
+    static constexpr int DS_BYTES = BM * BN * 2;
+    // Byte offsets from the 1024-aligned base: K, V, 2 x Q, 2 x dO, dS^T, then floats:
+    // lse2 (2 x BM), delta (2 x BM).
+    static constexpr int K_OFF = 0;
+    static constexpr int V_OFF = KV_BYTES;
+    static constexpr int Q_OFF = 2 * KV_BYTES;
+    static constexpr int DO_OFF = Q_OFF + 2 * Q_BYTES;
+    static constexpr int DS_OFF = DO_OFF + 2 * Q_BYTES;
+    static constexpr int LD_OFF = DS_OFF + DS_BYTES;
+    // + 1024: the dynamic shared memory base is only 16-byte aligned; it is rounded up.
+    static constexpr int SMEM = 1024 + LD_OFF + 2 * 2 * BM * 4;
+    // dQ pieces of 64 x 64 (query panel mp, head-dim panel np), PIECES / CONSUMERS each.
+    static constexpr int PIECES = (BM / 64) * PANELS;
+    static constexpr int PIECES_WG = PIECES / CONSUMERS;
+    // dP^T issued with S^T (both accumulators live at once, dP^T's product under P^T's exp2), or
+    // after P^T is packed: BM = 128 holds 64 + 64 accumulator registers for them beside dK and dV
+    // and the packed P^T, which spilled (bfloat16, D = 64, causal: 20 bytes, NVRTC 13.5).
+    static constexpr bool DP_EARLY = BM == 64;
+    static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+    static_assert(BN == 64 * CONSUMERS, "a warpgroup owns 64 keys");
+    static_assert(DPAD == 64 || DPAD == 128, "DPAD must be 64 or 128");
+    static_assert(BM == 64 || BM == 128, "BM must be 64 or 128");
+    static_assert(PIECES % CONSUMERS == 0, "the dQ pieces split evenly over the warpgroups");
+    static_assert(BM <= THREADS, "one thread per lse / delta row");
+    static_assert(SMEM <= 232448, "shared memory of one block (227 KiB)");
+};
+
+// Copy rows [row0, row0 + ROWS) x DPAD columns of a matrix with row stride ld into shared memory
+// at dst as 64-column panels of 128-byte rows with the 128-byte swizzle, zero-filling rows >=
+// n_rows and columns >= d (d % 8 == 0: a 16-byte chunk is all in or all out). Each thread copies
+// one column chunk c of rows r0, r0 + RSTEP, ... (RSTEP % 8 == 0: the same swizzle for all).
+template <int ROWS, int DPAD, int THREADS, typename T>
+__device__ __forceinline__ void load_swizzled(unsigned int dst, const T* g, long long ld, int row0,
+                                              int n_rows, int d, int tid) {
+    constexpr int CHUNKS = DPAD / 8;
+    constexpr int RSTEP = THREADS / CHUNKS;
+    static_assert(THREADS % CHUNKS == 0 && RSTEP % 8 == 0 && ROWS % RSTEP == 0,
+                  "whole rows of chunks per pass");
+    const int r0 = tid / CHUNKS, c = tid % CHUNKS;
+    const bool col_ok = c * 8 < d;
+    const T* src = g + static_cast<long long>(row0 + r0) * ld + c * 8;
+    const unsigned int d0 =
+        dst + (c / 8) * (ROWS * 128) + r0 * 128 + ((static_cast<unsigned int>((c % 8) ^ (r0 % 8))) << 4);
+#pragma unroll
+    for (int n = 0; n < ROWS / RSTEP; ++n) {
+        const bool ok = col_ok && row0 + r0 + n * RSTEP < n_rows;
+        cp_async16(d0 + n * RSTEP * 128, ok ? static_cast<const void*>(src) : g, ok ? 16 : 0);
+        src += RSTEP * ld;
+    }
+}
+
+// dst[0] += a, dst[1] += b in global memory, one vector reduction (sm_90; dst 8-byte aligned).
+__device__ __forceinline__ void red_add_v2(float* dst, float a, float b) {
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n"
+                 :: "l"(dst), "f"(a), "f"(b) : "memory");
+}
+// The turn counter of a dq tile (DET): acquire load, release store.
+__device__ __forceinline__ int turn_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void turn_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void sts_u32(unsigned int addr, unsigned int v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void sts_u16(unsigned int addr, unsigned short v) {
+    asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(addr), "h"(v) : "memory");
+}
+__device__ __forceinline__ float2 lds_f2(unsigned int addr) {
+    float2 r;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(r.x), "=f"(r.y) : "r"(addr) : "memory");
+    return r;
+}
+__device__ __forceinline__ void sts_f32(unsigned int addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
+}
+// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy
+// (the wgmmas' operand reads).
+__device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, bool DS_KMAJOR,
+          typename POLICY>
+__device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
+    static_assert(POLICY::PLAIN, "the Hopper backward takes the plain policy only so far");
+    using Cfg = BwdWgmmaConfig<DPAD, BM, BN, DS_KMAJOR>;
+    constexpr int THREADS = Cfg::THREADS;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned int base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const unsigned int k_s = base + Cfg::K_OFF, v_s = base + Cfg::V_OFF;
+    const unsigned int ds_s = base + Cfg::DS_OFF;
+    const unsigned int lse_s = base + Cfg::LD_OFF;         // 2 x BM floats (lse * log2(e))
+    const unsigned int delta_s = lse_s + 2 * BM * 4;       // 2 x BM floats
+
+    const int tid = threadIdx.x;
+    // Warpgroup (keys 64 cw ..) and warp within it, broadcast from lane 0 so that the compiler
+    // keeps them (and what derives from them) in uniform registers.
+    const int cw = __shfl_sync(0xffffffffu, tid / 128, 0);
+    const int warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
+    const int lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const BwdKeyBlock kb = bwd_key_block<BM, BN, CAUSAL>(p);
+    const unsigned int owner = kb.owner, n_red = kb.n_red;
+    const int nblock = kb.nblock, key0 = kb.key0, sq = kb.sq, sk = kb.sk, d = kb.d;
+    const int diag = kb.diag, m_first = kb.m_first, n_iter = kb.n_iter;
+    const int kw0 = key0 + 64 * cw;  // this warpgroup's first key
+    const float scale_log2 = static_cast<float>(p.scale_log2);
+
+    // K and V of the block (stride 0 along kv_red: the same for every reduction step).
+    {
+        const BwdOffsets off0 = bwd_offsets(p, bwd_index(p, p.kv_red, owner, 0));
+        load_swizzled<BN, DPAD, THREADS>(k_s, static_cast<const T*>(p.k) + off0.k, p.k_sr, key0,
+                                         sk, d, tid);
+        load_swizzled<BN, DPAD, THREADS>(v_s, static_cast<const T*>(p.v) + off0.v, p.v_sr, key0,
+                                         sk, d, tid);
+    }
+    // A query tile's Q and dO into stage buf; its lse * log2(e) (+inf past Sq and where lse =
+    // -inf: P = exp2(x - inf) = 0) and delta (0 there) of row i0 + tid into registers.
+    const auto load_rows = [&](const BwdIndex& ix, int i0, int buf, float& l2, float& dl) {
+        const BwdOffsets off = bwd_offsets(p, ix);
+        load_swizzled<BM, DPAD, THREADS>(base + Cfg::Q_OFF + buf * Cfg::Q_BYTES,
+                                         static_cast<const T*>(p.q) + off.q, p.q_sr, i0, sq, d,
+                                         tid);
+        load_swizzled<BM, DPAD, THREADS>(base + Cfg::DO_OFF + buf * Cfg::Q_BYTES,
+                                         static_cast<const T*>(p.dout) + off.dout, p.do_sr, i0,
+                                         sq, d, tid);
+        l2 = __int_as_float(0x7f800000);
+        dl = 0.f;
+        const int row = i0 + tid;
+        if (tid < BM && row < sq) {
+            const float l = p.lse[off.lse + static_cast<long long>(row) * p.lse_sr];
+            if (l != neg_inf<float>()) l2 = l * LOG2E;
+            dl = static_cast<const float*>(p.delta)[off.delta + row];
+        }
+    };
+    int cur_mt = m_first, cur_red = 0;
+    BwdIndex cur_ix = bwd_index(p, p.kv_red, owner, 0);
+    float l2_next = 0.f, dl_next = 0.f;
+    if (n_iter > 0) {
+        load_rows(cur_ix, m_first * BM, 0, l2_next, dl_next);
+        if (tid < BM) {
+            sts_f32(lse_s + tid * 4, l2_next);
+            sts_f32(delta_s + tid * 4, dl_next);
+        }
+    }
+    cp_async_commit();
+
+    float dk_acc[DPAD / 2], dv_acc[DPAD / 2];  // m64nDPAD accumulators: [DPAD / 8][4] flat
+#pragma unroll
+    for (int i = 0; i < DPAD / 2; ++i) {
+        dk_acc[i] = 0.f;
+        dv_acc[i] = 0.f;
+    }
+    const int key_t = kw0 + 16 * warp + g;  // this thread's keys: key_t, key_t + 8
+
+    for (int it = 0; it < n_iter; ++it) {
+        const int buf = it & 1;
+        const int i0 = cur_mt * BM;
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();  // (1) the tile landed; the previous tile's dQ reads are complete
+        const bool more = it + 1 < n_iter;
+        if (more) {
+            int mt_n = cur_mt, red_n = cur_red;
+            BwdIndex ix_n = cur_ix;
+            kb.step(p, mt_n, red_n, ix_n);
+            load_rows(ix_n, mt_n * BM, 1 - buf, l2_next, dl_next);
+        }
+        cp_async_commit();
+        const unsigned int q_t = base + Cfg::Q_OFF + buf * Cfg::Q_BYTES;
+        const unsigned int do_t = base + Cfg::DO_OFF + buf * Cfg::Q_BYTES;
+        const unsigned int lse_t = lse_s + buf * BM * 4, delta_t = delta_s + buf * BM * 4;
+
+        // S^T = K_c Q^T or dP^T = V_c dO^T into acc: DPAD / 16 k16 steps, K-major operands (32
+        // bytes a step inside a panel, the next panel every 4 steps); one commit group.
+        float s[BM / 2], dp[BM / 2];  // m64nBM accumulators: [BM / 8][4] flat
+        const auto keys_by_queries = [&](float (&acc)[BM / 2], unsigned int kv, unsigned int rows) {
+#pragma unroll
+            for (int kk = 0; kk < DPAD / 16; ++kk) {
+                const unsigned long long da = wgmma_desc(
+                    kv + 64 * cw * 128 + (kk / 4) * Cfg::KV_PANEL + (kk % 4) * 32, 16, 1024);
+                const unsigned long long db =
+                    wgmma_desc(rows + (kk / 4) * Cfg::Q_PANEL + (kk % 4) * 32, 16, 1024);
+                if (kk == 0) Wgmma<T, BM>::ss0(acc, da, db);
+                else Wgmma<T, BM>::ss(acc, da, db, 1);
+            }
+            wgmma_commit();
+        };
+        const auto issue_dp = [&]() { keys_by_queries(dp, v_s, do_t); };
+        wgmma_fence();
+        keys_by_queries(s, k_s, q_t);
+        if constexpr (Cfg::DP_EARLY) issue_dp();
+
+        // P^T. Element e of n8 tile nt: key key_t + 8 (e / 2), query column nt * 8 + 2 t4 +
+        // (e % 2). Masked: keys past Sk (zero-filled K gives s = 0, not -inf) and, under the
+        // causal mask, keys the row does not see; rows past Sq and rows without keys have
+        // lse2 = +inf. Warpgroup-uniform branch: tiles where every key is real and seen skip it.
+        if constexpr (Cfg::DP_EARLY) wgmma_wait<1>();
+        else wgmma_wait<0>();
+        fence_regs(s);
+        unsigned int pk[BM / 16][4];
+        {
+            float(&s2)[BM / 8][4] = reinterpret_cast<float(&)[BM / 8][4]>(s);
+            const bool need_mask = kw0 + 64 > sk || (CAUSAL && kw0 + 63 > i0 + diag);
+            if (!need_mask) {
+#pragma unroll
+                for (int nt = 0; nt < BM / 8; ++nt) {
+                    const float2 l = lds_f2(lse_t + (nt * 8 + 2 * t4) * 4);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s2[nt][e] = fast_exp2(fmaf(s2[nt][e], scale_log2, -(e % 2 ? l.y : l.x)));
+                }
+            } else {
+                // key + 8 h is seen by column qc iff real and (causal) qc >= key + 8 h - i0 - diag.
+                const int lo = CAUSAL ? key_t - i0 - diag : -BM;
+                const bool real0 = key_t < sk, real1 = key_t + 8 < sk;
+#pragma unroll
+                for (int nt = 0; nt < BM / 8; ++nt) {
+                    const float2 l = lds_f2(lse_t + (nt * 8 + 2 * t4) * 4);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int qc = nt * 8 + 2 * t4 + (e % 2);
+                        const float x =
+                            fast_exp2(fmaf(s2[nt][e], scale_log2, -(e % 2 ? l.y : l.x)));
+                        const bool ok = (e / 2 ? real1 : real0) && qc >= lo + 8 * (e / 2);
+                        s2[nt][e] = ok ? x : 0.f;
+                    }
+                }
+            }
+            pack_p<T, BM / 8>(s2, pk);
+        }
+        if constexpr (!Cfg::DP_EARLY) {  // S^T's registers are free now
+            wgmma_fence();
+            issue_dp();
+        }
+        // dS^T = P^T (dP^T - delta), P as rounded to 16 bits (0 where P is 0: never 0 * NaN).
+        wgmma_wait<0>();
+        fence_regs(dp);
+        unsigned int dsk[BM / 16][4];
+        {
+            float(&dp2)[BM / 8][4] = reinterpret_cast<float(&)[BM / 8][4]>(dp);
+#pragma unroll
+            for (int nt = 0; nt < BM / 8; ++nt) {
+                const float2 dl = lds_f2(delta_t + (nt * 8 + 2 * t4) * 4);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    // pack_p: tile nt, element e is in word (nt % 2) * 2 + e / 2 of pk[nt / 2],
+                    // the high half for odd e.
+                    const float pv = unpack_half<T>(pk[nt / 2][(nt % 2) * 2 + e / 2], e % 2);
+                    dp2[nt][e] = pv == 0.f ? 0.f : pv * (dp2[nt][e] - (e % 2 ? dl.y : dl.x));
+                }
+            }
+            pack_p<T, BM / 8>(dp2, dsk);
+        }
+        // dS to shared memory: word w of dsk[kk] holds tile 2 kk + w / 2, row (key) g + 8 (w % 2),
+        // columns (queries) 2 t4, 2 t4 + 1 (pack_p). DS_KMAJOR: element (query c, key r) of dS
+        // in panel r / 64, row c, chunk ((r % 64) / 8) ^ (c % 8), two 16-bit stores (a warp's
+        // 8 keys of one chunk x 4 rows of distinct chunks: no bank conflict); else element
+        // (key r, query c) of dS^T in panel c / 64, row r, one 32-bit store of both queries (8
+        // rows x 4 words of a warp hit 32 different banks).
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const int row = 64 * cw + 16 * warp + g + 8 * (w % 2);  // key in the block
+                const int col = (2 * kk + w / 2) * 8 + 2 * t4;           // query in the tile
+                if constexpr (DS_KMAJOR) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int c = col + h;
+                        sts_u16(ds_s + (row / 64) * Cfg::DS_PANEL + c * 128 +
+                                    (static_cast<unsigned int>(((row % 64) / 8) ^ (c % 8)) << 4) +
+                                    (row % 8) * 2,
+                                static_cast<unsigned short>(h ? dsk[kk][w] >> 16 : dsk[kk][w]));
+                    }
+                } else {
+                    sts_u32(ds_s + (col / 64) * Cfg::DS_PANEL + row * 128 +
+                                (static_cast<unsigned int>(((col % 64) / 8) ^ (row % 8)) << 4) +
+                                (col % 8) * 2,
+                            dsk[kk][w]);
+                }
+            }
+        // dV += P^T dO, dK += dS^T Q: BM / 16 k16 steps (16 query rows = 16 x 128 bytes a step),
+        // B N-major (lbo: the next 64 head-dim columns, one panel on). Left in flight.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T, DPAD>::rs(dv_acc, pk[kk], wgmma_desc(do_t + kk * 16 * 128, Cfg::Q_PANEL, 1024),
+                               1);
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T, DPAD>::rs(dk_acc, dsk[kk], wgmma_desc(q_t + kk * 16 * 128, Cfg::Q_PANEL, 1024),
+                               1);
+        wgmma_commit();
+        // The next tile's lse2 / delta into the other buffer (last read before the previous
+        // tile's barrier 2; read next after the next barrier 1).
+        if (more && tid < BM) {
+            sts_f32(lse_s + ((1 - buf) * BM + tid) * 4, l2_next);
+            sts_f32(delta_s + ((1 - buf) * BM + tid) * 4, dl_next);
+        }
+        // DET: this block's turn at the tile. Its last key block (the diagonal one under the
+        // causal mask) first, key block 0 last.
+        float* dqa = p.dq_accum + bwd_offsets(p, cur_ix).dqa;
+        int* turn = reinterpret_cast<int*>(dqa + static_cast<long long>(i0) * p.dqa_sr + DPAD);
+        const int my_turn = (keys_needed<CAUSAL>(i0, BM, sq, sk) - 1) / BN - nblock;
+        if (DET && tid == 0) {
+            while (turn_acquire(turn) != my_turn) __nanosleep(32);
+        }
+        fence_async_smem();
+        __syncthreads();  // (2) dS^T complete; (DET) our turn
+
+        // dQ pieces: 64 queries (query panel mp) x 64 head-dim columns (panel np of K) over the
+        // block's BN keys, BN / 16 k16 steps of 16 keys; B = K N-major (16 key rows a step).
+        float dq[Cfg::PIECES_WG][32];
+        wgmma_fence();
+#pragma unroll
+        for (int pc = 0; pc < Cfg::PIECES_WG; ++pc) {
+            const int piece = cw * Cfg::PIECES_WG + pc;
+            const int mp = piece / Cfg::PANELS, np = piece % Cfg::PANELS;
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                const unsigned long long db =
+                    wgmma_desc(k_s + np * Cfg::KV_PANEL + kk * 16 * 128, Cfg::KV_PANEL, 1024);
+                if constexpr (DS_KMAJOR) {  // A = dS rows 64 mp.., K-major (32 bytes a step)
+                    const unsigned long long da = wgmma_desc(
+                        ds_s + (kk / 4) * Cfg::DS_PANEL + 64 * mp * 128 + (kk % 4) * 32, 16, 1024);
+                    if (kk == 0) Wgmma<T, 64>::sst0(dq[pc], da, db);
+                    else Wgmma<T, 64>::sst(dq[pc], da, db, 1);
+                } else {  // A = dS from dS^T panel mp, M-major (16 key rows a step)
+                    const unsigned long long da = wgmma_desc(
+                        ds_s + mp * Cfg::DS_PANEL + kk * 16 * 128, Cfg::DS_PANEL, 1024);
+                    if (kk == 0) Wgmma<T, 64>::sstt0(dq[pc], da, db);
+                    else Wgmma<T, 64>::sstt(dq[pc], da, db, 1);
+                }
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dk_acc);
+        fence_regs(dv_acc);
+#pragma unroll
+        for (int pc = 0; pc < Cfg::PIECES_WG; ++pc) {
+            fence_regs(dq[pc]);
+            const int piece = cw * Cfg::PIECES_WG + pc;
+            const int mp = piece / Cfg::PANELS, np = piece % Cfg::PANELS;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = i0 + 64 * mp + 16 * warp + g + 8 * h;
+                if (row < sq) {
+                    float* dst = dqa + static_cast<long long>(row) * p.dqa_sr + 64 * np + 2 * t4;
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt)
+                        red_add_v2(dst + nt * 8, dq[pc][nt * 4 + 2 * h], dq[pc][nt * 4 + 2 * h + 1]);
+                }
+            }
+        }
+        if (DET) {
+            __threadfence();
+            __syncthreads();  // (3) every thread's additions are visible before the next turn
+            if (tid == 0) turn_release(turn, my_turn + 1);
+        }
+        kb.step(p, cur_mt, cur_red, cur_ix);
+    }
+    cp_async_wait<0>();  // nothing in flight when the block exits
+
+    // dk = scale * dK, dv = dV, in 16-byte stores: after quad_transpose a lane holds 8
+    // consecutive columns of one key (accumulator element (nt, e): key key_t + 8 (e / 2),
+    // column nt * 8 + 2 t4 + (e % 2)). Stride 0 on the reduced axes: the owner's rows.
+    const BwdOffsets off = bwd_offsets(p, bwd_index(p, p.kv_red, owner, 0));
+    const auto write_keys = [&](T* out, long long row_stride, const float (&acc)[DPAD / 2],
+                                float mul) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int c = 0; c < DPAD / 32; ++c) {
+                unsigned int w[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    w[j] = pack2<T>(mul * acc[(4 * c + j) * 4 + 2 * h],
+                                    mul * acc[(4 * c + j) * 4 + 2 * h + 1]);
+                quad_transpose(w, t4);  // (every lane: the shuffles come before the tests)
+                const int key = key_t + 8 * h, col = (4 * c + t4) * 8;  // D % 8 == 0
+                if (key < sk && col < d)
+                    *reinterpret_cast<uint4*>(out + static_cast<long long>(key) * row_stride +
+                                              col) = make_uint4(w[0], w[1], w[2], w[3]);
+            }
+        }
+    };
+    write_keys(static_cast<T*>(p.dk) + off.dk, p.dk_sr, dk_acc, static_cast<float>(p.scale));
+    write_keys(static_cast<T*>(p.dv) + off.dv, p.dv_sr, dv_acc, 1.f);
+}
+
+template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, bool DS_KMAJOR,
+          typename POLICY>
+__global__ void __launch_bounds__(BwdWgmmaConfig<DPAD, BM, BN, DS_KMAJOR>::THREADS, 1)
+cuflash_bwd_wgmma(const BwdParams p) {
+    bwd_wgmma_body<T, DPAD, BM, BN, CAUSAL, DET, DS_KMAJOR, POLICY>(p);
+}
+
+}  // namespace cuflash

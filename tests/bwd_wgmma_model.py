@@ -1,0 +1,384 @@
+"""A thread-level NumPy model of the Hopper backward kernel (kernels_cu/attn_bwd_wgmma.cu:
+cuflash_bwd_wgmma), run on the parameter block that cuflash._launch.launch_backward builds
+(memory, batch helpers, the preprocess and the dq conversion come from tests/bwd_generic_model.py
+and tests/bwd_mma_model.py).
+
+What it models, written from the PTX ISA independently of the kernel: the 128-byte swizzle
+(16-byte chunk bits 4-6 of a shared-memory address XOR bits 7-9), the wgmma matrix descriptor
+(start address, leading and stride byte offsets, in 16-byte units) and how wgmma reads a
+K-major operand (8-row groups SBO apart, 128-byte rows, K along the row) and an MN-major one
+(transposed: 8-row groups of K SBO apart, 64 M/N elements per 128-byte row, the next 64 LBO
+apart), the m64nN accumulator fragment (warp w of the warpgroup rows 16 w + g (+8), columns
+8 nt + 2 t4 (+1)), the m16n8k16-style A fragment of wgmma with A in registers, and quad_transpose
+(common.cuh). What it transcribes from the kernel: the shared-memory layout, every thread's
+cp.async addresses (load_swizzled), the descriptor arithmetic of each of the five products, the
+dS^T stores, the dQ pieces and their atomics, masks, tails, block skipping, the batch loops, the
+turn counters (checked to be ready when each block, run in block-index order, gets there) and the
+16-byte dk / dv stores. Arithmetic is float64 without 16-bit rounding, so a layout mistake shows
+up as a gradient far above the tolerance, and shared memory starts as NaN, so reading anything
+that was not written poisons the result.
+"""
+import numpy as np
+
+from bwd_generic_model import bwd_index, bwd_offsets, preprocess, reduce_count
+from bwd_mma_model import convert_dq
+
+LOG2E = 1.4426950408889634
+
+
+# ---- PTX semantics -------------------------------------------------------------------------
+
+def swizzle128(addr):
+    """The 128-byte swizzle: the 16-byte chunk index (bits 4-6) XOR the 128-byte row index within
+    the 1024-byte atom (bits 7-9)."""
+    addr = np.asarray(addr, dtype=np.int64)
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def desc_fields(desc):
+    """(start address, LBO, SBO) in bytes of a wgmma matrix descriptor with the 128-byte swizzle."""
+    desc = int(desc)
+    assert desc >> 62 == 1, "swizzle mode 1 (128 bytes)"
+    return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+
+
+def read_k_major(smem, desc, rows):
+    """A K-major operand of k16 (rows x 16 16-bit elements): row r, element k at start +
+    (r / 8) SBO + (r % 8) * 128 + 2 k, swizzled."""
+    start, _, sbo = desc_fields(desc)
+    r = np.arange(rows)[:, None]
+    k = np.arange(16)[None, :]
+    return smem[swizzle128(start + (r // 8) * sbo + (r % 8) * 128 + 2 * k) // 2]
+
+
+def read_mn_major(smem, desc, n):
+    """An MN-major (transposed) operand of k16, returned as (n x 16): element (x, k) at start +
+    (x / 64) LBO + (k / 8) SBO + (k % 8) * 128 + 2 (x % 64), swizzled."""
+    start, lbo, sbo = desc_fields(desc)
+    x = np.arange(n)[:, None]
+    k = np.arange(16)[None, :]
+    return smem[swizzle128(start + (x // 64) * lbo + (k // 8) * sbo + (k % 8) * 128
+                           + 2 * (x % 64)) // 2]
+
+
+WG = np.arange(128)
+WARP, LANE = WG // 32, WG % 32
+G, T4 = LANE // 4, LANE % 4
+
+
+def acc_coords(n):
+    """(row, column) of accumulator register i = 4 nt + e of every thread of a warpgroup, for
+    m64nN: (128, N / 2) each."""
+    i = np.arange(n // 2)[None, :]
+    nt, e = i // 4, i % 4
+    return 16 * WARP[:, None] + G[:, None] + 8 * (e // 2), 8 * nt + 2 * T4[:, None] + e % 2
+
+
+def to_frag(mat):
+    r, c = acc_coords(mat.shape[1])
+    return mat[r, c]
+
+
+def from_frag(frag, n):
+    r, c = acc_coords(n)
+    mat = np.full((64, n), np.nan)
+    mat[r, c] = frag
+    return mat
+
+
+def a_from_regs(regs):
+    """The 64 x 16 A operand of a wgmma with A in registers: regs (128, 4, 2) (register j of each
+    thread, low half first): warp w rows 16 w + g (j odd: + 8), columns 2 t4 (+1) (j >= 2: + 8)."""
+    a = np.full((64, 16), np.nan)
+    for j in range(4):
+        for h in range(2):
+            a[16 * WARP + G + 8 * (j % 2), 2 * T4 + 8 * (j // 2) + h] = regs[:, j, h]
+    return a
+
+
+def quad_transpose(w):
+    """common.cuh quad_transpose on words w (4, 32 lanes, 2 halves), lane t4 = lane % 4."""
+    w = w.copy()
+    lane = np.arange(32)
+    t4 = lane % 4
+    hi, odd = (t4 & 2) != 0, (t4 & 1) != 0
+    for k in range(2):
+        send = np.where(hi[:, None], w[k], w[k + 2])
+        got = send[lane ^ 2]
+        w[k] = np.where(hi[:, None], got, w[k])
+        w[k + 2] = np.where(hi[:, None], w[k + 2], got)
+    for k in (0, 2):
+        send = np.where(odd[:, None], w[k], w[k + 1])
+        got = send[lane ^ 1]
+        w[k] = np.where(odd[:, None], got, w[k])
+        w[k + 1] = np.where(odd[:, None], w[k + 1], got)
+    return w
+
+
+# ---- the kernel ----------------------------------------------------------------------------
+
+def wgmma_desc(addr, lbo, sbo):
+    """common.cuh wgmma_desc."""
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
+
+
+class Cfg:
+    """BwdWgmmaConfig."""
+
+    def __init__(self, dpad, bm, bn, ds_kmajor=True):
+        self.dpad, self.bm, self.bn, self.ds_kmajor = dpad, bm, bn, ds_kmajor
+        self.consumers = bn // 64
+        self.threads = 128 * self.consumers
+        self.panels = dpad // 64
+        self.kv_panel, self.q_panel = bn * 128, bm * 128
+        self.kv_bytes, self.q_bytes = self.panels * self.kv_panel, self.panels * self.q_panel
+        self.ds_panel = bm * 128 if ds_kmajor else bn * 128
+        self.ds_bytes = bm * bn * 2
+        self.k_off, self.v_off = 0, self.kv_bytes
+        self.q_off = 2 * self.kv_bytes
+        self.do_off = self.q_off + 2 * self.q_bytes
+        self.ds_off = self.do_off + 2 * self.q_bytes
+        self.ld_off = self.ds_off + self.ds_bytes
+        self.smem = 1024 + self.ld_off + 2 * 2 * bm * 4
+        self.pieces = (bm // 64) * self.panels
+        self.pieces_wg = self.pieces // self.consumers
+        assert self.pieces % self.consumers == 0
+        self.dp_early = bm == 64
+
+
+def load_swizzled(mem, smem, dst, ptr, base, ld, row0, rows, n_rows, d, c):
+    """load_swizzled: every thread's 16-byte copies (zero-filled past n_rows and d)."""
+    chunks = c.dpad // 8
+    rstep = c.threads // chunks
+    tid = np.arange(c.threads)
+    r0, ch = tid // chunks, tid % chunks
+    d0 = dst + (ch // 8) * (rows * 128) + r0 * 128 + (((ch % 8) ^ (r0 % 8)) << 4)
+    for n in range(rows // rstep):
+        row = row0 + r0 + n * rstep
+        ok = (ch * 8 < d) & (row < n_rows)
+        for e in range(8):
+            vals = np.zeros(c.threads)
+            if ok.any():
+                vals[ok] = mem.read(ptr, base + row[ok] * ld + ch[ok] * 8 + e)
+            smem[(d0 + n * rstep * 128) // 2 + e] = vals
+
+
+def key_blocks(p, grid, bm, bn, causal):
+    """common.cuh bwd_key_block for every block index, in order: (block index, k/v owner, key
+    block, the (reduction step, query tile) visits)."""
+    sq, sk, nn = int(p["sq"]), int(p["sk"]), int(p["n_nblocks"])
+    steps = range(reduce_count(p, int(p["kv_red"])))
+    n_mtiles = -(-sq // bm)
+    for bid in range(grid):
+        owner, rev = divmod(bid, nn)
+        nblock = nn - 1 - rev
+        first = max(nblock * bn - (sk - sq), 0) if causal else 0
+        m_first = n_mtiles if first >= sq else first // bm
+        yield bid, owner, nblock, [(r, mt) for r in steps for mt in range(m_first, n_mtiles)]
+
+
+def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
+    """Every block of cuflash_bwd_wgmma in block-index order (the dispatch order the turns rely
+    on), each warpgroup's products as matrices read through the descriptors the kernel builds."""
+    sq, sk, d = int(p["sq"]), int(p["sk"]), int(p["d"])
+    kv_red, diag = int(p["kv_red"]), sk - sq
+    scale_log2, scale = float(p["scale_log2"]), float(p["scale"])
+    dqa_sr, dqa = int(p["dqa_sr"]), int(p["dq_accum"])
+    bm, bn, dpad = c.bm, c.bn, c.dpad
+    for bid, owner, nblock, visits in key_blocks(p, grid, bm, bn, causal):
+        key0, n_iter = nblock * bn, len(visits)
+        smem = np.full(c.smem // 2, np.nan)   # 16-bit elements, by byte address / 2
+        fsm = np.full(c.smem // 4, np.nan)    # float32 words, by byte address / 4
+        off0 = bwd_offsets(p, bwd_index(p, kv_red, owner, 0))
+        load_swizzled(mem, smem, c.k_off, int(p["k"]), off0["k"], int(p["k_sr"]), key0, bn, sk,
+                      d, c)
+        load_swizzled(mem, smem, c.v_off, int(p["v"]), off0["v"], int(p["v_sr"]), key0, bn, sk,
+                      d, c)
+        lse_s, delta_s = c.ld_off, c.ld_off + 2 * bm * 4
+
+        def load_rows(red, i0, buf):
+            off = bwd_offsets(p, bwd_index(p, kv_red, owner, red))
+            load_swizzled(mem, smem, c.q_off + buf * c.q_bytes, int(p["q"]), off["q"],
+                          int(p["q_sr"]), i0, bm, sq, d, c)
+            load_swizzled(mem, smem, c.do_off + buf * c.q_bytes, int(p["dout"]), off["do"],
+                          int(p["do_sr"]), i0, bm, sq, d, c)
+            l2, dl = np.full(bm, np.inf), np.zeros(bm)
+            for r in range(bm):
+                row = i0 + r
+                if row < sq:
+                    lv = float(mem.read(int(p["lse"]), [off["lse"] + row * int(p["lse_sr"])])[0])
+                    if lv != -np.inf:
+                        l2[r] = lv * LOG2E
+                    dl[r] = float(mem.read(int(p["delta"]), [off["delta"] + row])[0])
+            return l2, dl  # registers of threads tid < BM
+
+        if n_iter:
+            l2, dl = load_rows(visits[0][0], visits[0][1] * bm, 0)
+            fsm[lse_s // 4 + np.arange(bm)] = l2
+            fsm[delta_s // 4 + np.arange(bm)] = dl
+        dk_acc = np.zeros((c.consumers, 128, dpad // 2))
+        dv_acc = np.zeros((c.consumers, 128, dpad // 2))
+        for it, (red, mt) in enumerate(visits):
+            buf, i0 = it & 1, mt * bm
+            if it + 1 < n_iter:
+                l2n, dln = load_rows(visits[it + 1][0], visits[it + 1][1] * bm, 1 - buf)
+            q_t, do_t = c.q_off + buf * c.q_bytes, c.do_off + buf * c.q_bytes
+            lse_t, delta_t = lse_s + buf * bm * 4, delta_s + buf * bm * 4
+            pks, dsks = [], []
+            for cw in range(c.consumers):
+                kw0 = key0 + 64 * cw
+                key_t = kw0 + 16 * WARP + G
+
+                def keys_by_queries(kv, rows):
+                    acc = np.zeros((64, bm))
+                    for kk in range(dpad // 16):
+                        da = wgmma_desc(kv + 64 * cw * 128 + (kk // 4) * c.kv_panel
+                                        + (kk % 4) * 32, 16, 1024)
+                        db = wgmma_desc(rows + (kk // 4) * c.q_panel + (kk % 4) * 32, 16, 1024)
+                        acc += read_k_major(smem, da, 64) @ read_k_major(smem, db, bm).T
+                    return to_frag(acc)
+
+                s = keys_by_queries(c.k_off, q_t)
+                dp = keys_by_queries(c.v_off, do_t)
+                need_mask = kw0 + 64 > sk or (causal and kw0 + 63 > i0 + diag)
+                lo = key_t - i0 - diag if causal else np.full(128, -bm)
+                real = [key_t < sk, key_t + 8 < sk]
+                for nt in range(bm // 8):
+                    lpair = fsm[(lse_t + (nt * 8 + 2 * T4) * 4) // 4 + np.arange(2)[:, None]]
+                    for e in range(4):
+                        x = np.exp2(s[:, 4 * nt + e] * scale_log2 - lpair[e % 2])
+                        if need_mask:
+                            qc = nt * 8 + 2 * T4 + (e % 2)
+                            ok = real[e // 2] & (qc >= lo + 8 * (e // 2))
+                            x = np.where(ok, x, 0.0)
+                        s[:, 4 * nt + e] = x
+                pk = _pack_p(s, bm)
+                for nt in range(bm // 8):
+                    dpair = fsm[(delta_t + (nt * 8 + 2 * T4) * 4) // 4 + np.arange(2)[:, None]]
+                    for e in range(4):
+                        pv = pk[:, nt // 2, (nt % 2) * 2 + e // 2, e % 2]
+                        dp[:, 4 * nt + e] = np.where(pv == 0, 0.0,
+                                                     pv * (dp[:, 4 * nt + e] - dpair[e % 2]))
+                dsk = _pack_p(dp, bm)
+                for kk in range(bm // 16):
+                    for w in range(4):
+                        row = 64 * cw + 16 * WARP + G + 8 * (w % 2)
+                        col = (2 * kk + w // 2) * 8 + 2 * T4
+                        for h in range(2):
+                            if c.ds_kmajor:  # dS: (query, key), 64-key panels
+                                cq = col + h
+                                addr = (c.ds_off + (row // 64) * c.ds_panel + cq * 128
+                                        + ((((row % 64) // 8) ^ (cq % 8)) << 4) + (row % 8) * 2)
+                                smem[addr // 2] = dsk[:, kk, w, h]
+                            else:  # dS^T: (key, query), 64-query panels, one 32-bit word
+                                addr = (c.ds_off + (col // 64) * c.ds_panel + row * 128
+                                        + ((((col % 64) // 8) ^ (row % 8)) << 4) + (col % 8) * 2)
+                                smem[addr // 2 + h] = dsk[:, kk, w, h]
+                pks.append(pk)
+                dsks.append(dsk)
+            for cw in range(c.consumers):  # dV, dK: after the stores (they read registers only)
+                dv = from_frag(dv_acc[cw], dpad)
+                dk = from_frag(dk_acc[cw], dpad)
+                for kk in range(bm // 16):
+                    bdo = read_mn_major(smem, wgmma_desc(do_t + kk * 16 * 128, c.q_panel, 1024),
+                                        dpad)
+                    bq = read_mn_major(smem, wgmma_desc(q_t + kk * 16 * 128, c.q_panel, 1024),
+                                       dpad)
+                    dv += a_from_regs(pks[cw][:, kk]) @ bdo.T
+                    dk += a_from_regs(dsks[cw][:, kk]) @ bq.T
+                dv_acc[cw], dk_acc[cw] = to_frag(dv), to_frag(dk)
+            if it + 1 < n_iter:  # the next tile's lse2 / delta, into the other buffer
+                fsm[(lse_s + (1 - buf) * bm * 4) // 4 + np.arange(bm)] = l2n
+                fsm[(delta_s + (1 - buf) * bm * 4) // 4 + np.arange(bm)] = dln
+            dqa_off = bwd_offsets(p, bwd_index(p, kv_red, owner, red))["dqa"]
+            turn_at = dqa_off + i0 * dqa_sr + dpad
+            n_keys = min(sk, min(i0 + bm, sq) - 1 + diag + 1) if causal else sk
+            my_turn = (n_keys - 1) // bn - nblock
+            if det:
+                got = mem.read(dqa, [turn_at])[0]
+                assert got == my_turn, f"block {bid}: turn {got} at tile {i0} != {my_turn}"
+            # (barrier 2) dQ pieces
+            for cw in range(c.consumers):
+                for pc in range(c.pieces_wg):
+                    piece = cw * c.pieces_wg + pc
+                    mp, np_ = piece // c.panels, piece % c.panels
+                    acc = np.zeros((64, 64))
+                    for kk in range(bn // 16):
+                        db = wgmma_desc(c.k_off + np_ * c.kv_panel + kk * 16 * 128, c.kv_panel,
+                                        1024)
+                        if c.ds_kmajor:
+                            da = wgmma_desc(c.ds_off + (kk // 4) * c.ds_panel + 64 * mp * 128
+                                            + (kk % 4) * 32, 16, 1024)
+                            a = read_k_major(smem, da, 64)
+                        else:
+                            da = wgmma_desc(c.ds_off + mp * c.ds_panel + kk * 16 * 128,
+                                            c.ds_panel, 1024)
+                            a = read_mn_major(smem, da, 64)
+                        acc += a @ read_mn_major(smem, db, 64).T
+                    frag = to_frag(acc)
+                    for h in range(2):
+                        row = i0 + 64 * mp + 16 * WARP + G + 8 * h
+                        ok = row < sq
+                        for nt in range(8):
+                            for j in range(2):
+                                at = (dqa_off + row[ok] * dqa_sr + 64 * np_ + 2 * T4[ok]
+                                      + nt * 8 + j)
+                                cur = mem.read(dqa, at)
+                                mem.write(dqa, at, cur + frag[ok, nt * 4 + 2 * h + j])
+            if det:
+                mem.write(dqa, [turn_at], [my_turn + 1])
+        off = bwd_offsets(p, bwd_index(p, kv_red, owner, 0))
+        for cw in range(c.consumers):
+            key_t = key0 + 64 * cw + 16 * WARP + G
+            for name, acc, mul in (("dk", dk_acc[cw], scale), ("dv", dv_acc[cw], 1.0)):
+                for h in range(2):
+                    key = key_t + 8 * h
+                    for cc in range(dpad // 32):
+                        for wp in range(4):  # one warp at a time: quad_transpose is per warp
+                            sel = WARP == wp
+                            words = np.stack([np.stack(
+                                [mul * acc[sel, (4 * cc + j) * 4 + 2 * h],
+                                 mul * acc[sel, (4 * cc + j) * 4 + 2 * h + 1]], -1)
+                                for j in range(4)])
+                            words = quad_transpose(words)
+                            col = (4 * cc + T4[sel]) * 8
+                            ok = (key[sel] < sk) & (col < d)
+                            for j in range(4):
+                                for hh in range(2):
+                                    at = (off[name] + key[sel][ok] * int(p[f"{name}_sr"])
+                                          + col[ok] + 2 * j + hh)
+                                    mem.write(int(p[name]), at, words[j][ok, hh])
+
+
+def _pack_p(frag, bm):
+    """common.cuh pack_p on a warpgroup's accumulators (128, BM / 2) -> (128, BM / 16, 4, 2)."""
+    out = np.empty((128, bm // 16, 4, 2))
+    for kk in range(bm // 16):
+        for w in range(4):
+            nt = 2 * kk + w // 2
+            out[:, kk, w, 0] = frag[:, 4 * nt + 2 * (w % 2)]
+            out[:, kk, w, 1] = frag[:, 4 * nt + 2 * (w % 2) + 1]
+    return out
+
+
+def run_plan_launches(mem, launches, bplan, causal):
+    """Run the launches recorded from launch_backward for a Hopper plan."""
+    kern = bplan.passes[0][1]
+    name = kern.spec.name
+    targs = [x.strip() for x in name[name.index("<") + 1:name.rindex(">")].split(",")]
+    dpad, bm, bn = (int(x) for x in targs[1:4])
+    assert targs[4] == ("true" if causal else "false")
+    det = targs[5] == "true"
+    assert targs[7] == "cuflash::PlainVariant"
+    c = Cfg(dpad, bm, bn, targs[6] == "true")
+    assert c.smem == kern.smem_bytes, "the host's shared-memory size is BwdWgmmaConfig's"
+    for spec_name, grid, threads, params in launches:
+        if "cuflash_bwd_preprocess" in spec_name:
+            preprocess(mem, params, grid)
+        elif "cuflash_bwd_wgmma" in spec_name:
+            assert threads == c.threads
+            bwd_wgmma_kernel(mem, params, grid, c, causal, det)
+        elif "cuflash_bwd_convert_dq" in spec_name:
+            convert_dq(mem, params, grid)
+        else:
+            raise AssertionError(f"no model of {spec_name}")

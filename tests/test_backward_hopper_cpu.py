@@ -1,0 +1,136 @@
+"""The Hopper backward (kernels_cu/attn_bwd_wgmma.cu) without a GPU: its plans and launch
+configuration on the host, and its indexing through the thread-level NumPy model
+(tests/bwd_wgmma_model.py) run on the parameter block launch_backward builds."""
+import types
+
+import pytest
+
+from cuflash import _dispatch
+
+from test_backward_cpu import _run_kernel_model
+
+
+def test_hopper_backward_plans():
+    """Both head dims, both masks, both modes: the mma backward's plan model (preprocess, keys,
+    dq conversion; the dq accumulator rows with the turn-counter padding), sm_90a, launchable on
+    an H200 (227 KiB of shared memory, 256 threads), labels that say what runs."""
+    for dt in _dispatch.HOPPER_BWD_DTYPES:
+        for dpad, (bm, bn) in _dispatch.HOPPER_BWD_CONFIGS.items():
+            for causal in (False, True):
+                for det in (False, True):
+                    bp = _dispatch.bwd_hopper_plan(dt, dpad, causal, det)
+                    assert [g for g, _ in bp.passes] == ["keys", "dq_convert"]
+                    assert bp.dq_accum_row == dpad + _dispatch.TC_BWD_DQ_PAD
+                    assert bp.deterministic == det and not bp.lse_acc
+                    kern = bp.passes[0][1]
+                    assert kern.spec.arch == "sm_90a" and kern.spec.family == "attn_bwd_wgmma"
+                    assert kern.smem_bytes <= 227 * 1024 and kern.threads == 128 * (bn // 64)
+                    assert (kern.block_m, kern.block_n) == (bm, bn)
+                    mask = "causal" if causal else "full"
+                    assert bp.label == (f"hopper-bwd<{dt},D{dpad},BM{bm},BN{bn},"
+                                        f"{'det,' if det else ''}{mask}>")
+                    assert kern.spec.name.endswith(", true, cuflash::PlainVariant>")
+    with pytest.MonkeyPatch.context() as mp:  # the other dS layout says so
+        mp.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", False)
+        bp = _dispatch.bwd_hopper_plan("float16", 64, True, True)
+        assert bp.label == "hopper-bwd<float16,D64,BM128,BN128,det,dsT,causal>"
+        assert bp.passes[0][1].spec.name.endswith(", false, cuflash::PlainVariant>")
+    # smaller head dims take the next tile (zero-padded)
+    assert "D64," in _dispatch.bwd_hopper_plan("float16", 40, False, False).label
+    assert "D128," in _dispatch.bwd_hopper_plan("float16", 72, False, False).label
+
+
+def _prob(**kw):
+    base = dict(kernel="hopper", dtype_name="float16", d=64, dv=64, causal=True,
+                deterministic=False)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_hopper_backward_dispatch(monkeypatch):
+    """kernel="hopper" demands it (compute capability 9.0, the tensor-core backward's
+    conditions) and says why not; auto takes it only with HOPPER_BWD_AUTO, on 9.0 only."""
+    assert _dispatch.backward_plan_for(_prob(), 90).label == \
+        "hopper-bwd<float16,D64,BM128,BN128,causal>"
+    assert _dispatch.backward_plan_for(_prob(deterministic=True, d=128, dv=128,
+                                             dtype_name="bfloat16"), 90).label == \
+        "hopper-bwd<bfloat16,D128,BM64,BN128,det,causal>"
+    for cc, edit, why in ((80, {}, "compute capability 9.0"),
+                          (90, dict(dtype_name="float32"), "float16 and bfloat16"),
+                          (90, dict(d=256, dv=256), "up to 128"),
+                          (90, dict(dv=32), "D == Dv"), (90, dict(d=60, dv=60), "multiple of 8")):
+        with pytest.raises(ValueError, match=f"kernel='hopper'.*{why}"):
+            _dispatch.backward_plan_for(_prob(**edit), cc)
+    assert not _dispatch.HOPPER_BWD_AUTO  # the lead flips it after the GPU tests
+    assert _dispatch.backward_plan_for(_prob(kernel="auto"), 90).label.startswith(
+        "tensorcore-bwd")
+    monkeypatch.setattr(_dispatch, "HOPPER_BWD_AUTO", True)
+    assert _dispatch.backward_plan_for(_prob(kernel="auto"), 90).label.startswith("hopper-bwd")
+    assert _dispatch.backward_plan_for(_prob(kernel="auto"), 80).label.startswith(
+        "tensorcore-bwd")
+    assert _dispatch.backward_plan_for(_prob(kernel="auto", d=256, dv=256), 90).label \
+        .startswith("generic-bwd")
+    assert _dispatch.backward_plan_for(_prob(kernel="tensorcore"), 90).label.startswith(
+        "tensorcore-bwd")
+
+
+def test_hopper_backward_is_compiled_and_not_varlen():
+    """The compile check builds every Hopper plan (sm_90a), and no _varlen twin of it (the
+    varlen backward never picks it)."""
+    names = {s.name for s in _dispatch.backward_kernel_specs(90)}
+    for dt in _dispatch.HOPPER_BWD_DTYPES:
+        for dpad in _dispatch.HOPPER_BWD_CONFIGS:
+            for causal in (False, True):
+                for det in (False, True):
+                    kern = _dispatch.bwd_hopper_plan(dt, dpad, causal, det).passes[0][1]
+                    assert kern.spec.name in names
+    assert not any("cuflash_bwd_wgmma" in s.name for s in _dispatch.backward_kernel_specs(80))
+    assert not any("cuflash_bwd_wgmma" in s.name
+                   for s in _dispatch.varlen_backward_kernel_specs(90))
+
+
+# (dtype, q batch, k batch, Sq, Sk, D, causal, deterministic, layout): both tiles (D = 64: BM 128
+# with dQ split over query panels; D = 128: BM 64 split over head-dim panels), padded head dims,
+# tails of both, several key blocks and query tiles, Sq > Sk (rows without keys) and Sq < Sk,
+# MQA (dk, dv summed over query heads), and (S, H, D) memory seen as (H, S, D).
+HOPPER_MODEL_CASES = [
+    ("float16", (2,), (2,), 150, 200, 64, True, True, "contiguous"),
+    ("bfloat16", (1, 2), (1, 1), 70, 260, 48, False, False, "contiguous"),
+    ("float16", (2,), (2,), 200, 130, 128, True, True, "bshd"),
+    ("bfloat16", (1,), (1,), 45, 150, 120, False, True, "contiguous"),
+    ("float16", (3,), (1,), 130, 129, 64, False, True, "contiguous"),
+]
+
+
+@pytest.mark.parametrize("ds_kmajor", [True, False])
+@pytest.mark.parametrize("dtype,qb,kb,sq,sk,d,causal,det,layout", HOPPER_MODEL_CASES)
+def test_hopper_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, layout, ds_kmajor,
+                             monkeypatch):
+    """Both dS layouts for dQ (_dispatch.HOPPER_BWD_DS_KMAJOR)."""
+    monkeypatch.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", ds_kmajor)
+    _run_kernel_model("hopper", dtype, qb, kb, sq, sk, d, causal, det, 90, layout, monkeypatch)
+
+
+@pytest.mark.parametrize("ds_kmajor", [True, False])
+def test_hopper_model_catches_a_layout_error(monkeypatch, ds_kmajor):
+    """The model is sharp: reading K for dQ = dS K without the transpose bit of B (the K-major
+    reading the S^T product uses for the same tile: a plausible slip) gives a wrong dq."""
+    import bwd_wgmma_model as model
+
+    monkeypatch.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", ds_kmajor)
+
+    real_mn = model.read_mn_major
+    calls = {"n": 0}
+    k_bytes = model.Cfg(64, 128, 128).kv_bytes  # K is the first tile in shared memory
+
+    def wrong(smem, desc, n):
+        if model.desc_fields(desc)[0] < k_bytes:  # only dQ reads K through an MN-major desc
+            calls["n"] += 1
+            return model.read_k_major(smem, desc, n)
+        return real_mn(smem, desc, n)
+
+    monkeypatch.setattr(model, "read_mn_major", wrong)
+    with pytest.raises(AssertionError, match="dq"):
+        _run_kernel_model("hopper", "float16", (1,), (1,), 100, 140, 64, False, False, 90,
+                          "contiguous", monkeypatch)
+    assert calls["n"] > 0
