@@ -80,7 +80,7 @@ _CACHE_SIZE = 256
 
 _DISPATCH_TABLES = operator.attrgetter(
     "TC_CONFIGS", "TC_ARCH_CONFIGS", "TC_F32_CONFIGS", "TC_F32_ARCH_CONFIGS", "HOPPER_TABLE",
-    "HOPPER_F32_TABLE", "HOPPER_F32_AUTO", "HOPPER_LONG_SK", "plan_for")
+    "HOPPER_F32_TABLE", "HOPPER_F32_AUTO", "HOPPER_LONG_SK", "HOPPER_C3_GAIN", "plan_for")
 _DECODE_TABLES = operator.attrgetter(
     "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "MIN_TILES_PER_WARP", "MAX_SPLITS", "choose_splits")
 
@@ -91,8 +91,7 @@ def _tables():
     objects or equal to them (tuple comparison: identity first, so the usual case costs a few
     pointer compares); tests swap them with monkeypatch, and a record made under other tables
     then misses and is replaced."""
-    return _DISPATCH_TABLES(_dispatch) + _DECODE_TABLES(_decode) + (
-        getattr(_dispatch, "HOPPER_C3_GAIN", None),)   # (the short-query Hopper rule, main)
+    return _DISPATCH_TABLES(_dispatch) + _DECODE_TABLES(_decode)
 
 
 class _Layout:
