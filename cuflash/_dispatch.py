@@ -699,8 +699,10 @@ HOPPER_BWD_DTYPES = ("float16", "bfloat16")
 #: nothing else uses). Tests and benchmarks flip it to measure the other.
 HOPPER_BWD_DS_KMAJOR = True
 #: Whether kernel="auto" takes the Hopper backward on compute capability 9.0 where it qualifies.
-#: Off until its GPU tests pass on an H200 (kernel="hopper" opts in meanwhile).
-HOPPER_BWD_AUTO = False
+#: On since its GPU tests passed on the H200 (2026-12-01: every kernel="hopper" case of
+#: tests/test_backward_gpu.py, 98 passed), where it measured 1.01-1.19x torch's FLASH backward
+#: against the mma.sync backward's 0.68-0.78x (benchmarks/RESULTS.md).
+HOPPER_BWD_AUTO = True
 
 
 def bwd_hopper_smem(dpad: int, bm: int, bn: int) -> int:
