@@ -264,8 +264,12 @@ def _variant_words(variant) -> str:
 
 #: Tile configs of the tensor-core backward with a variant, {(dpad, reads tensors): config} in
 #: the format of `_dispatch.TC_BWD_CONFIGS`; absent: the plain kernel's (registers: see
-#: notes/VARIANTS.md, "The tensor-core backward with a policy").
-TC_BWD_VARIANT_CONFIGS = {}
+#: notes/VARIANTS.md, "The tensor-core backward with a policy"). At D = 128 the plain kernel's
+#: lean bookkeeping (OPT bit 1: the next tile's lse / delta held in registers) left no room:
+#: softcap alone and every part combined spilled 4-40 bytes at 255 registers (NVRTC 13.0 and
+#: 13.5, sm_90), and with the late deterministic hand-over (bit 2) every part combined still
+#: spilled 12-20 bytes under NVRTC 13.0: variants there keep the plain tiles with OPT = 0.
+TC_BWD_VARIANT_CONFIGS = {(128, False): (32, 8, 2, 1), (128, True): (32, 8, 2, 1)}
 #: User hooks, {dpad: config}, before TC_BWD_VARIANT_CONFIGS: a score_mod reading its args with
 #: a mask_mod (the compile check's rel_bias + document) spilled 28-72 bytes at 255 registers on
 #: the plain tiles under NVRTC 13.0 and 13.5 (sm_90); at D = 64 half the query rows per tile
