@@ -221,8 +221,11 @@ constexpr int BWD_OPT_LATE = 2;
 // derivative d score / d t goes to dsc where the policy has one (V::DSCORE: softcap, a score_mod).
 // Rows past Sq and keys past Sk are clamped for the policy's reads (their P is 0: lse2 = +inf,
 // resp. masked). `dist` (ALiBi) is i + off - j as a float, exact below 2^24 as in the forward.
+// (The scale is an unfused multiply, as in the forward's variant_scores_as: no contraction with
+// the transform's additions may differ between the two kernels.)
 template <int NT, bool CAUSAL, bool PARTIAL, typename V>
-__device__ __forceinline__ void bwd_variant_probs(float (&s)[NT][4], float (&dsc)[V::DSCORE ? NT : 1][4],
+__device__ __forceinline__ void bwd_variant_probs(float (&s)[NT][4],
+                                                  float (&dsc)[V::DSCORE ? NT : 1][4],
                                                   const V& var, const float* lse_t, int i0,
                                                   int key_w, int t4, int sq, int sk, int diag,
                                                   float scale) {
@@ -237,9 +240,8 @@ __device__ __forceinline__ void bwd_variant_probs(float (&s)[NT][4], float (&dsc
             const int r = V::READS ? min(row, sq - 1) : row;
             const int kc = (V::READS && PARTIAL) ? min(key, sk - 1) : key;
             float ds;
-            const float t = var.template score_grad_tc<true>(s[nt][e] * scale, r, kc,
-                                                             static_cast<float>(row + diag - key),
-                                                             ds);
+            const float t = var.template score_grad_tc<true>(
+                __fmul_rn(s[nt][e], scale), r, kc, static_cast<float>(row + diag - key), ds);
             float x = fast_exp2(fmaf(t, LOG2E, -lse_t[qc]));
             if constexpr (PARTIAL) {
                 bool ok = key < sk;
