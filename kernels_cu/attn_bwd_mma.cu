@@ -256,7 +256,7 @@ __device__ __forceinline__ void bwd_variant_probs(float (&s)[NT][4],
 
 template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
           bool DET, int OPT, typename V>
-__device__ __forceinline__ void bwd_mma_body(const BwdParams& p, const VariantParams& vp) {
+__device__ __forceinline__ void bwd_mma_body(const BwdParams& p, const VariantParams* vpp) {
     constexpr bool LEAN = (OPT & BWD_OPT_LEAN) != 0;
     constexpr bool LATE = DET && (OPT & BWD_OPT_LATE) != 0;
     static_assert((OPT & ~(BWD_OPT_LEAN | BWD_OPT_LATE)) == 0, "unknown OPT bits");
@@ -300,7 +300,7 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p, const VariantPa
     V var;
     if constexpr (!V::PLAIN) {
         const BwdIndex ix0 = bwd_index(p, p.kv_red, owner, 0);
-        var.bind(vp, p.sq, p.sk, ix0.i0, ix0.i1, ix0.i2);
+        var.bind(*vpp, p.sq, p.sk, ix0.i0, ix0.i1, ix0.i2);
         long long r0, r1;
         var.row_range(key0, min(key0 + BN, sk), r0, r1, p.sq);
         if (r0 >= r1) {
@@ -438,7 +438,7 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p, const VariantPa
         if constexpr (!V::PLAIN) {
             if (red != bound_red) {  // a new batch entry: its bias / mask / slope / hook indices
                 const BwdIndex ix = LEAN ? cur_ix : bwd_index(p, p.kv_red, owner, red);
-                var.bind(vp, p.sq, p.sk, ix.i0, ix.i1, ix.i2);
+                var.bind(*vpp, p.sq, p.sk, ix.i0, ix.i1, ix.i2);
                 bound_red = red;
             }
         }
@@ -506,9 +506,9 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p, const VariantPa
         // (row, key) a block visits is written by it alone; unvisited ones stay 0.
         [[maybe_unused]] float* dsc_out = nullptr;
         if constexpr (!V::PLAIN && V::HAS_BIAS) {
-            if (vp.dscores != nullptr) {
+            if (vpp->dscores != nullptr) {
                 const BwdIndex ix = LEAN ? cur_ix : bwd_index(p, p.kv_red, owner, red);
-                dsc_out = static_cast<float*>(vp.dscores) + bwd_flat(p, ix) * p.sq * p.sk;
+                dsc_out = static_cast<float*>(vpp->dscores) + bwd_flat(p, ix) * p.sq * p.sk;
             }
         }
 #pragma unroll
@@ -652,17 +652,20 @@ template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB
           bool DET, int OPT>
 __global__ void __launch_bounds__(32 * NWARPS, MINB)
 cuflash_bwd_mma(const BwdParams p) {
-    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT, PlainVariant>(
-        p, VariantParams{});
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT, PlainVariant>(p, nullptr);
 }
 
 // A variant's policy V (variants.cuh), VariantParams the second argument (attention variants,
-// notes/VARIANTS.md); the plain kernel above is V = PlainVariant.
+// notes/VARIANTS.md); the plain kernel above is V = PlainVariant. The body takes VariantParams by
+// pointer, null for the plain kernels: a VariantParams{} temporary there (unused) still changed
+// ptxas's integer scheduling of 11 of the 144 plain specialisations (same registers and counts
+// of every other kind; benchmarks/sass_counts.py --backward), the pointer leaves them as they
+// were. __grid_constant__: the parameter's address is taken without a local copy.
 template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
           bool DET, int OPT, typename V>
 __global__ void __launch_bounds__(32 * NWARPS, MINB)
-cuflash_bwd_mma_var(const BwdParams p, const VariantParams vp) {
-    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT, V>(p, vp);
+cuflash_bwd_mma_var(const BwdParams p, const __grid_constant__ VariantParams vp) {
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT, V>(p, &vp);
 }
 
 // Packed variable-length batches (common.cuh: bwd_varlen_segment): the body on the segment view
@@ -675,8 +678,7 @@ cuflash_bwd_mma_varlen(const BwdParams p_in) {
     const unsigned int nn = static_cast<unsigned int>(p_in.n_nblocks);
     const BwdParams& p = bwd_varlen_segment_shared<T, float>(p_in, blockIdx.x / nn, p_in.kv_red);
     if (static_cast<long long>(nn - 1 - blockIdx.x % nn) * BN >= p.sk) return;  // block-uniform
-    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT, PlainVariant>(
-        p, VariantParams{});
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT, PlainVariant>(p, nullptr);
 }
 
 }  // namespace cuflash
