@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Forward speed of the attention variants: cuflash with softcap, ALiBi, a sliding window, a
-bias tensor and a boolean mask, against plain cuflash on the same inputs and torch SDPA with the
-same ``attn_mask`` (bias, mask and the window and ALiBi as a float mask), issue 15's targets.
+"""Forward and backward speed of the attention variants: cuflash with softcap, ALiBi, a sliding
+window, a bias tensor and a boolean mask, against plain cuflash on the same inputs, torch SDPA
+with the same ``attn_mask`` (bias, mask and the window and ALiBi as a float mask) and torch's
+FlexAttention (compiled; score_mod / block mask) where torch has it, issue 15's targets.
 
     PYTHONPATH=. python benchmarks/bench_variants.py                  # S = 4096, 16384
     PYTHONPATH=. python benchmarks/bench_variants.py --s 2048 --quick --json /tmp/v.json
@@ -10,6 +11,12 @@ Every result is checked first: cuflash's (and torch's) output on a few (batch, h
 against the float64 reference (cuflash.reference.attention_ref with the same variant) under the
 project's pass rule (reference.pass_threshold); a failing implementation is not timed. Timing:
 --warmup untimed calls, then --repeats calls each between CUDA events; the median is reported.
+
+Backward (--backward 1, the default): cuflash.attention_backward from the forward's o and lse
+(without dbias), torch's backward of the same forward through autograd. Checked first: the dq of
+the last rows of the same slices against the float64 reference of that sub-problem (a row's dq
+depends on that row alone) under reference.grad_pass_threshold, and cuflash's backward run on the
+sub-problem itself (its dq, dk, dv: the same plan, keys whole) under the same rule.
 
 Columns: ms; "per tile" compares time per visited unit of work with plain cuflash's,
 plain_ms / pairs_plain / (ms / pairs) where pairs counts the (query, key) pairs each computes
@@ -42,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="warmup 1, repeats 3")
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default="plain,softcap,alibi,window,bias,mask")
+    ap.add_argument("--backward", type=int, default=1, help="also time the backward")
+    ap.add_argument("--flex", type=int, default=1, help="torch FlexAttention peers (compiled)")
     args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.repeats = 1, 3
@@ -121,25 +130,38 @@ def torch_mask(name, kw, b, h, s, causal, dtype, left):
     raise ValueError(name)
 
 
+def _sub_kwargs(kw, q, bi, hi, r0):
+    """The variant's arguments (NumPy) of the (bi, hi) slice's query rows r0.. with the keys kept
+    whole: rows i of that Sq' problem are rows i + r0 of the full one under every variant (each
+    aligns on i + Sk - Sq)."""
+    import cupy
+    sub = {}
+    for n, x in kw.items():
+        if isinstance(x, cupy.ndarray):
+            x = cupy.asnumpy(x)
+            if n == "alibi_slopes":
+                x = x[hi:hi + 1]
+            else:   # broadcast to (B, H, ...) then take the slice, keeping a (1, 1) batch
+                full = np.broadcast_to(x, (q.shape[0], q.shape[1]) + x.shape[-2:])
+                x = full[bi:bi + 1, hi:hi + 1, r0:] if x.shape[-2] > 1 else \
+                    full[bi:bi + 1, hi:hi + 1]
+        sub[n] = x
+    return sub
+
+
+def _host64(x):
+    import cupy
+    return cupy.asnumpy(cupy.asarray(x).astype(cupy.float32)).astype(np.float64)
+
+
 def check(o, q, k, v, causal, kw, dtype, slices, rows=256):
     """o against the float64 reference on a few (batch, head) slices, by the pass rule, on the
-    last `rows` query rows: with the keys kept whole, rows i of that Sq' = rows problem are rows
-    i + Sq - rows of the full one under every variant (each aligns on i + Sk - Sq)."""
+    last `rows` query rows (`_sub_kwargs`)."""
     import cupy
     from cuflash import reference as R
     r0 = max(0, q.shape[-2] - rows)
     for bi, hi in slices:
-        sub = {}
-        for n, x in kw.items():
-            if isinstance(x, cupy.ndarray):
-                x = cupy.asnumpy(x)
-                if n == "alibi_slopes":
-                    x = x[hi:hi + 1]
-                else:   # broadcast to (B, H, ...) then take the slice, keeping a (1, 1) batch
-                    full = np.broadcast_to(x, (q.shape[0], q.shape[1]) + x.shape[-2:])
-                    x = full[bi:bi + 1, hi:hi + 1, r0:] if x.shape[-2] > 1 else \
-                        full[bi:bi + 1, hi:hi + 1]
-            sub[n] = x
+        sub = _sub_kwargs(kw, q, bi, hi, r0)
         qs = cupy.asnumpy(q[bi:bi + 1, hi:hi + 1, r0:]).astype(np.float64)
         ks, vs = (cupy.asnumpy(t[bi:bi + 1, hi:hi + 1]).astype(np.float64) for t in (k, v))
         rule = R.pass_threshold(qs, ks, vs, causal=causal, dtype=dtype, **sub)
@@ -148,6 +170,89 @@ def check(o, q, k, v, causal, kw, dtype, slices, rows=256):
         if not verdict.passed:
             return f"slice ({bi}, {hi}): {verdict.reasons}"
     return None
+
+
+def check_backward(dq, q, k, v, do, causal, kw, dtype, slices, rows=256, run_sub=True):
+    """dq (of the full problem) on the last `rows` query rows of a few (batch, head) slices
+    against the float64 reference of that sub-problem, by grad_pass_threshold's dq entry; with
+    `run_sub`, also cuflash's forward and backward on the sub-problem itself, every gradient
+    (dk and dv of the sub-problem sum over its rows only, so they are checked there)."""
+    import cupy
+
+    import cuflash
+    from cuflash import reference as R
+    r0 = max(0, q.shape[-2] - rows)
+    for bi, hi in slices:
+        sub = _sub_kwargs(kw, q, bi, hi, r0)
+        qs = q[bi:bi + 1, hi:hi + 1, r0:]
+        ks, vs, dos = k[bi:bi + 1, hi:hi + 1], v[bi:bi + 1, hi:hi + 1], do[bi:bi + 1, hi:hi + 1, r0:]
+        h = [_host64(t) for t in (dos, qs, ks, vs)]
+        ref = R.attention_backward_ref(*h, causal=causal, **sub)
+        tols, _ = R.grad_pass_threshold(*h, causal=causal, dtype=dtype, ref=ref, **sub)
+        got = _host64(dq[bi:bi + 1, hi:hi + 1, r0:])
+        err = float(np.abs(got - ref[0]).max())
+        if not np.isfinite(got).all() or err > tols[0]:
+            return f"slice ({bi}, {hi}): dq error {err:.3g} > {tols[0]:.3g}"
+        if run_sub:
+            dkw = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) else x)
+                   for n, x in sub.items()}
+            qc, kc, vc, doc = (cupy.ascontiguousarray(t) for t in (qs, ks, vs, dos))
+            o, lse = cuflash.attention(qc, kc, vc, causal=causal, return_lse=True, **dkw)
+            grads = cuflash.attention_backward(doc, qc, kc, vc, o, lse, causal=causal, **dkw)
+            for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref, tols):
+                e = float(np.abs(_host64(g) - r).max())
+                if not np.isfinite(_host64(g)).all() or e > t:
+                    return f"slice ({bi}, {hi}) sub-problem: {name} error {e:.3g} > {t:.3g}"
+    return None
+
+
+def flex_mods(name, kw, causal, left):
+    """(score_mod, mask_mod) of the variant for torch's FlexAttention (None where it has none)."""
+    import torch
+    dev = "cuda"
+    score_mod = mask_mod = None
+    if name == "softcap":
+        cap = float(kw["softcap"])
+
+        def score_mod(score, b, h, qi, kj):
+            return cap * torch.tanh(score / cap)
+    elif name == "alibi":
+        sl = torch.as_tensor(kw["alibi_slopes"], device=dev)
+
+        def score_mod(score, b, h, qi, kj):
+            return score - sl[h] * (qi - kj).abs()
+    elif name == "bias":
+        bias = torch.as_tensor(kw["bias"], device=dev)
+
+        def score_mod(score, b, h, qi, kj):
+            return score + bias[0, qi, kj]
+    keep = None
+    if name == "window":
+        def keep(b, h, qi, kj):
+            return kj >= qi - left
+    elif name == "mask":
+        m = torch.as_tensor(kw["mask"], device=dev)
+
+        def keep(b, h, qi, kj):
+            return m[b, 0, qi, kj]
+    if causal and keep is not None:
+        def mask_mod(b, h, qi, kj, keep=keep):
+            return keep(b, h, qi, kj) & (kj <= qi)
+    elif causal:
+        def mask_mod(b, h, qi, kj):
+            return kj <= qi
+    else:
+        mask_mod = keep
+    return score_mod, mask_mod
+
+
+def time_torch_backward(fwd, tq, tk, tv, tdo, warmup, repeats):
+    """Milliseconds of torch's backward of one forward (autograd.grad, the graph kept)."""
+    import torch
+    out = fwd()
+    return time_ms(lambda: torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True),
+                   warmup, repeats), torch.autograd.grad(out, (tq, tk, tv), tdo,
+                                                        retain_graph=True)[0]
 
 
 def main(argv=None):
@@ -166,15 +271,25 @@ def main(argv=None):
         b, h, d = max(1, args.tokens // s), args.heads, args.d
         rng = np.random.default_rng(s)
         if torch is not None:
-            tq, tk, tv = (torch.randn(b, h, s, d, device="cuda", dtype=getattr(torch, args.dtype))
-                          for _ in range(3))
-            q, k, v = (cupy.from_dlpack(t) for t in (tq, tk, tv))
+            tq, tk, tv, tdo = (torch.randn(b, h, s, d, device="cuda",
+                                           dtype=getattr(torch, args.dtype)) for _ in range(4))
+            for t in (tq, tk, tv):
+                t.requires_grad_(True)
+            q, k, v, do = (cupy.from_dlpack(t.detach()) for t in (tq, tk, tv, tdo))
         else:
             dt = cupy.float16 if args.dtype == "float16" else None
-            q, k, v = (cupy.random.standard_normal((b, h, s, d)).astype(dt) for _ in range(3))
+            q, k, v, do = (cupy.random.standard_normal((b, h, s, d)).astype(dt)
+                           for _ in range(4))
         causal = bool(args.causal)
         slices = [(0, 0), (b - 1, h - 1)]
-        plain_ms = None
+        plain_ms = plain_bwd_ms = None
+        flex = None
+        if torch is not None and args.flex:
+            try:
+                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+                flex = torch.compile(flex_attention)
+            except Exception:   # pragma: no cover - torch without FlexAttention
+                flex = None
         for name in args.variants.split(","):
             kw = variant_kwargs(name, rng, b, h, s, args)
             row = dict(s=s, b=b, h=h, d=d, causal=causal, variant=name,
@@ -191,6 +306,22 @@ def main(argv=None):
                 if plain_ms is not None:
                     row["per_tile"] = (plain_ms / visible_pairs("plain", s, causal, args)) / (
                         row["ms"] / pairs)
+                if args.backward:
+                    o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **kw)
+                    row["bwd_label"] = cuflash.backward_dispatch_info(do, q, k, v, o, lse,
+                                                                      causal=causal, **kw)
+                    brun = lambda: cuflash.attention_backward(  # noqa: E731
+                        do, q, k, v, o, lse, causal=causal, **kw)
+                    bad = check_backward(brun()[0], q, k, v, do, causal, kw, args.dtype, slices)
+                    if bad:
+                        row["cuflash_bwd_error"] = bad
+                    else:
+                        row["bwd_ms"] = time_ms(brun, args.warmup, args.repeats)
+                        if name == "plain":
+                            plain_bwd_ms = row["bwd_ms"]
+                        if plain_bwd_ms is not None:
+                            row["bwd_per_tile"] = (plain_bwd_ms / visible_pairs(
+                                "plain", s, causal, args)) / (row["bwd_ms"] / pairs)
             if torch is not None and name != "softcap":
                 tm = torch_mask(name, kw, b, h, s, causal, args.dtype, args.window)
                 for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
@@ -214,12 +345,65 @@ def main(argv=None):
                     row["torch_ms"] = time_ms(tfn_ctx, args.warmup, args.repeats)
                     if "ms" in row:
                         row["vs_torch"] = row["torch_ms"] / row["ms"]
+                    if args.backward:
+                        try:
+                            def tfwd(be=backend, m=tm):
+                                with sdpa_kernel(getattr(SDPBackend, be)):
+                                    return torch.nn.functional.scaled_dot_product_attention(
+                                        tq, tk, tv, attn_mask=m, is_causal=causal and m is None)
+                            with sdpa_kernel(getattr(SDPBackend, backend)):
+                                bms, tdq = time_torch_backward(tfwd, tq, tk, tv, tdo,
+                                                               args.warmup, args.repeats)
+                            bad = check_backward(cupy.from_dlpack(tdq), q, k, v, do, causal, kw,
+                                                 args.dtype, slices, run_sub=False)
+                            if bad:
+                                row["torch_bwd_error"] = bad
+                            else:
+                                row["torch_bwd_ms"] = bms
+                                if "bwd_ms" in row:
+                                    row["bwd_vs_torch"] = bms / row["bwd_ms"]
+                        except Exception as exc:   # this backend has no backward for it
+                            row["torch_bwd_error"] = f"{type(exc).__name__}: {exc}"[:200]
                     break
+            if flex is not None:
+                try:
+                    score_mod, mask_mod = flex_mods(name, kw, causal, args.window)
+                    bm = (create_block_mask(mask_mod, b if name == "mask" else None, None, s, s,
+                                            device="cuda") if mask_mod is not None else None)
+                    ffwd = lambda: flex(tq, tk, tv, score_mod=score_mod,  # noqa: E731
+                                        block_mask=bm)
+                    fo = ffwd()
+                    bad = check(cupy.from_dlpack(fo.detach()), q, k, v, causal, kw, args.dtype,
+                                slices)
+                    if bad:
+                        row["flex_error"] = bad
+                    else:
+                        row["flex_ms"] = time_ms(lambda: ffwd(), args.warmup, args.repeats)
+                        if "ms" in row:
+                            row["vs_flex"] = row["flex_ms"] / row["ms"]
+                        if args.backward:
+                            bms, fdq = time_torch_backward(ffwd, tq, tk, tv, tdo, args.warmup,
+                                                           args.repeats)
+                            bad = check_backward(cupy.from_dlpack(fdq), q, k, v, do, causal,
+                                                 kw, args.dtype, slices, run_sub=False)
+                            if bad:
+                                row["flex_bwd_error"] = bad
+                            else:
+                                row["flex_bwd_ms"] = bms
+                                if "bwd_ms" in row:
+                                    row["bwd_vs_flex"] = bms / row["bwd_ms"]
+                except Exception as exc:   # pragma: no cover - FlexAttention refused it
+                    row["flex_error"] = f"{type(exc).__name__}: {exc}"[:200]
             rows.append(row)
             print(f"S={s} {name:8s} {row.get('ms', float('nan')):8.3f} ms  per tile "
                   f"{row.get('per_tile', float('nan')):5.2f}  torch "
                   f"{row.get('torch_backend', '-')} {row.get('torch_ms', float('nan')):8.3f} ms"
-                  f"  vs torch {row.get('vs_torch', float('nan')):5.2f}  [{row['label']}]"
+                  f"  vs torch {row.get('vs_torch', float('nan')):5.2f}  flex "
+                  f"{row.get('flex_ms', float('nan')):8.3f} ms  [{row['label']}]"
+                  f"\n       backward {row.get('bwd_ms', float('nan')):8.3f} ms  per tile "
+                  f"{row.get('bwd_per_tile', float('nan')):5.2f}  torch "
+                  f"{row.get('torch_bwd_ms', float('nan')):8.3f} ms  flex "
+                  f"{row.get('flex_bwd_ms', float('nan')):8.3f} ms  [{row.get('bwd_label', '-')}]"
                   + "".join(f"  {k}: {v}" for k, v in row.items() if k.endswith("_error")),
                   flush=True)
     if args.json:

@@ -1,10 +1,15 @@
 """Registers and SASS instruction counts (per opcode) of every plain tensor-core forward
 specialisation (attn_mma.cu) for sm_80 and sm_90, as JSON, to check that a change to the kernel
 leaves the plain code as it was: run before and after, then compare (--compare A B). Needs NVRTC
-and nvdisasm (the nvidia-cuda-nvdisasm wheel), no GPU.
+and nvdisasm (the nvidia-cuda-nvdisasm wheel), no GPU. ``--backward``: the plain tensor-core
+backward's specialisations instead (attn_bwd_mma.cu: every dispatched plan and speed candidate).
+``--variants``: the tensor-core backward's variant compile set (sm_90), for the per-tile costs
+in notes/VARIANTS.md (compare against a --backward file: --per-tile A B).
 
     python benchmarks/sass_counts.py before.json
     python benchmarks/sass_counts.py --compare before.json after.json
+    python benchmarks/sass_counts.py --backward bwd.json
+    python benchmarks/sass_counts.py --variants bwd_var.json
 """
 import collections
 import json
@@ -57,9 +62,25 @@ def main(argv):
         return 1 if diff else 0
     from cuflash import _dispatch
     nvd = _nvdisasm()
-    jobs = [(plan.spec, arch) for arch in ("sm_80", "sm_90")
-            for plan in _dispatch.all_specialisations(int(arch[3:]))
-            if plan.spec.family == "attn_mma"]
+    if argv[:1] == ["--backward"]:
+        argv = argv[1:]
+        jobs = []
+        for arch in ("sm_80", "sm_90"):
+            cc = int(arch[3:])
+            plans = (_dispatch.all_backward_specialisations(cc)
+                     + _dispatch.bwd_candidate_plans(cc))
+            for bp in plans:
+                for _, plan in bp.passes:
+                    if plan.spec.family == "attn_bwd_mma" and (plan.spec, arch) not in jobs:
+                        jobs.append((plan.spec, arch))
+    elif argv[:1] == ["--variants"]:
+        from cuflash._dispatch_variants import tensorcore_variant_backward_compile_specs
+        argv = argv[1:]
+        jobs = [(spec, "sm_90") for spec in tensorcore_variant_backward_compile_specs(90)]
+    else:
+        jobs = [(plan.spec, arch) for arch in ("sm_80", "sm_90")
+                for plan in _dispatch.all_specialisations(int(arch[3:]))
+                if plan.spec.family == "attn_mma"]
     with ThreadPoolExecutor(2) as ex:
         res = dict(zip((f"{a} {s.name}" for s, a in jobs),
                        ex.map(lambda j: counts(*j, nvd), jobs)))

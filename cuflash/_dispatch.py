@@ -635,12 +635,16 @@ def bwd_tensorcore_smem(dpad: int, bm: int, nwarps: int, stages: int) -> int:
 
 
 def bwd_tensorcore_plan(dtype_name: str, d: int, causal: bool, deterministic: bool,
-                        compute_capability: int) -> BackwardPlan:
+                        compute_capability: int, config=None) -> BackwardPlan:
     """The mma.sync backward (attn_bwd_mma.cu): one key-parallel kernel that accumulates dq in
     float32 (atomics; with `deterministic`, in key-block order through turn counters), then the
-    dq conversion."""
+    dq conversion. ``config``: a function of (dpad, plain config) giving the tiles to use
+    instead (the variants' plans, cuflash/_dispatch_variants.py)."""
     dpad = head_dim_bucket(d, TC_BWD_CONFIGS)
     bm, nwarps, stages, minb, opt = bwd_tensorcore_config(dpad, compute_capability)
+    if config is not None:
+        cfg = tuple(config(dpad, (bm, nwarps, stages, minb, opt)))
+        bm, nwarps, stages, minb, opt = cfg + (0,) * (5 - len(cfg))
     if not deterministic:
         opt &= ~TC_BWD_OPTS["late"]  # a deterministic hand-over only
     bn = 16 * nwarps
@@ -759,7 +763,7 @@ def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
     """
     if getattr(prob, "variant", None) is not None:   # window, softcap, alibi, bias, mask
         from ._dispatch_variants import variant_backward_plan_for
-        return variant_backward_plan_for(prob)
+        return variant_backward_plan_for(prob, compute_capability)
     deterministic = bool(getattr(prob, "deterministic", False))
     if prob.kernel == "hopper" or (prob.kernel == "auto" and HOPPER_BWD_AUTO):
         why_not = bwd_hopper_reason(prob, compute_capability)
@@ -780,6 +784,9 @@ def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
 
 def backward_fallback_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     """Why ``kernel="auto"`` runs the generic backward for these inputs (None when it does not)."""
+    if getattr(prob, "variant", None) is not None:   # the variants' own conditions
+        from ._dispatch_variants import variant_backward_fallback_reason
+        return variant_backward_fallback_reason(prob, compute_capability)
     if prob.kernel != "auto":
         return None
     return bwd_tensorcore_reason(prob, compute_capability)

@@ -7,7 +7,10 @@ ALIBI, BiasT, MASK>>`` and the backward's) and the mma.sync tensor-core forward
 tensor-core kernel where the inputs qualify (`tensorcore_variant_reason`; never the Hopper
 kernel, which takes no policy yet), else the generic one, whose label says why;
 ``kernel="tensorcore"`` demands it and raises ValueError saying why not; ``"hopper"`` raises.
-The backward runs on the generic kernels.
+Backward: the mma.sync tensor-core backward (``cuflash_bwd_mma_var<..., OPT, V>``,
+attn_bwd_mma.cu) where `bwd_tensorcore_variant_reason` says the inputs qualify (float16 /
+bfloat16, the head dims of `_dispatch.TC_BWD_CONFIGS`), else the generic variant kernels;
+`variant_backward_fallback_reason` says why ``kernel="auto"`` fell back.
 """
 from __future__ import annotations
 
@@ -145,8 +148,14 @@ def tensorcore_variant_reason(prob, compute_capability) -> "str | None":
     why = tensorcore_reason(prob, compute_capability)
     if why is not None:
         return why
+    return _column_stride_reason(prob.variant)
+
+
+def _column_stride_reason(variant) -> "str | None":
+    """Why the tensor-core kernels cannot read the variant's bias / mask (variants.cuh:
+    score_tc, visible_tc read column j or 0: a column stride of 0 or 1 element), or None."""
     for name in ("bias", "mask"):
-        x = getattr(prob.variant, name, None)
+        x = getattr(variant, name, None)
         if x is not None and x.shape[-1] > 1 and x.strides[-1] not in (0, x.itemsize):
             return (f"it reads {name} with a column stride of 0 or 1 element (got "
                     f"{x.strides[-1] // x.itemsize}); pass a {name} contiguous along its last "
@@ -244,15 +253,150 @@ def bwd_generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, var
     return dataclasses.replace(base, label=label, passes=tuple(passes))
 
 
-def variant_backward_plan_for(prob):
-    """The backward plan of a problem with a variant."""
-    if prob.kernel in ("tensorcore", "hopper"):
-        hooks = prob.variant.hook_names() if getattr(prob.variant, "has_mods", False) else []
-        what = f" for the user hook(s) {' and '.join(hooks)}" if hooks else ""
-        raise ValueError(f"kernel={prob.kernel!r} has no backward kernel{what} yet; "
-                         "use kernel='auto' or 'generic'")
+def _variant_words(variant) -> str:
+    """The variant as an error message names it: its parts, and its user hooks by name."""
+    hooks = variant.hook_names() if getattr(variant, "has_mods", False) else []
+    what = f"the attention variant ({policy_label(variant)})"
+    if hooks:
+        what += f" with the user hook{'s' if len(hooks) > 1 else ''} {' and '.join(hooks)}"
+    return what
+
+
+#: Tile configs of the tensor-core backward with a variant, {(dpad, reads tensors): config} in
+#: the format of `_dispatch.TC_BWD_CONFIGS`; absent: the plain kernel's (registers: see
+#: notes/VARIANTS.md, "The tensor-core backward with a policy"). At D = 128 the plain kernel's
+#: lean bookkeeping (OPT bit 1: the next tile's lse / delta held in registers) left no room:
+#: softcap alone and every part combined spilled 4-40 bytes at 255 registers (NVRTC 13.0 and
+#: 13.5, sm_90), and with the late deterministic hand-over (bit 2) every part combined still
+#: spilled 12-20 bytes under NVRTC 13.0: variants there keep the plain tiles with OPT = 0.
+TC_BWD_VARIANT_CONFIGS = {(128, False): (32, 8, 2, 1), (128, True): (32, 8, 2, 1)}
+#: User hooks, {dpad: config}, before TC_BWD_VARIANT_CONFIGS: a score_mod reading its args with
+#: a mask_mod (the compile check's rel_bias + document) spilled 28-72 bytes at 255 registers on
+#: the plain tiles under NVRTC 13.0 and 13.5 (sm_90); at D = 64 half the query rows per tile
+#: (BM = 32: half of P^T and of d score / d t in registers) fit. At D = 128 (dK, dV alone take
+#: 128 registers) it still spilled 24-76 bytes with BM = 32 and one Q/dO stage, so hooks take
+#: the tensor-core backward up to TC_BWD_HOOK_MAX_D only.
+TC_BWD_HOOK_CONFIGS = {64: (32, 4, 2, 2)}
+TC_BWD_HOOK_MAX_D = 64
+
+
+def bwd_tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, deterministic: bool,
+                                compute_capability: int, variant):
+    """The mma.sync backward with the variant's policy (attn_bwd_mma.cu: cuflash_bwd_mma_var):
+    the plain tensor-core backward plan (its preprocess and dq conversion; the tiles of
+    `TC_BWD_VARIANT_CONFIGS` where it has them) with ``_var<..., V>`` in the kernel's name and
+    the variant's parts in the labels."""
+    import dataclasses
+
+    from . import _dispatch
+
+    reads = variant_reads(variant)
+    hooks = getattr(variant, "has_mods", False)
+
+    def config(dpad, plain):
+        if hooks and dpad in TC_BWD_HOOK_CONFIGS:
+            return TC_BWD_HOOK_CONFIGS[dpad]
+        return TC_BWD_VARIANT_CONFIGS.get((dpad, reads), plain)
+
+    base = _dispatch.bwd_tensorcore_plan(dtype_name, d, causal, deterministic,
+                                         compute_capability, config=config)
+    pol, tag = policy_name(variant), policy_label(variant)
+    passes = []
+    for grid, plan in base.passes:
+        if "cuflash_bwd_mma<" in plan.spec.name:
+            name = (plan.spec.name.replace("cuflash_bwd_mma<", "cuflash_bwd_mma_var<")[:-1]
+                    + f", {pol}>")
+            plan = dataclasses.replace(plan, label=plan.label[:-1] + f",{tag}>",
+                                       spec=Specialisation(plan.spec.family, name,
+                                                           extra_source=_hook_source(variant)))
+        passes.append((grid, plan))
+    return dataclasses.replace(base, label=base.label[:-1] + f",{tag}>", passes=tuple(passes))
+
+
+def bwd_tensorcore_variant_reason(prob, compute_capability) -> "str | None":
+    """Why the tensor-core backward cannot run these inputs with their variant (None: it can):
+    the plain backward's conditions (`_dispatch.bwd_tensorcore_reason`: float16 / bfloat16,
+    head dims up to max(TC_BWD_CONFIGS), alignment, ...) and bias / mask tensors read with a
+    column stride of 0 or 1; user hooks up to D = TC_BWD_HOOK_MAX_D. Every built-in part and
+    dbias are supported."""
+    from ._dispatch import bwd_tensorcore_reason
+    why = bwd_tensorcore_reason(prob, compute_capability)
+    if why is not None:
+        return why
+    if getattr(prob.variant, "has_mods", False) and prob.d > TC_BWD_HOOK_MAX_D:
+        return (f"with user hooks it takes head dims up to {TC_BWD_HOOK_MAX_D} (got {prob.d}): "
+                "beside the dk and dv accumulators of larger ones a hook's registers spill")
+    return _column_stride_reason(prob.variant)
+
+
+def variant_backward_plan_for(prob, compute_capability=None):
+    """The backward plan of a problem with a variant: the tensor-core backward for
+    ``kernel="auto"`` / ``"tensorcore"`` where it qualifies, else the generic variant kernels
+    (``"tensorcore"`` then raises ValueError naming the variant and the reason; ``"hopper"``
+    always raises: the Hopper backward takes no policy)."""
+    if prob.kernel == "hopper":
+        raise ValueError(f"kernel='hopper' cannot run this backward: {_variant_words(prob.variant)}"
+                         " is not supported there; use kernel='auto', 'tensorcore' or 'generic'")
+    if prob.kernel in ("auto", "tensorcore") and compute_capability is not None:
+        why_not = bwd_tensorcore_variant_reason(prob, compute_capability)
+        if why_not is None:
+            return bwd_tensorcore_variant_plan(prob.dtype_name, prob.d, prob.causal,
+                                               bool(getattr(prob, "deterministic", False)),
+                                               compute_capability, prob.variant)
+        if prob.kernel == "tensorcore":
+            raise ValueError(f"kernel='tensorcore' cannot run this backward with "
+                             f"{_variant_words(prob.variant)}: {why_not}")
+    elif prob.kernel == "tensorcore":
+        raise ValueError(f"kernel='tensorcore' cannot run this backward with "
+                         f"{_variant_words(prob.variant)}: no GPU compute capability given")
     return bwd_generic_variant_plan(prob.dtype_name, prob.d, prob.dv, prob.causal,
                                     prob.variant)
+
+
+def variant_backward_fallback_reason(prob, compute_capability) -> "str | None":
+    """Why ``kernel="auto"`` runs the generic backward for a problem with a variant (None when
+    it takes the tensor-core backward, or the kernel was chosen by name)."""
+    if prob.kernel != "auto" or compute_capability is None:
+        return None
+    return bwd_tensorcore_variant_reason(prob, compute_capability)
+
+
+def tensorcore_variant_backward_compile_specs(compute_capability: int = 90):
+    """The tensor-core backward's variant specialisations the compile check builds (sm_90):
+    for float16 and bfloat16 at D64 and D128, every part alone (bias in float32 and float16),
+    window with and without causal, the five parts combined with and without causal and
+    deterministic; the positional parts combined (no reads); and the user hooks of
+    `mod_compile_specs` at D64 (TC_BWD_HOOK_MAX_D), also on every built-in part."""
+    from .mods import example_hooks
+    cc = compute_capability
+    out = []
+
+    def add(dt, d, causal, det, pol):
+        for _, plan in bwd_tensorcore_variant_plan(dt, d, causal, det, cc, pol).passes:
+            if "_var<" in plan.spec.name and plan.spec not in out:
+                out.append(plan.spec)
+
+    ex = example_hooks()
+    cap, rel, doc = ex["tanh_cap"], ex["rel_bias"], ex["document"]
+    for dt in ("float16", "bfloat16"):
+        for d in (64, 128):
+            for pol in (_Spec(softcap=True), _Spec(alibi=True), _Spec(bias="float32"),
+                        _Spec(bias="float16"), _Spec(mask=True)):
+                add(dt, d, False, False, pol)
+            for causal in (False, True):
+                add(dt, d, causal, False, _Spec(window=True))
+                for det in (False, True):
+                    add(dt, d, causal, det, _Spec(window=True, softcap=True, alibi=True,
+                                                  bias="float32", mask=True))
+            add(dt, d, True, True, _Spec(window=True))
+            add(dt, d, True, False, _Spec(window=True, softcap=True, alibi=True))
+        add(dt, 64, False, False, _with_mods(_Spec(), cap, None))
+        add(dt, 64, True, False, _with_mods(_Spec(), rel, doc))
+        add(dt, 64, True, True, _with_mods(_Spec(), rel, doc))
+        add(dt, 64, True, False, _with_mods(_Spec(window=True, alibi=True), cap, doc))
+    add("float16", 64, True, True, _with_mods(_Spec(window=True, softcap=True, alibi=True,
+                                                    bias="float32", mask=True), cap, doc))
+    return out
 
 
 def variant_backward_compile_specs():

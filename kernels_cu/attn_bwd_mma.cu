@@ -50,6 +50,7 @@
 // bfloat16, D == Dv, D % 8 == 0, D <= DPAD, rows of q, k, v, do (and dk, dv) 16-byte aligned,
 // q not broadcast when DET (one q owner per dq tile).
 #include "common.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -212,9 +213,50 @@ __device__ __forceinline__ void bwd_turn_store(int* p, int v) {
 constexpr int BWD_OPT_LEAN = 1;
 constexpr int BWD_OPT_LATE = 2;
 
+// ---- Variants (kernels_cu/variants.cuh, notes/VARIANTS.md): P^T of one warp's 16 keys x BM
+// query columns from the raw scores S^T, for a policy V: the scaled score goes through
+// score_grad_tc, the forward's transform (attn_mma.cu: variant_scores_as; the same instructions,
+// so the same logits and P that matches the forward's lse), and on partial tiles (PARTIAL: the key
+// tail, the causal diagonal, a window edge, a mask) through the per-element visibility; the
+// derivative d score / d t goes to dsc where the policy has one (V::DSCORE: softcap, a score_mod).
+// Rows past Sq and keys past Sk are clamped for the policy's reads (their P is 0: lse2 = +inf,
+// resp. masked). `dist` (ALiBi) is i + off - j as a float, exact below 2^24 as in the forward.
+// (The scale is an unfused multiply, as in the forward's variant_scores_as: no contraction with
+// the transform's additions may differ between the two kernels.)
+template <int NT, bool CAUSAL, bool PARTIAL, typename V>
+__device__ __forceinline__ void bwd_variant_probs(float (&s)[NT][4],
+                                                  float (&dsc)[V::DSCORE ? NT : 1][4],
+                                                  const V& var, const float* lse_t, int i0,
+                                                  int key_w, int t4, int sq, int sk, int diag,
+                                                  float scale) {
+    constexpr float LOG2E = 1.4426950408889634f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = nt * 8 + 2 * t4 + (e % 2);  // query column in the tile
+            const int row = i0 + qc;
+            const int key = key_w + 8 * (e / 2);
+            const int r = V::READS ? min(row, sq - 1) : row;
+            const int kc = (V::READS && PARTIAL) ? min(key, sk - 1) : key;
+            float ds;
+            const float t = var.template score_grad_tc<true>(
+                __fmul_rn(s[nt][e], scale), r, kc, static_cast<float>(row + diag - key), ds);
+            float x = fast_exp2(fmaf(t, LOG2E, -lse_t[qc]));
+            if constexpr (PARTIAL) {
+                bool ok = key < sk;
+                if (CAUSAL) ok = ok && key <= row + diag;
+                if (V::MASKS) ok = ok && var.visible_tc(r, kc);
+                x = ok ? x : 0.f;
+            }
+            s[nt][e] = x;
+            if constexpr (V::DSCORE) dsc[nt][e] = ds;
+        }
+}
+
 template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
-          bool DET, int OPT>
-__device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
+          bool DET, int OPT, typename V>
+__device__ __forceinline__ void bwd_mma_body(const BwdParams& p, const VariantParams* vpp) {
     constexpr bool LEAN = (OPT & BWD_OPT_LEAN) != 0;
     constexpr bool LATE = DET && (OPT & BWD_OPT_LATE) != 0;
     static_assert((OPT & ~(BWD_OPT_LEAN | BWD_OPT_LATE)) == 0, "unknown OPT bits");
@@ -248,8 +290,27 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
     // Query tiles that see any of the block's keys: all, or from the tile of the first row that
     // sees key0 (none when that row is past Sq).
     const int first_row = CAUSAL ? static_cast<int>(causal_first_row(key0, p.sq, p.sk)) : 0;
-    const int m_first = first_row >= sq ? n_mtiles : first_row / BM;
-    const int n_iter = static_cast<int>(n_red) * (n_mtiles - m_first);
+    int m_first = first_row >= sq ? n_mtiles : first_row / BM;
+    // Variants: the policy bound to the first batch entry (rebound when the reduction step
+    // changes); its window narrows the query tiles to those holding a row that sees one of the
+    // block's keys by position (row_range), [m_first, m_end). A block whose range is empty visits
+    // no tile (it writes zeros). The relation is the one key_range gives from the tile's side,
+    // so the turns of DET stay dense (my_turn below).
+    int m_end = n_mtiles;
+    V var;
+    if constexpr (!V::PLAIN) {
+        const BwdIndex ix0 = bwd_index(p, p.kv_red, owner, 0);
+        var.bind(*vpp, p.sq, p.sk, ix0.i0, ix0.i1, ix0.i2);
+        long long r0, r1;
+        var.row_range(key0, min(key0 + BN, sk), r0, r1, p.sq);
+        if (r0 >= r1) {
+            m_end = m_first;
+        } else {
+            m_first = max(m_first, static_cast<int>(r0 / BM));
+            m_end = max(m_first, min(n_mtiles, static_cast<int>((r1 + BM - 1) / BM)));
+        }
+    }
+    const int n_iter = static_cast<int>(n_red) * (m_end - m_first);
     const float scale_log2 = static_cast<float>(p.scale_log2);
     constexpr float LOG2E = 1.4426950408889634f;
 
@@ -296,8 +357,8 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
     };
     // Iteration `it`'s query tile (the form without LEAN: coordinates from divisions).
     const auto load_rows = [&](int it) {
-        const int red = it / (n_mtiles - m_first);
-        const int i0 = (m_first + it % (n_mtiles - m_first)) * BM;
+        const int red = it / (m_end - m_first);
+        const int i0 = (m_first + it % (m_end - m_first)) * BM;
         float unused0, unused1;
         load_rows_at(bwd_index(p, p.kv_red, owner, red), i0, STAGES == 2 ? it % 2 : 0, false,
                      unused0, unused1);
@@ -305,7 +366,7 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
     // LEAN: the iteration after (mt, red, ix): the next query tile, or the first tile of the next
     // reduction step (the only place that divides).
     const auto advance = [&](int& mt, int& red, BwdIndex& ix) {
-        if (++mt == n_mtiles) {
+        if (++mt == m_end) {
             mt = m_first;
             ++red;
             if (red < static_cast<int>(n_red)) ix = bwd_index(p, p.kv_red, owner, red);
@@ -342,6 +403,7 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
     // for the fence of the release (cumulative through bar.sync, as a grid-wide barrier releases).
     int* pending = nullptr;
     int pending_turn = 0;
+    [[maybe_unused]] int bound_red = 0;  // variants: the reduction step var is bound to
     const auto hand_on = [&]() {
         if (LATE && tid == 0 && pending != nullptr) {
             __threadfence();
@@ -352,8 +414,8 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
 
     for (int it = 0; it < n_iter; ++it) {
         const int buf = STAGES == 2 ? it % 2 : 0;
-        const int red = LEAN ? cur_red : it / (n_mtiles - m_first);
-        const int mtile = LEAN ? cur_mt : m_first + it % (n_mtiles - m_first);
+        const int red = LEAN ? cur_red : it / (m_end - m_first);
+        const int mtile = LEAN ? cur_mt : m_first + it % (m_end - m_first);
         const int i0 = mtile * BM;
         cp_async_wait<0>();
         __syncthreads();  // this tile's Q/dO/lse/delta landed (K, V too); the previous dQ is done
@@ -373,10 +435,35 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
         const unsigned int do_t = smem_addr(smem + Cfg::DO_OFF + buf * BM * Cfg::SD);
         const float* lse_t = lse_s + buf * BM;
         const float* delta_t = delta_s + buf * BM;
+        if constexpr (!V::PLAIN) {
+            if (red != bound_red) {  // a new batch entry: its bias / mask / slope / hook indices
+                const BwdIndex ix = LEAN ? cur_ix : bwd_index(p, p.kv_red, owner, red);
+                var.bind(*vpp, p.sq, p.sk, ix.i0, ix.i1, ix.i2);
+                bound_red = red;
+            }
+        }
 
         // S^T -> P^T (16-bit, A layout of the dV product).
         unsigned int pk[BM / 16][4];
-        {
+        [[maybe_unused]] float dsc[V::DSCORE ? Cfg::NT_Q : 1][4];  // d score / d t (variants)
+        if constexpr (!V::PLAIN) {
+            float s[Cfg::NT_Q][4];
+            ops.keys_by_rows<Cfg::NT_Q>(s, k_w, q_t);
+            // The warp's 16 keys against the tile's rows: per-element visibility only where the
+            // tile is partial by position (warp-uniform branch), or on the key tail / causal
+            // diagonal as in the plain kernel.
+            const int kw0 = key0 + warp * 16;
+            const bool partial =
+                kw0 + 16 > sk || (CAUSAL && kw0 + 15 > i0 + diag) ||
+                var.tile_kind(i0, min(i0 + BM, sq), kw0, kw0 + 16) != TILE_FULL;
+            if (partial)
+                bwd_variant_probs<Cfg::NT_Q, CAUSAL, true>(s, dsc, var, lse_t, i0, key_w, t4, sq,
+                                                           sk, diag, static_cast<float>(p.scale));
+            else
+                bwd_variant_probs<Cfg::NT_Q, CAUSAL, false>(s, dsc, var, lse_t, i0, key_w, t4, sq,
+                                                            sk, diag, static_cast<float>(p.scale));
+            pack_p<T, Cfg::NT_Q>(s, pk);
+        } else {
             float s[Cfg::NT_Q][4];
             ops.keys_by_rows<Cfg::NT_Q>(s, k_w, q_t);
             // Masked: keys past Sk (zero-filled K gives s = 0, not -inf) and, under the causal
@@ -414,6 +501,16 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
         // that only half of dP^T is live beside P^T and the accumulators (registers: D = 128
         // spilled with the whole of it under NVRTC 13.0).
         unsigned int dsk[BM / 16][4];
+        // dbias (a bias with return_dbias): the final score's gradient, before d score / d t,
+        // per (batch entry, row, key) to vp.dscores (the host sums it to bias's shape). Every
+        // (row, key) a block visits is written by it alone; unvisited ones stay 0.
+        [[maybe_unused]] float* dsc_out = nullptr;
+        if constexpr (!V::PLAIN && V::HAS_BIAS) {
+            if (vpp->dscores != nullptr) {
+                const BwdIndex ix = LEAN ? cur_ix : bwd_index(p, p.kv_red, owner, red);
+                dsc_out = static_cast<float*>(vpp->dscores) + bwd_flat(p, ix) * p.sq * p.sk;
+            }
+        }
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             constexpr int NH = Cfg::NT_Q / 2;  // n8 tiles per half
@@ -429,6 +526,14 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
                     // pk[nt / 2], the high half for odd e.
                     const float pv = unpack_half<T>(pk[nt / 2][(nt % 2) * 2 + e / 2], e % 2);
                     dp[i][e] = pv == 0.f ? 0.f : pv * (dp[i][e] - delta_t[qc]);
+                    if constexpr (!V::PLAIN && V::HAS_BIAS) {
+                        const int row = i0 + qc, key = key_w + 8 * (e / 2);
+                        if (dsc_out != nullptr && row < sq && key < sk)
+                            dsc_out[static_cast<long long>(row) * sk + key] = dp[i][e];
+                    }
+                    // (a masked element's derivative is never read: a hook's may be NaN there)
+                    if constexpr (!V::PLAIN && V::DSCORE)
+                        dp[i][e] = pv == 0.f ? 0.f : dp[i][e] * dsc[nt][e];
                 }
             unsigned int half[NH / 2][4];
             pack_p<T, NH>(dp, half);
@@ -463,7 +568,13 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p) {
         // first, key block 0 last. With every block starting together, that is the order in
         // which they reach the tile (block n - 1 starts BN / BM query tiles earlier), so in the
         // steady state nobody waits.
-        const int my_turn = (keys_needed<CAUSAL>(i0, BM, sq, sk) - 1) / BN - nblock;
+        int tile_keys = keys_needed<CAUSAL>(i0, BM, sq, sk);
+        if constexpr (!V::PLAIN) {  // the window: keys [j0, j1) the tile's rows see by position
+            long long j0, j1;
+            var.key_range(i0, min(i0 + BM, sq), j0, j1, p.sk);
+            tile_keys = min(tile_keys, static_cast<int>(j1));
+        }
+        const int my_turn = (tile_keys - 1) / BN - nblock;
         if (DET && tid == 0) {
             while (bwd_turn_load(turn) != my_turn) __nanosleep(32);
         }
@@ -541,7 +652,20 @@ template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB
           bool DET, int OPT>
 __global__ void __launch_bounds__(32 * NWARPS, MINB)
 cuflash_bwd_mma(const BwdParams p) {
-    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT>(p);
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT, PlainVariant>(p, nullptr);
+}
+
+// A variant's policy V (variants.cuh), VariantParams the second argument (attention variants,
+// notes/VARIANTS.md); the plain kernel above is V = PlainVariant. The body takes VariantParams by
+// pointer, null for the plain kernels: a VariantParams{} temporary there (unused) still changed
+// ptxas's integer scheduling of 11 of the 144 plain specialisations (same registers and counts
+// of every other kind; benchmarks/sass_counts.py --backward), the pointer leaves them as they
+// were. __grid_constant__: the parameter's address is taken without a local copy.
+template <typename T, int DPAD, int BM, int BN, int NWARPS, int STAGES, int MINB, bool CAUSAL,
+          bool DET, int OPT, typename V>
+__global__ void __launch_bounds__(32 * NWARPS, MINB)
+cuflash_bwd_mma_var(const BwdParams p, const __grid_constant__ VariantParams vp) {
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT, V>(p, &vp);
 }
 
 // Packed variable-length batches (common.cuh: bwd_varlen_segment): the body on the segment view
@@ -554,7 +678,7 @@ cuflash_bwd_mma_varlen(const BwdParams p_in) {
     const unsigned int nn = static_cast<unsigned int>(p_in.n_nblocks);
     const BwdParams& p = bwd_varlen_segment_shared<T, float>(p_in, blockIdx.x / nn, p_in.kv_red);
     if (static_cast<long long>(nn - 1 - blockIdx.x % nn) * BN >= p.sk) return;  // block-uniform
-    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT>(p);
+    bwd_mma_body<T, DPAD, BM, BN, NWARPS, STAGES, MINB, CAUSAL, DET, OPT, PlainVariant>(p, nullptr);
 }
 
 }  // namespace cuflash

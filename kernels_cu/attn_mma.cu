@@ -362,7 +362,9 @@ __device__ __forceinline__ bool tile_has_nonfinite(const T* smem, int row_from, 
 // the softmax in scaled units (scale_log2 = log2 e). `partial`: the tile needs per-element
 // visibility (the key tail, the causal diagonal, a window edge, a mask); on other tiles only the
 // transform runs. Rows past Sq are clamped for the policy's reads (their results are never
-// written), as are keys past Sk (masked anyway).
+// written), as are keys past Sk (masked anyway). The scale is an unfused multiply (__fmul_rn), so
+// that no contraction with the transform's additions differs between this kernel and the
+// tensor-core backward (attn_bwd_mma.cu: bwd_variant_probs), which recomputes the same logits.
 template <int NT, bool CAUSAL, bool FAST, bool PARTIAL, typename V>
 __device__ __forceinline__ void variant_scores_as(float (&s)[NT][4], const V& var, int key0,
                                                   int t4, int sq, int sk, int row_lo, int diag,
@@ -385,10 +387,10 @@ __device__ __forceinline__ void variant_scores_as(float (&s)[NT][4], const V& va
                     bool ok = key < sk;
                     if (CAUSAL) ok = ok && key <= row + diag;
                     if (V::MASKS) ok = ok && var.visible_tc(r, kc);
-                    const float t = var.template score_tc<FAST>(x * scale, r, kc, dist);
+                    const float t = var.template score_tc<FAST>(__fmul_rn(x, scale), r, kc, dist);
                     x = ok ? t : neg_inf<float>();
                 } else {
-                    x = var.template score_tc<FAST>(x * scale, r, key, dist);
+                    x = var.template score_tc<FAST>(__fmul_rn(x, scale), r, key, dist);
                 }
             }
     }

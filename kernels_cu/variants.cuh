@@ -59,11 +59,17 @@ __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 // Its error is absolute, a few units of 2^-22 c (ex2.approx and rcp.approx), which is what a
 // softmax needs (an absolute score error is a relative error of p); both ends saturate exactly
 // (2^(kx) = inf gives c, 0 gives -c) and NaN stays NaN.
-__device__ __forceinline__ float softcap_fast(float x, float c, float k) {
+// softcap_fast_r gives r = 1 / (1 + 2^(k x)), shared by the forward (softcap_fast) and the
+// tensor-core backward (score_grad_tc), which also forms the derivative from it:
+// 1 - tanh^2(x / c) = (1 - tanh)(1 + tanh) = 4 r (1 - r), with no cancellation near saturation.
+__device__ __forceinline__ float softcap_fast_r(float x, float k) {
     float e, r;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * k));
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
-    return fmaf(-2.f * c, r, c);
+    return r;
+}
+__device__ __forceinline__ float softcap_fast(float x, float c, float k) {
+    return fmaf(-2.f * c, softcap_fast_r(x, k), c);
 }
 
 // One element of a bias or mask tensor for the tensor-core kernels, as a float / a byte, through
@@ -105,6 +111,7 @@ struct Variant {
     static constexpr bool PLAIN = !WINDOW && !SOFTCAP && !ALIBI && !HAS_BIAS && !MASK;
     static constexpr bool MASKS = WINDOW || MASK;          // invisible keys beyond causal
     static constexpr bool READS = ALIBI || HAS_BIAS || MASK;
+    static constexpr bool DSCORE = SOFTCAP;                // d score / d t is not 1
 
     // Bound per batch entry (left unset for the parts that are off: never read then).
     const BiasT* bias;
@@ -175,6 +182,28 @@ struct Variant {
         if constexpr (SOFTCAP) {
             if constexpr (FAST) t = softcap_fast(t, cap_f, k_f);
             else t = cap_f * tanhf(t * inv_f);
+        }
+        if constexpr (ALIBI) t -= slope * fabsf(dist);
+        if constexpr (HAS_BIAS) t += ldg_tc(bias + i * bias_sr + (j & bias_cm));
+        return t;
+    }
+    // score_tc and its derivative d score / d t (in `ds`) at once, for the tensor-core backward
+    // (attn_bwd_mma.cu): the same score, bit for bit, as score_tc (the same instructions on the
+    // same operands), so that P matches the forward's lse.
+    template <bool FAST>
+    __device__ __forceinline__ float score_grad_tc(float t, long long i, int j, float dist,
+                                                   float& ds) const {
+        ds = 1.f;
+        if constexpr (SOFTCAP) {
+            if constexpr (FAST) {
+                const float r = softcap_fast_r(t, k_f);
+                t = fmaf(-2.f * cap_f, r, cap_f);
+                ds = 4.f * r * (1.f - r);
+            } else {
+                const float th = tanhf(t * inv_f);
+                t = cap_f * th;
+                ds = 1.f - th * th;
+            }
         }
         if constexpr (ALIBI) t -= slope * fabsf(dist);
         if constexpr (HAS_BIAS) t += ldg_tc(bias + i * bias_sr + (j & bias_cm));
@@ -255,6 +284,7 @@ struct UserVariant : Base {
     static constexpr bool PLAIN = false;
     static constexpr bool MASKS = Base::MASKS || MASK_MOD;
     static constexpr bool READS = true;   // args, and b / h exist only for real rows and keys
+    static constexpr bool DSCORE = Base::DSCORE || SCORE_MOD;
 
     const float* mod_args;
     long long mod_b, mod_h;
@@ -288,6 +318,21 @@ struct UserVariant : Base {
         float s = t;
         if constexpr (!Base::PLAIN) s = Base::template score_tc<FAST>(t, i, j, dist);
         if constexpr (SCORE_MOD) s = Hook::template score_mod<float>(s, mod_b, mod_h, i, j, mod_args);
+        return s;
+    }
+
+    // score_tc and d score / d t: the built-in parts' derivative times the hook's (grad_cuda at
+    // the built-in parts' score), as dscore.
+    template <bool FAST>
+    __device__ __forceinline__ float score_grad_tc(float t, long long i, int j, float dist,
+                                                   float& ds) const {
+        float s = t;
+        ds = 1.f;
+        if constexpr (!Base::PLAIN) s = Base::template score_grad_tc<FAST>(t, i, j, dist, ds);
+        if constexpr (SCORE_MOD) {
+            ds *= Hook::template score_grad<float>(s, mod_b, mod_h, i, j, mod_args);
+            s = Hook::template score_mod<float>(s, mod_b, mod_h, i, j, mod_args);
+        }
         return s;
     }
 

@@ -10,6 +10,11 @@ fragment tables, written here independently of the kernel), the kernel's shared-
 accumulators into A fragments (pack_p) and back (unpack_half), the dS^T stores, the dQ split
 over warps and chunks, masks, tails, block skipping, the batch loops, the dq accumulator layout
 and the turn counters of deterministic mode (checked to be taken densely in key-block order).
+With a variant's VariantParams (`vp`: window and softcap, the positional part and the transform
+with a derivative; cuflash_bwd_mma_var) it also models the window's tile skipping (the query
+tiles a key block visits, from row_range; the tile's last key block for its turn, from
+key_range), the per-element visibility and softcap's d score / d t; `visits` collects the
+(block, query tile, batch entry) triples visited.
 Arithmetic is float64 (no 16-bit rounding), so a layout mistake shows up as a wrong gradient far
 above the tolerance.
 """
@@ -148,7 +153,31 @@ def _dq_chunk(smem, c, offs, ds_tile, k_tile):
     return acc
 
 
-def bwd_mma_kernel(mem, p, grid, c, causal, det, late=False):
+def _window_ranges(vp, sq, sk):
+    """variants.cuh key_range / row_range of the window in vp (None: no window)."""
+    left, right = (int(vp["left"]), int(vp["right"])) if vp is not None else (-1, -1)
+    off = sk - sq
+
+    def key_range(r0, r1):
+        return (max(0, r0 + off - left) if left >= 0 else 0,
+                min(sk, r1 - 1 + off + right + 1) if right >= 0 else sk)
+
+    def row_range(j0, j1):
+        return (max(0, j0 - off - right) if right >= 0 else 0,
+                min(sq, j1 - 1 - off + left + 1) if left >= 0 else sq)
+
+    def visible(row, key):
+        ok = np.ones(np.broadcast(row, key).shape, bool)
+        if left >= 0:
+            ok &= key >= row + off - left
+        if right >= 0:
+            ok &= key <= row + off + right
+        return ok
+
+    return key_range, row_range, visible
+
+
+def bwd_mma_kernel(mem, p, grid, c, causal, det, late=False, vp=None, visits=None):
     """Every block of cuflash_bwd_mma, in block-index order (the order the hardware dispatches
     them, which the turn counters rely on: a block waits only for blocks dispatched before it,
     so running them one after another must find every turn ready). `late` (OPT bit
@@ -165,12 +194,22 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det, late=False):
     log2e = 1.4426950408889634
     dqa_sr = int(p["dqa_sr"])
     offs = _lane_offsets(c)
+    key_range, row_range, win_visible = _window_ranges(vp, sq, sk)
+    cap = float(vp["softcap"]) if vp is not None else 0.0
     for bid in range(grid):
         owner, nblock = bid // nn_blocks, nn_blocks - 1 - bid % nn_blocks
         key0 = nblock * c.bn
         first_row = max(key0 - diag, 0) if causal else 0
         m_first = n_mtiles if first_row >= sq else first_row // c.bm
-        n_iter = n_red * (n_mtiles - m_first)
+        m_end = n_mtiles
+        if vp is not None:  # the window's query tiles for this key block
+            r0, r1 = row_range(key0, min(key0 + c.bn, sk))
+            if r0 >= r1:
+                m_end = m_first
+            else:
+                m_first = max(m_first, r0 // c.bm)
+                m_end = max(m_first, min(n_mtiles, -(-r1 // c.bm)))
+        n_iter = n_red * (m_end - m_first)
         smem = np.full(c.half_elems, np.nan)  # unwritten shared memory is NaN
         lse_s = np.full(c.stages * c.bm, np.nan)
         delta_s = np.full(c.stages * c.bm, np.nan)
@@ -181,8 +220,8 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det, late=False):
                    c.sd)
 
         def load_rows(it):
-            red = it // (n_mtiles - m_first)
-            i0 = (m_first + it % (n_mtiles - m_first)) * c.bm
+            red = it // (m_end - m_first)
+            i0 = (m_first + it % (m_end - m_first)) * c.bm
             off = bwd_offsets(p, bwd_index(p, kv_red, owner, red))
             buf = it % 2 if c.stages == 2 else 0
             _load_tile(mem, smem, c.q_off + buf * c.bm * c.sd, int(p["q"]), off["q"], i0, c.bm,
@@ -210,8 +249,10 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det, late=False):
                 mem.write(int(p["dq_accum"]), [pending[0]], [pending[1]])
                 pending = None
             buf = it % 2 if c.stages == 2 else 0
-            red = it // (n_mtiles - m_first)
-            i0 = (m_first + it % (n_mtiles - m_first)) * c.bm
+            red = it // (m_end - m_first)
+            i0 = (m_first + it % (m_end - m_first)) * c.bm
+            if visits is not None:
+                visits.append((bid, i0 // c.bm, red))
             q_t = (c.q_off + buf * c.bm * c.sd) * 2
             do_t = (c.do_off + buf * c.bm * c.sd) * 2
             lse_t = lse_s[buf * c.bm:(buf + 1) * c.bm]
@@ -224,11 +265,23 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det, late=False):
                 s = _keys_by_rows(smem, c, offs, k_w, q_t, c.nt_q)
                 lo = key_w - i0 - diag if (causal and need_mask) else np.full(32, -c.bm)
                 real = [key_w < sk, key_w + 8 < sk]
+                dsc = np.ones((c.nt_q, 4, 32))
                 for nt in range(c.nt_q):
                     for e in range(4):
                         qc = nt * 8 + 2 * T4 + (e % 2)
-                        x = np.exp2(s[nt][e] * scale_log2 - lse_t[qc])
-                        ok = real[e // 2] & (qc >= lo + 8 * (e // 2))
+                        if vp is None:
+                            x = np.exp2(s[nt][e] * scale_log2 - lse_t[qc])
+                            ok = real[e // 2] & (qc >= lo + 8 * (e // 2))
+                        else:  # the policy: scaled score, softcap, visibility by position
+                            row, key = i0 + qc, key_w + 8 * (e // 2)
+                            t = s[nt][e] * scale
+                            if cap:
+                                th = np.tanh(t / cap)
+                                t, dsc[nt][e] = cap * th, 1.0 - th * th
+                            x = np.exp2(t * log2e - lse_t[qc])
+                            ok = (key < sk) & win_visible(row, key)
+                            if causal:
+                                ok &= key <= row + diag
                         s[nt][e] = np.where(ok, x, 0.0)
                 pk = pack_p(s)
                 _keys_by_cols(smem, c, offs, dv_acc[w], pk, do_t)
@@ -241,7 +294,8 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det, late=False):
                         for e in range(4):
                             qc = nt * 8 + 2 * T4 + (e % 2)
                             pv = pk[nt // 2][(nt % 2) * 2 + e // 2][:, e % 2]
-                            dp[i][e] = np.where(pv == 0, 0.0, pv * (dp[i][e] - delta_t[qc]))
+                            dp[i][e] = np.where(pv == 0, 0.0,
+                                                pv * (dp[i][e] - delta_t[qc]) * dsc[nt][e])
                     dsk[hf * (nh // 2):(hf + 1) * (nh // 2)] = pack_p(dp)
                 for kk in range(c.bm // 16):
                     for wd in range(4):
@@ -256,6 +310,8 @@ def bwd_mma_kernel(mem, p, grid, c, causal, det, late=False):
             dqa_off = bwd_offsets(p, bwd_index(p, kv_red, owner, red))["dqa"]
             turn_at = dqa_off + i0 * dqa_sr + c.dpad
             n_keys = min(sk, min(i0 + c.bm, sq) - 1 + diag + 1) if causal else sk
+            if vp is not None:
+                n_keys = min(n_keys, key_range(i0, min(i0 + c.bm, sq))[1])
             my_turn = (n_keys - 1) // c.bn - nblock
             if det:
                 got = mem.read(dqa, [turn_at])[0]
@@ -312,8 +368,9 @@ def convert_dq(mem, p, grid):
                   float(p["scale"]) * acc)
 
 
-def run_plan_launches(mem, launches, bplan, causal):
-    """Run the launches recorded from launch_backward for a tensor-core plan."""
+def run_plan_launches(mem, launches, bplan, causal, visits=None):
+    """Run the launches recorded from launch_backward for a tensor-core plan (a launch's
+    parameters: BwdParams, or (BwdParams, VariantParams) for a variant's kernel)."""
     kern = bplan.passes[0][1]
     name = kern.spec.name
     targs = [x.strip() for x in name[name.index("<") + 1:name.rindex(">")].split(",")]
@@ -325,11 +382,16 @@ def run_plan_launches(mem, launches, bplan, causal):
     c = Cfg(dpad, bm, bn, nwarps, stages)
     assert c.smem_bytes == kern.smem_bytes, "the host's shared-memory size is BwdMmaConfig's"
     for spec_name, grid, threads, params in launches:
+        vp = None
+        if isinstance(params, tuple):
+            params, vp = params if len(params) == 2 else (params[0], None)
         if "cuflash_bwd_preprocess" in spec_name:
             preprocess(mem, params, grid)
         elif "cuflash_bwd_mma" in spec_name:
             assert threads == 32 * nwarps
-            bwd_mma_kernel(mem, params, grid, c, causal, det, late=bool(opt & 2))
+            assert (vp is not None) == ("cuflash_bwd_mma_var<" in spec_name)
+            bwd_mma_kernel(mem, params, grid, c, causal, det, late=bool(opt & 2), vp=vp,
+                           visits=visits)
         elif "cuflash_bwd_convert_dq" in spec_name:
             convert_dq(mem, params, grid)
         else:

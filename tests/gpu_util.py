@@ -172,12 +172,15 @@ def skip_unsupported_dtype(dtype):
 
 
 def check_variant_case(q, k, v, qg, kg, vg, kw, dkw, *, causal, dtype, rng, seed,
-                       kernel="generic"):
+                       kernel="generic", bwd_kernel=None, deterministic=False):
     """One attention variant (built-in parts or user hooks) on the GPU against the float64
     references: the forward with `kernel` ("generic" or "tensorcore", asserted through
     dispatch_info) into NaN-poisoned o and lse under `pass_threshold` (and the lse rule
     of `check_against_reference`), then the backward (dbias too when `kw` has a bias) into
-    poisoned buffers under `grad_pass_threshold`, from that forward's o and lse. `kw` holds the
+    poisoned buffers under `grad_pass_threshold`, from that forward's o and lse, with
+    `bwd_kernel` ("generic" or "tensorcore", asserted through backward_dispatch_info; None: the
+    forward's kernel where the tensor-core backward takes the dtype and D, else "generic") and
+    `deterministic` (then a second backward must equal the first bit for bit). `kw` holds the
     variant as NumPy arrays (for the references), `dkw` on the device. Returns (dispatch label,
     o on the host, lse on the host)."""
     import cuflash
@@ -202,9 +205,26 @@ def check_variant_case(q, k, v, qg, kg, vg, kw, dkw, *, causal, dtype, rng, seed
 
     do = reference.round_to(rng.standard_normal(batch + (sq, dv)), dtype)
     with_bias = kw.get("bias") is not None
-    outs = tuple(poisoned(x.shape, dtype) for x in (qg, kg, vg))
-    grads = cuflash.attention_backward(to_gpu(do, dtype), qg, kg, vg, o, lse, causal=causal,
-                                       out=outs, return_dbias=with_bias, **dkw)
+    if bwd_kernel is None:   # the tensor-core backward: 16-bit, D <= 128 (TC_BWD_CONFIGS)
+        tc = kernel == "tensorcore" and dtype in ("float16", "bfloat16") and q.shape[-1] <= 128
+        bwd_kernel = "tensorcore" if tc else "generic"
+    dog = to_gpu(do, dtype)
+    blabel = cuflash.backward_dispatch_info(dog, qg, kg, vg, o, lse, causal=causal,
+                                            deterministic=deterministic, kernel=bwd_kernel,
+                                            return_dbias=with_bias, **dkw)
+    assert blabel.startswith(f"{bwd_kernel}-bwd<"), blabel
+
+    def backward():
+        outs = tuple(poisoned(x.shape, dtype) for x in (qg, kg, vg))
+        return cuflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal, out=outs,
+                                          return_dbias=with_bias, kernel=bwd_kernel,
+                                          deterministic=deterministic, **dkw)
+
+    grads = backward()
+    if deterministic:
+        again = backward()
+        for gname, a, b in zip(("dq", "dk", "dv", "dbias"), grads, again):
+            assert cp.array_equal(a, b, equal_nan=True), (gname, blabel, seed)
     ref = reference.attention_backward_ref(do, q, k, v, causal=causal, return_dbias=with_bias,
                                            **kw)
     tols, _ = reference.grad_pass_threshold(do, q, k, v, causal=causal, dtype=dtype, ref=ref,
@@ -215,5 +235,5 @@ def check_variant_case(q, k, v, qg, kg, vg, kw, dkw, *, causal, dtype, rng, seed
         assert g.shape == r.shape, gname
         assert np.isfinite(g).all(), (gname, seed)
         err = float(np.abs(g - r).max())
-        assert err <= t, f"{gname}: {err:.3g} > {t:.3g} ({label}, seed {seed})"
+        assert err <= t, f"{gname}: {err:.3g} > {t:.3g} ({label}, {blabel}, seed {seed})"
     return label, to_host64(o), lse_h

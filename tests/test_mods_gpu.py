@@ -1,5 +1,7 @@
 """GPU tests of the user hooks (score_mod / mask_mod, cuflash/mods.py), forward on the generic and
-the mma.sync tensor-core kernels (float64: generic only), backward on the generic kernels, against the float64 references under the project's pass rule
+the mma.sync tensor-core kernels (float64: generic only), backward on the same family (the
+tensor-core backward for float16 / bfloat16, the generic one for float32 / float64), against the
+float64 references under the project's pass rule
 (reference.pass_threshold / grad_pass_threshold), on fresh random inputs with every output
 poisoned with NaN: tails, Sq != Sk, causal on and off, broadcast kv heads, a strided q, rows
 without keys, hooks composed with built-in parts. Skipped without a GPU."""
@@ -91,6 +93,27 @@ def test_hooks_forward_backward(name, causal, dtype, strided, sq, sk, kernel):
     assert "_mod[" in label, label
     if name == "empty_rows":
         assert np.all(o[..., 1::2, :] == 0) and np.all(np.isneginf(lse[..., 1::2]))
+
+
+# The hooks on the tensor-core backward with their own tiles (_dispatch_variants.
+# TC_BWD_HOOK_CONFIGS), deterministic (a second run equal bit for bit), D = 64 (at D = 128 hooks
+# take the generic backward: TC_BWD_HOOK_MAX_D), with a head dim below the bucket (D = 40).
+@pytest.mark.parametrize("name,causal,dtype", [("rel_bias", True, "float16"),
+                                               ("composed", True, "bfloat16"),
+                                               ("empty_rows", False, "float16")])
+@pytest.mark.parametrize("d", [64, 40])
+def test_hooks_tensorcore_backward_deterministic(name, causal, dtype, d):
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes")
+    rng = _rng("tc-bwd-det", name, causal, dtype, d)
+    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, 113, 250, d, d, dtype)
+    q = q * 2.0
+    kw = _host_hooks(name, rng, 113, 250)
+    dkw = _to_device(kw)
+    qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
+    check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
+                       seed=SEED, kernel="tensorcore", bwd_kernel="tensorcore",
+                       deterministic=True)
 
 
 def test_hook_compile_error_before_any_launch():

@@ -1,6 +1,7 @@
 """GPU tests of the attention variants (window, softcap, ALiBi, bias, mask), forward on the generic
 and the mma.sync tensor-core kernels (float16, bfloat16, float32: both; float64: generic), each
-followed by the backward (generic kernels; dbias included) from that forward's o and lse, against
+followed by the backward from that forward's o and lse (dbias included) on the same family
+(the tensor-core backward for float16 / bfloat16 up to D = 128, else the generic one), against
 the float64 references under the project's pass rule (reference.pass_threshold /
 grad_pass_threshold), on fresh random inputs with every output poisoned with NaN. Tails,
 Sq != Sk, causal on and off, broadcast heads, rows without keys. Skipped without a GPU."""
@@ -63,16 +64,16 @@ KERNEL_CASES = [c + (kern,) for c in CASES
                 for kern in (("generic",) if c[2] == "float64" else ("generic", "tensorcore"))]
 
 
-def _run_case(name, causal, dtype, sq, sk, kernel, d=64):
+def _run_case(name, causal, dtype, sq, sk, kernel, d=64, kw=None, deterministic=False):
     if dtype == "bfloat16" and bf16_dtype() is None:
         pytest.skip("bfloat16 on the GPU needs ml_dtypes")
-    rng = _rng(name, causal, dtype, sq, sk, kernel, d)
+    rng = _rng(name, causal, dtype, sq, sk, kernel, d, deterministic)
     q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, dtype)
-    kw = _host_variant(name, rng, sq, sk, dtype)
+    kw = _host_variant(name, rng, sq, sk, dtype) if kw is None else kw
     dkw = _to_device(kw)
     qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
     return check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype,
-                              rng=rng, seed=SEED, kernel=kernel)
+                              rng=rng, seed=SEED, kernel=kernel, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("sq,sk", SHAPES)
@@ -88,6 +89,51 @@ def test_variant_forward_backward(name, causal, dtype, kernel, sq, sk):
     ("softcap", False, "bfloat16", 192), ("combined", True, "float32", 128)])
 def test_variant_tensorcore_head_dims(name, causal, dtype, d):
     _run_case(name, causal, dtype, 113, 1000, "tensorcore", d=d)
+
+
+# The tensor-core backward (cuflash_bwd_mma_var) with windows of several reaches: key blocks
+# and query tiles skipped on both sides, the causal intersection, a window wider than the
+# sequences; deterministic (dense turns over the visited key blocks; a second run equal bit for
+# bit) and not, D = 64 and 128, Sq != Sk both ways, broadcast kv heads.
+WINDOWS = [(0, 0), (1, 0), (16, 16), (100, 3), (-1, 33), (200, -1), (5, 10 ** 6)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal,det,dtype,d,sq,sk", [
+    (False, True, "float16", 64, 300, 1000), (True, True, "bfloat16", 64, 1000, 300),
+    (True, False, "float16", 128, 700, 700), (False, True, "float16", 128, 113, 1000)])
+def test_variant_tensorcore_backward_windows(window, causal, det, dtype, d, sq, sk):
+    _run_case(f"window{window}", causal, dtype, sq, sk, "tensorcore", d=d,
+              kw=dict(window=window), deterministic=det)
+
+
+# Every part on the tensor-core backward, deterministic (the dbias path's dscores written by one
+# block per element; softcap's derivative; ALiBi and the mask), D = 64 and 128.
+@pytest.mark.parametrize("name", ["combined", "softcap", "bias-head", "mask-empty-rows", "alibi"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_variant_tensorcore_backward_deterministic(name, d):
+    _run_case(name, name == "combined", "float16", 113, 250, "tensorcore", d=d,
+              deterministic=True)
+
+
+def test_variant_backward_dispatch():
+    """kernel="auto" takes the tensor-core backward for a float16 variant (the label names its
+    parts); float32 falls back to the generic one and backward_dispatch_info says why;
+    kernel="tensorcore" then raises naming the variant."""
+    cp = cupy()
+    q = cp.ones((1, 2, 64, 64), dtype=cp.float16)
+    lse = cp.zeros((1, 2, 64), dtype=cp.float32)
+    label = cuflash.backward_dispatch_info(q, q, q, q, q, lse, window=(8, 0), softcap=3.0)
+    assert label.startswith("tensorcore-bwd<float16,D64,") and \
+        label.endswith(",full,window,softcap>"), label
+    q32 = q.astype(cp.float32)
+    label = cuflash.backward_dispatch_info(q32, q32, q32, q32, q32, lse, window=(8, 0))
+    assert label.startswith("generic-bwd<float32,") and \
+        "(tensor-core backward not used: it takes float16" in label, label
+    with pytest.raises(ValueError, match=r"kernel='tensorcore' cannot run this backward with "
+                                         r"the attention variant \(window\)"):
+        cuflash.attention_backward(q32, q32, q32, q32, q32, lse, window=(8, 0),
+                                   kernel="tensorcore")
 
 
 def test_variant_dispatch():
