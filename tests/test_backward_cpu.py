@@ -467,6 +467,8 @@ def test_backward_plans():
         _dispatch.backward_plan_for(prob, 80)
     prob.kernel = "auto"
     assert _dispatch.backward_plan_for(prob, 90).label == \
+        "hopper-bwd<float16,D64,BM128,BN128,full>"  # _dispatch.HOPPER_BWD_AUTO
+    assert _dispatch.backward_plan_for(prob, 80).label == \
         "tensorcore-bwd<float16,D64,BM64,BN128,lean,full>"
     assert _dispatch.backward_plan_for(prob, 75).label == "generic-bwd<float16,D64,full>"
     prob.deterministic = True
