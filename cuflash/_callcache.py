@@ -53,7 +53,7 @@ def _tables():
     unique while it exists."""
     d = _dispatch
     return (d.TC_CONFIGS, d.TC_ARCH_CONFIGS, d.TC_F32_CONFIGS, d.TC_F32_ARCH_CONFIGS,
-            d.HOPPER_TABLE, d.plan_for)
+            d.HOPPER_TABLE, d.HOPPER_F32_FORM, d.plan_for)
 
 
 class _Layout:
