@@ -350,14 +350,15 @@ HOPPER_F16SPLIT_TABLE = {
 HOPPER_F32_FORM = {"highest": "3xfp16"}
 
 
-def _hopper_f32_form(precision: str) -> str:
+def hopper_f32_form(precision: str) -> str:
+    """The Hopper float32 form `precision` takes: "3xfp16", "3xtf32" or "tf32"."""
     return HOPPER_F32_FORM.get(precision, F32_TERMS[precision][1])
 
 
 def hopper_f32_head_dims(precision: str, form: Optional[str] = None):
     """The padded head dims of the Hopper float32 form of `precision` (`form`: as
     HOPPER_F32_FORM chooses)."""
-    form = form or (_hopper_f32_form(precision) if precision in F32_TERMS else None)
+    form = form or (hopper_f32_form(precision) if precision in F32_TERMS else None)
     if form == "3xfp16":
         return set(HOPPER_F16SPLIT_TABLE)
     return {dp for dp, mode in HOPPER_F32_TABLE if mode == precision}
@@ -375,7 +376,7 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
     F32_TERMS, HOPPER_F32_TABLE), or `form` ("3xfp16", or F32_TERMS' mode of `precision`: "3xtf32"
     / "tf32") where given; 16-bit dtypes ignore both."""
     f32 = dtype_name == "float32"
-    form = form or (_hopper_f32_form(precision) if f32 else None)
+    form = form or (hopper_f32_form(precision) if f32 else None)
     f16split = f32 and form == "3xfp16"
     if f16split:
         if precision != "highest":

@@ -116,7 +116,8 @@ def _pv(ph, pl, vh, vl, ksteps, extra_bits, o=None, f=1.0, fused=False):
 
 
 def hopper_f32_model(q, k, v, *, causal=False, scale=None, form="3xfp16", bm=128, bn=64,
-                     rng=None, extra_bits=0, kstep=None, promote_pv=None, fused=False):
+                     rng=None, extra_bits=0, kstep=None, promote_pv=None, fused=False,
+                     p16_log2=P16_LOG2, lazy=True):
     """float64 output of the modelled Hopper float32 "highest" kernel on float32-representable
     inputs q (..., Sq, D), k, v (..., Sk, D), equal batch shapes.
 
@@ -175,14 +176,14 @@ def hopper_f32_model(q, k, v, *, causal=False, scale=None, form="3xfp16", bm=128
                     keep = (np.arange(kt.start, kt.stop)[None, :]
                             <= np.arange(i0, i0 + nq)[:, None] + (sk - sq))
                     s = np.where(keep, s, f32(-np.inf))
-                p, m, l, alpha = softmax_tile(s, m, l, c, rng)
+                p, m, l, alpha = softmax_tile(s, m, l, c, rng, 8.0 if lazy else 0.0)
                 o = (o * alpha[..., None]).astype(f32)
                 psteps = _steps(p.shape[-1], 16 if f16 else 8)
                 if f16:
-                    pp = (p * f32(2 ** P16_LOG2)).astype(f32)
+                    pp = (p * f32(2 ** p16_log2)).astype(f32)
                     ph = pp.astype(np.float16).astype(f32)
                     pl = (pp - ph).astype(np.float16)
-                    f = np.ldexp(1.0, -(P16_LOG2 + ev[j]))[..., None, None]
+                    f = np.ldexp(1.0, -(p16_log2 + ev[j]))[..., None, None]
                     ph, pl = ph.astype(np.float64), pl.astype(np.float64)
                 else:
                     f = 1.0

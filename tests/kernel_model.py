@@ -156,13 +156,14 @@ def perturbed_exp2(x, rng):
     return y
 
 
-def softmax_tile(s, m, l, c, rng):
-    """One key tile of the kernels' online softmax (common.cuh: softmax_step, lazy rescale) on
-    float32 scores s (..., rows, keys) with c = scale log2(e): returns (p, m, l, alpha), where O
-    must be multiplied by alpha (per row) before the tile's P V is added."""
+def softmax_tile(s, m, l, c, rng, rescale_log2=RESCALE_LOG2):
+    """One key tile of the kernels' online softmax (common.cuh: softmax_step, lazy rescale; with
+    rescale_log2 = 0 every rescale is taken, LAZY = false) on float32 scores s (..., rows, keys)
+    with c = scale log2(e): returns (p, m, l, alpha), where O must be multiplied by alpha (per
+    row) before the tile's P V is added."""
     f32 = np.float32
     mx = np.maximum(m, s.max(axis=-1))
-    grow = (mx - m) * c > RESCALE_LOG2
+    grow = (mx - m) * c > rescale_log2
     alpha = np.where(grow, np.exp2(((m - mx) * c).astype(f32)), f32(1)).astype(f32)
     m = np.where(grow, mx, m)
     m_c = np.where(m == -np.inf, 0.0, (m * c).astype(f32).astype(np.float64))
