@@ -73,10 +73,12 @@ DEFAULT_WARMUP = 5
 
 # Implementations in table order. cuflash-tensorcore forces the mma.sync kernel (what "auto" runs
 # before Hopper, and for float32 everywhere for now: _dispatch.HOPPER_F32_AUTO), cuflash-hopper
-# the Hopper kernel (for float32 its 3xTF32 wgmma form; cuflash-hopper-high its one-pass TF32
-# form), cuflash-generic the scalar audit kernel: all off by default.
+# the Hopper kernel (for float32 "highest" its fp16-split form, 3xfp16: _dispatch.HOPPER_F32_FORM;
+# cuflash-hopper-3xtf32 its 3xTF32 wgmma form; cuflash-hopper-high its one-pass TF32 form),
+# cuflash-generic the scalar audit kernel: all off by default.
 IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-hopper",
-         "cuflash-hopper-det", "cuflash-hopper-high", "cuflash-generic", "torch-flash",
+         "cuflash-hopper-det", "cuflash-hopper-3xtf32", "cuflash-hopper-high", "cuflash-generic",
+         "torch-flash",
          "torch-cudnn",
          "torch-efficient", "torch-math", "cupy-naive")
 DEFAULT_IMPLS = ("cuflash", "torch-flash", "torch-cudnn", "torch-efficient", "cupy-naive")
@@ -880,17 +882,34 @@ class Impl:
 
 class CuflashImpl(Impl):
 
-    def __init__(self, env, args, kernel, precision=None, deterministic=False):
+    def __init__(self, env, args, kernel, precision=None, deterministic=False, f32_form=None):
         super().__init__(env, args)
         self.kernel = kernel
         self.precision = precision
         self.deterministic = deterministic
+        self.f32_form = f32_form  # the Hopper float32 form's table in place of HOPPER_F32_FORM
         self.name = "cuflash" if kernel == "auto" else f"cuflash-{kernel}"
         if precision is not None:
             self.name = f"cuflash-{precision}" if kernel == "auto" else f"{self.name}-{precision}"
         if deterministic:
             self.name = "cuflash-det" if kernel == "auto" else f"cuflash-{kernel}-det"
+        if f32_form is not None:
+            self.name = f"{self.name}-{f32_form.get('highest', '3xtf32')}"
         self.use_out = True
+
+    @contextlib.contextmanager
+    def context(self):
+        """With f32_form: _dispatch.HOPPER_F32_FORM replaced while this implementation runs."""
+        if self.f32_form is None:
+            yield
+            return
+        from cuflash import _dispatch
+        saved = _dispatch.HOPPER_F32_FORM
+        _dispatch.HOPPER_F32_FORM = self.f32_form
+        try:
+            yield
+        finally:
+            _dispatch.HOPPER_F32_FORM = saved
 
     def unavailable(self):
         if self.deterministic and self.args.pass_ != "backward":
@@ -905,8 +924,10 @@ class CuflashImpl(Impl):
         s = sets[0]
         if self.args.pass_ == "backward":
             return getattr(self, "backward_label", "?")
-        return str(self.env.cuflash.dispatch_info(s.cq, s.ck, s.cv, causal=pt["causal"],
-                                                  kernel=self.kernel, precision=self.precision))
+        with self.context():
+            return str(self.env.cuflash.dispatch_info(s.cq, s.ck, s.cv, causal=pt["causal"],
+                                                      kernel=self.kernel,
+                                                      precision=self.precision))
 
     def prepare_backward(self, pt, sets, scale):
         """The forward of every input set (o, lse) is run here, untimed; a timed call is one
@@ -1120,6 +1141,8 @@ def make_impls(env, args):
             impls.append(CuflashImpl(env, args, "hopper", deterministic=True))
         elif name == "cuflash-hopper-high":
             impls.append(CuflashImpl(env, args, "hopper", precision="high"))
+        elif name == "cuflash-hopper-3xtf32":  # "highest" in its 3xTF32 wgmma form
+            impls.append(CuflashImpl(env, args, "hopper", f32_form={}))
         elif name in TorchSDPAImpl.BACKENDS:
             impls.append(TorchSDPAImpl(env, args, name))
         elif name == "cupy-naive":

@@ -307,7 +307,8 @@ def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None, windo
     """The name of the kernel `attention` would run for these arguments, e.g.
     ``"cpu-numpy"``, ``"generic<float16,D64,full>"`` or
     ``"tensorcore<float32,3xtf32,D128,BM64,BN64,stagedO,full>"`` (float32 on the tensor cores names
-    its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"). With a variant
+    its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"; the Hopper kernel's
+    "highest" names ``3xfp16``, its fp16-split form). With a variant
     (window, softcap, alibi_slopes, bias, mask, user hooks) the label names its parts, e.g.
     ``"tensorcore<float16,D64,BM64,BN64,stagedO,causal,window,softcap>"``, and, where the
     tensor-core kernel was passed over, why, e.g. ``"generic<float64,D64,full,window> (the

@@ -288,10 +288,11 @@ class GpuDevice(Device):
 
 def short_kernel(name: str) -> str:
     """A kernel label's family, with float32's product mode where it has one:
-    "tensorcore<float32,3xtf32,D128,...>" -> "tensorcore/3xtf32"."""
+    "tensorcore<float32,3xtf32,D128,...>" -> "tensorcore/3xtf32" (also "3xfp16": the Hopper
+    kernel's fp16-split form)."""
     family, _, rest = name.partition("<")
     parts = rest.split(",")
-    if len(parts) > 1 and parts[1] in ("3xtf32", "tf32"):
+    if len(parts) > 1 and parts[1] in ("3xtf32", "3xfp16", "tf32"):
         return f"{family}/{parts[1]}"
     return family
 

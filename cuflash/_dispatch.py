@@ -253,10 +253,17 @@ class HopperTiles(NamedTuple):
     def bm(self) -> int:
         return 64 * self.consumers
 
-    def smem_bytes(self, dpad: int, itemsize: int = 2, terms: int = 1) -> int:
+    def smem_bytes(self, dpad: int, itemsize: int = 2, terms: int = 1,
+                   f16split: bool = False) -> int:
         """Dynamic shared memory (attn_wgmma.cu: WgmmaConfig::SMEM). float32 (itemsize 4): hi
         and, for terms = 3, lo copies of the Q, K and V^T tiles, one V staging tile, and the
-        "landed" barriers."""
+        "landed" barriers. f16split (the 3xfp16 form): the float32 tiles, rewritten in place as
+        fp16 hi and lo panels, the barriers and the tiles' exponents."""
+        if f16split:
+            bars = 8 * (3 * self.q_stages + 6 * self.stages)
+            exps = (4 * (self.q_stages + 2 * self.stages + 4) + 7) // 8 * 8
+            return (1024 + 4 * dpad * (self.q_stages * self.bm + 2 * self.stages * self.bn)
+                    + bars + exps)
         split = 2 if terms == 3 else 1
         f32 = itemsize == 4
         return (1024 + split * (self.q_stages * self.bm * dpad * itemsize
@@ -325,6 +332,38 @@ HOPPER_F32_TABLE = {
 }
 
 
+#: The fp16-split form of float32 "highest" (notes/FLOAT32.md, "fp16 split"): each float32 tile
+#: as fp16 hi + lo parts of x * 2^e (one power of two per tile), three fp16 wgmma products per
+#: multiply-add at twice the TF32 rate, V N-major as in the 16-bit kernel. {padded head dim:
+#: tiles}, one block per SM, persistent. Shared memory (the float32 tiles, rewritten in place):
+#: D = 64 BN = 64 three stages 132 KiB, D = 128 BN = 64 two stages 193 KiB. BN = 64 and no
+#: overlapped softmax from the consumers' registers (S, its small products and two promoted
+#: steps: 4 x BN / 2; O and one tile's P V: 2 x D / 2). Not run on a GPU yet.
+HOPPER_F16SPLIT_TABLE = {
+    64: _F32_C2._replace(stages=3, overlap=False),
+    128: _F32_C2._replace(overlap=False),
+}
+#: The float32 form each precision takes on Hopper where it is not F32_TERMS' TF32 one: "highest"
+#: takes 3xfp16; {"highest": "3xtf32"} (or {}) selects the 3xTF32 form (HOPPER_F32_TABLE) again
+#: (benchmarks/bench.py: cuflash-hopper-3xtf32). Replace the dict rather than edit it: the call
+#: cache (_callcache) notices a new dict.
+HOPPER_F32_FORM = {"highest": "3xfp16"}
+
+
+def hopper_f32_form(precision: str) -> str:
+    """The Hopper float32 form `precision` takes: "3xfp16", "3xtf32" or "tf32"."""
+    return HOPPER_F32_FORM.get(precision, F32_TERMS[precision][1])
+
+
+def hopper_f32_head_dims(precision: str, form: Optional[str] = None):
+    """The padded head dims of the Hopper float32 form of `precision` (`form`: as
+    HOPPER_F32_FORM chooses)."""
+    form = form or (hopper_f32_form(precision) if precision in F32_TERMS else None)
+    if form == "3xfp16":
+        return set(HOPPER_F16SPLIT_TABLE)
+    return {dp for dp, mode in HOPPER_F32_TABLE if mode == precision}
+
+
 #: What the wider query block of three consumers (BM = 192) gains per useful row over two
 #: (BM = 128) where both are fully used (HOPPER_TABLE's note: +8-19% at D = 64 without the mask).
 HOPPER_C3_GAIN = 1.15
@@ -349,13 +388,26 @@ def hopper_choice(dpad: int, causal: bool, sk: int, sq: Optional[int] = None):
 
 
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
-                precision: str = "highest", sq: Optional[int] = None) -> Plan:
-    """The Hopper kernel for these inputs; float32 takes the TF32 form with the products of
-    `precision` (F32_TERMS, HOPPER_F32_TABLE), 16-bit dtypes ignore it. `sq` (None: not known)
-    lets short query counts take narrower query blocks (hopper_choice)."""
+                precision: str = "highest", form: Optional[str] = None,
+                sq: Optional[int] = None) -> Plan:
+    """The Hopper kernel for these inputs; float32 takes the form HOPPER_F32_FORM gives
+    `precision` ("3xfp16": HOPPER_F16SPLIT_TABLE; else the TF32 form with the products of
+    F32_TERMS, HOPPER_F32_TABLE), or `form` ("3xfp16", or F32_TERMS' mode of `precision`: "3xtf32"
+    / "tf32") where given; 16-bit dtypes ignore both. `sq` (None: not known) lets short query
+    counts take narrower query blocks (hopper_choice)."""
     f32 = dtype_name == "float32"
-    if f32:
-        dpad = head_dim_bucket(d, {dp for dp, mode in HOPPER_F32_TABLE if mode == precision})
+    form = form or (hopper_f32_form(precision) if f32 else None)
+    f16split = f32 and form == "3xfp16"
+    if f16split:
+        if precision != "highest":
+            raise ValueError(f"the 3xfp16 form is precision='highest' only (got {precision!r})")
+        dpad = head_dim_bucket(d, hopper_f32_head_dims(precision, form))
+        cfg, persistent = HOPPER_F16SPLIT_TABLE[dpad], True
+        terms, mode = 3, "3xfp16"
+    elif f32:
+        if form != F32_TERMS[precision][1]:
+            raise ValueError(f"precision={precision!r} has no Hopper float32 form {form!r}")
+        dpad = head_dim_bucket(d, hopper_f32_head_dims(precision, form))
         cfg, persistent = HOPPER_F32_TABLE[(dpad, precision)], True
         terms, mode = F32_TERMS[precision]
     else:
@@ -365,14 +417,16 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
     cxx_bool = {True: "true", False: "false"}
     name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {cfg.bn}, "
             f"{cfg.stages}, {cfg.q_stages}, {cfg.consumers}, {cxx_bool[bool(cfg.overlap)]}, "
-            f"{cxx_bool[bool(cfg.pingpong)]}, {cxx_bool[bool(causal)]}>")
+            f"{cxx_bool[bool(cfg.pingpong)]}, {cxx_bool[bool(causal)]}"
+            f"{', cuflash::fp16_t' if f16split else ''}>")
     label = (f"hopper<{dtype_name},{mode + ',' if mode else ''}D{dpad},BM{cfg.bm},BN{cfg.bn},"
              f"S{cfg.stages},Q{cfg.q_stages},"
              f"{'overlap,' if cfg.overlap else ''}{'pingpong,' if cfg.pingpong else ''}"
              f"{'persistent,' if persistent else ''}{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_wgmma", name, arch="sm_90a"),
                 block_m=cfg.bm, block_n=cfg.bn, threads=128 * (cfg.consumers + 1),
-                smem_bytes=cfg.smem_bytes(dpad, 4 if f32 else 2, terms), persistent=persistent,
+                smem_bytes=cfg.smem_bytes(dpad, 4 if f32 else 2, terms, f16split),
+                persistent=persistent,
                 pairs=bool(causal))
 
 
@@ -384,7 +438,7 @@ def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     if prob.dtype_name not in HOPPER_DTYPES + ("float32",):
         return f"it takes float16, bfloat16 and float32 inputs, not {prob.dtype_name}"
     if prob.dtype_name == "float32":
-        dims = [dp for dp, mode in HOPPER_F32_TABLE if mode == prob.precision]
+        dims = sorted(hopper_f32_head_dims(prob.precision))
         if not dims:
             return f"its float32 form has no precision={prob.precision!r} mode"
         if not 64 <= prob.d <= max(dims) or prob.d % 8:
@@ -480,9 +534,14 @@ def all_specialisations(compute_capability: int = 90):
                     plan = hopper_plan(dt, dpad, causal, HOPPER_LONG_SK + long_keys, sq=sq)
                     if plan not in plans:
                         plans.append(plan)
-        for dpad, precision in HOPPER_F32_TABLE:
+        for dpad, precision in HOPPER_F32_TABLE:  # the TF32 forms (3xTF32 stays selectable)
             for causal in (False, True):
-                plans.append(hopper_plan("float32", dpad, causal, 1024, precision))
+                plans.append(hopper_plan("float32", dpad, causal, 1024, precision,
+                                         form=F32_TERMS[precision][1]))
+        for dpad in HOPPER_F16SPLIT_TABLE:
+            for causal in (False, True):
+                plans.append(hopper_plan("float32", dpad, causal, 1024, "highest",
+                                         form="3xfp16"))
     return plans
 
 

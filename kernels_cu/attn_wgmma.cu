@@ -89,30 +89,46 @@ static_assert(sizeof(HopperParams) == 640, "HopperParams layout");
 // write their lo parts, x - hi rounded, into tiles of their own for TERMS = 3), transpose V into
 // V^T (keys contiguous: tf32 wgmma takes K-major B only) with its hi (and lo) parts, and then
 // complete the "full" barriers the consumers wait on. 16-bit T: TERMS = 1 and none of this.
-template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS_>
+// OP: the operand type the tensor cores see, T for 16-bit T. For T = float, OP = float is the TF32
+// form above, OP = fp16_t the fp16-split form (TERMS = 3, "3xfp16"; notes/FLOAT32.md, "fp16
+// split"): TMA lands the float32 tiles, and the producer rewrites each one in place as fp16 hi and
+// lo parts of x * 2^e (one power of two e per tile, published next to the barriers), panel by
+// panel: the float32 panels 2 p and 2 p + 1 (columns 64 p ...) become the fp16 hi and lo panels of
+// those 64 columns, in the 16-bit kernel's layout (so V stays N-major, no transpose).
+template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS_,
+          typename OP = T>
 struct WgmmaConfig {
+    using Op = OP;
     static constexpr bool F32 = sizeof(T) == 4;
+    static constexpr bool F16S = F32 && sizeof(OP) == 2;  // the fp16-split form
+    static constexpr bool TF32 = F32 && !F16S;
     // One-pass TF32 takes every rescale (common.cuh: softmax_step, RESCALE_LOG2).
     static constexpr bool LAZY = !(F32 && TERMS == 1);
-    static constexpr int SPLIT = TERMS == 3 ? 2 : 1;    // hi (and lo) copies of each tile
+    static constexpr int SPLIT = TF32 && TERMS == 3 ? 2 : 1;  // hi (and lo) copies of each tile
+    static constexpr int PITCH = F16S ? 2 : 1;          // operand panels per 64 columns (hi, lo)
     static constexpr int CONSUMERS = CONSUMERS_;        // consumer warpgroups, 64 rows each
     static constexpr int BM = 64 * CONSUMERS;           // query rows per block
     static constexpr int THREADS = 128 * (CONSUMERS + 1);
-    static constexpr int EPP = 128 / static_cast<int>(sizeof(T));  // elements per panel row
-    static constexpr int KSTEP = 32 / static_cast<int>(sizeof(T));  // k of one wgmma: 16 or 8
+    static constexpr int EPP = 128 / static_cast<int>(sizeof(OP));  // operand elements per panel row
+    static constexpr int KSTEP = 32 / static_cast<int>(sizeof(OP));  // k of one wgmma: 16 or 8
     static constexpr int PANELS = DPAD / EPP;           // 128-byte swizzled panels of columns
+    static constexpr int RAW_EPP = 128 / static_cast<int>(sizeof(T));  // as TMA writes them
+    static constexpr int RAW_PANELS = DPAD / RAW_EPP;
     static constexpr int Q_PANEL = BM * 128;            // bytes per panel
     static constexpr int KV_PANEL = BN * 128;
-    static constexpr int Q_BYTES = PANELS * Q_PANEL;     // one Q buffer (of QSTAGES)
-    static constexpr int KV_BYTES = PANELS * KV_PANEL;  // one K or one V tile
+    static constexpr int Q_BYTES = PITCH * PANELS * Q_PANEL;     // one Q buffer (of QSTAGES)
+    static constexpr int KV_BYTES = PITCH * PANELS * KV_PANEL;  // one K or one V tile
     // float: V^T tiles (DPAD rows of BN keys, panels of 32 keys) and one staging buffer for the
     // V tile as TMA writes it; three more barriers per stage and Q buffer ("landed").
     static constexpr int VT_PANEL = DPAD * 128;
-    static constexpr int VRAW_BYTES = F32 ? KV_BYTES : 0;
+    static constexpr int VRAW_BYTES = TF32 ? KV_BYTES : 0;
     static constexpr int BAR_BYTES = 8 * (2 * QSTAGES + 4 * STAGES + (F32 ? QSTAGES + 2 * STAGES : 0));
+    // F16S: the tiles' exponents (Q buffers, K stages, V stages) and 4 words for the producer's
+    // max reduction.
+    static constexpr int EXP_BYTES = F16S ? (4 * (QSTAGES + 2 * STAGES + 4) + 7) / 8 * 8 : 0;
     // + 1024: the dynamic shared memory base is only 16-byte aligned; we round it up.
     static constexpr int SMEM = 1024 + SPLIT * (QSTAGES * Q_BYTES + 2 * STAGES * KV_BYTES) +
-                                VRAW_BYTES + BAR_BYTES;
+                                VRAW_BYTES + BAR_BYTES + EXP_BYTES;
     static constexpr int NT_S = BN / 8;                 // n8 tiles of scores per 16-row slab
     static constexpr int NT_O = DPAD / 8;
     // setmaxnreg: the producer keeps 24 registers (56 for float, whose producer threads prepare
@@ -129,7 +145,8 @@ struct WgmmaConfig {
     static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536,
                   "register budget of one SM");
     static_assert(TERMS == 1 || (F32 && TERMS == 3), "TERMS: 1, or 3 for float");
-    static_assert(!F32 || (BN % 32 == 0 && (DPAD / 4) * (BN / 4) % 128 == 0),
+    static_assert(sizeof(OP) == sizeof(T) || (F16S && TERMS == 3), "OP: T, or fp16_t for 3xfp16");
+    static_assert(!TF32 || (BN % 32 == 0 && (DPAD / 4) * (BN / 4) % 128 == 0),
                   "float: V^T panels of 32 keys, whole transpose passes");
     static_assert(SMEM <= 232448, "shared memory of one block (227 KiB)");
 };
@@ -228,6 +245,28 @@ __device__ __forceinline__ void products_in(float (&acc)[N], float (&part)[M]) {
     }
 }
 
+// Promoted products with two steps in flight (TERMS = 3): issue(kk, t) issues step kk's products
+// (the large one from zero into t) as one commit group, take(kk, t) adds t where it belongs once
+// the group is in, and last() runs when the last step is out (PINGPONG: the turn passes). t[0]
+// and t[1] alternate.
+template <int KS, int N, typename Issue, typename Take, typename Last>
+__device__ __forceinline__ void steps_in_flight(float (&t)[2][N], const Issue& issue,
+                                                const Take& take, const Last& last) {
+    static_assert(KS >= 2, "two steps in flight");
+    issue(0, t[0]);
+    issue(1, t[1]);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        float(&tt)[N] = t[kk % 2];
+        if (kk + 1 < KS) wgmma_wait<1>();
+        else wgmma_wait<0>();
+        fence_regs(tt);
+        take(kk, tt);
+        if (kk + 2 < KS) issue(kk + 2, tt);
+        if (kk + 2 == KS) last();
+    }
+}
+
 // P (the scores' accumulator fragment after the softmax) as the A operand of the tf32 P V
 // wgmmas: k8 step i is n8 tile i; the thread holds keys 8 i + 2 t4 (+1) of rows g and g + 8,
 // which the A layout (columns t4 and t4 + 4 of rows g and g + 8) takes as columns t4 and t4 + 4:
@@ -244,6 +283,143 @@ __device__ __forceinline__ void pack_p_tf32(const float (&s)[NT][4], unsigned in
             hi[i][e] = to_tf32(v[e]);
             if constexpr (TERMS == 3) lo[i][e] = to_tf32(v[e] - __uint_as_float(hi[i][e]));
         }
+    }
+}
+
+// ---- fp16-split form (OP = fp16_t, TERMS = 3; notes/FLOAT32.md, "fp16 split")
+// The tile's exponent e from m = max |x| over the tile's finite values: x * 2^e puts m in
+// [2^13, 2^14), so hi = fp16(x * 2^e) <= 2^14 and lo = fp16(x * 2^e - hi) stays normal down to
+// |x| ~ m * 2^-16. Clamped to [-114, 126] so that 2^e is a normal float and the consumers'
+// factors are floats (2^-(eq + ek) in two normal factors, 2^-(P16_LOG2 + ev) >= 2^-133, a
+// subnormal power of two where ev > 119); with 2^126 every float32 subnormal is exact in hi + lo
+// (a multiple of 2^-23 with at most 23 significant bits), so an all-zero or subnormal tile (126)
+// loses nothing either. NaN and inf take no part in m (an inf
+// would scale the tile's finite values down to nothing: silently wrong scores for the rows that
+// cannot see it); they stay themselves (inf: hi = inf, lo = NaN), so the rows they reach become
+// NaN, as in the 3xTF32 form.
+// finite_key(x): |x| as an unsigned key that orders the finite values and puts NaN and inf below
+// zero's key (2 |bits| + 2^24 wraps them around), FINITE_KEY0 the key of 0.
+constexpr unsigned int FINITE_KEY0 = 0x01000000u;
+__device__ __forceinline__ unsigned int finite_key(float x) {
+    return __float_as_uint(x) * 2u + FINITE_KEY0;
+}
+__device__ __forceinline__ int split16_exponent(unsigned int key) {  // key: max of finite_key
+    const int biased = static_cast<int>((key - FINITE_KEY0) >> 24);
+    return min(max(140 - biased, -114), 126);
+}
+__device__ __forceinline__ float pow2f(int e) {  // 2^e for e in [-149, 127] (subnormal below -126)
+    return e >= -126 ? __uint_as_float(static_cast<unsigned int>(e + 127) << 23)
+                     : __uint_as_float(1u << (e + 149));
+}
+__device__ __forceinline__ void sts_u4(unsigned int a, unsigned int x, unsigned int y,
+                                       unsigned int z, unsigned int w) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+__device__ __forceinline__ void st_shared_s32(unsigned int a, int v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_shared_s32(unsigned int a) {
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+// Two fp16 halves of one word as floats (low half first).
+__device__ __forceinline__ void unpack_f16x2(unsigned int w, float& a, float& b) {
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+        : "=f"(a), "=f"(b) : "r"(w));
+}
+// (a, b) (already scaled) as an fp16 hi word and an fp16 lo word: hi = fp16(x), lo = fp16(x - hi)
+// (x - hi is exact in float32).
+__device__ __forceinline__ void split16_pair(float a, float b, unsigned int& hi, unsigned int& lo) {
+    hi = pack2<fp16_t>(a, b);
+    float ha, hb;
+    unpack_f16x2(hi, ha, hb);
+    lo = pack2<fp16_t>(a - ha, b - hb);
+}
+// One float32 tile of ROWS rows (TMA's layout: panels of 32 columns, 128-byte rows, 128-byte
+// swizzle) rewritten in place as fp16 hi and lo panels of x * 2^e (the 16-bit layout: panels of 64
+// columns, hi panel of columns 64 q at float32 panel 2 q, lo panel at 2 q + 1), e published at
+// exp_slot. Pass 1: max |x| over the tile's finite values (finite_key; warp shuffles, 4 shared
+// words at red, one named barrier among the producer's 128 threads). Pass 2: a unit is row r, fp16 chunk c (columns 8 c ... of
+// the 64) of one panel pair: it reads two float32 chunks of row r of the pair and writes one hi
+// and one lo chunk of the same row, so the 8 units of a pair row (8 lanes of one warp) read and
+// write the same 256 bytes and nothing else: a __syncwarp between their reads and writes is
+// enough. Lanes 4..7 of a pair row read their odd chunk first, so that the 8 lanes of each read
+// hit 8 different chunks of the swizzle.
+template <int ROWS, int DPAD>
+__device__ __forceinline__ void split16_tile(unsigned int tile, unsigned int red,
+                                             unsigned int exp_slot, int ptid, int bar) {
+    constexpr int BYTES = ROWS * DPAD * 4;
+    constexpr int PANEL = ROWS * 128;
+    constexpr int UNITS = ROWS * (DPAD / 64) * 8;
+    static_assert(BYTES % (128 * 16) == 0 && UNITS % 128 == 0 && ROWS % 4 == 0, "whole passes");
+    unsigned int mx = FINITE_KEY0;
+#pragma unroll 4
+    for (int off = ptid * 16; off < BYTES; off += 128 * 16) {
+        const float4 v = lds_v4(tile + off);
+        mx = max(mx, max(max(finite_key(v.x), finite_key(v.y)),
+                         max(finite_key(v.z), finite_key(v.w))));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (ptid % 32 == 0) st_shared_s32(red + 4 * (ptid / 32), static_cast<int>(mx));
+    named_bar_sync(bar, 128);
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+        mx = max(mx, static_cast<unsigned int>(ld_shared_s32(red + 4 * w)));
+    const int e = split16_exponent(mx);
+    if (ptid == 0) st_shared_s32(exp_slot, e);
+    const float sc = pow2f(e);
+#pragma unroll 2
+    for (int u = ptid; u < UNITS; u += 128) {
+        const int c = u % 8, r = (u / 8) % ROWS, q = u / 8 / ROWS;
+        const unsigned int row = tile + 2 * q * PANEL + r * 128;  // row r of float32 panel 2 q
+        const unsigned int src = row + (c / 4) * PANEL;  // the float32 panel of columns 8 c ...
+        const int first = 2 * (c % 4) + c / 4;           // the chunk this lane reads first
+        const float4 x0 = lds_v4(src + ((first ^ (r % 8)) << 4));
+        const float4 x1 = lds_v4(src + (((first ^ 1) ^ (r % 8)) << 4));
+        __syncwarp();
+        const float4 a = (c / 4) ? x1 : x0, b = (c / 4) ? x0 : x1;  // columns 8 c + 0..3, 4..7
+        unsigned int h[4], l[4];
+        split16_pair(a.x * sc, a.y * sc, h[0], l[0]);
+        split16_pair(a.z * sc, a.w * sc, h[1], l[1]);
+        split16_pair(b.x * sc, b.y * sc, h[2], l[2]);
+        split16_pair(b.z * sc, b.w * sc, h[3], l[3]);
+        const unsigned int dst = row + ((c ^ (r % 8)) << 4);
+        sts_u4(dst, h[0], h[1], h[2], h[3]);
+        sts_u4(dst + PANEL, l[0], l[1], l[2], l[3]);
+    }
+}
+// x *= 2^e exactly for e in [-252, 252] (two normal factors when 2^e is not a normal float;
+// rounded only where x 2^e is subnormal; e is warp-uniform: one tile's).
+template <int N>
+__device__ __forceinline__ void scale_pow2(float (&x)[N], int e) {
+    if (e >= -126 && e <= 127) {
+        const float f = pow2f(e);
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] *= f;
+    } else {
+        const float f1 = pow2f(e / 2), f2 = pow2f(e - e / 2);
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] = x[i] * f1 * f2;
+    }
+}
+// P (<= 2^RESCALE_LOG2 = 2^8: softmax_step) as fp16 hi and lo A fragments of the k16 P V
+// wgmmas, scaled by 2^P16_LOG2 = 2^7 (hi <= 2^15); the layout is pack_p's.
+constexpr int P16_LOG2 = 7;
+static_assert(P16_LOG2 + static_cast<int>(RESCALE_LOG2) <= 15, "P hi in fp16 range");
+template <int NT>
+__device__ __forceinline__ void pack_p_f16split(const float (&s)[NT][4],
+                                                unsigned int (&hi)[NT / 2][4],
+                                                unsigned int (&lo)[NT / 2][4]) {
+    constexpr float C = static_cast<float>(1 << P16_LOG2);
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        split16_pair(s[2 * kk][0] * C, s[2 * kk][1] * C, hi[kk][0], lo[kk][0]);
+        split16_pair(s[2 * kk][2] * C, s[2 * kk][3] * C, hi[kk][1], lo[kk][1]);
+        split16_pair(s[2 * kk + 1][0] * C, s[2 * kk + 1][1] * C, hi[kk][2], lo[kk][2]);
+        split16_pair(s[2 * kk + 1][2] * C, s[2 * kk + 1][3] * C, hi[kk][3], lo[kk][3]);
     }
 }
 
@@ -290,24 +466,36 @@ __device__ __forceinline__ int tiles_needed(int row0, int rows, int sq, int sk) 
 }
 
 template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
-          bool OVERLAP, bool PINGPONG, bool CAUSAL>
+          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP = T>
 __global__ void __launch_bounds__(
-    WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS>::THREADS, 1)
+    WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>::THREADS, 1)
 cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
-    using Cfg = WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS>;
+    using Cfg = WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>;
+    using Op = typename Cfg::Op;
     constexpr bool F32 = Cfg::F32;
+    constexpr bool F16S = Cfg::F16S, TF32 = Cfg::TF32;
     static_assert(!(OVERLAP && TERMS == 3), "TERMS = 3 computes S with waits inside (scores3)");
     const AttnParams& p = hp.a;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    // Q buffers, K stages, V stages (float: V^T), each followed by its lo copies for TERMS = 3
-    // (Q_LO, KV_LO bytes on), then (float) the V staging buffer and the barriers.
-    constexpr unsigned int Q_LO = QSTAGES * Cfg::Q_BYTES;
-    constexpr unsigned int KV_LO = STAGES * Cfg::KV_BYTES;
+    // Q buffers, K stages, V stages (float: V^T), each followed by its lo copies for 3xTF32
+    // (Q_LO, KV_LO bytes on; 3xfp16: each hi panel followed by its lo panel, Q_LO, KV_LO bytes
+    // on), then (TF32) the V staging buffer, the barriers and (F16S) the tiles' exponents.
+    constexpr unsigned int Q_LO = F16S ? Cfg::Q_PANEL : QSTAGES * Cfg::Q_BYTES;
+    constexpr unsigned int KV_LO = F16S ? Cfg::KV_PANEL : STAGES * Cfg::KV_BYTES;
+    // Bytes from one operand panel (64 16-bit or 32 float columns) to the next.
+    constexpr unsigned int Q_PSTEP = Cfg::PITCH * Cfg::Q_PANEL;
+    constexpr unsigned int KV_PSTEP = Cfg::PITCH * Cfg::KV_PANEL;
     const unsigned int q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;
-    const unsigned int k_s = q_s + Cfg::SPLIT * Q_LO;       // + stage * KV_BYTES
-    const unsigned int v_s = k_s + Cfg::SPLIT * KV_LO;
-    const unsigned int vraw_s = v_s + Cfg::SPLIT * KV_LO;
+    const unsigned int k_s = q_s + Cfg::SPLIT * QSTAGES * Cfg::Q_BYTES;  // + stage * KV_BYTES
+    const unsigned int v_s = k_s + Cfg::SPLIT * STAGES * Cfg::KV_BYTES;
+    const unsigned int vraw_s = v_s + Cfg::SPLIT * STAGES * Cfg::KV_BYTES;
     const unsigned int bars = vraw_s + Cfg::VRAW_BYTES;
+    // F16S: the exponent e of each prepared tile (its operands hold x * 2^e).
+    const unsigned int exps = bars + Cfg::BAR_BYTES;
+    const auto q_exp = [exps](unsigned int qb) { return exps + 4u * qb; };
+    const auto k_exp = [exps](int st) { return exps + 4u * (QSTAGES + st); };
+    const auto v_exp = [exps](int st) { return exps + 4u * (QSTAGES + STAGES + st); };
+    const unsigned int red = exps + 4u * (QSTAGES + 2 * STAGES);  // the producer's max reduction
     // Q buffer qb holds the Q of work items wi with wi % QSTAGES == qb.
     const auto q_full = [bars](unsigned int qb) { return bars + 8u * qb; };
     const auto q_empty = [bars](unsigned int qb) { return bars + 8u * (QSTAGES + qb); };
@@ -321,6 +509,8 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     const auto q_land = [bars](unsigned int qb) { return bars + 8u * (LAND0 + qb); };
     const auto k_land = [bars](int st) { return bars + 8u * (LAND0 + QSTAGES + st); };
     const auto v_land = bars + 8u * (LAND0 + QSTAGES + STAGES);  // the one staging buffer
+    // F16S: V lands in its stage (prepared in place), one barrier per stage.
+    const auto v_land_st = [bars](int st) { return bars + 8u * (LAND0 + QSTAGES + STAGES + st); };
 
     const int tid = threadIdx.x;
     const int sq = static_cast<int>(p.sq), sk = static_cast<int>(p.sk);
@@ -342,7 +532,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         if constexpr (F32) {
             for (int qb = 0; qb < QSTAGES; ++qb) mbar_init(q_land(qb), 1);
             for (int st = 0; st < STAGES; ++st) mbar_init(k_land(st), 1);
-            mbar_init(v_land, 1);
+            if constexpr (F16S) {
+                for (int st = 0; st < STAGES; ++st) mbar_init(v_land_st(st), 1);
+            } else {
+                mbar_init(v_land, 1);
+            }
         }
         mbar_fence_init();
     }
@@ -385,9 +579,9 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                                   int row, unsigned int bar, unsigned int bytes) {
                 mbar_arrive_expect_tx(bar, bytes);
 #pragma unroll
-                for (int pn = 0; pn < Cfg::PANELS; ++pn)
-                    tma_load_5d(dst + pn * panel_bytes, map, pn * Cfg::EPP, row, c[t][0], c[t][1],
-                                c[t][2], bar);
+                for (int pn = 0; pn < Cfg::RAW_PANELS; ++pn)
+                    tma_load_5d(dst + pn * panel_bytes, map, pn * Cfg::RAW_EPP, row, c[t][0],
+                                c[t][1], c[t][2], bar);
             };
             // Q goes into its buffer once the consumers have computed the last scores of the item
             // that used it before (QSTAGES items back); the item's first K tile is requested
@@ -406,8 +600,12 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 if constexpr (F32) {
                     const unsigned int qb = wi % QSTAGES;
                     mbar_wait(q_land(qb), (wi / QSTAGES) & 1u);
-                    split_tile<TERMS, Cfg::Q_BYTES>(q_s + qb * Cfg::Q_BYTES,
-                                                    q_s + Q_LO + qb * Cfg::Q_BYTES, tid);
+                    if constexpr (F16S)
+                        split16_tile<Cfg::BM, DPAD>(q_s + qb * Cfg::Q_BYTES, red, q_exp(qb), tid,
+                                                    PREP);
+                    else
+                        split_tile<TERMS, Cfg::Q_BYTES>(q_s + qb * Cfg::Q_BYTES,
+                                                        q_s + Q_LO + qb * Cfg::Q_BYTES, tid);
                     prepared(q_full(qb));
                 }
             };
@@ -430,6 +628,20 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                     if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
                     load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN, v_full(st),
                          Cfg::KV_BYTES);
+                } else if constexpr (F16S) {
+                    // Both tiles land in their stages and are prepared there (split16_tile).
+                    if (issuer) {
+                        if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
+                        load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN,
+                             v_land_st(st), Cfg::KV_BYTES);
+                    }
+                    if (j == 0) prep_q();
+                    mbar_wait(k_land(st), use & 1u);
+                    split16_tile<BN, DPAD>(k_s + st * Cfg::KV_BYTES, red, k_exp(st), tid, PREP);
+                    prepared(k_full(st));
+                    mbar_wait(v_land_st(st), use & 1u);
+                    split16_tile<BN, DPAD>(v_s + st * Cfg::KV_BYTES, red, v_exp(st), tid, PREP);
+                    prepared(v_full(st));
                 } else {
                     // The staging buffer is free: the previous tile's transpose ended in a
                     // PREP barrier.
@@ -494,8 +706,11 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     float(&s2_flat)[SM ? BN / 2 : 4] = reinterpret_cast<float(&)[SM ? BN / 2 : 4]>(s2);
     float ot[SM ? Cfg::NT_O : 1][4];
     float(&ot_flat)[SM ? DPAD / 2 : 4] = reinterpret_cast<float(&)[SM ? DPAD / 2 : 4]>(ot);
-    // P as the A operand of P V: 16-bit pairs (k16 steps), or TF32 hi (and lo) values (k8 steps).
-    constexpr int NPK = F32 ? BN / 8 : BN / 16;
+    // P as the A operand of P V: 16-bit pairs (k16 steps; 3xfp16: hi and lo pairs), or TF32 hi
+    // (and lo) values (k8 steps).
+    constexpr int NPK = TF32 ? BN / 8 : BN / 16;
+    // F16S: the exponents of this item's Q and of the tile being computed (Q hi + lo = Q * 2^eq).
+    int eq = 0, ek = 0, ev = 0;
     unsigned int pk[NPK][4];
     unsigned int pl[SM ? NPK : 1][4];
     // S = Q K^T from stage st, DPAD / KSTEP wgmmas of k16 (k8 for float); the k offset inside a
@@ -505,14 +720,15 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
 #pragma unroll
         for (int kk = 0; kk < DPAD / Cfg::KSTEP; ++kk) {
             const unsigned int koff = (kk % 4) * 32;
-            const unsigned int qa = q_wg + (kk / 4) * Cfg::Q_PANEL + koff;
-            const unsigned int ka = k_s + st * Cfg::KV_BYTES + (kk / 4) * Cfg::KV_PANEL + koff;
+            const unsigned int qa = q_wg + (kk / 4) * Q_PSTEP + koff;
+            const unsigned int ka = k_s + st * Cfg::KV_BYTES + (kk / 4) * KV_PSTEP + koff;
             const unsigned long long da = wgmma_desc(qa, 16, 1024);
             const unsigned long long db = wgmma_desc(ka, 16, 1024);
-            Wgmma<T, BN>::ss(s_flat, da, db, kk > 0 ? 1 : 0);
+            Wgmma<Op, BN>::ss(s_flat, da, db, kk > 0 ? 1 : 0);
         }
     };
-    // TERMS = 3: S with promoted large products. Each k8 step's hi hi product is formed in a
+    // TERMS = 3: S with promoted large products. Each k8 step's (3xfp16: k16 step's) hi hi
+    // product is formed in a
     // fresh accumulator (scale_d = 0: truncated relative to its own 8 products only) and added
     // to S in IEEE float32, two steps in flight (t[0], t[1] alternate, one commit group per
     // step); the small products chain in s2 (2^-11 of the large ones) and join S at the end.
@@ -521,34 +737,26 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     float t[TERMS == 3 ? 2 : 1][BN / 2];
     const auto scores3 = [&](int st, bool turn) {
         if constexpr (TERMS == 3) {
-            constexpr int KS = DPAD / 8;
-            static_assert(KS >= 2, "two steps in flight");
+            constexpr int KS = DPAD / Cfg::KSTEP;
             const auto step = [&](int kk, float (&tt)[BN / 2]) {
                 const unsigned int koff = (kk % 4) * 32;
-                const unsigned int qa = q_wg + (kk / 4) * Cfg::Q_PANEL + koff;
-                const unsigned int ka = k_s + st * Cfg::KV_BYTES + (kk / 4) * Cfg::KV_PANEL + koff;
+                const unsigned int qa = q_wg + (kk / 4) * Q_PSTEP + koff;
+                const unsigned int ka = k_s + st * Cfg::KV_BYTES + (kk / 4) * KV_PSTEP + koff;
                 const unsigned long long da = wgmma_desc(qa, 16, 1024);
                 const unsigned long long db = wgmma_desc(ka, 16, 1024);
                 wgmma_fence();
-                Wgmma<T, BN>::ss(tt, da, db, 0);
-                Wgmma<T, BN>::ss(s2_flat, da, wgmma_desc(ka + KV_LO, 16, 1024), kk > 0 ? 1 : 0);
-                Wgmma<T, BN>::ss(s2_flat, wgmma_desc(qa + Q_LO, 16, 1024), db, 1);
+                Wgmma<Op, BN>::ss(tt, da, db, 0);
+                Wgmma<Op, BN>::ss(s2_flat, da, wgmma_desc(ka + KV_LO, 16, 1024), kk > 0 ? 1 : 0);
+                Wgmma<Op, BN>::ss(s2_flat, wgmma_desc(qa + Q_LO, 16, 1024), db, 1);
                 wgmma_commit();
             };
-            step(0, t[0]);
-            step(1, t[1]);
-    #pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                float(&tt)[BN / 2] = t[kk % 2];
-                if (kk + 1 < KS) wgmma_wait<1>();
-                else wgmma_wait<0>();
-                fence_regs(tt);
+            const auto take = [&](int kk, float (&tt)[BN / 2]) {
     #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) s_flat[i] = kk == 0 ? tt[i] : s_flat[i] + tt[i];
-                if (kk + 2 < KS) step(kk + 2, tt);
-                if (kk + 2 == KS) turn_pass(turn);  // the last step is out
-            }
+            };
+            steps_in_flight<KS>(t, step, take, [&]() { turn_pass(turn); });
             products_in<TERMS>(s_flat, s2_flat);
+            if constexpr (F16S) scale_pow2(s_flat, -(eq + ek));  // exact: S of x, not x * 2^e
         }
     };
     // O += P V from stage st: BN / 16 wgmmas of k16 (16 keys = 16 rows of 128 bytes per panel,
@@ -581,8 +789,52 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     // the one that completes P V: (TERMS = 3) the tile's products join O.
     const auto scores_in = [&]() { products_in<TERMS>(s_flat, s2_flat); };
     const auto pv_in = [&]() { products_in<TERMS>(o_flat, ot_flat); };
+    // F16S: O += P V from stage st, complete on return (the producer's V tile holds V 2^ev, P is
+    // split as P 2^P16_LOG2: every product reaches O through one FFMA by 2^-(P16_LOG2 + ev), a
+    // power of two from 2^-133 to 2^107: exact, subnormal included). Per 64 columns of O (one hi/lo panel pair of V) and k16
+    // step, the hi hi product is formed from zero (pv_t, two steps in flight) and goes into O
+    // promoted, as S's large products do; the small products (hi lo, lo hi) chain over the
+    // tile's steps in pv_s and follow after the tile. The tile's chain of large products that
+    // the 3xTF32 form keeps (attn_wgmma.cu above) is what the model puts at up to 7x the naive
+    // error on short rows (tests/fp16split_model.py, notes/FLOAT32.md: "fp16 split"). 64
+    // columns at a time: at D = 128 the accumulators of O, a whole tile's small products and two
+    // steps would not fit beside P in the consumers' 224 registers.
+    constexpr int PVC = 64;                  // columns per pass
+    float pv_t[F16S ? 2 : 1][F16S ? PVC / 2 : 1];
+    float pv_s[F16S ? PVC / 2 : 1];
+    const auto pv16 = [&](int st) {
+        if constexpr (F16S) {
+            constexpr int KS = BN / 16;
+            static_assert(DPAD % PVC == 0, "whole passes");
+            const float f = pow2f(-(P16_LOG2 + ev));
+#pragma unroll
+            for (int ch = 0; ch < DPAD / PVC; ++ch) {
+                const auto step = [&](int kk, float (&tt)[PVC / 2]) {
+                    const unsigned int va = v_s + st * Cfg::KV_BYTES + ch * KV_PSTEP + kk * 16 * 128;
+                    const unsigned long long db = wgmma_desc(va, KV_PSTEP, 1024);
+                    wgmma_fence();
+                    Wgmma<Op, PVC>::rs(tt, pk[kk], db, 0);
+                    Wgmma<Op, PVC>::rs(pv_s, pk[kk], wgmma_desc(va + KV_LO, KV_PSTEP, 1024),
+                                       kk > 0 ? 1 : 0);
+                    Wgmma<Op, PVC>::rs(pv_s, pl[kk], db, 1);
+                    wgmma_commit();
+                };
+                const auto take = [&](int, float (&tt)[PVC / 2]) {
+#pragma unroll
+                    for (int i = 0; i < PVC / 2; ++i)
+                        o_flat[ch * PVC / 2 + i] = fmaf(tt[i], f, o_flat[ch * PVC / 2 + i]);
+                };
+                steps_in_flight<KS>(pv_t, step, take, []() {});
+                fence_regs(pv_s);
+#pragma unroll
+                for (int i = 0; i < PVC / 2; ++i)
+                    o_flat[ch * PVC / 2 + i] = fmaf(pv_s[i], f, o_flat[ch * PVC / 2 + i]);
+            }
+        }
+    };
     const auto pack = [&]() {
-        if constexpr (F32) pack_p_tf32<TERMS>(s, pk, pl);
+        if constexpr (F16S) pack_p_f16split(s, pk, pl);
+        else if constexpr (F32) pack_p_tf32<TERMS>(s, pk, pl);
         else pack_p<T, Cfg::NT_S>(s, pk);
     };
     // Every warp of the consumer arrives once on a barrier it is done with.
@@ -623,11 +875,13 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
 
         q_wg = q_s + (wi % QSTAGES) * Cfg::Q_BYTES + 64 * cw * 128;
         mbar_wait(q_full(wi % QSTAGES), (wi / QSTAGES) & 1u);
+        if constexpr (F16S) eq = ld_shared_s32(q_exp(wi % QSTAGES));
         if constexpr (!OVERLAP) {
             // Version 1a: each tile's products and softmax in sequence; other consumer
             // warpgroups fill the tensor cores meanwhile.
             for (int j = 0; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
+                if constexpr (F16S) ek = ld_shared_s32(k_exp(stage(j)));
                 turn_take(j < n_turns);
                 if constexpr (TERMS == 3) {
                     scores3(stage(j), j < n_turns);
@@ -646,11 +900,16 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 rescale_rows<Cfg::NT_O>(acc_o, alpha);
                 pack();
                 mbar_wait(v_full(stage(j)), parity(j));
-                wgmma_fence();
-                issue_pv(stage(j));
-                wgmma_commit();
-                wgmma_wait<0>();
-                pv_in();
+                if constexpr (F16S) {
+                    ev = ld_shared_s32(v_exp(stage(j)));
+                    pv16(stage(j));
+                } else {
+                    wgmma_fence();
+                    issue_pv(stage(j));
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    pv_in();
+                }
                 release(v_empty(stage(j)));
             }
         } else if (n_tiles > 0) {

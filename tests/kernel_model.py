@@ -147,6 +147,32 @@ def _tc_split_product(a, b, steps, *, promote, extra_bits, compensate=False, sta
     return (big.astype(f32) + small.astype(f32)).astype(f32)
 
 
+def perturbed_exp2(x, rng):
+    """exp2 of float32 x in float32; with `rng`, times a random relative error of up to 2^-22
+    (ex2.approx is 2 ulp)."""
+    y = np.exp2(x.astype(np.float32))
+    if rng is not None:
+        y = (y.astype(np.float64) * (1 + rng.uniform(-2.0 ** -22, 2.0 ** -22, y.shape))).astype(np.float32)
+    return y
+
+
+def softmax_tile(s, m, l, c, rng, rescale_log2=RESCALE_LOG2):
+    """One key tile of the kernels' online softmax (common.cuh: softmax_step, lazy rescale; with
+    rescale_log2 = 0 every rescale is taken, LAZY = false) on float32 scores s (..., rows, keys)
+    with c = scale log2(e): returns (p, m, l, alpha), where O must be multiplied by alpha (per
+    row) before the tile's P V is added."""
+    f32 = np.float32
+    mx = np.maximum(m, s.max(axis=-1))
+    grow = (mx - m) * c > rescale_log2
+    alpha = np.where(grow, np.exp2(((m - mx) * c).astype(f32)), f32(1)).astype(f32)
+    m = np.where(grow, mx, m)
+    m_c = np.where(m == -np.inf, 0.0, (m * c).astype(f32).astype(np.float64))
+    arg = (s.astype(np.float64) * float(c) - m_c[..., None]).astype(f32)  # one FMA
+    p = perturbed_exp2(arg, rng)
+    l = (l * alpha + p.sum(axis=-1, dtype=f32)).astype(f32)
+    return p, m, l, alpha
+
+
 def tensorcore_model(q, k, v, *, causal=False, scale=None, dtype, bn=64, rng=None, split=False,
                      accumulate="rn", promote_s=0, promote_pv=0, extra_bits=0, compensate=False):
     """float64 output of the modelled kernel on float64 inputs representable in `dtype`.
@@ -180,12 +206,6 @@ def tensorcore_model(q, k, v, *, causal=False, scale=None, dtype, bn=64, rng=Non
     l = np.zeros(batch + (sq,), f32)
     o = np.zeros(batch + (sq, v32.shape[-1]), f32)
 
-    def ex2(x):
-        y = np.exp2(x.astype(f32))
-        if rng is not None:
-            y = (y.astype(np.float64) * (1 + rng.uniform(-2.0 ** -22, 2.0 ** -22, y.shape))).astype(f32)
-        return y
-
     with np.errstate(invalid="ignore", over="ignore"):
         for j0 in range(0, sk, bn):
             j1 = min(sk, j0 + bn)
@@ -199,14 +219,7 @@ def tensorcore_model(q, k, v, *, causal=False, scale=None, dtype, bn=64, rng=Non
             if causal:
                 keep = np.arange(j0, j1)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
                 s = np.where(keep, s, f32(-np.inf))
-            mx = np.maximum(m, s.max(axis=-1))
-            grow = (mx - m) * c > RESCALE_LOG2
-            alpha = np.where(grow, np.exp2(((m - mx) * c).astype(f32)), f32(1)).astype(f32)
-            m = np.where(grow, mx, m)
-            m_c = np.where(m == -np.inf, 0.0, (m * c).astype(f32).astype(np.float64))
-            arg = (s.astype(np.float64) * float(c) - m_c[..., None]).astype(f32)  # one FMA
-            p = ex2(arg)
-            l = (l * alpha + p.sum(axis=-1, dtype=f32)).astype(f32)
+            p, m, l, alpha = softmax_tile(s, m, l, c, rng)
             if accumulate == "truncate":
                 # Keys past Sk arrive as zeros (V rows and P alike): the tile's steps are 8 keys.
                 steps = [np.arange(i, min(i + 8, j1 - j0)) for i in range(0, j1 - j0, 8)]

@@ -148,29 +148,39 @@ def test_missing_family_is_a_clear_error():
         _compile.family_source("does_not_exist")
 
 
-@pytest.mark.parametrize("dtype,d,precision", [("float16", 128, "highest"), ("float32", 64, "high"),
-                                               ("float32", 128, "highest")])
-def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision):
+@pytest.mark.parametrize("dtype,d,precision,form", [
+    ("float16", 128, "highest", None), ("float32", 64, "high", None),
+    ("float32", 128, "highest", "3xtf32"), ("float32", 64, "highest", "3xfp16"),
+    ("float32", 128, "highest", "3xfp16")])
+def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision, form):
     """The sm_90a cubin really holds the Hopper instructions (HGMMA: warpgroup MMA, UTMALDG: TMA
     loads) and no mma.sync (HMMA), checked on the disassembly when nvdisasm is available. The
-    float32 form's warpgroup MMAs are all TF32 (HGMMA.64xNx8.F32.TF32), three per multiply-add
-    step for "highest"."""
+    float32 TF32 forms' warpgroup MMAs are all TF32 (HGMMA.64xNx8.F32.TF32), three per
+    multiply-add step for "highest"; the 3xfp16 form's are all fp16 (HGMMA.64xNx16.F32), three per
+    k16 step of each product."""
     import re
 
-    plan = _dispatch.hopper_plan(dtype, d, True, 1024, precision)
+    plan = _dispatch.hopper_plan(dtype, d, True, 1024, precision, form=form)
+    assert (form or "") in plan.label
     sass = _sass(_compile.compile_report(plan.spec).cubin)
     assert "HGMMA" in sass and "UTMALDG" in sass
     assert "HMMA" not in sass.replace("HGMMA", "")
     hgmma = re.findall(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32\.?(\w*)", sass)
     assert hgmma, "no HGMMA with float32 accumulators found"
-    if dtype == "float32":
+    if dtype == "float32" and form != "3xfp16":
         assert all(k == "8" and t == "TF32" for _, _, k, t in hgmma), sorted(set(hgmma))
         # one wgmma per k8 step of each product and term: S over D / 8 steps, P V over BN / 8
         terms = 3 if precision == "highest" else 1
         per_tile = terms * (d // 8 + plan.block_n // 8)
         assert len(hgmma) % per_tile == 0, (len(hgmma), per_tile)
     else:
-        assert all(t in ("F16", "") for _, _, _, t in hgmma), sorted(set(hgmma))
+        assert all(k == "16" and t in ("F16", "") for _, _, k, t in hgmma), sorted(set(hgmma))
+        if form == "3xfp16":
+            # S: D / 16 k16 steps of m64nBN; P V: BN / 16 steps of m64n64 per 64 columns of O;
+            # three products each
+            per_tile = 3 * (d // 16 + plan.block_n // 16 * (d // 64))
+            assert len(hgmma) % per_tile == 0, (len(hgmma), per_tile)
+            assert {(m, n) for m, n, _, _ in hgmma} == {("64", str(plan.block_n)), ("64", "64")}
 
 
 def _sass(cubin):

@@ -43,8 +43,14 @@ def _tc_dims(precision):
 def _hopper_f32_form(d, precision):
     """The Hopper (wgmma) float32 form takes this head dim on this GPU (kernel="hopper")."""
     cc = int(cupy().cuda.Device().compute_capability)
-    dims = [dp for dp, mode in _dispatch.HOPPER_F32_TABLE if mode == precision]
+    dims = _dispatch.hopper_f32_head_dims(precision)
     return cc == 90 and bool(dims) and 64 <= d <= max(dims) and d % 8 == 0
+
+
+def _hopper_mode(precision):
+    """The mode the Hopper float32 form's label names: 3xfp16 for "highest" (HOPPER_F32_FORM),
+    tf32 for "high"."""
+    return _dispatch.hopper_f32_form(precision)
 
 
 def _hopper_f32(d, precision):
@@ -55,9 +61,10 @@ def _hopper_f32(d, precision):
 
 def _auto_label(d, precision):
     """The label prefix kernel="auto" gives float32 inputs of head dim d (tensor-core sizes)."""
+    if _hopper_f32(d, precision):
+        return f"hopper<float32,{_hopper_mode(precision)},"
     mode = "3xtf32" if precision == "highest" else "tf32"
-    kind = "hopper" if _hopper_f32(d, precision) else "tensorcore"
-    return f"{kind}<float32,{mode},"
+    return f"tensorcore<float32,{mode},"
 
 
 def _needs_hopper(d=64, precision="highest"):
@@ -185,17 +192,22 @@ def test_epilogues(sq, sk, d, causal, precision, stage_o, monkeypatch):
     _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
 
 
+def _large_inputs(rng, d):
+    """q and k with standard deviation 3 (large, peaked scores), Sk = 16384 (D = 64) or 4096."""
+    sk = 16384 if d == 64 else 4096
+    q = reference.round_to(3 * rng.standard_normal((1, 2, 64, d)), "float32")
+    k = reference.round_to(3 * rng.standard_normal((1, 2, sk, d)), "float32")
+    v = reference.round_to(rng.standard_normal((1, 2, sk, d)), "float32")
+    return q, k, v
+
+
 @pytest.mark.parametrize("d,scale", [(64, None), (128, 1.0), (128, 2.5), (96, 1.5)])
 def test_large_scores_and_long_keys(d, scale):
     """The accuracy bar of float32 on the tensor cores: q and k with standard deviation 3 (large,
     peaked scores) and long key ranges, in the float32-accurate mode, under the float32 rule.
     (The issue's D >= 192 cases take the generic kernel: "highest" stops at D = 128 there.)"""
     _needs_tensorcores()
-    rng = _rng("f32large", d, scale)
-    sk = 16384 if d == 64 else 4096
-    q = reference.round_to(3 * rng.standard_normal((1, 2, 64, d)), "float32")
-    k = reference.round_to(3 * rng.standard_normal((1, 2, sk, d)), "float32")
-    v = reference.round_to(rng.standard_normal((1, 2, sk, d)), "float32")
+    q, k, v = _large_inputs(_rng("f32large", d, scale), d)
     sc = 1 / math.sqrt(d) if scale is None else scale
     o, lse, label = _run(q, k, v, causal=False, precision="highest", scale=sc)
     if d <= max(_tc_dims("highest"), default=0) or _hopper_f32(d, "highest"):
@@ -297,8 +309,7 @@ def test_hopper_float32(sq, sk, d, causal, precision):
     q, k, v = random_inputs(_rng("f32hopper", sq, sk, d, causal, precision), batch, batch, sq,
                             sk, d, d, "float32")
     o, lse, label = _run(q, k, v, causal=causal, precision=precision, kernel="hopper")
-    mode = "3xtf32" if precision == "highest" else "tf32"
-    assert label.startswith(f"hopper<float32,{mode},"), label
+    assert label.startswith(f"hopper<float32,{_hopper_mode(precision)},"), label
     _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
 
 
@@ -346,6 +357,104 @@ def test_short_rows_hopper(sk, d):
         q, k, v = random_inputs(_rng("f32hshort", sk, d, seed), (2, 4), kv, 1, sk, d, d,
                                 "float32")
         o, lse, label = _run(q, k, v, causal=seed % 3 == 2, precision="highest", kernel="hopper")
-        assert label.startswith("hopper<float32,3xtf32"), label
+        assert label.startswith(f"hopper<float32,{_hopper_mode('highest')},"), label
         _check(o, lse, q, k, v, causal=seed % 3 == 2, scale=1 / math.sqrt(d),
                precision="highest")
+
+
+# The fp16-split form ("3xfp16", attn_wgmma.cu with OP = fp16_t: notes/FLOAT32.md, "fp16 split"),
+# which "highest" takes on Hopper (_dispatch.HOPPER_F32_FORM); the tests above run it through
+# kernel="hopper". These add the accuracy bar's inputs, per-tile magnitudes, and the 3xTF32 form.
+
+
+def _needs_fp16split(d):
+    _needs_hopper(d, "highest")
+    if _hopper_mode("highest") != "3xfp16":
+        pytest.skip("_dispatch.HOPPER_F32_FORM does not select the 3xfp16 form")
+
+
+@pytest.mark.parametrize("d,scale", [(64, None), (64, 2.5), (128, 1.0), (128, 2.5)])
+def test_hopper_fp16split_large_scores_and_long_keys(d, scale):
+    """Issue 10's accuracy bar on the 3xfp16 form: q and k with standard deviation 3 (large,
+    peaked scores), Sk = 16k (D = 64) and 4096 (D = 128), under the float32 rule."""
+    _needs_fp16split(d)
+    q, k, v = _large_inputs(_rng("f32h16large", d, scale), d)
+    sc = 1 / math.sqrt(d) if scale is None else scale
+    o, lse, label = _run(q, k, v, causal=False, precision="highest", scale=sc, kernel="hopper")
+    assert label.startswith("hopper<float32,3xfp16,"), label
+    err, naive = _check(o, lse, q, k, v, causal=False, scale=sc, precision="highest")
+    print(f"3xfp16 D={d} scale={sc}: max err {err:.3e}, naive float32 {naive:.3e}")
+
+
+def _magnitudes(rng, d):
+    """(name, q, k, v): fresh inputs whose tiles (64 keys) differ by 2^20, tiny and huge factors
+    that cancel in the scores, float32 subnormal values, values near the float32 maximum."""
+    q, k, v = random_inputs(rng, (2, 2), (2, 2), 113, 200, d, d, "float32")
+    tiles = np.where((np.arange(200) // 64) % 2 == 0, 2.0 ** -10, 2.0 ** 10)[:, None]
+    big_q = reference.round_to(np.clip(q, -3, 3) * 1e38, "float32")
+    big_k = reference.round_to(np.clip(k, -3, 3) * 1e38, "float32")
+    row = np.ones((200, 1))
+    row[5] = 2.0 ** 20
+    return [("tiles 2^20 apart", q * 2.0 ** -10, k * tiles, v * tiles),
+            ("q 2^-100 k 2^100", q * 2.0 ** -100, k * 2.0 ** 100, v),
+            ("q 2^100 k 2^-100", q * 2.0 ** 100, k * 2.0 ** -100, v),
+            ("v subnormal", q, k, reference.round_to(v * 1e-40, "float32")),
+            ("q near max", big_q, reference.round_to(k * 1e-38, "float32"), v),
+            ("k near max", reference.round_to(q * 1e-38, "float32"), big_k, v),
+            ("v 2^110", q, k, v * 2.0 ** 110),
+            ("one key row 2^20 above its tile", q * 2.0 ** -20, k * row, v),
+            ("one value row 2^20 above its tile", q, k, v * row)]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_fp16split_magnitudes(d, causal):
+    """Per-tile powers of two: every tile keeps its 22 bits whatever its magnitude (the model:
+    tests/test_fp16split_model.py). V stays below 2^110: any online softmax's unnormalised O
+    (p <= 2^8) must stay finite."""
+    _needs_fp16split(d)
+    for name, q, k, v in _magnitudes(_rng("f32h16mag", d, causal), d):
+        o, lse, label = _run(q, k, v, causal=causal, precision="highest", kernel="hopper")
+        assert label.startswith("hopper<float32,3xfp16,"), label
+        try:
+            _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision="highest")
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from exc
+
+
+def test_hopper_fp16split_nan_and_inf_rows():
+    """A NaN in K reaches exactly the rows that see its key; an infinity in K at a key that rows
+    of the same tile do not see leaves those rows alone (it takes no part in the tile's exponent:
+    attn_wgmma.cu, finite_key); an all-zero K tile gives correct rows."""
+    _needs_fp16split(64)
+    q, k, v = random_inputs(_rng("f32h16nan"), (2,), (2,), 200, 200, 64, 64, "float32")
+    for bad in (np.nan, np.inf):
+        kb = k.copy()
+        kb[1, 100, 3] = bad  # key 100 (tile 1: keys 64-127), seen by rows 100.. (causal)
+        o, _, label = _run(q, kb, v, causal=True, precision="highest", kernel="hopper")
+        assert label.startswith("hopper<float32,3xfp16,"), label
+        oh = to_host64(o)
+        assert (np.isnan(oh[1, 100:]) if np.isnan(bad) else ~np.isfinite(oh[1, 100:])).all(), bad
+        assert np.isfinite(oh[1, :100]).all() and np.isfinite(oh[0]).all(), bad
+        rule = reference.pass_threshold(q[1:, :100], k[1:, :100], v[1:, :100], causal=True,
+                                        dtype="float32")
+        verdict = rule.judge(oh[1:, :100])
+        assert verdict.passed, (bad, verdict.reasons)
+    kz = k.copy()
+    kz[:, 64:128] = 0.0
+    o, lse, _ = _run(q, kz, v, causal=True, precision="highest", kernel="hopper")
+    _check(o, lse, q, kz, v, causal=True, scale=1 / 8, precision="highest")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", [(1, 113), (113, 1000), (300, 2048)])
+def test_hopper_3xtf32_form_still_selectable(sq, sk, d, monkeypatch):
+    """HOPPER_F32_FORM = {} gives "highest" the 3xTF32 form again (benchmarks/bench.py:
+    cuflash-hopper-3xtf32 measures it beside the 3xfp16 one)."""
+    _needs_hopper(d, "highest")
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_FORM", {})
+    q, k, v = random_inputs(_rng("f32h3xtf32", sq, sk, d), (2, 2), (2, 2), sq, sk, d, d,
+                            "float32")
+    o, lse, label = _run(q, k, v, causal=True, precision="highest", kernel="hopper")
+    assert label.startswith("hopper<float32,3xtf32,"), label
+    _check(o, lse, q, k, v, causal=True, scale=1 / math.sqrt(d), precision="highest")

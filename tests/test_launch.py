@@ -100,19 +100,22 @@ def test_repeated_call_reuses_parameters(launches):
     assert int(launches["launches"][2][2]["o"]) == 9 << 20
 
 
-@pytest.mark.parametrize("precision,terms", [("highest", 3), ("high", 1)])
+@pytest.mark.parametrize("precision,terms,form", [("highest", 3, "3xfp16"), ("highest", 3, "3xtf32"),
+                                                 ("high", 1, "tf32")])
 @pytest.mark.parametrize("D", [64, 128, 96])
-def test_hopper_float32_maps_and_plan(launches, D, precision, terms):
-    """float32 on the Hopper kernel: boxes of 32 columns (128 bytes: the 128-byte swizzle), the
-    precision's TERMS in the instantiation and the label, shared memory within one block's."""
+def test_hopper_float32_maps_and_plan(launches, D, precision, terms, form, monkeypatch):
+    """float32 on the Hopper kernel: boxes of 32 columns (128 bytes: the 128-byte swizzle; the
+    3xfp16 form lands float32 tiles too), the precision's TERMS and operand type in the
+    instantiation, the form in the label, shared memory within one block's."""
     B, H, S = 2, 4, 300
     st = (H * S * D, S * D, D, 1)
     q, k, v, o = (FakeArray((B, H, S, D), st, (i + 1) << 20, itemsize=4) for i in range(4))
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_FORM", {"highest": form} if form == "3xfp16" else {})
     plan = _dispatch.hopper_plan("float32", D, True, S, precision)
     dpad = 64 if D <= 64 else 128
-    mode = "3xtf32" if terms == 3 else "tf32"
     assert plan.spec.name.startswith(f"cuflash::cuflash_fwd_wgmma<float, {terms}, {dpad}, ")
-    assert plan.label.startswith(f"hopper<float32,{mode},D{dpad},"), plan.label
+    assert plan.spec.name.endswith(", cuflash::fp16_t>") == (form == "3xfp16"), plan.spec.name
+    assert plan.label.startswith(f"hopper<float32,{form},D{dpad},"), plan.label
     assert plan.smem_bytes <= ATTRS["max_smem_optin"]
     prob = _problem(q, k, v, (B, H), S, S, D)
     prob.dtype_name = "float32"
@@ -142,13 +145,14 @@ def test_float32_dispatch_on_hopper(monkeypatch, auto_hopper):
                                      precision=precision, causal=False, variant=None)
 
     for precision, mode in (("highest", "3xtf32"), ("high", "tf32")):
+        hmode = "3xfp16" if precision == "highest" else mode  # HOPPER_F32_FORM
         for d in (64, 96, 128):
             plan = _dispatch.plan_for(prob(d, precision=precision), 90)
             forced = _dispatch.plan_for(prob(d, "hopper", precision), 90)
-            assert forced.label.startswith(f"hopper<float32,{mode},"), forced.label
+            assert forced.label.startswith(f"hopper<float32,{hmode},"), forced.label
             assert forced.spec.family == "attn_wgmma"
-            kind = "hopper" if auto_hopper else "tensorcore"
-            assert plan.label.startswith(f"{kind}<float32,{mode},"), plan.label
+            kind, kmode = ("hopper", hmode) if auto_hopper else ("tensorcore", mode)
+            assert plan.label.startswith(f"{kind}<float32,{kmode},"), plan.label
             tc = _dispatch.plan_for(prob(d, "tensorcore", precision), 90)
             assert tc.label.startswith(f"tensorcore<float32,{mode},"), tc.label
             assert not _dispatch.plan_for(prob(d, precision=precision), 80).label.startswith(

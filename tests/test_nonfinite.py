@@ -239,7 +239,8 @@ def test_gpu_kernel(kernel, dtype, case, value):
         # Known defect, kept visible: the split-precision products (common.cuh: Tf32Split) turn
         # an infinite operand into hi = inf, lo = inf - inf = NaN, so an inf in k or v comes out
         # as NaN where the reference has inf (10 cases on the H200, 2026-12-01). The Hopper
-        # float32 form splits K and V^T the same way (attn_wgmma.cu: split_tile, transpose_v).
+        # float32 forms split K and V^T the same way (attn_wgmma.cu: split_tile, transpose_v;
+        # the 3xfp16 form's split16_tile: inf * 2^e = inf, lo = NaN).
         pytest.xfail("float32 tensor-core split: an infinity in k or v becomes NaN")
     o = poisoned((2, q.shape[-2], v.shape[-1]), dtype)
     lse = poisoned((2, q.shape[-2]), "float32")
