@@ -78,7 +78,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         D == Dv and 16-byte aligned rows, and raise ValueError, saying why, if the inputs do not
         qualify. With a variant (window, softcap, alibi_slopes, bias, mask, hooks) ``"auto"``
         takes the tensor-core kernel where it qualifies (bias and mask contiguous or broadcast
-        along their last axis), else the generic one; ``"hopper"`` refuses a variant.
+        along their last axis), else the generic one; ``"hopper"`` and ``"decode"`` refuse a
+        variant (ValueError naming it).
     precision : {None, "default", "highest", "high"}, optional
         How accurate the products of float32 inputs must be (the names of JAX's
         ``jax.lax.Precision`` and PyTorch's float32 matmul precision; JAX's enum members are

@@ -166,13 +166,14 @@ def _column_stride_reason(variant) -> "str | None":
 def variant_plan_for(prob, compute_capability=None) -> Plan:
     """The forward plan of a problem with a variant (``prob.variant`` not None) on a device of
     this compute capability: the tensor-core kernel for ``kernel="auto"`` where it qualifies
-    (also on sm_90: the Hopper kernel takes no policy), else the generic one."""
-    if prob.kernel == "hopper":
+    (also on sm_90: the Hopper kernel takes no policy), else the generic one. kernel="hopper"
+    and kernel="decode" (families without the policy) raise, naming the variant."""
+    if prob.kernel in ("hopper", "decode"):  # kernel families without the policy yet
         hooks = prob.variant.hook_names() if getattr(prob.variant, "has_mods", False) else []
         what = (f"the user hook{'s' if len(hooks) > 1 else ''} {' and '.join(hooks)}" if hooks
                 else f"the attention variant ({policy_label(prob.variant)})")
-        raise ValueError(f"kernel='hopper' cannot run these inputs: {what} is not supported "
-                         "there yet; use kernel='auto', 'tensorcore' or 'generic'")
+        raise ValueError(f"kernel={prob.kernel!r} cannot run these inputs: {what} is not "
+                         "supported there yet; use kernel='auto', 'tensorcore' or 'generic'")
     reason = ""
     if prob.kernel in ("auto", "tensorcore"):
         why_not = tensorcore_variant_reason(prob, compute_capability)
