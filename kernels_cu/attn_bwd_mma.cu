@@ -177,28 +177,6 @@ struct BwdMmaOps {
     }
 };
 
-// dst[0] += a, dst[1] += b in global memory (float atomics; dst 8-byte aligned): one vector
-// reduction on sm_90, two scalar ones before.
-__device__ __forceinline__ void bwd_red_add2(float* dst, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n"
-                 :: "l"(dst), "f"(a), "f"(b) : "memory");
-#else
-    atomicAdd(dst, a);
-    atomicAdd(dst + 1, b);
-#endif
-}
-
-// The turn counter of a dq tile (DET): acquire / release on an int in global memory.
-__device__ __forceinline__ int bwd_turn_load(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void bwd_turn_store(int* p, int v) {
-    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
-}
-
 // OPT: bits of the speed candidates (notes/BACKWARD.md "Speed candidates"; the dispatcher's
 // config tables choose them, 0 is the form measured first):
 //   BWD_OPT_LEAN (1): per-tile bookkeeping without integer divisions (the query tile and the

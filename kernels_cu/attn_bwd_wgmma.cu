@@ -147,20 +147,6 @@ __device__ __forceinline__ void load_swizzled(unsigned int dst, const T* g, long
     }
 }
 
-// dst[0] += a, dst[1] += b in global memory, one vector reduction (sm_90; dst 8-byte aligned).
-__device__ __forceinline__ void red_add_v2(float* dst, float a, float b) {
-    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n"
-                 :: "l"(dst), "f"(a), "f"(b) : "memory");
-}
-// The turn counter of a dq tile (DET): acquire load, release store.
-__device__ __forceinline__ int turn_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void turn_release(int* p, int v) {
-    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ void sts_u32(unsigned int addr, unsigned int v) {
     asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
 }
@@ -407,7 +393,7 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         int* turn = reinterpret_cast<int*>(dqa + static_cast<long long>(i0) * p.dqa_sr + DPAD);
         const int my_turn = (keys_needed<CAUSAL>(i0, BM, sq, sk) - 1) / BN - nblock;
         if (DET && tid == 0) {
-            while (turn_acquire(turn) != my_turn) __nanosleep(32);
+            while (bwd_turn_load(turn) != my_turn) __nanosleep(32);
         }
         fence_async_smem();
         __syncthreads();  // (2) dS^T complete; (DET) our turn
@@ -453,14 +439,14 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
                     float* dst = dqa + static_cast<long long>(row) * p.dqa_sr + 64 * np + 2 * t4;
 #pragma unroll
                     for (int nt = 0; nt < 8; ++nt)
-                        red_add_v2(dst + nt * 8, dq[pc][nt * 4 + 2 * h], dq[pc][nt * 4 + 2 * h + 1]);
+                        bwd_red_add2(dst + nt * 8, dq[pc][nt * 4 + 2 * h], dq[pc][nt * 4 + 2 * h + 1]);
                 }
             }
         }
         if (DET) {
             __threadfence();
             __syncthreads();  // (3) every thread's additions are visible before the next turn
-            if (tid == 0) turn_release(turn, my_turn + 1);
+            if (tid == 0) bwd_turn_store(turn, my_turn + 1);
         }
         kb.step(p, cur_mt, cur_red, cur_ix);
     }

@@ -865,6 +865,29 @@ __device__ __forceinline__ long long causal_first_row(long long j, long long sq,
     return r > 0 ? r : 0;
 }
 
+// Backward helpers of the key-parallel tensor-core kernels (attn_bwd_mma.cu, attn_bwd_wgmma.cu).
+// dst[0] += a, dst[1] += b in global memory (float atomics; dst 8-byte aligned): one vector
+// reduction on sm_90, two scalar ones before.
+__device__ __forceinline__ void bwd_red_add2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n"
+                 :: "l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
+
+// The turn counter of a dq tile (DET): acquire / release on an int in global memory.
+__device__ __forceinline__ int bwd_turn_load(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void bwd_turn_store(int* p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+
 // The work of one block of a key-parallel backward kernel with BN keys per block and query tiles
 // of BM rows (attn_bwd_wgmma.cu; the same arithmetic as attn_bwd_mma.cu's): its k/v owner, its
 // key block (numbered from the end of the grid, so that the deterministic turns wait only for
