@@ -55,7 +55,7 @@ def _hopper_mode(precision):
 
 def _hopper_f32(d, precision):
     """kernel="auto" takes the Hopper float32 form for this head dim on this GPU (only with
-    _dispatch.HOPPER_F32_AUTO, off until the form has had a complete GPU run)."""
+    _dispatch.HOPPER_F32_AUTO, on since the form's complete GPU run of 2026-12-02)."""
     return _dispatch.HOPPER_F32_AUTO and _hopper_f32_form(d, precision)
 
 
