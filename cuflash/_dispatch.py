@@ -366,8 +366,11 @@ def hopper_f32_head_dims(precision: str, form: Optional[str] = None):
 
 
 #: What the wider query block of three consumers (BM = 192) gains per useful row over two
-#: (BM = 128) where both are fully used (HOPPER_TABLE's note: +8-19% at D = 64 without the mask).
-HOPPER_C3_GAIN = 1.15
+#: (BM = 128). Measured on the H200 (2026-12-02, benchmarks/RESULTS.md "session e, call 2":
+#: tune.py --shapes, D = 64 without the mask), C3 / C2 times the rows-used ratio: 1.28 at
+#: Sq = 197, 1.31 at 256, 1.19 at 512, 1.23 at 577, 1.24 at 1024. 1.25 picks the faster of the
+#: two at all five (1.15 took BM = 128 at Sq = 577, 2.6% slower).
+HOPPER_C3_GAIN = 1.25
 
 
 def _row_use(sq: int, bm: int) -> float:
