@@ -63,7 +63,8 @@ def _install():
                                            ptr=next(ptrs))
     cp.cuda = types.SimpleNamespace(Device=Device, ExternalStream=lambda p, d=-1: stream,
                                    runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                                   get_current_stream=lambda: stream)
+                                   get_current_stream=lambda: stream,
+                                   function=types.SimpleNamespace(CPointer=_CPOINTER))
     sys.modules["cupy"] = cp
     from cuflash import _compile, _launch
 
@@ -89,6 +90,23 @@ def _cupy_scalar():
 _CSCALAR = None
 
 
+class _StandinCPointer:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def _cupy_cpointer():
+    """CuPy's by-address kernel argument type if the real CuPy imports here, else a stand-in."""
+    try:
+        from cupy.cuda.function import CPointer
+    except Exception:  # no CuPy
+        return _StandinCPointer
+    return CPointer
+
+
+_CPOINTER = _StandinCPointer
+
+
 def _per_call(fn, calls):
     fn()
     t0 = time.process_time()  # CPU time: less disturbed by other jobs than the wall clock
@@ -103,8 +121,9 @@ def main():
     ap.add_argument("--s", default="16,128")
     ap.add_argument("--sk", type=int, default=0, help="keys (default: Sk = S)")
     args = ap.parse_args()
-    global _CSCALAR
+    global _CSCALAR, _CPOINTER
     _CSCALAR = _cupy_scalar()
+    _CPOINTER = _cupy_cpointer()
     cp = _install()
     import cuflash
     from cuflash import _callcache, _decode, _launch
@@ -130,8 +149,8 @@ def main():
         rows.append(("  signature", _per_call(
             lambda: sig(q, k, v, False, None, False, None, "auto", None, None), n)))
         call = sig(q, k, v, False, None, False, None, "auto", None, None)
-        rows.append(("  lookup", _per_call(lambda: _callcache._CACHE.get(call.key), n)))
-        rec = _callcache._CACHE[call.key]
+        rows.append(("  lookup", _per_call(lambda: _callcache._CACHE.get(call[0]), n)))
+        rec = _callcache._CACHE[call[0]]
         rows.append(("  device check (runtime.getDevice)",
                      _per_call(lambda: cp.cuda.runtime.getDevice() == 0, n)))
         rows.append(("  stream (get_current_stream)",

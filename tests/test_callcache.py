@@ -5,6 +5,7 @@ parameter block(s) the full path builds for the same buffers, on the dense kerne
 decode kernel (its split-KV kernel and combine; the partials allocated per call on the launch
 stream, or the caller's workspace); any change of signature takes the full path again. The GPU
 twin is tests/test_callcache_gpu.py."""
+import ctypes
 import sys
 import types
 
@@ -70,6 +71,27 @@ class Stream:
 DEFAULT_STREAM = Stream(0)
 
 
+class CPointer:
+    """A stand-in `cupy.cuda.function.CPointer`: a kernel argument passed by address."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def _arg_bytes(arg, spec):
+    """The parameter bytes a kernel receives *at its launch*: a NumPy scalar's, or for a
+    `CPointer` the bytes at its address then (the size of the kernel family's block), as
+    `cuLaunchKernel` copies them."""
+    if not isinstance(arg, CPointer):
+        return bytes(np.asarray(arg).tobytes())
+    from cuflash import _decode
+
+    size = {"attn_decode": _decode.DECODE_PARAMS_DTYPE.itemsize,
+            "attn_wgmma": _launch.HOPPER_PARAMS_DTYPE.itemsize}.get(
+                spec.family, _launch.PARAMS_DTYPE.itemsize)
+    return ctypes.string_at(arg.ptr, size)
+
+
 def _current_stream():
     return (Stream.stack or [DEFAULT_STREAM])[-1]
 
@@ -112,14 +134,17 @@ def fake(monkeypatch):
     cp.ascontiguousarray = ascontiguousarray
     cp.cuda = types.SimpleNamespace(Device=Device, ExternalStream=lambda p, d=-1: Stream(p),
                                    runtime=types.SimpleNamespace(getDevice=lambda: rec["device"]),
-                                   get_current_stream=_current_stream)
+                                   get_current_stream=_current_stream,
+                                   function=types.SimpleNamespace(CPointer=CPointer))
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(Stream, "stack", [])
 
     def get_kernel(spec, dev, smem=0):
         def kernel(grid, block, args, shared_mem=0, stream=None):
-            rec["launches"].append((grid, block, bytes(np.asarray(args[0]).tobytes()),
-                                    shared_mem, spec.name, stream.ptr))
+            # stream None: CuPy's kernel call launches on the current stream
+            st = _current_stream() if stream is None else stream
+            rec["launches"].append((grid, block, _arg_bytes(args[0], spec), shared_mem,
+                                    spec.name, st.ptr))
         return kernel
 
     monkeypatch.setattr(_compile, "get_kernel", get_kernel)
