@@ -513,12 +513,13 @@ _STREAMS = {}
 
 def external_stream(handle, device_id):
     """The CuPy stream object for a raw CUDA stream `handle` on `device_id` (cached)."""
-    key = (handle, device_id)
+    cp = sys.modules["cupy"]
+    key = (handle, device_id, cp)   # (the module too: tests swap in stand-ins)
     st = _STREAMS.get(key)
     if st is None:
         if len(_STREAMS) >= 64:
             _STREAMS.clear()
-        st = _STREAMS[key] = sys.modules["cupy"].cuda.ExternalStream(handle, device_id)
+        st = _STREAMS[key] = cp.cuda.ExternalStream(handle, device_id)
     return st
 
 
@@ -568,4 +569,5 @@ def clear():
     """Forget every recorded signature (tests; after changing dispatch tables at run time)."""
     global _last
     _CACHE.clear()
+    _STREAMS.clear()
     _last = (None, None)

@@ -545,3 +545,147 @@ def test_jax_callback_launches_decode_records_on_xlas_stream(fake):
     cj._launch_record(rec, 0, ptrs, 0xABC0, ws)
     assert len(fake["allocs"]) == n_alloc + 1
     assert int(_dec_block(fake["launches"][-2])["o_part"]) == ws.data.ptr
+
+
+# ---------------------------------------------------------------------------------------------
+# The hit path's shortcuts (notes/JAX.md "Toward 10 us per call"): each must keep a hit exactly
+# the full path's launch.
+
+def _full_launches(fake, fn):
+    """The launches `fn()` makes on the full path (cache cleared first), and its result."""
+    _callcache.clear()
+    n = len(fake["launches"])
+    res = fn()
+    return fake["launches"][n:], res
+
+
+@pytest.mark.parametrize("qs,ks", [((2, 4, 100, 64), (2, 4, 100, 64)),      # dense
+                                   ((2, 4, 1, 64), (2, 4, 4096, 64))])      # decode, split keys
+def test_another_thread_builds_its_own_block(fake, qs, ks):
+    """The record's host block belongs to the thread that made it: a hit on another thread
+    launches the full path's bytes for its own pointers and leaves the host block alone."""
+    import threading
+
+    out = _new(qs)
+    cuflash.attention(_new(qs), _new(ks), _new(ks), out=out)   # recorded on this thread
+    q, k, v = _new(qs), _new(ks), _new(ks)
+    cuflash.attention(q, k, v, out=out)                        # an owner hit
+    rec = _callcache._last[1]
+    assert rec.host_args is not None and rec.owner == threading.get_ident()
+    host = bytes(rec.host)
+    q2, k2, v2 = _new(qs), _new(ks), _new(ks)
+    n = len(fake["launches"])
+    t = threading.Thread(target=lambda: cuflash.attention(q2, k2, v2, out=out))
+    t.start()
+    t.join()
+    other = fake["launches"][n:]
+    assert fake["checks"] == 1 and other, "the other thread's call must be a hit"
+    assert bytes(rec.host) == host, "another thread wrote into the owner's block"
+    full, _ = _full_launches(fake, lambda: cuflash.attention(q2, k2, v2, out=out))
+    if "attn_decode" in full[0][4]:
+        _same_but_per_call(other, full, "other thread against the full path")
+        assert int(_dec_block(other[0])["q"]) == q2.data.ptr
+    else:
+        assert other == full
+
+
+def test_no_stream_given_launches_on_the_current_stream_of_each_call(fake):
+    """Without stream= a hit passes no stream object: CuPy's kernel call takes the current
+    stream at that moment, as the full path's `get_current_stream()` does; the decode partials
+    come from the pool with that stream current."""
+    qs, ks = (2, 4, 1, 64), (2, 4, 4096, 64)
+    cuflash.attention(_new(qs), _new(ks), _new(ks))
+    s1, s2 = Stream(0x7700), Stream(0x8800)
+    n, n_alloc = len(fake["launches"]), len(fake["allocs"])
+    for st in (s1, s2, None):
+        if st is None:
+            cuflash.attention(_new(qs), _new(ks), _new(ks))
+        else:
+            with st:
+                cuflash.attention(_new(qs), _new(ks), _new(ks))
+    assert fake["checks"] == 1
+    assert [x[5] for x in fake["launches"][n:]] == [0x7700] * 2 + [0x8800] * 2 + [0] * 2
+    assert [a[2] for a in fake["allocs"][n_alloc:]] == [0x7700] * 2 + [0x8800] * 2 + [0] * 2
+
+
+def test_int_and_torch_streams_share_one_external_stream(fake, monkeypatch):
+    """stream= as a raw handle or a torch-like stream (``.cuda_stream``): every hit launches on
+    that handle, and the ExternalStream for it is made once, not per call."""
+    made = []
+
+    def external(p, d=-1):
+        made.append((p, d))
+        return Stream(p)
+
+    monkeypatch.setattr(sys.modules["cupy"].cuda, "ExternalStream", external)
+    q, k = _new((1, 1, 16, 64)), _new((1, 1, 16, 64))
+    torch_like = types.SimpleNamespace(cuda_stream=0x5500)
+    for stream in (0x4400, 0x4400, torch_like, torch_like, 0x4400):
+        cuflash.attention(q, k, k, stream=stream)
+    assert fake["checks"] == 1
+    assert [x[5] for x in fake["launches"][-5:]] == [0x4400, 0x4400, 0x5500, 0x5500, 0x4400]
+    assert made.count((0x4400, 0)) == 1 and made.count((0x5500, 0)) == 1
+    with pytest.raises(TypeError, match="stream"):
+        cuflash.attention(q, k, k, stream=object())
+
+
+@pytest.mark.parametrize("module,name", [("_dispatch", "TC_CONFIGS"), ("_dispatch", "plan_for"),
+                                         ("_decode", "MAX_SPLITS"), ("_dispatch", "_unlisted")])
+def test_any_reassigned_table_misses(fake, monkeypatch, module, name):
+    """Reassigning any attribute of `_dispatch` or `_decode` (a table, the planner, one no list
+    names) moves the tables' generation on: records made before miss."""
+    import importlib
+
+    mod = importlib.import_module(f"cuflash.{module}")
+    q, k = _new((2, 4, 100, 64)), _new((2, 4, 100, 64))
+    cuflash.attention(q, k, k)
+    cuflash.attention(q, k, k)
+    assert fake["checks"] == 1
+    monkeypatch.setattr(mod, name, getattr(mod, name, None), raising=False)
+    cuflash.attention(q, k, k)
+    assert fake["checks"] == 2
+    cuflash.attention(q, k, k)
+    assert fake["checks"] == 2
+
+
+def test_alternating_signatures_each_launch_their_own_record(fake):
+    """The last-key shortcut: calls alternating between signatures hit the right record each
+    time (the launch the full path makes for that call)."""
+    qa, ka = _new((2, 4, 100, 64)), _new((2, 4, 100, 64))
+    qb, kb = _new((1, 1, 16, 64)), _new((1, 1, 16, 64))
+    calls = [lambda: cuflash.attention(qa, ka, ka, causal=True),
+             lambda: cuflash.attention(qa, ka, ka, causal=False),
+             lambda: cuflash.attention(qb, kb, kb)]
+    for c in calls:
+        c()
+    launches = []
+    for i in (0, 1, 2, 1, 0, 2, 2, 0):
+        n = len(fake["launches"])
+        calls[i]()
+        launches.append((i, fake["launches"][n:]))
+    assert fake["checks"] == 3
+    for i, hit in launches:
+        full, _ = _full_launches(fake, calls[i])
+        if "attn_decode" in full[0][4]:
+            _same_but_per_call(hit, full, f"signature {i}")
+        else:
+            p_hit, p_full = (np.frombuffer(x[0][2], _launch.PARAMS_DTYPE).copy()[0]
+                             for x in (hit, full))
+            p_hit["o"] = p_full["o"]
+            assert p_hit.tobytes() == p_full.tobytes() and hit[0][4] == full[0][4]
+        for c in calls:   # re-record all three
+            c()
+
+
+def test_torch_keys(fake):
+    """torch tensors: a sparse one takes the full path (no key: its strides raise); the
+    negation bit is in the key."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(1, 1, 16, 64)
+    assert _callcache.signature_of(x, x, x, False, None, False, None, "auto", None) is not None
+    sp = x.reshape(16, 64).to_sparse()
+    assert _callcache.signature_of(sp, sp, sp, False, None, False, None, "auto", None) is None
+    neg = torch._neg_view(x)
+    assert neg.is_neg()
+    assert _callcache.signature(neg, x, x, False, None, False, None, "auto", None) != \
+        _callcache.signature(x, x, x, False, None, False, None, "auto", None)
