@@ -445,10 +445,16 @@ def lookup(key):
     return rec if rec is not None and rec.valid() else None
 
 
+_TORCH_RAW = [None, None]   # (torch module, its raw current-stream accessor or None)
+
+
 def _torch_stream(torch, device_id):
     """torch's current stream on `device_id` as a raw handle (the cheap accessor where this
-    torch has it)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    torch has it, looked up once per torch module)."""
+    mod, raw = _TORCH_RAW
+    if mod is not torch:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _TORCH_RAW[:] = [torch, raw]
     if raw is not None:
         return raw(device_id)
     return torch.cuda.current_stream(device_id).cuda_stream
