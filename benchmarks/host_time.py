@@ -195,9 +195,14 @@ def jax_inside_rows(args):
         return [("JAX jit: inside cuflash's callback", "skipped: the callback was not traced "
                  "anew (no per-call figure)")]
     n = count[0]
+    from cuflash import _callcache
+
+    sets = [len(r.maps) for r in _callcache._CACHE.values() if getattr(r, "hopper", False)]
     return [("JAX jit: cuflash.jax.attention, instrumented", total),
             ("JAX jit:   inside cuflash's Python callback", spent[0] / n / 1e3),
-            ("JAX jit:   Hopper tensor-map encodes per call", f"{encodes[0] / n:.2f}")]
+            ("JAX jit:   Hopper tensor-map encodes per call", f"{encodes[0] / n:.3f}"),
+            ("JAX jit:   Hopper records' input pointer sets kept (max)",
+             str(max(sets)) if sets else "no Hopper record")]
 
 
 def jax_rows(args):

@@ -67,6 +67,9 @@ assert [_decode.DECODE_PARAMS_DTYPE.fields[f][1] for f in _decode._DEC_PTRS[:7]]
     [8 * i for i in range(7)] and _decode._DEC_PTRS[:7] == (
         "q", "k", "v", "o", "lse", "o_part", "lse_part"), "DecodeParams must start so"
 
+#: Hopper records keep the tensor maps of this many input (q, k, v) pointer sets.
+_MAPS_KEPT = 8
+
 #: A hit passes its block to the kernel as a NumPy scalar of a plain (unstructured) void dtype
 #: of the block's size: the same bytes, but CuPy's kernel-argument conversion (CScalar) copies
 #: it about four times faster than a scalar of the 49-field structured dtype.
@@ -192,7 +195,7 @@ class _Record(_RecordBase):
     the kernel object."""
 
     __slots__ = ("prob", "attrs", "template", "grid", "hopper", "layouts", "last", "kern",
-                 "host_qkv")
+                 "host_qkv", "maps", "encodes")
 
     def __init__(self, prob, plan, attrs, template, grid, arrays, pub_o, pub_lse):
         self._base(prob, plan, pub_o, pub_lse)
@@ -207,8 +210,22 @@ class _Record(_RecordBase):
         # Hopper: the q, k, v pointers the last block's tensor maps were made from, its bytes
         self.last = (tuple(x.data.ptr for x in arrays[:3]), template.tobytes())
         self.host_qkv = self.last[0]   # Hopper: the q, k, v whose maps the host block holds
+        # Hopper: q, k, v pointers -> the block with their maps, for the last few input sets
+        # (XLA may hand a jitted call's callback inputs at a few alternating addresses)
+        self.maps = {self.last[0]: self.last[1]}
+        self.encodes = 0
         self.kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
         self._host_block(template.tobytes())
+
+    def _encode(self, ptrs):
+        """The whole block, tensor maps included, for these pointers (q, k, v, o, lse)."""
+        arrs = [lay if lay is None else lay.at(p) for lay, p in zip(self.layouts, ptrs)]
+        q, k, v, o, lse = arrs
+        prob = copy.copy(self.prob)
+        prob.q, prob.k, prob.v = q, k, v
+        full, _, _, _ = _launch.forward_params(self.plan, prob, q, k, v, o, lse, self.attrs)
+        self.encodes += 1
+        return full.tobytes()
 
     def launch(self, ptrs, stream, parts=0):
         """Launch with the pointers (q, k, v, o, lse; lse 0 when not written) on `stream` (a
@@ -218,13 +235,18 @@ class _Record(_RecordBase):
         plan = self.plan
         if self.hopper:
             last = self.last   # (one read: another thread may replace it meanwhile)
-            if tuple(ptrs[:3]) != last[0]:   # new inputs: new tensor maps
-                arrs = [lay if lay is None else lay.at(p) for lay, p in zip(self.layouts, ptrs)]
-                q, k, v, o, lse = arrs
-                prob = copy.copy(self.prob)
-                prob.q, prob.k, prob.v = q, k, v
-                full, _, _, _ = _launch.forward_params(plan, prob, q, k, v, o, lse, self.attrs)
-                last = self.last = (tuple(ptrs[:3]), full.tobytes())
+            qkv = tuple(ptrs[:3])
+            if qkv != last[0]:   # other inputs: their tensor maps (kept, or new ones)
+                block = self.maps.get(qkv)
+                if block is None:
+                    block = self._encode(ptrs)
+                    if len(self.maps) >= _MAPS_KEPT:
+                        try:
+                            self.maps.pop(next(iter(self.maps)), None)
+                        except (RuntimeError, StopIteration):   # another thread's change
+                            pass
+                    self.maps[qkv] = block
+                last = self.last = (qkv, block)
         if self.host_args is not None and threading.get_ident() == self.owner:
             if not self.hopper:
                 _PTRS.pack_into(self.host_mv, 0, *ptrs)

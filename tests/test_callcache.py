@@ -279,6 +279,39 @@ def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
     assert fake["checks"] == 4 and fake["launches"][-1] == hit2
 
 
+def test_hopper_alternating_inputs_keep_their_tensor_maps(fake, monkeypatch):
+    """Inputs at a few alternating addresses (as XLA may hand a jitted callback): each set's
+    maps are encoded once and kept; every launch is the full path's block for its pointers."""
+    from cuflash import _tma
+    import hashlib
+
+    encoded = []
+
+    def encode(dtype_name, address, dims, strides, box):
+        encoded.append(address)
+        return hashlib.sha256(repr((address, dims, strides, box)).encode()).digest() * 4
+
+    monkeypatch.setattr(_tma, "encode_tiled", encode)
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    monkeypatch.setitem(_launch._DEVICE_ATTRS, 0, {"compute_capability": 90,
+                                                  "max_smem_optin": 232448, "sm_count": 132})
+    o = FakeArray((2, 4, 100, 64), ptr=3 << 36)
+    sets = [_qkv(base=b) for b in (1 << 33, 1 << 34, 1 << 35)]
+    cuflash.attention(*sets[0], causal=True, out=o)   # the full path (its maps recorded)
+    n = len(encoded)
+    hits = []
+    for i in (1, 0, 2, 1, 0, 2, 2, 1):
+        cuflash.attention(*sets[i], causal=True, out=o)
+        hits.append((i, fake["launches"][-1]))
+    assert fake["checks"] == 1
+    assert len(encoded) - n == 2 * 3, "each new input set's three maps are encoded once"
+    for i, hit in hits:
+        _callcache.clear()
+        monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
+        cuflash.attention(*sets[i], causal=True, out=o)
+        assert fake["launches"][-1] == hit, f"input set {i}"
+
+
 def test_signature_refuses_other_array_types():
     q = np.zeros((4, 8), np.float32)
     assert _callcache.signature(q, q, q, False, None, False, None, "auto", None) is None
