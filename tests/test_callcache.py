@@ -234,9 +234,9 @@ def test_errors_still_raise_after_a_recorded_call(fake):
         cuflash.attention(q, k, v, stream=object())  # the stream is resolved on every call
 
 
-def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
-    """The Hopper kernel's tensor maps hold the pointers: a hit with new pointers builds the
-    same block the full path builds for them (maps included); the last pointers reuse it."""
+def _fake_hopper(monkeypatch):
+    """A compute capability 9.0 device with the tensor-map API, whose encoder returns a digest
+    of its arguments; the list of encoded addresses (appended to at each encode)."""
     from cuflash import _tma
     import hashlib
 
@@ -250,6 +250,13 @@ def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
     monkeypatch.setattr(_tma, "available", lambda: True)
     monkeypatch.setitem(_launch._DEVICE_ATTRS, 0, {"compute_capability": 90,
                                                   "max_smem_optin": 232448, "sm_count": 132})
+    return encoded
+
+
+def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
+    """The Hopper kernel's tensor maps hold the pointers: a hit with new pointers builds the
+    same block the full path builds for them (maps included); the last pointers reuse it."""
+    encoded = _fake_hopper(monkeypatch)
     assert cuflash.dispatch_info(*_qkv(), causal=True).startswith("hopper")
     o = FakeArray((2, 4, 100, 64), ptr=3 << 36)
     cuflash.attention(*_qkv(), causal=True, out=o)
@@ -282,19 +289,7 @@ def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
 def test_hopper_alternating_inputs_keep_their_tensor_maps(fake, monkeypatch):
     """Inputs at a few alternating addresses (as XLA may hand a jitted callback): each set's
     maps are encoded once and kept; every launch is the full path's block for its pointers."""
-    from cuflash import _tma
-    import hashlib
-
-    encoded = []
-
-    def encode(dtype_name, address, dims, strides, box):
-        encoded.append(address)
-        return hashlib.sha256(repr((address, dims, strides, box)).encode()).digest() * 4
-
-    monkeypatch.setattr(_tma, "encode_tiled", encode)
-    monkeypatch.setattr(_tma, "available", lambda: True)
-    monkeypatch.setitem(_launch._DEVICE_ATTRS, 0, {"compute_capability": 90,
-                                                  "max_smem_optin": 232448, "sm_count": 132})
+    encoded = _fake_hopper(monkeypatch)
     o = FakeArray((2, 4, 100, 64), ptr=3 << 36)
     sets = [_qkv(base=b) for b in (1 << 33, 1 << 34, 1 << 35)]
     cuflash.attention(*sets[0], causal=True, out=o)   # the full path (its maps recorded)
