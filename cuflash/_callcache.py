@@ -45,6 +45,7 @@ launches it with the pointers of XLA's buffers (`lookup`, `launch`).
 from __future__ import annotations
 
 import copy
+import os
 import struct
 import sys
 import threading
@@ -139,9 +140,18 @@ class _Layout:
         return y
 
 
+#: ``CUFLASH_HOST_BLOCK=0`` (read at import): records keep no host block, every hit builds its
+#: block per call as other threads do (for measuring what the host block saves, or ruling it
+#: out).
+HOST_BLOCK = os.environ.get("CUFLASH_HOST_BLOCK", "1") != "0"
+
+
 def _cpointer(cp):
     """CuPy's by-address kernel argument (`cupy.cuda.function.CPointer`: `Function.__call__`
-    passes its address on as it is), or None where the CuPy module has none."""
+    passes its address on as it is), or None where the CuPy module has none (or
+    `HOST_BLOCK` is off)."""
+    if not HOST_BLOCK:
+        return None
     try:
         return cp.cuda.function.CPointer
     except AttributeError:
