@@ -19,8 +19,8 @@ hit needs torch's current stream to be the launch stream, since the full path's 
 would order the launch after torch's stream), ``causal``, ``scale``, ``return_lse``, ``kernel``
 and ``precision`` with their types; a record is used only under the generation of the
 dispatcher's tables it was made under (any attribute of `_dispatch` or `_decode` reassigned
-moves it on: `_WatchedModule`). Every check and
-every dispatch decision is a function of those (the 16-byte alignment rules read ``ptr % 16`` and the strides; the workspace's size and
+moves it on: `_WatchedModule`). Every check and every dispatch decision is a function of
+those (the 16-byte alignment rules read ``ptr % 16`` and the strides; the workspace's size and
 alignment rules its byte count and ``ptr % 256``; the tensor-map API's availability is fixed
 per process; the stream is resolved on each call, as on the full path). A signature is recorded
 only after its full-path call succeeded without copying an input (the checks' copy of a
@@ -494,10 +494,11 @@ def _torch_stream(torch, device_id):
 
 def launch(rec, ptrs, stream, workspace=None, current=False):
     """Launch record `rec` with the pointers (q, k, v, o, lse) on `stream` (a CuPy stream
-    object; None with `current`: CuPy's current stream) on the record's (current) device. The decode kernel's split partials go to
-    `workspace` (a CuPy array the caller owns) or, without one, to a CuPy pool block allocated
-    with `stream` current (`current`: it already is), as on the full path (`_decode.scratch`):
-    the pool hands a block freed by this call on only to later work in `stream`'s order."""
+    object; None with `current`: CuPy's current stream) on the record's (current) device. The
+    decode kernel's split partials go to `workspace` (a CuPy array the caller owns) or, without
+    one, to a CuPy pool block allocated with `stream` current (`current`: it already is), as on
+    the full path (`_decode.scratch`): the pool hands a block freed by this call on only to
+    later work in `stream`'s order."""
     if not rec.part_bytes:
         rec.launch(ptrs, stream)
         return
