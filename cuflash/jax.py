@@ -25,6 +25,7 @@ into CUDA graphs and replay them without Python (notes/JAX.md, "Command buffers"
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -363,7 +364,7 @@ def _launch_record(rec, device_id, ptrs, stream, workspace):
     `stream` (a handle). The decode kernel's split partials: the signature's kept `workspace`
     under command buffers, else a CuPy pool block taken on XLA's stream (as the full path's
     `_gpu_call` does), which the pool hands on only in that stream's order."""
-    cupy = _cupy()
+    cupy = sys.modules.get("cupy") or _cupy()   # (an import statement per call costs more)
     st = _callcache.external_stream(stream, device_id)   # (cached: constructing one, 2.5 us)
     if cupy.cuda.runtime.getDevice() == device_id:
         _callcache.launch(rec, ptrs, st, workspace)
