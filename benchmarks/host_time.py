@@ -38,17 +38,30 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-def _time(fn, sync, calls):
+class Timing(float):
+    """us per call (wall clock over the calls and the final sync), with ``enqueue``: the same
+    before the sync. When the two are close the host is the bottleneck; when the total is
+    larger the GPU was (the launch queue filled, or the last kernels were still running)."""
+
+    enqueue = None
+
+
+def _time(fn, sync, calls, warmed=None):
     fn()
     sync()  # warm: compile, plan, caches
     for _ in range(10):
         fn()
     sync()
+    if warmed is not None:
+        warmed()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    t1 = time.perf_counter()
     sync()
-    return (time.perf_counter() - t0) / calls * 1e6
+    t = Timing((time.perf_counter() - t0) / calls * 1e6)
+    t.enqueue = (t1 - t0) / calls * 1e6
+    return t
 
 
 def _path(label):
@@ -107,10 +120,10 @@ def _jax_setup(args):
     q, k, v = (jax.random.normal(kk, shape, dtype=args.dtype) for kk in keys)
     res = {}
 
-    def timed(f):
+    def timed(f, warmed=None):
         def run():
             res["o"] = f(q, k, v)
-        return _time(run, lambda: jax.block_until_ready(res["o"]), args.calls)
+        return _time(run, lambda: jax.block_until_ready(res["o"]), args.calls, warmed)
     return q, k, v, timed
 
 
@@ -139,10 +152,64 @@ def _jax_callback_rows(args, cmdbuf):
             (f"{prefix} empty buffer_callback", timed(jax.jit(lambda q, k, v: empty(q, k, v))))]
 
 
+def jax_inside_rows(args):
+    """`cuflash.jax.attention` once more (a new configuration, deterministic=True, so a fresh
+    trace: the forward is the same), with its forward callback timed from inside (the Python
+    callback alone, perf_counter_ns) and the Hopper kernel's tensor-map encodes counted
+    (`_launch.forward_params` calls: a record hit with the last inputs encodes none)."""
+    import jax
+
+    import cuflash.jax as cj
+    from cuflash import _launch
+
+    q, k, v, timed = _jax_setup(args)
+    spent, count, encodes = [0], [0], [0]
+    real_fwd, real_fp = cj._fwd_callback, _launch.forward_params
+
+    def timed_fwd(cfg, with_lse):
+        cb = real_fwd(cfg, with_lse)
+
+        def wrapped(*a):
+            t0 = time.perf_counter_ns()
+            try:
+                return cb(*a)
+            finally:
+                spent[0] += time.perf_counter_ns() - t0
+                count[0] += 1
+        return wrapped
+
+    def counting(*a, **kw):
+        encodes[0] += 1
+        return real_fp(*a, **kw)
+
+    cj._fwd_callback, _launch.forward_params = timed_fwd, counting
+    try:
+        f = jax.jit(lambda q, k, v: cj.attention(q, k, v, deterministic=True))
+
+        def reset():   # after the warm-up calls (the first one takes the full path)
+            spent[0] = count[0] = encodes[0] = 0
+        total = timed(f, reset)
+    finally:
+        cj._fwd_callback, _launch.forward_params = real_fwd, real_fp
+    if not count[0]:
+        return [("JAX jit: inside cuflash's callback", "skipped: the callback was not traced "
+                 "anew (no per-call figure)")]
+    n = count[0]
+    from cuflash import _callcache
+
+    sets = [len(r.maps) for r in _callcache._CACHE.values() if getattr(r, "hopper", False)]
+    return [("JAX jit: cuflash.jax.attention, instrumented", total),
+            ("JAX jit:   inside cuflash's Python callback", spent[0] / n / 1e3),
+            ("JAX jit:   Hopper tensor-map encodes per call", f"{encodes[0] / n:.3f}"),
+            ("JAX jit:   Hopper records' input pointer sets kept (max)",
+             str(max(sets)) if sets else "no Hopper record")]
+
+
 def jax_rows(args):
     import jax
 
     rows = _jax_callback_rows(args, False)
+    rows += jax_inside_rows(args)
     _, _, _, timed = _jax_setup(args)
     try:
         h = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
@@ -205,12 +272,13 @@ def main():
             except Exception as exc:  # a peer that is missing or has no GPU here
                 rows.append((f"{name} rows", f"skipped: {type(exc).__name__}: {exc}"[:120]))
     width = max(len(r[0]) for r in rows if r[1] is not None)
-    print(f"{'':{width}s}  us/call")
+    print(f"{'':{width}s}   us/call  (enqueue: before the final sync)")
     for name, t in rows:
         if t is None:
             print(name)
         elif isinstance(t, float):
-            print(f"{name:{width}s}  {t:8.1f}")
+            enq = getattr(t, "enqueue", None)
+            print(f"{name:{width}s}  {t:8.1f}" + ("" if enq is None else f"  ({enq:.1f})"))
         else:
             print(f"{name:{width}s}  {t}")
 

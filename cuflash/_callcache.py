@@ -12,13 +12,15 @@ from CuPy's pool on the launch stream, as on the full path, or from the caller's
 Why no check is dropped: the key holds, for q, k, v, the ``out`` buffers and ``workspace``, the
 exact type (plain ``cupy.ndarray``, or for q, k, v a plain ``torch.Tensor``; anything else takes
 the full path), shape, strides, dtype, device and the data pointer's alignment (modulo 16 bytes;
-the workspace's modulo WORKSPACE_ALIGN) (for torch tensors also ``requires_grad``, the negation
-and conjugation bits and the layout, which decide whether DLPack export succeeds; and a torch
+the workspace's modulo WORKSPACE_ALIGN) (for torch tensors also ``requires_grad`` and the
+negation bit, which decide whether DLPack export succeeds, and only strided tensors; the
+conjugation bit is set on complex tensors only, which the dtype rules out; and a torch
 hit needs torch's current stream to be the launch stream, since the full path's DLPack import
 would order the launch after torch's stream), ``causal``, ``scale``, ``return_lse``, ``kernel``
-and ``precision`` with their types; a record is used only under the dispatcher's tables it
-was made under (the decode thresholds and split rule included: `_tables`). Every check and
-every dispatch decision is a function of those (the 16-byte alignment rules read ``ptr % 16`` and the strides; the workspace's size and
+and ``precision`` with their types; a record is used only under the generation of the
+dispatcher's tables it was made under (any attribute of `_dispatch` or `_decode` reassigned
+moves it on: `_WatchedModule`). Every check and every dispatch decision is a function of
+those (the 16-byte alignment rules read ``ptr % 16`` and the strides; the workspace's size and
 alignment rules its byte count and ``ptr % 256``; the tensor-map API's availability is fixed
 per process; the stream is resolved on each call, as on the full path). A signature is recorded
 only after its full-path call succeeded without copying an input (the checks' copy of a
@@ -30,9 +32,12 @@ the full path's split outputs). The Hopper kernel's tensor maps hold the pointer
 hit with new pointers re-encodes them (`_launch.forward_params` on stand-ins with the recorded
 layouts), a hit with the last pointers reuses them.
 
-A hit does no device switch when the record's device is current, resolves the stream once,
-allocates o (and lse) like the full path, packs the pointers in front of the recorded bytes of
-the parameter block and calls the kernel objects kept in the record (notes/JAX.md "Host time").
+A hit compares its key with the last one found (a loop of one signature hashes nothing), does
+no device switch when the record's device is current, resolves a given stream (the
+ExternalStream of a raw handle or torch stream cached; no stream: CuPy's kernel call takes the
+current one), allocates o (and lse) like the full path, writes the pointers into the record's
+host copy of the parameter block (the thread that made the record; other threads build a block
+per call) and calls the kernel objects kept in the record (notes/JAX.md "Host time").
 
 `cuflash.jax` keeps, per buffer-callback signature, the record its first call made, and
 launches it with the pointers of XLA's buffers (`lookup`, `launch`).
@@ -40,9 +45,10 @@ launches it with the pointers of XLA's buffers (`lookup`, `launch`).
 from __future__ import annotations
 
 import copy
-import operator
+import os
 import struct
 import sys
+import threading
 import types
 
 import numpy as np
@@ -62,6 +68,9 @@ assert [_decode.DECODE_PARAMS_DTYPE.fields[f][1] for f in _decode._DEC_PTRS[:7]]
     [8 * i for i in range(7)] and _decode._DEC_PTRS[:7] == (
         "q", "k", "v", "o", "lse", "o_part", "lse_part"), "DecodeParams must start so"
 
+#: Hopper records keep the tensor maps of this many input (q, k, v) pointer sets.
+_MAPS_KEPT = 8
+
 #: A hit passes its block to the kernel as a NumPy scalar of a plain (unstructured) void dtype
 #: of the block's size: the same bytes, but CuPy's kernel-argument conversion (CScalar) copies
 #: it about four times faster than a scalar of the 49-field structured dtype.
@@ -76,23 +85,42 @@ assert [_launch.HOPPER_PARAMS_DTYPE.fields[f][1] - _HOPPER_PTRS_AT
 #: Recorded signatures -> _Record or _DecodeRecord; bounded (oldest dropped first).
 _CACHE = {}
 _CACHE_SIZE = 256
+#: The last (key, record) found or made: a loop of calls with one signature compares its key
+#: with this one (0.18 us) instead of hashing it for the dict (0.48 us + the compare).
+_last = (None, None)
 
 
-_DISPATCH_TABLES = operator.attrgetter(
-    "TC_CONFIGS", "TC_ARCH_CONFIGS", "TC_F32_CONFIGS", "TC_F32_ARCH_CONFIGS", "HOPPER_TABLE",
-    "HOPPER_F32_TABLE", "HOPPER_F32_AUTO", "HOPPER_F32_FORM", "HOPPER_F16SPLIT_TABLE",
-    "HOPPER_LONG_SK", "HOPPER_C3_GAIN", "plan_for")
-_DECODE_TABLES = operator.attrgetter(
-    "DECODE_MAX_SQ", "DECODE_MAX_ROWS", "MIN_TILES_PER_WARP", "MAX_SPLITS", "choose_splits")
+class _WatchedModule(types.ModuleType):
+    """The class of `_dispatch` and `_decode` once this module is imported: a module whose every
+    attribute assignment or deletion (``monkeypatch.setattr``, ``_dispatch.HOPPER_TABLE = ...``,
+    a tuning script swapping a table) moves `_GEN` on, so that every record made before misses.
+    Plain module behaviour otherwise (``module.__class__`` assignment, Python >= 3.5)."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        _GEN[0] += 1
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        _GEN[0] += 1
+
+
+#: The generation of the dispatcher's tables (and the decode thresholds and split rule): a
+#: record is used only under the generation it was made under. Replaces comparing a tuple of
+#: 17 table attributes per call (1.15 us) with one integer compare; it is also wider: any
+#: attribute of `_dispatch` or `_decode` that is reassigned, not only the listed tables.
+#: (In-place mutation of a table object is not seen, as the identity-first tuple comparison
+#: did not see it either: `clear` after editing a table in place.)
+_GEN = [0]
+for _m in (_dispatch, _decode):
+    if type(_m) is types.ModuleType:
+        _m.__class__ = _WatchedModule
+del _m
 
 
 def _tables():
-    """The dispatcher's tables (and the decode thresholds and split rule) as they are now. A
-    record keeps the ones it was made under and is used only while they are still the same
-    objects or equal to them (tuple comparison: identity first, so the usual case costs a few
-    pointer compares); tests swap them with monkeypatch, and a record made under other tables
-    then misses and is replaced."""
-    return _DISPATCH_TABLES(_dispatch) + _DECODE_TABLES(_decode)
+    """The tables' generation now (a record made under another one is not used)."""
+    return _GEN[0]
 
 
 class _Layout:
@@ -112,12 +140,40 @@ class _Layout:
         return y
 
 
+#: ``CUFLASH_HOST_BLOCK=0`` (read at import): records keep no host block, every hit builds its
+#: block per call as other threads do (for measuring what the host block saves, or ruling it
+#: out).
+HOST_BLOCK = os.environ.get("CUFLASH_HOST_BLOCK", "1") != "0"
+
+
+def _cpointer(cp):
+    """CuPy's by-address kernel argument (`cupy.cuda.function.CPointer`: `Function.__call__`
+    passes its address on as it is), or None where the CuPy module has none (or
+    `HOST_BLOCK` is off)."""
+    if not HOST_BLOCK:
+        return None
+    try:
+        return cp.cuda.function.CPointer
+    except AttributeError:
+        return None
+
+
 class _RecordBase:
     """What both kinds of record share: the outputs a hit allocates (the caller's shapes, also
-    for grouped-query heads), the tables they were made under, the device."""
+    for grouped-query heads), the tables' generation they were made under, the device; and the
+    host copy of the parameter block that the thread which made the record launches from.
+
+    The host block: the block's bytes in a buffer the record owns, passed to the kernel as one
+    `CPointer` to it; a launch writes this call's pointers into it in place (`struct.pack_into`)
+    and CuPy's kernel call passes the address on (`cuLaunchKernel` copies the parameters before
+    it returns, also under stream capture, into the graph node). That saves the per-call block
+    object (bytes concatenation, `np.frombuffer`, CuPy's `CScalar` copy of it: about 1 us). Only
+    the thread that made the record (`owner`) writes into it: another thread's write between
+    this one's write and its launch would launch with that thread's pointers; other threads
+    build a block per call (a plain void NumPy scalar, as before)."""
 
     __slots__ = ("plan", "device_id", "o_shape", "lse_shape", "dtype", "return_lse", "tables",
-                 "part_bytes")
+                 "part_bytes", "host", "host_mv", "host_args", "owner", "grid_t", "block_t")
 
     def _base(self, prob, plan, pub_o, pub_lse):
         self.plan, self.device_id = plan, prob.device_id
@@ -127,9 +183,20 @@ class _RecordBase:
         self.return_lse = prob.return_lse
         self.tables = _tables()
         self.part_bytes = 0   # workspace bytes a launch needs (decode kernel, split keys)
+        self.host_args = None
+
+    def _host_block(self, block):
+        """Keep `block` (bytes) as the owner thread's host block, where CuPy has `CPointer`."""
+        cpointer = _cpointer(sys.modules["cupy"])
+        if cpointer is None:
+            return
+        self.host = np.frombuffer(bytearray(block), np.uint8)   # owned, writable, fixed address
+        self.host_mv = memoryview(self.host)
+        self.host_args = (cpointer(self.host.ctypes.data),)
+        self.owner = threading.get_ident()
 
     def valid(self):
-        return self.tables == _tables()
+        return self.tables == _GEN[0]
 
 
 class _Record(_RecordBase):
@@ -137,7 +204,8 @@ class _Record(_RecordBase):
     pointers (or, for the Hopper kernel, the layouts its tensor maps are made from), the grid,
     the kernel object."""
 
-    __slots__ = ("prob", "attrs", "template", "grid", "hopper", "layouts", "last", "kern")
+    __slots__ = ("prob", "attrs", "template", "grid", "hopper", "layouts", "last", "kern",
+                 "host_qkv", "maps", "encodes")
 
     def __init__(self, prob, plan, attrs, template, grid, arrays, pub_o, pub_lse):
         self._base(prob, plan, pub_o, pub_lse)
@@ -147,31 +215,64 @@ class _Record(_RecordBase):
         self.template = template.tobytes()[_PTRS.size:]
         assert self.hopper or template.dtype == _launch.PARAMS_DTYPE
         self.grid = grid
+        self.grid_t, self.block_t = (grid,), (plan.threads,)
         self.layouts = tuple(None if x is None else _Layout(x) for x in arrays)
         # Hopper: the q, k, v pointers the last block's tensor maps were made from, its bytes
         self.last = (tuple(x.data.ptr for x in arrays[:3]), template.tobytes())
+        self.host_qkv = self.last[0]   # Hopper: the q, k, v whose maps the host block holds
+        # Hopper: q, k, v pointers -> the block with their maps, for the last few input sets
+        # (XLA may hand a jitted call's callback inputs at a few alternating addresses)
+        self.maps = {self.last[0]: self.last[1]}
+        self.encodes = 0
         self.kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
+        self._host_block(template.tobytes())
+
+    def _encode(self, ptrs):
+        """The whole block, tensor maps included, for these pointers (q, k, v, o, lse)."""
+        arrs = [lay if lay is None else lay.at(p) for lay, p in zip(self.layouts, ptrs)]
+        q, k, v, o, lse = arrs
+        prob = copy.copy(self.prob)
+        prob.q, prob.k, prob.v = q, k, v
+        full, _, _, _ = _launch.forward_params(self.plan, prob, q, k, v, o, lse, self.attrs)
+        self.encodes += 1
+        return full.tobytes()
 
     def launch(self, ptrs, stream, parts=0):
         """Launch with the pointers (q, k, v, o, lse; lse 0 when not written) on `stream` (a
-        CuPy stream object: `_launch._stream_ptr`). The caller has made the record's device
-        current. `parts` is unused (the dense kernels need no workspace)."""
+        CuPy stream object, or None: CuPy's current stream, resolved by the kernel call). The
+        caller has made the record's device current. `parts` is unused (the dense kernels need
+        no workspace)."""
         plan = self.plan
-        if not self.hopper:
-            params = np.frombuffer(_PTRS.pack(*ptrs) + self.template, _PARAMS_V)[0]
+        if self.hopper:
+            last = self.last   # (one read: another thread may replace it meanwhile)
+            qkv = tuple(ptrs[:3])
+            if qkv != last[0]:   # other inputs: their tensor maps (kept, or new ones)
+                block = self.maps.get(qkv)
+                if block is None:
+                    block = self._encode(ptrs)
+                    if len(self.maps) >= _MAPS_KEPT:
+                        try:
+                            self.maps.pop(next(iter(self.maps)), None)
+                        except (RuntimeError, StopIteration):   # another thread's change
+                            pass
+                    self.maps[qkv] = block
+                last = self.last = (qkv, block)
+        if self.host_args is not None and threading.get_ident() == self.owner:
+            if not self.hopper:
+                _PTRS.pack_into(self.host_mv, 0, *ptrs)
+            else:
+                if self.host_qkv != last[0]:
+                    self.host_mv[:] = last[1]
+                    self.host_qkv = last[0]
+                _PTRS.pack_into(self.host_mv, _HOPPER_PTRS_AT, *ptrs)
+            args = self.host_args
+        elif not self.hopper:
+            args = (np.frombuffer(_PTRS.pack(*ptrs) + self.template, _PARAMS_V)[0],)
         else:
-            if tuple(ptrs[:3]) != self.last[0]:   # new inputs: new tensor maps
-                arrs = [lay if lay is None else lay.at(p) for lay, p in zip(self.layouts, ptrs)]
-                q, k, v, o, lse = arrs
-                prob = copy.copy(self.prob)
-                prob.q, prob.k, prob.v = q, k, v
-                full, _, _, _ = _launch.forward_params(plan, prob, q, k, v, o, lse, self.attrs)
-                self.last = (tuple(ptrs[:3]), full.tobytes())
-            b = self.last[1]   # the maps of these inputs; o and lse written in
-            params = np.frombuffer(b[:_HOPPER_PTRS_AT] + _PTRS.pack(*ptrs)
-                                   + b[_HOPPER_PTRS_AT + _PTRS.size:], _HOPPER_V)[0]
-        self.kern((self.grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
-                  stream=stream)
+            b = last[1]   # the maps of these inputs; o and lse written in
+            args = (np.frombuffer(b[:_HOPPER_PTRS_AT] + _PTRS.pack(*ptrs)
+                                  + b[_HOPPER_PTRS_AT + _PTRS.size:], _HOPPER_V)[0],)
+        self.kern(self.grid_t, self.block_t, args, shared_mem=plan.smem_bytes, stream=stream)
 
 
 class _DecodeRecord(_RecordBase):
@@ -180,7 +281,7 @@ class _DecodeRecord(_RecordBase):
     workspace) and both kernel objects (the combine only with more than one split)."""
 
     __slots__ = ("template", "grid", "threads", "smem", "kern", "comb", "comb_grid",
-                 "o_part_bytes", "splits", "label")
+                 "o_part_bytes", "splits", "label", "comb_t")
 
     def __init__(self, prob, plan, attrs, o, lse, pub_o, pub_lse):
         self._base(prob, plan, pub_o, pub_lse)
@@ -190,6 +291,7 @@ class _DecodeRecord(_RecordBase):
                                        scale=prob.scale, cfg=cfg, parts=fake)
         self.template = params.tobytes()[_DPTRS.size:]
         self.grid, self.threads, self.smem = cfg.grid, plan.threads, plan.smem_bytes
+        self.grid_t, self.block_t = (cfg.grid,), (plan.threads,)
         self.splits, self.part_bytes, self.o_part_bytes = cfg.splits, cfg.part_bytes, \
             cfg.o_part_bytes
         self.kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
@@ -198,29 +300,36 @@ class _DecodeRecord(_RecordBase):
             self.comb = _compile.get_kernel(
                 _decode.combine_spec(_decode._dtype_of(plan), cfg.dpad), prob.device_id)
             self.comb_grid = cfg.entries * cfg.rows
+            self.comb_t = ((self.comb_grid,), (_decode.COMBINE_THREADS,))
         self.label = plan.label
+        self._host_block(params.tobytes())
 
     def launch(self, ptrs, stream, parts=0):
-        """Launch with the pointers (q, k, v, o, lse) on `stream` (a CuPy stream object);
-        `parts`: the device address of at least ``part_bytes`` bytes of workspace,
-        WORKSPACE_ALIGN-aligned, that nothing else uses until both kernels have run in
-        `stream`'s order (0 when ``part_bytes`` is 0)."""
+        """Launch with the pointers (q, k, v, o, lse) on `stream` (a CuPy stream object, or
+        None: CuPy's current stream); `parts`: the device address of at least ``part_bytes``
+        bytes of workspace, WORKSPACE_ALIGN-aligned, that nothing else uses until both kernels
+        have run in `stream`'s order (0 when ``part_bytes`` is 0)."""
         if self.comb is None:
-            params = np.frombuffer(_DPTRS.pack(*ptrs, 0, 0) + self.template, _DECODE_V)[0]
-            self.kern((self.grid,), (self.threads,), (params,), shared_mem=self.smem,
-                      stream=stream)
-            return
-        if not parts:
+            o_part = lse_part = 0
+        elif not parts:
             raise ValueError(f"{self.label}: the split partials need {self.part_bytes} bytes")
-        params = np.frombuffer(_DPTRS.pack(*ptrs, parts, parts + self.o_part_bytes)
-                               + self.template, _DECODE_V)[0]
-        self.kern((self.grid,), (self.threads,), (params,), shared_mem=self.smem, stream=stream)
-        self.comb((self.comb_grid,), (_decode.COMBINE_THREADS,), (params,), stream=stream)
+        else:
+            o_part, lse_part = parts, parts + self.o_part_bytes
+        if self.host_args is not None and threading.get_ident() == self.owner:
+            _DPTRS.pack_into(self.host_mv, 0, *ptrs, o_part, lse_part)
+            args = self.host_args
+        else:
+            args = (np.frombuffer(_DPTRS.pack(*ptrs, o_part, lse_part) + self.template,
+                                  _DECODE_V)[0],)
+        self.kern(self.grid_t, self.block_t, args, shared_mem=self.smem, stream=stream)
+        if self.comb is not None:   # both kernels read one block (copied at each launch)
+            self.comb(*self.comb_t, args, stream=stream)
 
 
 def _arr_key(x, cp_ndarray, torch_tensor, ptrs):
     """The key of one array (appending its data pointer to `ptrs`), LookupError for any other
-    type."""
+    type (and for a torch tensor whose layout is not strided: its ``stride()`` raises, and the
+    full path rejects it with a clear error)."""
     t = type(x)
     if t is cp_ndarray:
         mem = x.data
@@ -228,78 +337,105 @@ def _arr_key(x, cp_ndarray, torch_tensor, ptrs):
         ptrs.append(p)
         return (x.shape, x.strides, x.dtype, mem.device_id, p & 15)
     if t is torch_tensor:
+        if x.layout is not _torch_strided():
+            raise LookupError
         p = x.data_ptr()
         ptrs.append(p)
+        # (no conjugation bit: torch sets it on complex tensors only, and the dtype, which
+        # the full path requires to be a real floating type, is in the key)
         return (t, x.shape, x.stride(), x.dtype, x.get_device(), p & 15, x.requires_grad,
-                x.is_neg(), x.is_conj(), x.layout)
+                x.is_neg())
     raise LookupError
 
 
-class Call:
-    """What `signature_of` established about one call: the key, the data pointers of q, k, v,
-    and whether any of them is a torch tensor."""
+def _torch_strided():
+    return sys.modules["torch"].strided
 
-    __slots__ = ("key", "ptrs", "torch")
 
-    def __init__(self, key, ptrs, torch):
-        self.key, self.ptrs, self.torch = key, ptrs, torch
+#: What `signature_of` establishes about one call: ``(key, ptrs, torch)``, the key, the data
+#: pointers of q, k, v, and whether any of them is a torch tensor (a tuple: an object with
+#: slots cost 0.38 us to make, a tuple 0.07).
+KEY, PTRS, TORCH = 0, 1, 2
 
 
 def signature_of(q, k, v, causal, scale, return_lse, out, kernel, precision, workspace=None):
-    """The `Call` of these arguments, or None when it cannot be cached (an array argument that
+    """The call tuple ``(key, ptrs, torch)`` of these arguments (`KEY`, `PTRS`, `TORCH`), or
+    None when it cannot be cached (an array argument that
     is neither a plain CuPy array nor a plain torch tensor; CuPy only for out and workspace).
-    A key holding an unhashable argument is never recorded (`record`) nor found (`_get`)."""
+    A key holding an unhashable argument is never recorded (`record`) nor found (`run`).
+
+    All-CuPy q, k, v (the usual case) are keyed flat, inline: per array shape, strides, dtype,
+    device and ``ptr & 15`` (a call of another kind of q, k, v never has a key of that length
+    and layout, so the two forms cannot collide)."""
     cp = sys.modules.get("cupy")
     if cp is None:
         return None
     nd = cp.ndarray
-    torch = sys.modules.get("torch")
-    tt = getattr(torch, "Tensor", None) if torch is not None else None
-    ptrs = []
-    try:
-        key = (_arr_key(q, nd, tt, ptrs), _arr_key(k, nd, tt, ptrs), _arr_key(v, nd, tt, ptrs))
+    if type(q) is nd and type(k) is nd and type(v) is nd:
+        mq, mk, mv = q.data, k.data, v.data
+        pq, pk, pv = mq.ptr, mk.ptr, mv.ptr
+        ptrs = (pq, pk, pv)
+        is_torch = False
+        key = (q.shape, q.strides, q.dtype, mq.device_id, pq & 15,
+               k.shape, k.strides, k.dtype, mk.device_id, pk & 15,
+               v.shape, v.strides, v.dtype, mv.device_id, pv & 15)
+    else:
+        torch = sys.modules.get("torch")
+        tt = getattr(torch, "Tensor", None) if torch is not None else None
+        lst = []
+        try:
+            key = (_arr_key(q, nd, tt, lst), _arr_key(k, nd, tt, lst), _arr_key(v, nd, tt, lst))
+        except LookupError:
+            return None
+        ptrs = tuple(lst)
         is_torch = type(q) is tt or type(k) is tt or type(v) is tt
-        # out and workspace: CuPy arrays only (the full path returns CuPy views of other
-        # types' buffers); their pointers are read again on a hit
-        more = []
+    # out and workspace: CuPy arrays only (the full path returns CuPy views of other
+    # types' buffers); their pointers are read again on a hit
+    try:
         if out is None:
             ok = None
+        elif type(out) is nd:
+            mo = out.data
+            ok = (out.shape, out.strides, out.dtype, mo.device_id, mo.ptr & 15)
         elif isinstance(out, (tuple, list)):
+            more = []
             ok = (type(out), len(out)) + tuple(_arr_key(b, nd, None, more) for b in out)
         else:
-            ok = _arr_key(out, nd, None, more)
+            return None
         if workspace is None:
             wk = None
         else:
-            wk = _arr_key(workspace, nd, None, more) + (
+            wk = _arr_key(workspace, nd, None, []) + (
                 workspace.data.ptr % _launch.WORKSPACE_ALIGN,)
-        key += (ok, wk, type(causal), causal, type(scale), scale, type(return_lse), return_lse,
-                type(kernel), kernel, type(precision), precision)
     except LookupError:
         return None
+    key += (ok, wk, type(causal), causal, type(scale), scale, type(return_lse), return_lse,
+            type(kernel), kernel, type(precision), precision)
     # (an unhashable argument, e.g. a list as scale, raises TypeError at the first lookup:
-    # `_get` treats it as not recorded, `record` never records it; hashing here too would
+    # `run` treats it as not recorded, `record` never records it; hashing here too would
     # hash every key twice)
-    return Call(key, ptrs, is_torch)
+    return key, ptrs, is_torch
 
 
 def signature(q, k, v, causal, scale, return_lse, out, kernel, precision, workspace=None):
     """The cache key of a call (`signature_of`), or None."""
     call = signature_of(q, k, v, causal, scale, return_lse, out, kernel, precision, workspace)
-    return None if call is None else call.key
+    return None if call is None else call[KEY]
 
 
 def record(call, prob, plan, attrs, o, lse, pub_o, pub_lse):
-    """Remember what the full path established for `call` (a `Call`; after its launch): `o`,
-    `lse` the buffers the kernels wrote (grouped-query heads split), `pub_o`, `pub_lse` what
-    the call returned."""
+    """Remember what the full path established for `call` (`signature_of`'s tuple; after its
+    launch): `o`, `lse` the buffers the kernels wrote (grouped-query heads split), `pub_o`,
+    `pub_lse` what the call returned."""
+    global _last
     if call is None or prob.q is None or getattr(prob, "variant", None) is not None:
         return
+    key = call[KEY]
     try:
-        hash(call.key)
+        hash(key)
     except TypeError:
         return
-    if [x.data.ptr for x in (prob.q, prob.k, prob.v)] != call.ptrs:
+    if tuple(x.data.ptr for x in (prob.q, prob.k, prob.v)) != tuple(call[PTRS]):
         return  # the checks copied an input: the kernels must read the caller's buffers
     if plan.spec.family == "attn_decode":
         try:
@@ -323,7 +459,8 @@ def record(call, prob, plan, attrs, o, lse, pub_o, pub_lse):
                       pub_o, pub_lse)
     if len(_CACHE) >= _CACHE_SIZE:
         _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[call.key] = rec
+    _CACHE[key] = rec
+    _last = (key, rec)
 
 
 def _get(key):
@@ -340,10 +477,16 @@ def lookup(key):
     return rec if rec is not None and rec.valid() else None
 
 
+_TORCH_RAW = [None, None]   # (torch module, its raw current-stream accessor or None)
+
+
 def _torch_stream(torch, device_id):
     """torch's current stream on `device_id` as a raw handle (the cheap accessor where this
-    torch has it)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    torch has it, looked up once per torch module)."""
+    mod, raw = _TORCH_RAW
+    if mod is not torch:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _TORCH_RAW[:] = [torch, raw]
     if raw is not None:
         return raw(device_id)
     return torch.cuda.current_stream(device_id).cuda_stream
@@ -351,10 +494,11 @@ def _torch_stream(torch, device_id):
 
 def launch(rec, ptrs, stream, workspace=None, current=False):
     """Launch record `rec` with the pointers (q, k, v, o, lse) on `stream` (a CuPy stream
-    object) on the record's (current) device. The decode kernel's split partials go to
-    `workspace` (a CuPy array the caller owns) or, without one, to a CuPy pool block allocated
-    with `stream` current (`current`: it already is), as on the full path (`_decode.scratch`):
-    the pool hands a block freed by this call on only to later work in `stream`'s order."""
+    object; None with `current`: CuPy's current stream) on the record's (current) device. The
+    decode kernel's split partials go to `workspace` (a CuPy array the caller owns) or, without
+    one, to a CuPy pool block allocated with `stream` current (`current`: it already is), as on
+    the full path (`_decode.scratch`): the pool hands a block freed by this call on only to
+    later work in `stream`'s order."""
     if not rec.part_bytes:
         rec.launch(ptrs, stream)
         return
@@ -374,8 +518,22 @@ def launch(rec, ptrs, stream, workspace=None, current=False):
 def run(call, out, workspace, stream):
     """Launch a recorded signature with this call's buffers; None if `call` is not recorded
     (or, for torch tensors, torch's current stream is not the launch stream)."""
-    rec = _get(call.key)
-    if rec is None or rec.tables != _tables():   # (other tables: the full path re-records)
+    global _last
+    key = call[KEY]
+    last_key, rec = _last   # (one read of one tuple: another thread may replace it)
+    try:
+        same = key == last_key
+    except Exception:   # (values compare only after their types compared equal)
+        same = False
+    if not same:
+        try:
+            rec = _CACHE.get(key)
+        except TypeError:   # an unhashable argument: never recorded
+            return None
+        if rec is None:
+            return None
+        _last = (key, rec)
+    if rec.tables != _GEN[0]:   # (other tables: the full path re-records)
         return None
     cp = sys.modules["cupy"]
     dev = rec.device_id
@@ -385,13 +543,49 @@ def run(call, out, workspace, stream):
         return _hit(cp, rec, call, out, workspace, stream)
 
 
+#: (stream handle, device) -> the `cupy.cuda.ExternalStream` for it: constructing one costs
+#: 2.5 us (CuPy 14 warns that it is deprecated, each time), a lookup 0.05 us. It wraps the
+#: handle only (CuPy keeps the current-stream stack per thread, not in the object), so one
+#: object serves every call and thread that passes that handle.
+_STREAMS = {}
+
+
+def external_stream(handle, device_id):
+    """The CuPy stream object for a raw CUDA stream `handle` on `device_id` (cached)."""
+    cp = sys.modules["cupy"]
+    key = (handle, device_id, cp)   # (the module too: tests swap in stand-ins)
+    st = _STREAMS.get(key)
+    if st is None:
+        if len(_STREAMS) >= 64:
+            _STREAMS.clear()
+        st = _STREAMS[key] = cp.cuda.ExternalStream(handle, device_id)
+    return st
+
+
+def _stream(stream, device_id):
+    """`_launch._stream_ptr(stream)` (stream not None) for a call on `device_id`, current: the
+    same stream object, with the ExternalStream of an int handle or a torch stream cached."""
+    if type(stream) is int:
+        return external_stream(stream, device_id)
+    if getattr(stream, "ptr", None) is None:
+        handle = getattr(stream, "cuda_stream", None)   # torch.cuda.Stream
+        if handle is not None:
+            return external_stream(int(handle), device_id)
+    return _launch._stream_ptr(stream)   # (raises TypeError for what is not a stream)
+
+
 def _hit(cp, rec, call, out, workspace, stream):
+    # stream None: the kernel call resolves CuPy's current stream itself (the full path's
+    # stream), and the pool allocates on it; no stream object is needed but for torch's check
     current = stream is None
-    st = cp.cuda.get_current_stream() if current else _launch._stream_ptr(stream)
-    if call.torch and _torch_stream(sys.modules["torch"], rec.device_id) != st.ptr:
-        # the full path's DLPack import makes the launch stream wait for torch's current
-        # stream; skipping it is only right when they are the same stream.
-        return None
+    st = None if current else _stream(stream, rec.device_id)
+    if call[TORCH]:
+        if st is None:
+            st = cp.cuda.get_current_stream()
+        if _torch_stream(sys.modules["torch"], rec.device_id) != st.ptr:
+            # the full path's DLPack import makes the launch stream wait for torch's current
+            # stream; skipping it is only right when they are the same stream.
+            return None
     if out is None:
         o = cp.empty(rec.o_shape, dtype=rec.dtype)
         lse = None
@@ -401,7 +595,7 @@ def _hit(cp, rec, call, out, workspace, stream):
         o, lse = out, None   # (with return_lse=True: lse allocated, as on the full path)
     if rec.return_lse and lse is None:
         lse = cp.empty(rec.lse_shape, dtype=cp.float32)
-    q, k, v = call.ptrs
+    q, k, v = call[PTRS]
     ptrs = (q, k, v, o.data.ptr, 0 if lse is None else lse.data.ptr)
     if rec.part_bytes:
         launch(rec, ptrs, st, workspace, current)
@@ -412,4 +606,7 @@ def _hit(cp, rec, call, out, workspace, stream):
 
 def clear():
     """Forget every recorded signature (tests; after changing dispatch tables at run time)."""
+    global _last
     _CACHE.clear()
+    _STREAMS.clear()
+    _last = (None, None)

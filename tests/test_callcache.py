@@ -5,6 +5,7 @@ parameter block(s) the full path builds for the same buffers, on the dense kerne
 decode kernel (its split-KV kernel and combine; the partials allocated per call on the launch
 stream, or the caller's workspace); any change of signature takes the full path again. The GPU
 twin is tests/test_callcache_gpu.py."""
+import ctypes
 import sys
 import types
 
@@ -70,6 +71,27 @@ class Stream:
 DEFAULT_STREAM = Stream(0)
 
 
+class CPointer:
+    """A stand-in `cupy.cuda.function.CPointer`: a kernel argument passed by address."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def _arg_bytes(arg, spec):
+    """The parameter bytes a kernel receives *at its launch*: a NumPy scalar's, or for a
+    `CPointer` the bytes at its address then (the size of the kernel family's block), as
+    `cuLaunchKernel` copies them."""
+    if not isinstance(arg, CPointer):
+        return bytes(np.asarray(arg).tobytes())
+    from cuflash import _decode
+
+    size = {"attn_decode": _decode.DECODE_PARAMS_DTYPE.itemsize,
+            "attn_wgmma": _launch.HOPPER_PARAMS_DTYPE.itemsize}.get(
+                spec.family, _launch.PARAMS_DTYPE.itemsize)
+    return ctypes.string_at(arg.ptr, size)
+
+
 def _current_stream():
     return (Stream.stack or [DEFAULT_STREAM])[-1]
 
@@ -112,14 +134,17 @@ def fake(monkeypatch):
     cp.ascontiguousarray = ascontiguousarray
     cp.cuda = types.SimpleNamespace(Device=Device, ExternalStream=lambda p, d=-1: Stream(p),
                                    runtime=types.SimpleNamespace(getDevice=lambda: rec["device"]),
-                                   get_current_stream=_current_stream)
+                                   get_current_stream=_current_stream,
+                                   function=types.SimpleNamespace(CPointer=CPointer))
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(Stream, "stack", [])
 
     def get_kernel(spec, dev, smem=0):
         def kernel(grid, block, args, shared_mem=0, stream=None):
-            rec["launches"].append((grid, block, bytes(np.asarray(args[0]).tobytes()),
-                                    shared_mem, spec.name, stream.ptr))
+            # stream None: CuPy's kernel call launches on the current stream
+            st = _current_stream() if stream is None else stream
+            rec["launches"].append((grid, block, _arg_bytes(args[0], spec), shared_mem,
+                                    spec.name, st.ptr))
         return kernel
 
     monkeypatch.setattr(_compile, "get_kernel", get_kernel)
@@ -209,9 +234,9 @@ def test_errors_still_raise_after_a_recorded_call(fake):
         cuflash.attention(q, k, v, stream=object())  # the stream is resolved on every call
 
 
-def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
-    """The Hopper kernel's tensor maps hold the pointers: a hit with new pointers builds the
-    same block the full path builds for them (maps included); the last pointers reuse it."""
+def _fake_hopper(monkeypatch):
+    """A compute capability 9.0 device with the tensor-map API, whose encoder returns a digest
+    of its arguments; the list of encoded addresses (appended to at each encode)."""
     from cuflash import _tma
     import hashlib
 
@@ -225,6 +250,13 @@ def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
     monkeypatch.setattr(_tma, "available", lambda: True)
     monkeypatch.setitem(_launch._DEVICE_ATTRS, 0, {"compute_capability": 90,
                                                   "max_smem_optin": 232448, "sm_count": 132})
+    return encoded
+
+
+def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
+    """The Hopper kernel's tensor maps hold the pointers: a hit with new pointers builds the
+    same block the full path builds for them (maps included); the last pointers reuse it."""
+    encoded = _fake_hopper(monkeypatch)
     assert cuflash.dispatch_info(*_qkv(), causal=True).startswith("hopper")
     o = FakeArray((2, 4, 100, 64), ptr=3 << 36)
     cuflash.attention(*_qkv(), causal=True, out=o)
@@ -252,6 +284,27 @@ def test_hopper_hits_reencode_tensor_maps_for_new_pointers(fake, monkeypatch):
     monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
     cuflash.attention(*q2, causal=True, out=o2)
     assert fake["checks"] == 4 and fake["launches"][-1] == hit2
+
+
+def test_hopper_alternating_inputs_keep_their_tensor_maps(fake, monkeypatch):
+    """Inputs at a few alternating addresses (as XLA may hand a jitted callback): each set's
+    maps are encoded once and kept; every launch is the full path's block for its pointers."""
+    encoded = _fake_hopper(monkeypatch)
+    o = FakeArray((2, 4, 100, 64), ptr=3 << 36)
+    sets = [_qkv(base=b) for b in (1 << 33, 1 << 34, 1 << 35)]
+    cuflash.attention(*sets[0], causal=True, out=o)   # the full path (its maps recorded)
+    n = len(encoded)
+    hits = []
+    for i in (1, 0, 2, 1, 0, 2, 2, 1):
+        cuflash.attention(*sets[i], causal=True, out=o)
+        hits.append((i, fake["launches"][-1]))
+    assert fake["checks"] == 1
+    assert len(encoded) - n == 2 * 3, "each new input set's three maps are encoded once"
+    for i, hit in hits:
+        _callcache.clear()
+        monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
+        cuflash.attention(*sets[i], causal=True, out=o)
+        assert fake["launches"][-1] == hit, f"input set {i}"
 
 
 def test_signature_refuses_other_array_types():
@@ -520,3 +573,150 @@ def test_jax_callback_launches_decode_records_on_xlas_stream(fake):
     cj._launch_record(rec, 0, ptrs, 0xABC0, ws)
     assert len(fake["allocs"]) == n_alloc + 1
     assert int(_dec_block(fake["launches"][-2])["o_part"]) == ws.data.ptr
+
+
+# ---------------------------------------------------------------------------------------------
+# The hit path's shortcuts (notes/JAX.md "Toward 10 us per call"): each must keep a hit exactly
+# the full path's launch.
+
+def _full_launches(fake, fn):
+    """The launches `fn()` makes on the full path (cache cleared first), and its result."""
+    _callcache.clear()
+    n = len(fake["launches"])
+    res = fn()
+    return fake["launches"][n:], res
+
+
+@pytest.mark.parametrize("qs,ks", [((2, 4, 100, 64), (2, 4, 100, 64)),      # dense
+                                   ((2, 4, 1, 64), (2, 4, 4096, 64))])      # decode, split keys
+def test_another_thread_builds_its_own_block(fake, qs, ks):
+    """The record's host block belongs to the thread that made it: a hit on another thread
+    launches the full path's bytes for its own pointers and leaves the host block alone."""
+    import threading
+
+    out = _new(qs)
+    cuflash.attention(_new(qs), _new(ks), _new(ks), out=out)   # recorded on this thread
+    q, k, v = _new(qs), _new(ks), _new(ks)
+    cuflash.attention(q, k, v, out=out)                        # an owner hit
+    rec = _callcache._last[1]
+    if not _callcache.HOST_BLOCK:   # CUFLASH_HOST_BLOCK=0: every thread builds its block
+        assert rec.host_args is None
+    else:
+        assert rec.host_args is not None and rec.owner == threading.get_ident()
+    host = bytes(rec.host) if rec.host_args is not None else None
+    q2, k2, v2 = _new(qs), _new(ks), _new(ks)
+    n = len(fake["launches"])
+    t = threading.Thread(target=lambda: cuflash.attention(q2, k2, v2, out=out))
+    t.start()
+    t.join()
+    other = fake["launches"][n:]
+    assert fake["checks"] == 1 and other, "the other thread's call must be a hit"
+    assert host is None or bytes(rec.host) == host, "another thread wrote into the owner's block"
+    full, _ = _full_launches(fake, lambda: cuflash.attention(q2, k2, v2, out=out))
+    if "attn_decode" in full[0][4]:
+        _same_but_per_call(other, full, "other thread against the full path")
+        assert int(_dec_block(other[0])["q"]) == q2.data.ptr
+    else:
+        assert other == full
+
+
+def test_no_stream_given_launches_on_the_current_stream_of_each_call(fake):
+    """Without stream= a hit passes no stream object: CuPy's kernel call takes the current
+    stream at that moment, as the full path's `get_current_stream()` does; the decode partials
+    come from the pool with that stream current."""
+    qs, ks = (2, 4, 1, 64), (2, 4, 4096, 64)
+    cuflash.attention(_new(qs), _new(ks), _new(ks))
+    s1, s2 = Stream(0x7700), Stream(0x8800)
+    n, n_alloc = len(fake["launches"]), len(fake["allocs"])
+    for st in (s1, s2, None):
+        if st is None:
+            cuflash.attention(_new(qs), _new(ks), _new(ks))
+        else:
+            with st:
+                cuflash.attention(_new(qs), _new(ks), _new(ks))
+    assert fake["checks"] == 1
+    assert [x[5] for x in fake["launches"][n:]] == [0x7700] * 2 + [0x8800] * 2 + [0] * 2
+    assert [a[2] for a in fake["allocs"][n_alloc:]] == [0x7700] * 2 + [0x8800] * 2 + [0] * 2
+
+
+def test_int_and_torch_streams_share_one_external_stream(fake, monkeypatch):
+    """stream= as a raw handle or a torch-like stream (``.cuda_stream``): every hit launches on
+    that handle, and the ExternalStream for it is made once, not per call."""
+    made = []
+
+    def external(p, d=-1):
+        made.append((p, d))
+        return Stream(p)
+
+    monkeypatch.setattr(sys.modules["cupy"].cuda, "ExternalStream", external)
+    q, k = _new((1, 1, 16, 64)), _new((1, 1, 16, 64))
+    torch_like = types.SimpleNamespace(cuda_stream=0x5500)
+    for stream in (0x4400, 0x4400, torch_like, torch_like, 0x4400):
+        cuflash.attention(q, k, k, stream=stream)
+    assert fake["checks"] == 1
+    assert [x[5] for x in fake["launches"][-5:]] == [0x4400, 0x4400, 0x5500, 0x5500, 0x4400]
+    assert made.count((0x4400, 0)) == 1 and made.count((0x5500, 0)) == 1
+    with pytest.raises(TypeError, match="stream"):
+        cuflash.attention(q, k, k, stream=object())
+
+
+@pytest.mark.parametrize("module,name", [("_dispatch", "TC_CONFIGS"), ("_dispatch", "plan_for"),
+                                         ("_decode", "MAX_SPLITS"), ("_dispatch", "_unlisted")])
+def test_any_reassigned_table_misses(fake, monkeypatch, module, name):
+    """Reassigning any attribute of `_dispatch` or `_decode` (a table, the planner, one no list
+    names) moves the tables' generation on: records made before miss."""
+    import importlib
+
+    mod = importlib.import_module(f"cuflash.{module}")
+    q, k = _new((2, 4, 100, 64)), _new((2, 4, 100, 64))
+    cuflash.attention(q, k, k)
+    cuflash.attention(q, k, k)
+    assert fake["checks"] == 1
+    monkeypatch.setattr(mod, name, getattr(mod, name, None), raising=False)
+    cuflash.attention(q, k, k)
+    assert fake["checks"] == 2
+    cuflash.attention(q, k, k)
+    assert fake["checks"] == 2
+
+
+def test_alternating_signatures_each_launch_their_own_record(fake):
+    """The last-key shortcut: calls alternating between signatures hit the right record each
+    time (the launch the full path makes for that call)."""
+    qa, ka = _new((2, 4, 100, 64)), _new((2, 4, 100, 64))
+    qb, kb = _new((1, 1, 16, 64)), _new((1, 1, 16, 64))
+    calls = [lambda: cuflash.attention(qa, ka, ka, causal=True),
+             lambda: cuflash.attention(qa, ka, ka, causal=False),
+             lambda: cuflash.attention(qb, kb, kb)]
+    for c in calls:
+        c()
+    launches = []
+    for i in (0, 1, 2, 1, 0, 2, 2, 0):
+        n = len(fake["launches"])
+        calls[i]()
+        launches.append((i, fake["launches"][n:]))
+    assert fake["checks"] == 3
+    for i, hit in launches:
+        full, _ = _full_launches(fake, calls[i])
+        if "attn_decode" in full[0][4]:
+            _same_but_per_call(hit, full, f"signature {i}")
+        else:
+            p_hit, p_full = (np.frombuffer(x[0][2], _launch.PARAMS_DTYPE).copy()[0]
+                             for x in (hit, full))
+            p_hit["o"] = p_full["o"]
+            assert p_hit.tobytes() == p_full.tobytes() and hit[0][4] == full[0][4]
+        for c in calls:   # re-record all three
+            c()
+
+
+def test_torch_keys(fake):
+    """torch tensors: a sparse one takes the full path (no key: its strides raise); the
+    negation bit is in the key."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(1, 1, 16, 64)
+    assert _callcache.signature_of(x, x, x, False, None, False, None, "auto", None) is not None
+    sp = x.reshape(16, 64).to_sparse()
+    assert _callcache.signature_of(sp, sp, sp, False, None, False, None, "auto", None) is None
+    neg = torch._neg_view(x)
+    assert neg.is_neg()
+    assert _callcache.signature(neg, x, x, False, None, False, None, "auto", None) != \
+        _callcache.signature(x, x, x, False, None, False, None, "auto", None)

@@ -272,3 +272,58 @@ def test_jax_callback_decode_records():
         assert verdict.passed, "; ".join(verdict.reasons)
         lse64 = np.asarray(lse, dtype=np.float64)   # (B, Sq, H)
         assert np.allclose(np.moveaxis(lse64, 1, 2), lse_ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qs,ks,causal,dtype,path", [_CASES[0], _CASES[1], _CASES[5]])
+def test_hits_from_other_threads_streams_and_alternating_inputs(checks, qs, ks, causal, dtype,
+                                                                 path):
+    """The hit's shortcuts on the GPU: the owner thread's parameter block written in place and
+    passed by address, another thread's block per call, no stream object without stream= (the
+    current stream at each call), a raw stream handle, and inputs alternating between buffer
+    sets (the Hopper kernel keeps each set's tensor maps). Every hit passes the float64
+    reference and is bitwise the full path's result for its inputs."""
+    import threading
+
+    _need(dtype)
+    cp = cupy()
+    rng = _rng("shortcuts", qs, ks, causal, dtype)
+    sets = [_inputs(rng, qs, ks, dtype) for _ in range(3)]
+    gpu = [tuple(to_gpu(x, dtype) for x in s) for s in sets]
+    cuflash.attention(*gpu[0], causal=causal)            # recorded on this thread
+    n = checks["checks"]
+    s1 = cp.cuda.Stream(non_blocking=True)
+    results = []
+
+    def call(i, how):
+        o = poisoned(qs, dtype)
+        cp.cuda.Device().synchronize()   # (s1 does not wait for the null stream's writes)
+        if how == "stream-int":
+            cuflash.attention(*gpu[i], causal=causal, out=o, stream=s1.ptr)
+        elif how == "current":
+            with s1:
+                cuflash.attention(*gpu[i], causal=causal, out=o)
+        else:
+            cuflash.attention(*gpu[i], causal=causal, out=o)
+        results.append((i, how, o))
+
+    plan = [(1, "plain"), (0, "current"), (2, "stream-int"), (1, "plain"), (2, "plain"),
+            (0, "stream-int")]
+    for i, how in plan:
+        call(i, how)
+    t = threading.Thread(target=lambda: [call(i, "thread") for i in (2, 0, 1)])
+    t.start()
+    t.join()
+    call(1, "plain")   # the owner again, after the other thread's calls
+    cp.cuda.Device().synchronize()
+    assert checks["checks"] == n, "every call must be a hit"
+    for i, how, o in results:
+        q, k, v = sets[i]
+        check_against_reference(o, None, q, k, v, causal=causal, scale=None, dtype=dtype)
+    full = []
+    for g in gpu:   # each on the full path
+        _callcache.clear()
+        full.append(cuflash.attention(*g, causal=causal))
+    assert checks["checks"] == n + 3
+    cp.cuda.Device().synchronize()
+    for i, how, o in results:
+        _same_bits(o, full[i], f"input set {i}, {how}")
