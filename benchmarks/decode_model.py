@@ -60,7 +60,7 @@ def rows(host_us):
         cfg = _decode.configure(plan, (1, b, hkv), g, 1, sk, D, ATTRS)
         mt = plan.block_m // 16
         rb = cfg.n_rtiles // mt
-        per_sm = _decode.blocks_per_sm(plan)
+        per_sm = _decode.blocks_per_sm(plan, D)
         slots = SM * per_sm
         t_new, waves = _model_time(b * hkv * rb, n_key_tiles, cfg.splits, slots)
         block_mb = cfg.split_tiles * 2 * _decode.DECODE_BN * D * 2 / 1e6

@@ -62,10 +62,11 @@ MAX_SPLITS = 256
 MIN_TILES_PER_WARP = 1
 #: Shared memory an SM offers (H100/H200: 228 KiB, 1 KiB of it reserved per block).
 _SM_SMEM = 228 * 1024
-#: Blocks per SM the registers allow, by row tiles per block (NVRTC 13.0, sm_80/sm_90, D <= 128:
-#: MT = 1 164-168 registers x 128 threads -> 3; MT = 2 236-249 -> 2; D = 256 is held to 1 by
-#: its shared memory).
-DECODE_REG_BLOCKS = {1: 3, 2: 2}
+#: Blocks per SM the registers allow (65536 registers / 128 threads x the most any dtype, mask or
+#: layout takes), by (Dpad, MT), from the compile check (NVRTC 13.0, sm_80 and sm_90): D = 64
+#: 96-126 registers -> 4, MT = 2 128-165 -> 3; D = 128 164-168 -> 3, MT = 2 236-249 -> 2;
+#: D = 256 249-255 -> 1 (its shared memory holds it to 1 anyway).
+DECODE_REG_BLOCKS = {(64, 1): 4, (64, 2): 3, (128, 1): 3, (128, 2): 2, (256, 1): 1}
 #: The split cost model (`choose_splits`): the bandwidth the full grid streams K/V at (an H200
 #: streams ~4.3 TB/s; only the ratios to the two times below matter), a block's fixed time (Q,
 #: the first tile's latency, the warp merge and the stores) and the combine's (a dependent
@@ -135,11 +136,12 @@ def all_decode_specialisations():
     return out
 
 
-def blocks_per_sm(plan) -> int:
-    """Blocks of a decode `plan` one SM holds at once: the least of what shared memory (the
-    SM's 228 KiB, 1 KiB reserved per block) and the registers (DECODE_REG_BLOCKS) allow."""
-    mt = plan.block_m // 16
-    return max(1, min(_SM_SMEM // (plan.smem_bytes + 1024), DECODE_REG_BLOCKS.get(mt, 1)))
+def blocks_per_sm(plan, dpad: int) -> int:
+    """Blocks of a decode `plan` (head-dim bucket `dpad`) one SM holds at once: the least of
+    what shared memory (the SM's 228 KiB, 1 KiB reserved per block) and the registers
+    (DECODE_REG_BLOCKS) allow."""
+    regs = DECODE_REG_BLOCKS.get((dpad, plan.block_m // 16), 1)
+    return max(1, min(_SM_SMEM // (plan.smem_bytes + 1024), regs))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -256,7 +258,7 @@ def configure(plan, sizes, g, sq, sk, d, attrs) -> DecodeLaunch:
         raise ValueError(f"{plan.label} needs {plan.smem_bytes} bytes of shared memory per "
                          f"block; this GPU allows {attrs['max_smem_optin']}")
     splits = choose_splits(entries * n_rblocks, n_key_tiles, attrs["sm_count"],
-                           blocks_per_sm(plan), 2 * DECODE_BN * dpad * 2)
+                           blocks_per_sm(plan, dpad), 2 * DECODE_BN * dpad * 2)
     split_tiles = max(1, -(-n_key_tiles // splits))
     splits = max(1, -(-n_key_tiles // split_tiles))
     grid = entries * n_rblocks * splits

@@ -25,10 +25,9 @@ def decode_model(q, k, v, *, causal, scale, mt, splits=None, sm_count=132,
     n_key_tiles = -(-sk // bn)
     if splits is None:
         dpad = _decode.head_dim_bucket(d, _decode.DECODE_DPADS)
-        per_sm = min(_decode._SM_SMEM // (_decode.decode_smem_bytes(dpad, mt=mt) + 1024),
-                     _decode.DECODE_REG_BLOCKS[mt])
-        splits = _decode.choose_splits(n_rblocks, n_key_tiles, sm_count, per_sm,
-                                       2 * bn * dpad * 2)
+        plan = _decode.decode_plan(dtype, d, causal, False, rows=32 if mt == 2 else 1)
+        splits = _decode.choose_splits(n_rblocks, n_key_tiles, sm_count,
+                                       _decode.blocks_per_sm(plan, dpad), 2 * bn * dpad * 2)
     split_tiles = max(1, -(-n_key_tiles // splits))
     splits = max(1, -(-n_key_tiles // split_tiles))
     rpad = 16 * n_rtiles

@@ -69,9 +69,10 @@ def test_row_tiles_per_block():
         cfg = _decode.configure(plan, (1, 2, 3), g, 1, 5000, d, attrs)
         assert cfg.n_rtiles % mt == 0 and 16 * cfg.n_rtiles >= rows
         assert cfg.grid == 6 * (cfg.n_rtiles // mt) * cfg.splits
-    assert _decode.blocks_per_sm(_decode.decode_plan("float16", 128, False, False)) == 3
-    assert _decode.blocks_per_sm(_decode.decode_plan("float16", 128, False, False, rows=32)) == 2
-    assert _decode.blocks_per_sm(_decode.decode_plan("float16", 256, False, False)) == 1
+    for d, rows, n in ((128, 1, 3), (128, 32, 2), (256, 1, 1), (256, 32, 1), (64, 1, 4),
+                       (64, 32, 3)):
+        assert _decode.blocks_per_sm(_decode.decode_plan("float16", d, False, False, rows=rows),
+                                     d) == n, (d, rows)
 
 
 ISSUE_GRID = [(b, sk, hkv) for b in (1, 8, 64) for sk in (1024, 8192, 32768, 131072)
@@ -89,7 +90,7 @@ def test_issue_grid_fills_the_gpu(b, sk, hkv):
     cfg = _decode.configure(plan, (1, b, hkv), g, 1, sk, 128,
                             dict(max_smem_optin=227 * 1024, sm_count=132))
     assert cfg.n_rtiles // (plan.block_m // 16) == 1          # one row block per entry
-    slots = 132 * _decode.blocks_per_sm(plan)
+    slots = 132 * _decode.blocks_per_sm(plan, 128)
     n_tiles = sk // _decode.DECODE_BN
     cap = -(-n_tiles // _decode.DECODE_WARPS)
     assert cfg.grid >= min(slots, b * hkv * cap) * 0.5 or cfg.splits == cap
