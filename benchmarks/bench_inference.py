@@ -10,6 +10,7 @@ Run from the repository root::
     PYTHONPATH=. python benchmarks/bench_inference.py --quick      # < 60 s on an H200
     PYTHONPATH=. python benchmarks/bench_inference.py              # the grid
     PYTHONPATH=. python benchmarks/bench_inference.py --markdown /tmp/inference.md
+    PYTHONPATH=. python benchmarks/bench_inference.py --only decode --b 1,64 --sk 8192,131072
 
 Every result is checked before it is timed: two (batch, kv head) slices of the output (the
 first and the last), with their query heads, against the float64 reference under the project's
