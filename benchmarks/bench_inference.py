@@ -10,6 +10,7 @@ Run from the repository root::
     PYTHONPATH=. python benchmarks/bench_inference.py --quick      # < 60 s on an H200
     PYTHONPATH=. python benchmarks/bench_inference.py              # the grid
     PYTHONPATH=. python benchmarks/bench_inference.py --markdown /tmp/inference.md
+    PYTHONPATH=. python benchmarks/bench_inference.py --only decode --b 1,64 --sk 8192,131072
 
 Every result is checked before it is timed: two (batch, kv head) slices of the output (the
 first and the last), with their query heads, against the float64 reference under the project's
@@ -314,12 +315,19 @@ def main(argv=None):
     ap.add_argument("--only", default="decode,kvcache,varlen,gqa",
                     help="comma-separated parts: decode,kvcache,varlen,gqa")
     ap.add_argument("--markdown", default=None, help="write the tables to this file")
+    for axis in ("b", "sk", "hkv"):
+        ap.add_argument(f"--{axis}", default=None,
+                        help=f"comma-separated {axis} values of the decode/kvcache grid "
+                             "(default: the issue's, or --quick's)")
     args = ap.parse_args(argv)
     if not cuflash.gpu_available():
         print("no GPU: nothing to benchmark", file=sys.stderr)
         return 1
     args.repeats = args.repeats or (5 if args.quick else 20)
-    grid = QUICK if args.quick else FULL
+    grid = dict(QUICK if args.quick else FULL)
+    for axis in ("b", "sk", "hkv"):
+        if getattr(args, axis):
+            grid[axis] = tuple(int(x) for x in getattr(args, axis).split(","))
     rows = []
     t0 = time.time()
     parts = args.only.split(",")

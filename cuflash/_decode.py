@@ -10,6 +10,7 @@ allocation is the split workspace (float32 partial outputs), taken from CuPy's p
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,36 +46,68 @@ DECODE_BN = 16
 DECODE_WARPS = 4
 #: Head-dim buckets of the decode kernel (smaller head dims are zero-padded).
 DECODE_DPADS = (64, 128, 256)
+#: Head-dim buckets up to which a block takes two 16-row tiles (32 packed rows: MT = 2) when an
+#: entry has more than 16 packed rows, so that K and V are read once per 32 rows instead of once
+#: per 16 (G = 32, or G * Sq > 16). At D = 256 two tiles' O would not fit in registers.
+DECODE_MT2_MAX_DPAD = 128
 #: `attention(kernel="auto")` takes the decode kernel up to this many query rows ...
 DECODE_MAX_SQ = 16
 #: ... and this many packed rows (query heads of a group x query rows) per kv head.
 DECODE_MAX_ROWS = 128
 #: Most splits (attn_decode.cu: MAX_SPLITS, the combine's shared weights).
 MAX_SPLITS = 256
-#: Fewest key tiles a warp walks per split (below it the combine costs more than it saves).
-MIN_TILES_PER_WARP = 4
+#: Fewest key tiles a warp walks per split: the split count is at most ceil(tiles / (warps x
+#: this)), so that every warp of a split has a tile (the cost model of `choose_splits` decides
+#: the rest).
+MIN_TILES_PER_WARP = 1
 #: Shared memory an SM offers (H100/H200: 228 KiB, 1 KiB of it reserved per block).
 _SM_SMEM = 228 * 1024
+#: Blocks per SM the registers allow (65536 registers / 128 threads x the most any dtype, mask or
+#: layout takes), by (Dpad, MT), from the compile check (NVRTC 13.0, sm_80 and sm_90): D = 64
+#: 96-126 registers -> 4, MT = 2 128-165 -> 3; D = 128 164-168 -> 3, MT = 2 236-249 -> 2;
+#: D = 256 249-255 -> 1 (its shared memory holds it to 1 anyway).
+DECODE_REG_BLOCKS = {(64, 1): 4, (64, 2): 3, (128, 1): 3, (128, 2): 2, (256, 1): 1}
+#: The split cost model (`choose_splits`): the bandwidth the full grid streams K/V at (an H200
+#: streams ~4.3 TB/s; only the ratios to the two times below matter), a block's fixed time (Q,
+#: the first tile's latency, the warp merge and the stores) and the combine's (a dependent
+#: launch and its small kernel), seconds.
+DECODE_BW = 4.0e12
+DECODE_T_BLOCK = 2e-6
+DECODE_T_COMBINE = 3e-6
 
 
-def decode_smem_bytes(dpad: int, bn: int = DECODE_BN, nwarps: int = DECODE_WARPS) -> int:
-    """Dynamic shared memory of one block: the Q tile, then the warps' K/V stages, which the
-    epilogue reuses for the warps' O, m and l (whichever is larger)."""
+def decode_smem_bytes(dpad: int, bn: int = DECODE_BN, nwarps: int = DECODE_WARPS,
+                      mt: int = 1) -> int:
+    """Dynamic shared memory of one block: the Q tile (16 `mt` rows), then the warps' K/V
+    stages, which the epilogue reuses for the warps' O, m and l (whichever is larger)."""
     s = dpad + 8
-    q = 16 * s * 2
+    rows = 16 * mt
+    q = rows * s * 2
     kv = nwarps * 2 * 2 * bn * s * 2
-    epi = nwarps * 16 * (dpad + 4) * 4 + 2 * nwarps * 16 * 4
+    epi = nwarps * rows * (dpad + 4) * 4 + 2 * nwarps * rows * 4
     return q + max(kv, epi)
 
 
-def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool) -> Plan:
+def row_tiles_per_block(dpad: int, rows: int) -> int:
+    """MT, the 16-row tiles a block of the decode kernel covers for an entry of `rows` packed
+    rows (G * Sq): 2 when there are more than 16 and the head dim allows, else 1."""
+    return 2 if rows > 16 and dpad <= DECODE_MT2_MAX_DPAD else 1
+
+
+def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 1) -> Plan:
+    """The decode kernel for (dtype, D, causal, paged) and `rows` packed rows per entry
+    (G * Sq; the largest sequence's for varlen): `row_tiles_per_block` picks MT, which the
+    plan's block_m (16 MT rows) carries to `configure`."""
     dpad = head_dim_bucket(d, DECODE_DPADS)
+    mt = row_tiles_per_block(dpad, rows)
     name = (f"cuflash::cuflash_attn_decode<{_CXX_TYPE[dtype_name]}, {dpad}, {DECODE_BN}, "
-            f"{DECODE_WARPS}, {'true' if causal else 'false'}, {'true' if paged else 'false'}>")
+            f"{DECODE_WARPS}, {mt}, {'true' if causal else 'false'}, "
+            f"{'true' if paged else 'false'}>")
     label = (f"decode<{dtype_name},D{dpad},BN{DECODE_BN},W{DECODE_WARPS},"
+             f"{'R32,' if mt == 2 else ''}"
              f"{'paged' if paged else 'dense'},{'causal' if causal else 'full'}>")
-    return Plan(label, _compile.Specialisation("attn_decode", name), 16, DECODE_BN,
-                32 * DECODE_WARPS, decode_smem_bytes(dpad))
+    return Plan(label, _compile.Specialisation("attn_decode", name), 16 * mt, DECODE_BN,
+                32 * DECODE_WARPS, decode_smem_bytes(dpad, mt=mt))
 
 
 def combine_spec(dtype_name: str, dpad: int):
@@ -96,25 +129,54 @@ def all_decode_specialisations():
             for causal in (False, True):
                 for paged in (False, True):
                     out.append(decode_plan(dt, dpad, causal, paged).spec)
+                    if dpad <= DECODE_MT2_MAX_DPAD:
+                        out.append(decode_plan(dt, dpad, causal, paged, rows=32).spec)
             out.append(combine_spec(dt, dpad))
         out.extend(append_spec(dt, paged) for paged in (False, True))
     return out
 
 
-def choose_splits(entries_tiles: int, n_key_tiles: int, sm_count: int, smem_bytes: int) -> int:
-    """Key splits per (entry, row tile), from the problem and the SM count only (so results are
-    reproducible run to run). With ``slots`` blocks resident at once (the occupancy shared memory
-    allows), s splits take ``ceil(blocks * s / slots)`` waves of blocks each 1/s as long: the
-    smallest s within 3% of the least such time wins, with at least MIN_TILES_PER_WARP key tiles
-    per warp and split (below that the combine costs more than the split saves)."""
-    per_sm = max(1, _SM_SMEM // (smem_bytes + 1024))
-    slots = sm_count * per_sm
-    base = max(1, entries_tiles)
-    cap = max(1, -(-n_key_tiles // (DECODE_WARPS * MIN_TILES_PER_WARP)))
-    cap = min(cap, max(1, -(-8 * slots // base)), MAX_SPLITS)  # <= ~8 waves of blocks
-    cost = {s: -(-base * s // slots) / s for s in range(1, cap + 1)}
-    best = min(cost.values())
-    return min(s for s, c in cost.items() if c <= best * 1.03)
+def blocks_per_sm(plan, dpad: int) -> int:
+    """Blocks of a decode `plan` (head-dim bucket `dpad`) one SM holds at once: the least of
+    what shared memory (the SM's 228 KiB, 1 KiB reserved per block) and the registers
+    (DECODE_REG_BLOCKS) allow."""
+    regs = DECODE_REG_BLOCKS.get((dpad, plan.block_m // 16), 1)
+    return max(1, min(_SM_SMEM // (plan.smem_bytes + 1024), regs))
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_splits(work: int, n_key_tiles: int, sm_count: int, per_sm: int,
+                  tile_bytes: int) -> int:
+    """Key splits per (entry, row block), from the problem and the SM count only (so results are
+    reproducible run to run).
+
+    `work`: blocks per split (entries x row blocks); `n_key_tiles`: key tiles (DECODE_BN keys)
+    an entry has; `per_sm`: blocks an SM holds (`blocks_per_sm`); `tile_bytes`: the K and V
+    bytes of one key tile (2 x BN x Dpad x 2).
+
+    Model (decoding is memory-bound: notes/INFERENCE.md, "Split heuristic"): the GPU streams K
+    and V at DECODE_BW when every block slot (SMs x per_sm, NWARPS warps each) is busy, so one
+    warp streams DECODE_BW / (slots x NWARPS), and a block whose warps walk at most
+    ceil(tiles / NWARPS) tiles each takes DECODE_T_BLOCK plus that many tiles at the warp's
+    rate. s splits run ceil(work s / slots) waves of such blocks, plus DECODE_T_COMBINE when
+    s > 1. The smallest s within 3% of the least modelled time wins. Saturation is assumed
+    only at full occupancy (a wave of fewer blocks is charged as a full one), which errs
+    towards filling the GPU: an idle slot costs bandwidth, an extra split only the small
+    partials' traffic."""
+    warps = DECODE_WARPS
+    slots = max(1, sm_count * per_sm)
+    work = max(1, work)
+    cap = max(1, -(-n_key_tiles // (warps * MIN_TILES_PER_WARP)))
+    cap = min(cap, max(1, -(-8 * slots // work)), MAX_SPLITS)  # <= ~8 waves of blocks
+    t_tile = tile_bytes * slots * warps / DECODE_BW   # one tile at one warp's rate
+    times = []
+    for s in range(1, cap + 1):
+        per_warp = -(-(-(-n_key_tiles // s)) // warps)  # tiles of a split's busiest warp
+        waves = -(-work * s // slots)
+        times.append(waves * (DECODE_T_BLOCK + per_warp * t_tile)
+                     + (DECODE_T_COMBINE if s > 1 else 0.0))
+    best = min(times)
+    return next(s for s, t in enumerate(times, 1) if t <= best * 1.03)
 
 
 @dataclass
@@ -151,7 +213,7 @@ class DecodeLaunch:
 
     entries: int
     rows: int                    # packed rows per entry: G * Sq
-    n_rtiles: int
+    n_rtiles: int                # 16-row tiles per entry (a multiple of the plan's MT)
     splits: int
     split_tiles: int
     grid: int
@@ -184,22 +246,25 @@ def configure(plan, sizes, g, sq, sk, d, attrs) -> DecodeLaunch:
     from ._launch import MAX_GRID_X
 
     rows = g * sq
-    n_rtiles = -(-rows // 16)
+    mt = plan.block_m // 16          # 16-row tiles per block (decode_plan: MT)
+    n_rblocks = -(-rows // (16 * mt))
+    n_rtiles = n_rblocks * mt        # 16-row tiles per entry, padded to a multiple of MT
     n_key_tiles = -(-sk // DECODE_BN)
     entries = sizes[0] * sizes[1] * sizes[2]
+    dpad = head_dim_bucket(d, DECODE_DPADS)
     if max(sq, sk, rows) >= 2**31 - 1024:
         raise ValueError(f"Sq, Sk and G * Sq must be below 2**31 - 1024 (got {sq}, {sk}, {rows})")
     if plan.smem_bytes > attrs["max_smem_optin"]:
         raise ValueError(f"{plan.label} needs {plan.smem_bytes} bytes of shared memory per "
                          f"block; this GPU allows {attrs['max_smem_optin']}")
-    splits = choose_splits(entries * n_rtiles, n_key_tiles, attrs["sm_count"], plan.smem_bytes)
+    splits = choose_splits(entries * n_rblocks, n_key_tiles, attrs["sm_count"],
+                           blocks_per_sm(plan, dpad), 2 * DECODE_BN * dpad * 2)
     split_tiles = max(1, -(-n_key_tiles // splits))
     splits = max(1, -(-n_key_tiles // split_tiles))
-    grid = entries * n_rtiles * splits
+    grid = entries * n_rblocks * splits
     if grid > MAX_GRID_X or entries * rows > MAX_GRID_X:
         raise ValueError(f"{plan.label}: {grid} blocks is too many for one launch")
-    return DecodeLaunch(entries, rows, n_rtiles, splits, split_tiles, grid,
-                        head_dim_bucket(d, DECODE_DPADS))
+    return DecodeLaunch(entries, rows, n_rtiles, splits, split_tiles, grid, dpad)
 
 
 def scratch(nbytes, workspace, stream, query):
@@ -352,6 +417,12 @@ def wants_decode(prob, compute_capability) -> bool:
         return False
     g = _batch_geometry(prob, prob.q, None)[1]
     return g * prob.sq <= DECODE_MAX_ROWS
+
+
+def dense_rows(prob) -> int:
+    """Packed rows per entry (G * Sq) of a dense `attention` problem, for `decode_plan`."""
+    geo = _batch_geometry(prob, prob.q, None)
+    return prob.sq if isinstance(geo, str) else geo[1] * prob.sq
 
 
 def _dense_geometry(plan, prob, o, lse):

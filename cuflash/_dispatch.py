@@ -499,7 +499,8 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
             if why_not is not None:
                 raise ValueError(f"kernel='decode' cannot run these inputs: {why_not}")
         if prob.kernel == "decode" or _decode.wants_decode(prob, compute_capability):
-            return _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False)
+            return _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False,
+                                       rows=_decode.dense_rows(prob))
     hopper_auto = HOPPER_F32_AUTO or prob.dtype_name != "float32"
     if prob.kernel == "hopper" or (prob.kernel == "auto" and hopper_auto):
         why_not = hopper_reason(prob, compute_capability)

@@ -308,7 +308,8 @@ def kvcache_launch(prob, attrs):
     (`DecodeLaunch.part_bytes`)."""
     from . import _decode
 
-    plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, prob.block_table is not None)
+    plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, prob.block_table is not None,
+                               rows=prob.h // prob.hkv * prob.sq)
     cfg = _decode.configure(plan, (1, prob.b, prob.hkv), prob.h // prob.hkv, prob.sq,
                             _decode_keys(prob), prob.d, attrs)
     return plan, cfg, _lens_bytes(prob) + cfg.part_bytes
@@ -410,7 +411,8 @@ def kvcache_dispatch_label(prob):
     if prob.backend == "cpu":
         return "cpu-numpy"
     return _decode.decode_plan(prob.dtype_name, prob.d, prob.causal,
-                               prob.block_table is not None).label
+                               prob.block_table is not None,
+                               rows=prob.h // prob.hkv * prob.sq).label
 
 
 # ---------------------------------------------------------------------------------------------

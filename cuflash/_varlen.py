@@ -120,7 +120,8 @@ def varlen_launch(prob, attrs):
     split partials (`DecodeLaunch.part_bytes`)."""
     from . import _decode
 
-    plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False)
+    plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False,
+                               rows=prob.h // prob.hkv * prob.max_q)
     cfg = _decode.configure(plan, (1, prob.nseq, prob.hkv), prob.h // prob.hkv, prob.max_q,
                             prob.max_k, prob.d, attrs)
     return plan, cfg, cfg.part_bytes

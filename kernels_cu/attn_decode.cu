@@ -2,14 +2,16 @@
 // with the query heads of a grouped-query group packed into one tile, the keys split across
 // warps and blocks, and K/V read from a dense tensor, a contiguous KV cache or a paged one.
 //
-// Work split. A block owns one 16-row tile of "packed rows" of one (batch, kv head) entry and
-// one split of its keys. Packed row r = i * G + j is query i (< Sq) of query head j (< G) of the
-// group, so a K/V tile in shared memory feeds every query head that uses it: K and V are read
-// once per group (per 16-row tile when G * Sq > 16). Within the block each of the NWARPS warps
-// walks its own key tiles (tile t of the split goes to warp t % NWARPS) with its own two-stage
-// cp.async pipeline: no block-wide barrier in the main loop. Per tile a warp computes the 16 x BN
-// scores with mma.sync m16n8k16 (Q by ldmatrix from shared memory, K by ldmatrix), the online
-// softmax (common.cuh: softmax_step, lazy rescaling), and O += P V (V by ldmatrix.trans).
+// Work split. A block owns MT 16-row tiles (16 MT "packed rows") of one (batch, kv head) entry
+// and one split of its keys. Packed row r = i * G + j is query i (< Sq) of query head j (< G) of
+// the group, so a K/V tile in shared memory feeds every query head that uses it: K and V are
+// read once per group (once per 16 MT rows when G * Sq > 16 MT; MT = 2 takes G = 32 in one
+// block). Within the block each of the NWARPS warps walks its own key tiles (tile t of the split
+// goes to warp t % NWARPS) with its own two-stage cp.async pipeline: no block-wide barrier in
+// the main loop. Per tile a warp computes the (16 MT) x BN scores with mma.sync m16n8k16 (Q by
+// ldmatrix from shared memory, each K fragment by ldmatrix once for the MT row tiles), the
+// online softmax per row tile (common.cuh: softmax_step), and O += P V (each V fragment by
+// ldmatrix.trans once for the MT row tiles).
 //
 // Epilogue. The warps' states (m, l, O) merge through shared memory in warp order; the block
 // then writes either the final o and lse (one split) or a normalised partial (o, lse) in float32
@@ -28,7 +30,8 @@
 // Packed variable-length batches (`cu_q`, `cu_k`, FlashAttention's cu_seqlens): sequence s has
 // cu_q[s + 1] - cu_q[s] query rows from row cu_q[s] of q (and o, lse) and cu_k[s + 1] - cu_k[s]
 // keys from row cu_k[s] of k and v; sq and sk are then the largest of them, the grid covers
-// ceil(G * sq / 16) row tiles per sequence and the tiles past a sequence's rows exit at once.
+// ceil(G * sq / (16 MT)) row blocks per sequence and the blocks past a sequence's rows exit at
+// once.
 // Causal masks are bottom-right aligned per sequence: query i sees keys j <= i + Sk_seq - Sq_seq.
 #include "common.cuh"
 
@@ -53,7 +56,7 @@ struct DecodeParams {
     long long v_s0, v_s1, v_s2, v_sr;
     long long o_s0, o_s1, o_s2, o_sg, o_sr;
     long long l_s0, l_s1, l_s2, l_sg, l_sr;
-    long long n_rtiles;      // 16-row tiles per entry: ceil(G * Sq / 16)
+    long long n_rtiles;      // 16-row tiles per entry: ceil(G * Sq / 16), padded to MT's multiple
     long long n_splits;      // key splits per (entry, row tile)
     long long split_tiles;   // key tiles of BN per split
     long long page_log2;     // paged: log2(page size); bt_stride: pages per table row
@@ -63,16 +66,18 @@ struct DecodeParams {
 };
 static_assert(sizeof(DecodeParams) == 49 * 8, "DecodeParams must match cuflash/_decode.py");
 
-template <int DPAD, int BN, int NWARPS>
+template <int DPAD, int BN, int NWARPS, int MT = 1>
 struct DecodeConfig {
     static constexpr int S = DPAD + 8;          // row stride (elements): conflict-free ldmatrix
     static constexpr int THREADS = 32 * NWARPS;
+    static constexpr int ROWS = 16 * MT;        // packed rows per block: MT m16 row tiles
     static constexpr int NT_S = BN / 8;
     static constexpr int NT_O = DPAD / 8;
     static constexpr int STAGE = 2 * BN * S;    // K then V of one tile, elements
     static constexpr int WARP_ELEMS = 2 * STAGE;  // two stages per warp
     static constexpr int OS = DPAD + 4;         // float row stride of the epilogue's O
     static_assert(DPAD % 16 == 0 && BN % 16 == 0, "tile shapes are multiples of 16");
+    static_assert(MT == 1 || MT == 2, "one or two row tiles per block");
 };
 
 struct Entry { long long q, k, v, o, l; int seq, kvh; };
@@ -151,29 +156,32 @@ __device__ __forceinline__ int page_of(const DecodeParams& p, int seq, int tile,
     return tile < t_end ? p.block_table[seq * p.bt_stride + ((tile * BN) >> p.page_log2)] : 0;
 }
 
-template <typename T, int DPAD, int BN, int NWARPS, bool CAUSAL, bool PAGED>
+template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED>
 __global__ void __launch_bounds__(32 * NWARPS)
 cuflash_attn_decode(const DecodeParams p) {
-    using Cfg = DecodeConfig<DPAD, BN, NWARPS>;
+    using Cfg = DecodeConfig<DPAD, BN, NWARPS, MT>;
+    constexpr int ROWS = Cfg::ROWS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
-    T* kv_s = q_s + 16 * Cfg::S;
+    T* kv_s = q_s + ROWS * Cfg::S;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int gq = lane / 4, t4 = lane % 4;
-    // blockIdx.x = (entry * n_rtiles + rtile) * n_splits + split
+    // blockIdx.x = (entry * n_rblocks + rblock) * n_splits + split, n_rblocks = n_rtiles / MT
+    // (the host pads n_rtiles, the 16-row tiles per entry, to a multiple of MT)
     const unsigned int flat = blockIdx.x;
+    const unsigned int n_rblocks = static_cast<unsigned int>(p.n_rtiles) / MT;
     const unsigned int split = flat % static_cast<unsigned int>(p.n_splits);
     const unsigned int er = flat / static_cast<unsigned int>(p.n_splits);
-    const unsigned int rtile = er % static_cast<unsigned int>(p.n_rtiles);
-    const unsigned int entry = er / static_cast<unsigned int>(p.n_rtiles);
+    const unsigned int rblock = er % n_rblocks;
+    const unsigned int entry = er / n_rblocks;
     Entry off = entry_offsets(p, entry);
     const int d = static_cast<int>(p.d), G = static_cast<int>(p.g);
     const SeqRange sr = seq_range(p, off);
     const int sq = sr.sq, sk = sr.sk;
     const int rows = G * sq;
-    const int r0 = static_cast<int>(rtile) * 16;
-    if (r0 >= rows) return;  // a row tile past this sequence's rows (the whole block leaves)
+    const int r0 = static_cast<int>(rblock) * ROWS;
+    if (r0 >= rows) return;  // a row block past this sequence's rows (the whole block leaves)
     const T* q = static_cast<const T*>(p.q) + off.q;
     const T* k = static_cast<const T*>(p.k) + off.k;
     const T* v = static_cast<const T*>(p.v) + off.v;
@@ -181,7 +189,7 @@ cuflash_attn_decode(const DecodeParams p) {
     // Q tile: packed row r -> (query r / G, head r % G); rows >= G * Sq are zero.
     {
         constexpr int CHUNKS = DPAD / 8;
-        for (int i = tid; i < 16 * CHUNKS; i += Cfg::THREADS) {
+        for (int i = tid; i < ROWS * CHUNKS; i += Cfg::THREADS) {
             const int r = i / CHUNKS, c = i % CHUNKS;
             const int pr = r0 + r;
             const bool ok = pr < rows && c * 8 < d;
@@ -192,19 +200,29 @@ cuflash_attn_decode(const DecodeParams p) {
     }
 
     // This block's key tiles: split `split` of the keys its last query row can see.
-    const int last_q = min(sq - 1, (min(r0 + 16, rows) - 1) / G);
+    const int last_q = min(sq - 1, (min(r0 + ROWS, rows) - 1) / G);
     const int keys = CAUSAL ? max(0, min(sk, last_q + sk - sq + 1)) : sk;
     const int n_tiles = (keys + BN - 1) / BN;
     const int t_begin = static_cast<int>(split) * static_cast<int>(p.split_tiles);
     const int t_end = min(n_tiles, t_begin + static_cast<int>(p.split_tiles));
 
     T* my = kv_s + warp * Cfg::WARP_ELEMS;
-    float acc_o[Cfg::NT_O][4];
+    // Per row tile mt of the block: O, the running max and sum of the lane's two rows.
+    float acc_o[MT][Cfg::NT_O][4];
+    float m_run[MT][2], l_run[MT][2];
+    int qi[MT][2];  // query index of the lane's rows gq and gq + 8 of tile mt (causal mask)
 #pragma unroll
-    for (int i = 0; i < Cfg::NT_O; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
-    float m_run[2] = {neg_inf<float>(), neg_inf<float>()}, l_run[2] = {0.f, 0.f};
-    // Query index of this lane's two rows (gq and gq + 8 of the tile), for the causal mask.
-    const int qi0 = (r0 + gq) / G, qi1 = (r0 + gq + 8) / G;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < Cfg::NT_O; ++i)
+            acc_o[mt][i][0] = acc_o[mt][i][1] = acc_o[mt][i][2] = acc_o[mt][i][3] = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            m_run[mt][h] = neg_inf<float>();
+            l_run[mt][h] = 0.f;
+            qi[mt][h] = (r0 + 16 * mt + gq + 8 * h) / G;
+        }
+    }
     const int diag = sk - sq;
 
     const int lr = lane % 8, lm = lane / 8;
@@ -233,37 +251,51 @@ cuflash_attn_decode(const DecodeParams p) {
         cp_async_wait<1>();  // tile t has landed for this lane ...
         __syncwarp();        // ... and for the whole warp, which alone reads it
         const unsigned int kv_base = smem_addr(my + stage * Cfg::STAGE);
-        float s[Cfg::NT_S][4];
+        // S = Q K^T for every row tile: each K fragment is loaded once and feeds the MT tiles.
+        float s[MT][Cfg::NT_S][4];
 #pragma unroll
-        for (int i = 0; i < Cfg::NT_S; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < Cfg::NT_S; ++i)
+                s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < DPAD / 16; ++kk) {
-            unsigned int a[4];
-            ldmatrix_x4(q_base + kk * 32, a[0], a[1], a[2], a[3]);
+            unsigned int a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(q_base + (mt * 16 * Cfg::S + kk * 16) * 2, a[mt][0], a[mt][1],
+                            a[mt][2], a[mt][3]);
 #pragma unroll
             for (int nn = 0; nn < BN / 16; ++nn) {
                 unsigned int b0, b1, b2, b3;
                 ldmatrix_x4(kv_base + k_off + (nn * 16 * Cfg::S + kk * 16) * 2, b0, b1, b2, b3);
-                Mma<T>::run(s[2 * nn], a, b0, b1);
-                Mma<T>::run(s[2 * nn + 1], a, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(s[mt][2 * nn], a[mt], b0, b1);
+                    Mma<T>::run(s[mt][2 * nn + 1], a[mt], b2, b3);
+                }
             }
         }
         const int key0 = t * BN;
+        unsigned int pk[MT][BN / 16][4];
 #pragma unroll
-        for (int nt = 0; nt < Cfg::NT_S; ++nt)
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key0 + nt * 8 + 2 * t4 + (e % 2);
-                bool ok = key < sk;
-                if (CAUSAL) ok = ok && key <= ((e / 2) ? qi1 : qi0) + diag;
-                s[nt][e] = ok ? s[nt][e] : neg_inf<float>();
-            }
-        float alpha[2];
-        softmax_step<Cfg::NT_S, false>(s, m_run, l_run, alpha, false, 0, t4, sk, 0, 0,
-                                       static_cast<float>(p.scale_log2));
-        rescale_rows<Cfg::NT_O>(acc_o, alpha);
-        unsigned int pk[BN / 16][4];
-        pack_p<T, Cfg::NT_S>(s, pk);
+            for (int nt = 0; nt < Cfg::NT_S; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + nt * 8 + 2 * t4 + (e % 2);
+                    bool ok = key < sk;
+                    if (CAUSAL) ok = ok && key <= qi[mt][e / 2] + diag;
+                    s[mt][nt][e] = ok ? s[mt][nt][e] : neg_inf<float>();
+                }
+            float alpha[2];
+            softmax_step<Cfg::NT_S, false>(s[mt], m_run[mt], l_run[mt], alpha, false, 0, t4, sk,
+                                           0, 0, static_cast<float>(p.scale_log2));
+            rescale_rows<Cfg::NT_O>(acc_o[mt], alpha);
+            pack_p<T, Cfg::NT_S>(s[mt], pk[mt]);
+        }
+        // O += P V: each V fragment is loaded once and feeds the MT tiles.
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
@@ -271,41 +303,52 @@ cuflash_attn_decode(const DecodeParams p) {
                 unsigned int b0, b1, b2, b3;
                 ldmatrix_x4_trans(kv_base + v_off + (kk * 16 * Cfg::S + nn * 16) * 2, b0, b1, b2,
                                   b3);
-                Mma<T>::run(acc_o[2 * nn], pk[kk], b0, b1);
-                Mma<T>::run(acc_o[2 * nn + 1], pk[kk], b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(acc_o[mt][2 * nn], pk[mt][kk], b0, b1);
+                    Mma<T>::run(acc_o[mt][2 * nn + 1], pk[mt][kk], b2, b3);
+                }
             }
         __syncwarp();  // every lane is done with this stage before it is refilled
         stage ^= 1;
     }
     cp_async_wait<0>();
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the row sums over the quad
-        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
-        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
-    }
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // the row sums over the quad
+            l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 1);
+            l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 2);
+        }
     __syncthreads();  // every warp is out of its tiles: the K/V space holds the warps' O now
 
-    // Merge the warps' states in warp order. O of warp w: 16 x DPAD floats at ob + w * 16 * OS.
+    // Merge the warps' states in warp order. O of warp w: ROWS x DPAD floats at
+    // ob + w * ROWS * OS.
     float* ob = reinterpret_cast<float*>(kv_s);
-    float* mb = ob + NWARPS * 16 * Cfg::OS;   // m (scaled to exp2 units) per warp and row
-    float* lb = mb + NWARPS * 16;             // l per warp and row
+    float* mb = ob + NWARPS * ROWS * Cfg::OS;  // m (scaled to exp2 units) per warp and row
+    float* lb = mb + NWARPS * ROWS;            // l per warp and row
     const float c = static_cast<float>(p.scale_log2);
 #pragma unroll
-    for (int nt = 0; nt < Cfg::NT_O; ++nt)
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            ob[(warp * 16 + gq + 8 * (e / 2)) * Cfg::OS + nt * 8 + 2 * t4 + (e % 2)] = acc_o[nt][e];
-    if (t4 == 0) {
+        for (int nt = 0; nt < Cfg::NT_O; ++nt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            mb[warp * 16 + gq + 8 * h] = m_run[h] == neg_inf<float>() ? m_run[h] : m_run[h] * c;
-            lb[warp * 16 + gq + 8 * h] = l_run[h];
+            for (int e = 0; e < 4; ++e)
+                ob[(warp * ROWS + 16 * mt + gq + 8 * (e / 2)) * Cfg::OS + nt * 8 + 2 * t4
+                   + (e % 2)] = acc_o[mt][nt][e];
+        if (t4 == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = warp * ROWS + 16 * mt + gq + 8 * h;
+                mb[r] = m_run[mt][h] == neg_inf<float>() ? m_run[mt][h] : m_run[mt][h] * c;
+                lb[r] = l_run[mt][h];
+            }
         }
     }
     __syncthreads();
 
     const bool one = p.n_splits == 1;
-    for (int i = tid; i < 16 * DPAD; i += Cfg::THREADS) {
+    for (int i = tid; i < ROWS * DPAD; i += Cfg::THREADS) {
         const int r = i / DPAD, col = i % DPAD;
         const int pr = r0 + r;
         if (pr >= rows || col >= d) continue;
@@ -313,27 +356,27 @@ cuflash_attn_decode(const DecodeParams p) {
         bool nan_row = false;  // a NaN (or +inf) score: l is NaN, and so is the row's result
 #pragma unroll
         for (int w = 0; w < NWARPS; ++w) {
-            mx = fmaxf(mx, mb[w * 16 + r]);
-            nan_row = nan_row || isnan(lb[w * 16 + r]);
+            mx = fmaxf(mx, mb[w * ROWS + r]);
+            nan_row = nan_row || isnan(lb[w * ROWS + r]);
         }
         float l = 0.f, acc = 0.f;
         if (mx != neg_inf<float>()) {
 #pragma unroll
             for (int w = 0; w < NWARPS; ++w) {
-                const float mw = mb[w * 16 + r];
+                const float mw = mb[w * ROWS + r];
                 const float f = mw == neg_inf<float>() ? 0.f : fast_exp2(mw - mx);
-                l += f * lb[w * 16 + r];
-                acc += f * ob[(w * 16 + r) * Cfg::OS + col];
+                l += f * lb[w * ROWS + r];
+                acc += f * ob[(w * ROWS + r) * Cfg::OS + col];
             }
         }
         float val = l > 0.f ? acc / l : 0.f;
         float lse = l > 0.f ? (mx + __log2f(l)) * 0.6931471805599453f : neg_inf<float>();
         if (nan_row) val = lse = __int_as_float(0x7fc00000);
-        const int qi = pr / G, hj = pr % G;
+        const int qi_r = pr / G, hj = pr % G;
         if (one) {
-            T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi * p.o_sr;
+            T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi_r * p.o_sr;
             o[col] = from_acc<T>(val);
-            if (col == 0 && p.lse) p.lse[off.l + hj * p.l_sg + (long long)qi * p.l_sr] = lse;
+            if (col == 0 && p.lse) p.lse[off.l + hj * p.l_sg + (long long)qi_r * p.l_sr] = lse;
         } else {
             const long long prow = (static_cast<long long>(entry) * p.n_splits + split)
                                    * (16 * p.n_rtiles) + pr;
@@ -343,56 +386,101 @@ cuflash_attn_decode(const DecodeParams p) {
     }
 }
 
-// Merge the splits' partial (o, lse) of each packed row, in split order (merge.cu's operator):
+// Merge the splits' partial (o, lse) of each packed row, in a fixed order (merge.cu's operator):
 // lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. One block of 128 threads per row.
-// The split weights go through shared memory once (a loop of dependent global loads per
-// thread cost ~1 us per split); the o_s loads of a thread are independent and unrolled.
+// The split lse go through shared memory once; warp 0 takes their max and sum with a fixed
+// butterfly (every lane ends with the same bits); the weighted sum of the o_s is spread over
+// NG = 512 / DPAD groups of threads, each reading float4 chunks of the splits g, g + NG, ...
+// (independent loads, unrolled), and the groups' sums add up in group order: bitwise the same
+// from run to run, whatever the timing.
 constexpr int MAX_SPLITS = 256;  // cuflash/_decode.py caps the split count here
 template <typename T, int DPAD>
 __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams p) {
+    constexpr int CH = DPAD / 4;  // float4 chunks of one partial row
+    constexpr int NG = 128 / CH;  // split groups
+    static_assert(128 % CH == 0 && NG >= 1, "the combine's 128 threads cover a row in chunks");
     __shared__ float w_s[MAX_SPLITS];
-    __shared__ float red[3];
+    __shared__ float4 red[NG][CH];
+    __shared__ float stat[3];
     const unsigned int rows = static_cast<unsigned int>(p.g * p.sq);
     const unsigned int entry = blockIdx.x / rows, pr = blockIdx.x % rows;
     Entry off = entry_offsets(p, entry);
     if (pr >= static_cast<unsigned int>(p.g * seq_range(p, off).sq)) return;
+    const int tid = threadIdx.x, lane = tid % 32;
     const int ns = static_cast<int>(p.n_splits);
     const long long rpad = 16 * p.n_rtiles;
     const long long base = static_cast<long long>(entry) * ns * rpad + pr;
-    for (int s = threadIdx.x; s < ns; s += 128) w_s[s] = p.lse_part[base + s * rpad];
+    for (int s = tid; s < ns; s += 128) w_s[s] = p.lse_part[base + s * rpad];
     __syncthreads();
-    if (threadIdx.x == 0) {  // fixed order: bitwise reproducible
+    if (tid < 32) {
         float mx = neg_inf<float>();
         bool nan = false;    // a split whose row met a NaN score: the row is NaN
-        for (int s = 0; s < ns; ++s) {
+        for (int s = lane; s < ns; s += 32) {
             mx = fmaxf(mx, w_s[s]);
             nan = nan || isnan(w_s[s]);
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        nan = __any_sync(0xffffffffu, nan);
         float sum = 0.f;
         if (mx != neg_inf<float>() && !nan)
-            for (int s = 0; s < ns; ++s) sum += expf(w_s[s] - mx);
-        red[0] = mx;
-        red[1] = sum;
-        red[2] = nan ? 1.f : 0.f;
+            for (int s = lane; s < ns; s += 32) sum += expf(w_s[s] - mx);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) {
+            stat[0] = mx;
+            stat[1] = sum;
+            stat[2] = nan ? 1.f : 0.f;
+        }
     }
     __syncthreads();
-    const float mx = red[0], sum = red[1];
-    const bool nan_row = red[2] != 0.f;
-    for (int s = threadIdx.x; s < ns; s += 128)
+    const float mx = stat[0], sum = stat[1];
+    const bool nan_row = stat[2] != 0.f;
+    for (int s = tid; s < ns; s += 128)
         w_s[s] = (sum > 0.f && w_s[s] != neg_inf<float>()) ? expf(w_s[s] - mx) / sum : 0.f;
     __syncthreads();
-    const int qi = pr / static_cast<unsigned int>(p.g), hj = pr % static_cast<unsigned int>(p.g);
-    T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi * p.o_sr;
-    const float* op = p.o_part + base * DPAD;
-    for (int col = threadIdx.x; col < p.d; col += 128) {
-        float acc = 0.f;
-#pragma unroll 8
-        for (int s = 0; s < ns; ++s) acc += w_s[s] * op[s * rpad * DPAD + col];
-        o[col] = from_acc<T>(nan_row ? __int_as_float(0x7fc00000) : acc);
+    const int c4 = tid % CH, gi = tid / CH;
+    const float4* op = reinterpret_cast<const float4*>(p.o_part + base * DPAD) + c4;
+    const long long sstride = rpad * CH;  // float4s from one split's row to the next's
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = gi; s < ns; s += NG) {
+        const float w = w_s[s];
+        const float4 x = op[s * sstride];
+        acc.x += w * x.x;
+        acc.y += w * x.y;
+        acc.z += w * x.z;
+        acc.w += w * x.w;
     }
-    if (threadIdx.x == 0 && p.lse)
-        p.lse[off.l + hj * p.l_sg + (long long)qi * p.l_sr] =
-            nan_row ? __int_as_float(0x7fc00000) : sum > 0.f ? mx + logf(sum) : neg_inf<float>();
+    if (NG > 1) {
+        red[gi][c4] = acc;
+        __syncthreads();
+    }
+    if (gi == 0) {
+#pragma unroll
+        for (int g = 1; g < NG; ++g) {
+            const float4 y = red[g][c4];
+            acc.x += y.x;
+            acc.y += y.y;
+            acc.z += y.z;
+            acc.w += y.w;
+        }
+        const unsigned int gu = static_cast<unsigned int>(p.g);
+        const int qi = pr / gu, hj = pr % gu;
+        T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi * p.o_sr;
+        const int col = 4 * c4;
+        if (col < p.d) {  // D % 8 == 0: a chunk is all in or all out
+            const float qnan = __int_as_float(0x7fc00000);
+            o[col] = from_acc<T>(nan_row ? qnan : acc.x);
+            o[col + 1] = from_acc<T>(nan_row ? qnan : acc.y);
+            o[col + 2] = from_acc<T>(nan_row ? qnan : acc.z);
+            o[col + 3] = from_acc<T>(nan_row ? qnan : acc.w);
+        }
+        if (tid == 0 && p.lse)
+            p.lse[off.l + hj * p.l_sg + (long long)qi * p.l_sr] =
+                nan_row ? __int_as_float(0x7fc00000)
+                        : sum > 0.f ? mx + logf(sum) : neg_inf<float>();
+    }
 }
 
 // Append new keys and values to a KV cache in place: row n of k_new (seq b, kv head h) goes to

@@ -255,9 +255,8 @@ def test_decode_param_blocks_mirror_the_kernel_structs():
 def test_choose_splits(entries, tiles, sms):
     from cuflash import _decode
 
-    smem = _decode.decode_smem_bytes(128)
-    s = _decode.choose_splits(entries, tiles, sms, smem)
-    assert s == _decode.choose_splits(entries, tiles, sms, smem)  # a function of its inputs
+    s = _decode.choose_splits(entries, tiles, sms, 3, 8192)
+    assert s == _decode.choose_splits(entries, tiles, sms, 3, 8192)  # a function of its inputs
     assert 1 <= s <= _decode.MAX_SPLITS
     assert s == 1 or -(-tiles // s) >= _decode.DECODE_WARPS * _decode.MIN_TILES_PER_WARP // 2
 

@@ -99,6 +99,9 @@ DECODE_CASES = [  # (B, H, Hkv, Sq, Sk, D)
     (1, 4, 4, 1, 1, 128),        # one key
     (2, 16, 4, 16, 300, 96),     # 64 packed rows, padded head dim
     (1, 32, 4, 3, 8192, 128),    # long keys, 24 rows, splits
+    (2, 32, 1, 2, 1000, 128),    # 64 packed rows: two blocks of two row tiles (MT = 2)
+    (1, 32, 1, 1, 65536, 128),   # MQA, long keys: 32 rows in one block, many splits
+    (2, 64, 8, 3, 113, 64),      # 24 rows: MT = 2 with a part-filled second tile
 ]
 
 
@@ -131,7 +134,41 @@ def test_decode_is_auto_for_single_token_gqa():
     cp = cupy()
     q = cp.ones((1, 32, 1, 128), cp.float16)
     k = cp.ones((1, 8, 4096, 128), cp.float16)
-    assert cuflash.dispatch_info(q, k, k).startswith("decode<float16,D128")
+    assert cuflash.dispatch_info(q, k, k).startswith("decode<float16,D128,BN16,W4,dense")
+    k1 = cp.ones((1, 1, 4096, 128), cp.float16)   # 32 query heads on one kv head: MT = 2
+    assert cuflash.dispatch_info(q, k1, k1).startswith("decode<float16,D128,BN16,W4,R32,")
+
+
+FORCED_CASES = [  # (H, Hkv, Sq): groups 1, 4, 8, 32; Sq = 1 and > 1; MT = 1 and 2
+    (32, 32, 1), (32, 8, 1), (32, 4, 1), (32, 1, 1), (32, 4, 3), (32, 1, 2)]
+
+
+@pytest.mark.parametrize("splits", [1, "max"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sk", [1, 7, 113, 1000, 20000])
+@pytest.mark.parametrize("h,hkv,sq", FORCED_CASES)
+def test_decode_forced_splits(h, hkv, sq, sk, causal, splits, monkeypatch):
+    """The split count forced to its extremes (one split: no combine; "max": one key tile per
+    split, so most warps of a split have no tile and, causal, trailing splits no key), against
+    float64, NaN-poisoned outputs, bitwise equal run to run."""
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    from cuflash import _decode
+
+    monkeypatch.setattr(_decode, "choose_splits",
+                        lambda *a: 1 if splits == 1 else _decode.MAX_SPLITS)
+    rng = _rng("decode-forced", h, hkv, sq, sk, causal, splits)
+    d, b = 128, 2
+    q, k, v = (_rnd(rng, s, "float16") for s in ((b, h, sq, d), (b, hkv, sk, d),
+                                                  (b, hkv, sk, d)))
+    qg, kg, vg = (to_gpu(x, "float16") for x in (q, k, v))
+    o, lse = poisoned((b, h, sq, d), "float16"), poisoned((b, h, sq), "float32")
+    cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), kernel="decode")
+    o2 = cuflash.attention(qg, kg, vg, causal=causal, kernel="decode")
+    cupy().cuda.get_current_stream().synchronize()
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                            dtype="float16")
+    assert cupy().array_equal(o.view(cupy().uint16), o2.view(cupy().uint16))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,6 +186,8 @@ KV_CASES = [  # (page or None, group, Sq, Snew, lens)
     (64, 32, 2, 3, (0, 62, 63, 2000)),     # group of 32: 64 packed rows
     (256, 4, 1, 1, (255, 1, 300, 9000)),
     (16, 4, 16, 16, (0, 5, 200, 1500)),    # 64 packed rows, new keys spanning pages
+    (16, 32, 1, 1, (0, 15, 16, 4000)),     # MQA-like group of 32 (MT = 2), page 16, crossing
+    (128, 8, 3, 2, (1, 127, 300, 2500)),   # 24 packed rows (MT = 2), Sq > 1
 ]
 
 
@@ -234,21 +273,22 @@ def test_varlen_gpu(h, hkv, d, lens_q, lens_k, dtype, causal):
                         dtype=dtype)
 
 
+@pytest.mark.parametrize("h,hkv", [(8, 2), (32, 1)])   # MT = 1; MT = 2 (32 rows a block)
 @pytest.mark.parametrize("sk", [64, 8192])       # one split; many splits (the combine)
 @pytest.mark.parametrize("where", ["q-head3", "k-key200-inf", "v-key100-nan", "v-key100-inf"])
-def test_decode_nonfinite(where, sk):
+def test_decode_nonfinite(where, sk, h, hkv):
     """NaN and inf reach exactly the rows (and columns) the float64 reference puts them in."""
     if _cc() < 80:
         pytest.skip("the decode kernel needs compute capability 8.0")
-    rng = _rng("decode-nonfinite", where, sk)
-    b, h, hkv, d = 1, 8, 2, 128
+    rng = _rng("decode-nonfinite", where, sk, h, hkv)
+    b, d = 1, 128
     q, k, v = (_rnd(rng, s, "float16") for s in ((b, h, 1, d), (b, hkv, sk, d), (b, hkv, sk, d)))
     if where == "q-head3":
         q[0, 3, 0, :] = np.nan
     elif where == "k-key200-inf":
         k[0, 0, min(200, sk - 1), 7] = np.inf
     else:
-        v[0, 1, min(100, sk - 1), 5] = np.nan if where.endswith("nan") else np.inf
+        v[0, hkv - 1, min(100, sk - 1), 5] = np.nan if where.endswith("nan") else np.inf
     o, lse = poisoned((b, h, 1, d), "float16"), poisoned((b, h, 1), "float32")
     cuflash.attention(*(to_gpu(x, "float16") for x in (q, k, v)), return_lse=True,
                       out=(o, lse), kernel="decode")

@@ -35,11 +35,12 @@ class FakeArray:
         return FakeArray((self.shape[0] - sl.start,), self.data.ptr + sl.start, 1)
 
 
-def _formula(entries, splits, rows, d):
-    """The documented size: align(4 E s R Dpad) + align(4 E s R) with more than one split."""
+def _formula(entries, splits, rows, d, mt=1):
+    """The documented size: align(4 E s R Dpad) + align(4 E s R) with more than one split,
+    R = rows rounded up to the plan's 16 MT rows per block."""
     if splits == 1:
         return 0
-    r = 16 * -(-rows // 16)
+    r = 16 * mt * -(-rows // (16 * mt))
     dpad = _decode.head_dim_bucket(d, _decode.DECODE_DPADS)
     return _align(4 * entries * splits * r * dpad) + _align(4 * entries * splits * r)
 
@@ -56,15 +57,17 @@ def _formula(entries, splits, rows, d):
     ((1, 1, 1), 1, 1, 1, 256),
 ])
 def test_decode_partials_size(sizes, g, sq, sk, d):
-    plan = _decode.decode_plan("float16", d, False, paged=False)
+    plan = _decode.decode_plan("float16", d, False, paged=False, rows=g * sq)
+    mt = plan.block_m // 16
     cfg = _decode.configure(plan, sizes, g, sq, sk, d, ATTRS)
     entries = sizes[0] * sizes[1] * sizes[2]
     n_tiles = -(-sk // _decode.DECODE_BN)
-    assert cfg.entries == entries and cfg.rows == g * sq and cfg.n_rtiles == -(-g * sq // 16)
+    assert cfg.entries == entries and cfg.rows == g * sq
+    assert cfg.n_rtiles == mt * -(-g * sq // (16 * mt))
     assert 1 <= cfg.splits <= _decode.MAX_SPLITS
     assert cfg.splits * cfg.split_tiles >= n_tiles > (cfg.splits - 1) * cfg.split_tiles
-    assert cfg.grid == entries * cfg.n_rtiles * cfg.splits
-    assert cfg.part_bytes == _formula(entries, cfg.splits, g * sq, d)
+    assert cfg.grid == entries * (cfg.n_rtiles // mt) * cfg.splits
+    assert cfg.part_bytes == _formula(entries, cfg.splits, g * sq, d, mt)
     assert cfg.part_bytes % ALIGN == 0 and cfg.o_part_bytes % ALIGN == 0
     if sk == 131072:
         assert cfg.splits > 1 and cfg.part_bytes > 0   # the case the workspace exists for
