@@ -406,8 +406,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         why); ``"generic"`` forces the scalar audit kernels (float32/float64 arithmetic,
         accurate exp); ``"tensorcore"`` demands the tensor-core backward and raises ValueError,
         saying why, when the inputs do not qualify; ``"hopper"`` demands the Hopper backward
-        (wgmma, compute capability 9.0, the tensor-core backward's conditions; "auto" takes it
-        first there: `cuflash._dispatch.HOPPER_BWD_AUTO`) in the same way. With a variant
+        (wgmma, compute capability 9.0, the tensor-core backward's conditions with D <= 256;
+        "auto" takes it first there: `cuflash._dispatch.HOPPER_BWD_AUTO`) in the same way. With a variant
         the generic backward runs.
     window, softcap, alibi_slopes, bias, mask : optional
         The forward's variant, as in `attention` (pass the same values). Under softcap the

@@ -730,16 +730,20 @@ def bwd_tensorcore_plan(dtype_name: str, d: int, causal: bool, deterministic: bo
         dq_accum_row=dpad + TC_BWD_DQ_PAD, deterministic=bool(deterministic), lse_acc=False)
 
 
-def bwd_tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
-    """Why the tensor-core backward cannot run these inputs, or None if it can."""
+def bwd_tensorcore_reason(prob, compute_capability: Optional[int],
+                          max_d: Optional[int] = None) -> Optional[str]:
+    """Why the tensor-core backward cannot run these inputs, or None if it can (``max_d``: the
+    largest head dim, TC_BWD_CONFIGS' by default; the Hopper backward passes its own)."""
     why = _sm80_reason(prob, compute_capability, TC_BWD_DTYPES)
     if why is not None:
         return why
     if prob.d % 8:
         return f"it needs a head dim that is a multiple of 8 (got {prob.d})"
-    if prob.d > max(TC_BWD_CONFIGS):
+    if max_d is None and prob.d > max(TC_BWD_CONFIGS):
         return (f"it takes head dims up to {max(TC_BWD_CONFIGS)} (got {prob.d}): the dk and dv "
                 "accumulators of larger ones do not fit in registers")
+    if max_d is not None and prob.d > max_d:
+        return f"the Hopper backward takes head dims up to {max_d} (got {prob.d})"
     q = getattr(prob, "q", None)
     if q is None:  # a bare description (tests): nothing more to check
         return None
@@ -755,11 +759,14 @@ def bwd_tensorcore_reason(prob, compute_capability: Optional[int]) -> Optional[s
 
 
 #: Hopper backward tiles per padded head dim (kernels_cu/attn_bwd_wgmma.cu: BwdWgmmaConfig):
-#: (BM query rows per tile, BN keys per block = 64 per consumer warpgroup). Shared memory:
-#: D = 64 131 KiB, D = 128 146 KiB (K, V, two Q and dO stages, dS^T, lse and delta).
+#: (BM query rows per tile, BN keys per block = 64 per consumer warpgroup; D = 256: two
+#: warpgroups share BN = 64 keys, splitting the head dim of dK, dV, dQ and the queries of S^T,
+#: dP^T: notes/BACKWARD.md, "D = 256"). Shared memory: D = 64 131 KiB, D = 128 146 KiB (K, V,
+#: two Q and dO stages, dS^T, lse and delta), D = 256 218 KiB (also P^T and a second dS layout).
 HOPPER_BWD_CONFIGS = {
     64: (128, 128),
     128: (64, 128),
+    256: (64, 64),
 }
 HOPPER_BWD_DTYPES = ("float16", "bfloat16")
 #: The Hopper backward's dS layout for dQ = dS K (kernel template argument DS_KMAJOR): True
@@ -774,9 +781,18 @@ HOPPER_BWD_DS_KMAJOR = True
 HOPPER_BWD_AUTO = True
 
 
-def bwd_hopper_smem(dpad: int, bm: int, bn: int) -> int:
-    """Shared-memory bytes of cuflash_bwd_wgmma (BwdWgmmaConfig::SMEM)."""
-    return 1024 + 2 * bn * dpad * 2 + 2 * 2 * bm * dpad * 2 + bn * bm * 2 + 2 * 2 * bm * 4
+def bwd_hopper_threads(dpad: int, bn: int) -> int:
+    """Threads of cuflash_bwd_wgmma (BwdWgmmaConfig::THREADS): a warpgroup per 64 keys, or two
+    sharing the keys at D > 128 (SPLIT)."""
+    return 256 if dpad > 128 else 128 * (bn // 64)
+
+
+def bwd_hopper_smem(dpad: int, bm: int, bn: int, ds_kmajor: bool = True) -> int:
+    """Shared-memory bytes of cuflash_bwd_wgmma (BwdWgmmaConfig::SMEM): K, V, two stages of Q
+    and dO, dS (D > 128: also P^T, and dS^T beside a K-major dS), lse and delta."""
+    score_tiles = 1 + (dpad > 128) * (1 + bool(ds_kmajor))
+    return (1024 + 2 * bn * dpad * 2 + 2 * 2 * bm * dpad * 2 + score_tiles * bn * bm * 2
+            + 2 * 2 * bm * 4)
 
 
 def bwd_hopper_plan(dtype_name: str, d: int, causal: bool, deterministic: bool) -> BackwardPlan:
@@ -794,7 +810,8 @@ def bwd_hopper_plan(dtype_name: str, d: int, causal: bool, deterministic: bool) 
     det = ("det," if deterministic else "") + ("" if kmajor else "dsT,")
     kern = Plan(label=f"bwd_wgmma<{dtype_name},D{dpad},BM{bm},BN{bn},{det}{mask}>",
                 spec=Specialisation("attn_bwd_wgmma", name, arch="sm_90a"), block_m=bm,
-                block_n=bn, threads=128 * (bn // 64), smem_bytes=bwd_hopper_smem(dpad, bm, bn))
+                block_n=bn, threads=bwd_hopper_threads(dpad, bn),
+                smem_bytes=bwd_hopper_smem(dpad, bm, bn, kmajor))
     return BackwardPlan(
         label=f"hopper-bwd<{dtype_name},D{dpad},BM{bm},BN{bn},{det}{mask}>",
         preprocess=bwd_preprocess_plan(dtype_name),
@@ -808,13 +825,7 @@ def bwd_hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     if compute_capability != 90:
         return ("the Hopper backward is built for sm_90a and runs on compute capability 9.0 "
                 f"only (this GPU: {compute_capability})")
-    why = bwd_tensorcore_reason(prob, compute_capability)
-    if why is not None:
-        return why
-    if prob.d > max(HOPPER_BWD_CONFIGS):
-        return (f"the Hopper backward takes head dims up to {max(HOPPER_BWD_CONFIGS)} "
-                f"(got {prob.d})")
-    return None
+    return bwd_tensorcore_reason(prob, compute_capability, max_d=max(HOPPER_BWD_CONFIGS))
 
 
 def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
@@ -854,6 +865,8 @@ def backward_fallback_reason(prob, compute_capability: Optional[int]) -> Optiona
         return variant_backward_fallback_reason(prob, compute_capability)
     if prob.kernel != "auto":
         return None
+    if HOPPER_BWD_AUTO and bwd_hopper_reason(prob, compute_capability) is None:
+        return None  # the Hopper backward runs (D = 256 included, which mma.sync does not take)
     return bwd_tensorcore_reason(prob, compute_capability)
 
 

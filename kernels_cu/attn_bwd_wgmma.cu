@@ -48,6 +48,14 @@
 // At the end dk = scale * dK and dv = dV are written once (keys past Sk are not written; keys no
 // row sees get zeros).
 //
+// D = 256 (Cfg::SPLIT, DPAD > 128; notes/BACKWARD.md, "D = 256"): dK and dV of 64 keys would take
+// 256 registers a thread, so the two warpgroups share the block's BN = 64 keys instead: warpgroup
+// c computes S^T, dP^T for queries 32 c .. 32 c + 31 of the BM = 64 tile (m64n32) and holds dK,
+// dV columns 128 c .. 128 c + 127 (m64n128). Its P^T and dS^T go to shared memory ([key][query],
+// the dS^T layout below), and after barrier 2 dV += P^T dO and dK += dS^T Q read them as K-major
+// A with B = dO, Q columns 128 c .. N-major (SS), in the dQ commit group; dQ's four 64 x 64
+// pieces split by head-dim panel (two per warpgroup) as at D = 128.
+//
 // Shared-memory descriptors (common.cuh: wgmma_desc), every tile stored as 64-column panels of
 // 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), each panel on
 // a 1024-byte boundary: K-major operands (S^T, dP^T) take sbo = 1024 (the next 8 rows) and move
@@ -73,7 +81,7 @@
 // so a block waits only for blocks dispatched before it. The tiles here are this kernel's BM rows.
 //
 // Requirements checked on the host (cuflash/_dispatch.py: bwd_hopper_reason): compute capability
-// 9.0, float16 or bfloat16, D == Dv, D % 8 == 0, D <= DPAD, rows of q, k, v, do (and dk, dv) on
+// 9.0, float16 or bfloat16, D == Dv, D % 8 == 0, D <= DPAD <= 256, rows of q, k, v, do (and dk, dv) on
 // 16-byte boundaries, q not broadcast when DET.
 //
 // POLICY: the attention variant (kernels_cu/variants.cuh); only PlainVariant is instantiated and
@@ -86,9 +94,17 @@ namespace cuflash {
 
 template <int DPAD, int BM, int BN, bool DS_KMAJOR>
 struct BwdWgmmaConfig {
-    static constexpr int CONSUMERS = BN / 64;      // warpgroups, 64 keys each
+    // SPLIT (DPAD = 256): dK and dV of 64 keys take 2 x 128 registers a thread, more than a
+    // thread has, so two warpgroups share the block's BN = 64 keys: warpgroup c holds dK, dV
+    // columns 128 c .. 128 c + 127 and computes S^T, dP^T for queries BM / 2 c .. of the tile;
+    // P^T and dS^T go through shared memory, and dV, dK read them there (SS) instead of from
+    // registers (RS). Otherwise warpgroup c owns keys 64 c .. 64 c + 63 and all DPAD columns.
+    static constexpr bool SPLIT = DPAD > 128;
+    static constexpr int CONSUMERS = SPLIT ? 2 : BN / 64;  // warpgroups
     static constexpr int THREADS = 128 * CONSUMERS;
     static constexpr int PANELS = DPAD / 64;       // 64-column panels of K, V, Q, dO
+    static constexpr int SN = SPLIT ? BM / CONSUMERS : BM;      // S^T / dP^T columns (queries)
+    static constexpr int DKV_N = SPLIT ? DPAD / CONSUMERS : DPAD;  // dK / dV columns
     static constexpr int KV_PANEL = BN * 128;      // bytes per panel of K or V
     static constexpr int Q_PANEL = BM * 128;       // bytes per panel of Q or dO
     static constexpr int KV_BYTES = PANELS * KV_PANEL;
@@ -97,14 +113,20 @@ struct BwdWgmmaConfig {
     // K-major A that the forward's Q is); else dS^T (BN key rows x 64 queries per panel).
     static constexpr int DS_PANEL = DS_KMAJOR ? BM * 128 : BN * 128;
     static constexpr int DS_BYTES = BM * BN * 2;
-    // Byte offsets from the 1024-aligned base: K, V, 2 x Q, 2 x dO, dS^T, then floats:
-    // lse2 (2 x BM), delta (2 x BM).
+    // SPLIT: P^T and dS^T [key][query] (BN key rows x 64 queries per panel: the K-major A of
+    // dV += P^T dO and dK += dS^T Q); dS^T is the dS buffer itself when !DS_KMAJOR.
+    static constexpr int PT_PANEL = BN * 128;
+    // Byte offsets from the 1024-aligned base: K, V, 2 x Q, 2 x dO, dS (or dS^T), (SPLIT) P^T
+    // and (SPLIT and DS_KMAJOR) dS^T, then floats: lse2 (2 x BM), delta (2 x BM).
     static constexpr int K_OFF = 0;
     static constexpr int V_OFF = KV_BYTES;
     static constexpr int Q_OFF = 2 * KV_BYTES;
     static constexpr int DO_OFF = Q_OFF + 2 * Q_BYTES;
     static constexpr int DS_OFF = DO_OFF + 2 * Q_BYTES;
-    static constexpr int LD_OFF = DS_OFF + DS_BYTES;
+    static constexpr int PT_OFF = DS_OFF + DS_BYTES;
+    static constexpr int DST_OFF = DS_KMAJOR ? PT_OFF + (SPLIT ? DS_BYTES : 0) : DS_OFF;
+    static constexpr int LD_OFF =
+        DS_OFF + DS_BYTES + (SPLIT ? DS_BYTES : 0) + (SPLIT && DS_KMAJOR ? DS_BYTES : 0);
     // + 1024: the dynamic shared memory base is only 16-byte aligned; it is rounded up.
     static constexpr int SMEM = 1024 + LD_OFF + 2 * 2 * BM * 4;
     // dQ pieces of 64 x 64 (query panel mp, head-dim panel np), PIECES / CONSUMERS each.
@@ -115,9 +137,10 @@ struct BwdWgmmaConfig {
     // and the packed P^T, which spilled (bfloat16, D = 64, causal: 20 bytes, NVRTC 13.5).
     static constexpr bool DP_EARLY = BM == 64;
     static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
-    static_assert(BN == 64 * CONSUMERS, "a warpgroup owns 64 keys");
-    static_assert(DPAD == 64 || DPAD == 128, "DPAD must be 64 or 128");
+    static_assert(SPLIT ? BN == 64 : BN == 64 * CONSUMERS, "a warpgroup owns 64 keys");
+    static_assert(DPAD == 64 || DPAD == 128 || DPAD == 256, "DPAD must be 64, 128 or 256");
     static_assert(BM == 64 || BM == 128, "BM must be 64 or 128");
+    static_assert(!SPLIT || BM == 64, "SPLIT: 32 queries per warpgroup (m64n32)");
     static_assert(PIECES % CONSUMERS == 0, "the dQ pieces split evenly over the warpgroups");
     static_assert(BM <= THREADS, "one thread per lse / delta row");
     static_assert(SMEM <= 232448, "shared memory of one block (227 KiB)");
@@ -192,7 +215,13 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     const unsigned int owner = kb.owner, n_red = kb.n_red;
     const int nblock = kb.nblock, key0 = kb.key0, sq = kb.sq, sk = kb.sk, d = kb.d;
     const int diag = kb.diag, m_first = kb.m_first, n_iter = kb.n_iter;
-    const int kw0 = key0 + 64 * cw;  // this warpgroup's first key
+    // This warpgroup's keys (64 from kw0) and queries of each tile (SN from q0); SPLIT: its
+    // dK, dV columns from c0.
+    constexpr int SN = Cfg::SN, DKV_N = Cfg::DKV_N;
+    const int kwo = Cfg::SPLIT ? 0 : 64 * cw;  // first key within the block
+    const int kw0 = key0 + kwo;
+    const int q0 = Cfg::SPLIT ? SN * cw : 0;
+    const int c0 = Cfg::SPLIT ? DKV_N * cw : 0;
     const float scale_log2 = static_cast<float>(p.scale_log2);
 
     // K and V of the block (stride 0 along kv_red: the same for every reduction step).
@@ -234,9 +263,9 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     }
     cp_async_commit();
 
-    float dk_acc[DPAD / 2], dv_acc[DPAD / 2];  // m64nDPAD accumulators: [DPAD / 8][4] flat
+    float dk_acc[DKV_N / 2], dv_acc[DKV_N / 2];  // m64nDKV_N accumulators: [DKV_N / 8][4] flat
 #pragma unroll
-    for (int i = 0; i < DPAD / 2; ++i) {
+    for (int i = 0; i < DKV_N / 2; ++i) {
         dk_acc[i] = 0.f;
         dv_acc[i] = 0.f;
     }
@@ -262,16 +291,16 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
 
         // S^T = K_c Q^T or dP^T = V_c dO^T into acc: DPAD / 16 k16 steps, K-major operands (32
         // bytes a step inside a panel, the next panel every 4 steps); one commit group.
-        float s[BM / 2], dp[BM / 2];  // m64nBM accumulators: [BM / 8][4] flat
-        const auto keys_by_queries = [&](float (&acc)[BM / 2], unsigned int kv, unsigned int rows) {
+        float s[SN / 2], dp[SN / 2];  // m64nSN accumulators: [SN / 8][4] flat
+        const auto keys_by_queries = [&](float (&acc)[SN / 2], unsigned int kv, unsigned int rows) {
 #pragma unroll
             for (int kk = 0; kk < DPAD / 16; ++kk) {
                 const unsigned long long da = wgmma_desc(
-                    kv + 64 * cw * 128 + (kk / 4) * Cfg::KV_PANEL + (kk % 4) * 32, 16, 1024);
-                const unsigned long long db =
-                    wgmma_desc(rows + (kk / 4) * Cfg::Q_PANEL + (kk % 4) * 32, 16, 1024);
-                if (kk == 0) Wgmma<T, BM>::ss0(acc, da, db);
-                else Wgmma<T, BM>::ss(acc, da, db, 1);
+                    kv + kwo * 128 + (kk / 4) * Cfg::KV_PANEL + (kk % 4) * 32, 16, 1024);
+                const unsigned long long db = wgmma_desc(
+                    rows + q0 * 128 + (kk / 4) * Cfg::Q_PANEL + (kk % 4) * 32, 16, 1024);
+                if (kk == 0) Wgmma<T, SN>::ss0(acc, da, db);
+                else Wgmma<T, SN>::ss(acc, da, db, 1);
             }
             wgmma_commit();
         };
@@ -287,25 +316,26 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         if constexpr (Cfg::DP_EARLY) wgmma_wait<1>();
         else wgmma_wait<0>();
         fence_regs(s);
-        unsigned int pk[BM / 16][4];
+        unsigned int pk[SN / 16][4];
         {
-            float(&s2)[BM / 8][4] = reinterpret_cast<float(&)[BM / 8][4]>(s);
-            const bool need_mask = kw0 + 64 > sk || (CAUSAL && kw0 + 63 > i0 + diag);
+            float(&s2)[SN / 8][4] = reinterpret_cast<float(&)[SN / 8][4]>(s);
+            const bool need_mask = kw0 + 64 > sk || (CAUSAL && kw0 + 63 > i0 + q0 + diag);
             if (!need_mask) {
 #pragma unroll
-                for (int nt = 0; nt < BM / 8; ++nt) {
-                    const float2 l = lds_f2(lse_t + (nt * 8 + 2 * t4) * 4);
+                for (int nt = 0; nt < SN / 8; ++nt) {
+                    const float2 l = lds_f2(lse_t + (q0 + nt * 8 + 2 * t4) * 4);
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
                         s2[nt][e] = fast_exp2(fmaf(s2[nt][e], scale_log2, -(e % 2 ? l.y : l.x)));
                 }
             } else {
-                // key + 8 h is seen by column qc iff real and (causal) qc >= key + 8 h - i0 - diag.
-                const int lo = CAUSAL ? key_t - i0 - diag : -BM;
+                // key + 8 h is seen by column q0 + qc iff real and (causal) q0 + qc >= key + 8 h
+                // - i0 - diag.
+                const int lo = CAUSAL ? key_t - i0 - diag - q0 : -BM;
                 const bool real0 = key_t < sk, real1 = key_t + 8 < sk;
 #pragma unroll
-                for (int nt = 0; nt < BM / 8; ++nt) {
-                    const float2 l = lds_f2(lse_t + (nt * 8 + 2 * t4) * 4);
+                for (int nt = 0; nt < SN / 8; ++nt) {
+                    const float2 l = lds_f2(lse_t + (q0 + nt * 8 + 2 * t4) * 4);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int qc = nt * 8 + 2 * t4 + (e % 2);
@@ -316,7 +346,7 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
                     }
                 }
             }
-            pack_p<T, BM / 8>(s2, pk);
+            pack_p<T, SN / 8>(s2, pk);
         }
         if constexpr (!Cfg::DP_EARLY) {  // S^T's registers are free now
             wgmma_fence();
@@ -325,12 +355,12 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         // dS^T = P^T (dP^T - delta), P as rounded to 16 bits (0 where P is 0: never 0 * NaN).
         wgmma_wait<0>();
         fence_regs(dp);
-        unsigned int dsk[BM / 16][4];
+        unsigned int dsk[SN / 16][4];
         {
-            float(&dp2)[BM / 8][4] = reinterpret_cast<float(&)[BM / 8][4]>(dp);
+            float(&dp2)[SN / 8][4] = reinterpret_cast<float(&)[SN / 8][4]>(dp);
 #pragma unroll
-            for (int nt = 0; nt < BM / 8; ++nt) {
-                const float2 dl = lds_f2(delta_t + (nt * 8 + 2 * t4) * 4);
+            for (int nt = 0; nt < SN / 8; ++nt) {
+                const float2 dl = lds_f2(delta_t + (q0 + nt * 8 + 2 * t4) * 4);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     // pack_p: tile nt, element e is in word (nt % 2) * 2 + e / 2 of pk[nt / 2],
@@ -339,20 +369,32 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
                     dp2[nt][e] = pv == 0.f ? 0.f : pv * (dp2[nt][e] - (e % 2 ? dl.y : dl.x));
                 }
             }
-            pack_p<T, BM / 8>(dp2, dsk);
+            pack_p<T, SN / 8>(dp2, dsk);
         }
         // dS to shared memory: word w of dsk[kk] holds tile 2 kk + w / 2, row (key) g + 8 (w % 2),
         // columns (queries) 2 t4, 2 t4 + 1 (pack_p). DS_KMAJOR: element (query c, key r) of dS
         // in panel r / 64, row c, chunk ((r % 64) / 8) ^ (c % 8), two 16-bit stores (a warp's
         // 8 keys of one chunk x 4 rows of distinct chunks: no bank conflict); else element
         // (key r, query c) of dS^T in panel c / 64, row r, one 32-bit store of both queries (8
-        // rows x 4 words of a warp hit 32 different banks).
+        // rows x 4 words of a warp hit 32 different banks). SPLIT: also P^T and (DS_KMAJOR)
+        // dS^T as dS^T is stored without DS_KMAJOR, for dV and dK.
+        const auto sts_keys_by_queries = [&](unsigned int at, int row, int col, unsigned int v) {
+            sts_u32(at + (col / 64) * Cfg::PT_PANEL + row * 128 +
+                        (static_cast<unsigned int>(((col % 64) / 8) ^ (row % 8)) << 4) +
+                        (col % 8) * 2,
+                    v);
+        };
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
+        for (int kk = 0; kk < SN / 16; ++kk)
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const int row = 64 * cw + 16 * warp + g + 8 * (w % 2);  // key in the block
-                const int col = (2 * kk + w / 2) * 8 + 2 * t4;           // query in the tile
+                const int row = kwo + 16 * warp + g + 8 * (w % 2);   // key in the block
+                const int col = q0 + (2 * kk + w / 2) * 8 + 2 * t4;  // query in the tile
+                if constexpr (Cfg::SPLIT) {
+                    sts_keys_by_queries(base + Cfg::PT_OFF, row, col, pk[kk][w]);
+                    if constexpr (DS_KMAJOR)
+                        sts_keys_by_queries(base + Cfg::DST_OFF, row, col, dsk[kk][w]);
+                }
                 if constexpr (DS_KMAJOR) {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
@@ -363,24 +405,24 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
                                 static_cast<unsigned short>(h ? dsk[kk][w] >> 16 : dsk[kk][w]));
                     }
                 } else {
-                    sts_u32(ds_s + (col / 64) * Cfg::DS_PANEL + row * 128 +
-                                (static_cast<unsigned int>(((col % 64) / 8) ^ (row % 8)) << 4) +
-                                (col % 8) * 2,
-                            dsk[kk][w]);
+                    sts_keys_by_queries(ds_s, row, col, dsk[kk][w]);
                 }
             }
         // dV += P^T dO, dK += dS^T Q: BM / 16 k16 steps (16 query rows = 16 x 128 bytes a step),
-        // B N-major (lbo: the next 64 head-dim columns, one panel on). Left in flight.
-        wgmma_fence();
+        // B N-major (lbo: the next 64 head-dim columns, one panel on). Left in flight. (SPLIT:
+        // after barrier 2, from shared memory.)
+        if constexpr (!Cfg::SPLIT) {
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, DPAD>::rs(dv_acc, pk[kk], wgmma_desc(do_t + kk * 16 * 128, Cfg::Q_PANEL, 1024),
-                               1);
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<T, DPAD>::rs(dv_acc, pk[kk],
+                                   wgmma_desc(do_t + kk * 16 * 128, Cfg::Q_PANEL, 1024), 1);
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, DPAD>::rs(dk_acc, dsk[kk], wgmma_desc(q_t + kk * 16 * 128, Cfg::Q_PANEL, 1024),
-                               1);
-        wgmma_commit();
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<T, DPAD>::rs(dk_acc, dsk[kk],
+                                   wgmma_desc(q_t + kk * 16 * 128, Cfg::Q_PANEL, 1024), 1);
+            wgmma_commit();
+        }
         // The next tile's lse2 / delta into the other buffer (last read before the previous
         // tile's barrier 2; read next after the next barrier 1).
         if (more && tid < BM) {
@@ -400,8 +442,22 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
 
         // dQ pieces: 64 queries (query panel mp) x 64 head-dim columns (panel np of K) over the
         // block's BN keys, BN / 16 k16 steps of 16 keys; B = K N-major (16 key rows a step).
-        float dq[Cfg::PIECES_WG][32];
         wgmma_fence();
+        if constexpr (Cfg::SPLIT) {
+            // dV += P^T dO, dK += dS^T Q for columns c0 ..: A = P^T, dS^T (keys x queries,
+            // K-major: 32 bytes a k16 step inside a 64-query panel); B = dO, Q columns c0 ..
+            // N-major (c0 / 64 panels on).
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {
+                const unsigned int a = (kk / 4) * Cfg::PT_PANEL + (kk % 4) * 32;
+                const unsigned int b = (c0 / 64) * Cfg::Q_PANEL + kk * 16 * 128;
+                Wgmma<T, DKV_N>::sst(dv_acc, wgmma_desc(base + Cfg::PT_OFF + a, 16, 1024),
+                                     wgmma_desc(do_t + b, Cfg::Q_PANEL, 1024), 1);
+                Wgmma<T, DKV_N>::sst(dk_acc, wgmma_desc(base + Cfg::DST_OFF + a, 16, 1024),
+                                     wgmma_desc(q_t + b, Cfg::Q_PANEL, 1024), 1);
+            }
+        }
+        float dq[Cfg::PIECES_WG][32];
 #pragma unroll
         for (int pc = 0; pc < Cfg::PIECES_WG; ++pc) {
             const int piece = cw * Cfg::PIECES_WG + pc;
@@ -456,19 +512,19 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     // consecutive columns of one key (accumulator element (nt, e): key key_t + 8 (e / 2),
     // column nt * 8 + 2 t4 + (e % 2)). Stride 0 on the reduced axes: the owner's rows.
     const BwdOffsets off = bwd_offsets(p, bwd_index(p, p.kv_red, owner, 0));
-    const auto write_keys = [&](T* out, long long row_stride, const float (&acc)[DPAD / 2],
+    const auto write_keys = [&](T* out, long long row_stride, const float (&acc)[DKV_N / 2],
                                 float mul) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
-            for (int c = 0; c < DPAD / 32; ++c) {
+            for (int c = 0; c < DKV_N / 32; ++c) {
                 unsigned int w[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
                     w[j] = pack2<T>(mul * acc[(4 * c + j) * 4 + 2 * h],
                                     mul * acc[(4 * c + j) * 4 + 2 * h + 1]);
                 quad_transpose(w, t4);  // (every lane: the shuffles come before the tests)
-                const int key = key_t + 8 * h, col = (4 * c + t4) * 8;  // D % 8 == 0
+                const int key = key_t + 8 * h, col = c0 + (4 * c + t4) * 8;  // D % 8 == 0
                 if (key < sk && col < d)
                     *reinterpret_cast<uint4*>(out + static_cast<long long>(key) * row_stride +
                                               col) = make_uint4(w[0], w[1], w[2], w[3]);

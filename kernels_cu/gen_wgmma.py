@@ -9,7 +9,8 @@ that the header is current):
 """
 from pathlib import Path
 
-N_VALUES = (64, 80, 128, 176, 256)  # BN choices for S = Q K^T, and padded head dims for P V
+N_VALUES = (32, 64, 80, 128, 176, 256)  # BN choices for S = Q K^T, padded head dims for P V, and
+# (32) the D = 256 backward's S^T / dP^T halves (kernels_cu/attn_bwd_wgmma.cu, SPLIT)
 TYPES = {"fp16_t": "f16", "bf16_t": "bf16"}
 # float32 operands as TF32 (k8, no transpose: both shared-memory operands K-major): BN choices and
 # padded head dims of the float32 form (cuflash/_dispatch.py: HOPPER_F32_TABLE).

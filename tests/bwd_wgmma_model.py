@@ -127,8 +127,13 @@ class Cfg:
 
     def __init__(self, dpad, bm, bn, ds_kmajor=True):
         self.dpad, self.bm, self.bn, self.ds_kmajor = dpad, bm, bn, ds_kmajor
-        self.consumers = bn // 64
+        # SPLIT (D > 128): two warpgroups share the block's 64 keys; warpgroup c has queries
+        # sn c .. of S^T / dP^T and dK, dV columns dkv_n c ..
+        self.split = dpad > 128
+        self.consumers = 2 if self.split else bn // 64
         self.threads = 128 * self.consumers
+        self.sn = bm // self.consumers if self.split else bm
+        self.dkv_n = dpad // self.consumers if self.split else dpad
         self.panels = dpad // 64
         self.kv_panel, self.q_panel = bn * 128, bm * 128
         self.kv_bytes, self.q_bytes = self.panels * self.kv_panel, self.panels * self.q_panel
@@ -138,7 +143,10 @@ class Cfg:
         self.q_off = 2 * self.kv_bytes
         self.do_off = self.q_off + 2 * self.q_bytes
         self.ds_off = self.do_off + 2 * self.q_bytes
-        self.ld_off = self.ds_off + self.ds_bytes
+        self.pt_panel = bn * 128
+        self.pt_off = self.ds_off + self.ds_bytes
+        self.dst_off = (self.pt_off + self.ds_bytes * self.split) if ds_kmajor else self.ds_off
+        self.ld_off = self.ds_off + self.ds_bytes * (1 + self.split + (self.split and ds_kmajor))
         self.smem = 1024 + self.ld_off + 2 * 2 * bm * 4
         self.pieces = (bm // 64) * self.panels
         self.pieces_wg = self.pieces // self.consumers
@@ -216,8 +224,8 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
             l2, dl = load_rows(visits[0][0], visits[0][1] * bm, 0)
             fsm[lse_s // 4 + np.arange(bm)] = l2
             fsm[delta_s // 4 + np.arange(bm)] = dl
-        dk_acc = np.zeros((c.consumers, 128, dpad // 2))
-        dv_acc = np.zeros((c.consumers, 128, dpad // 2))
+        dk_acc = np.zeros((c.consumers, 128, c.dkv_n // 2))
+        dv_acc = np.zeros((c.consumers, 128, c.dkv_n // 2))
         for it, (red, mt) in enumerate(visits):
             buf, i0 = it & 1, mt * bm
             if it + 1 < n_iter:
@@ -225,26 +233,31 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
             q_t, do_t = c.q_off + buf * c.q_bytes, c.do_off + buf * c.q_bytes
             lse_t, delta_t = lse_s + buf * bm * 4, delta_s + buf * bm * 4
             pks, dsks = [], []
+            sn = c.sn
             for cw in range(c.consumers):
-                kw0 = key0 + 64 * cw
+                kwo = 0 if c.split else 64 * cw
+                q0 = sn * cw if c.split else 0
+                kw0 = key0 + kwo
                 key_t = kw0 + 16 * WARP + G
 
                 def keys_by_queries(kv, rows):
-                    acc = np.zeros((64, bm))
+                    acc = np.zeros((64, sn))
                     for kk in range(dpad // 16):
-                        da = wgmma_desc(kv + 64 * cw * 128 + (kk // 4) * c.kv_panel
+                        da = wgmma_desc(kv + kwo * 128 + (kk // 4) * c.kv_panel
                                         + (kk % 4) * 32, 16, 1024)
-                        db = wgmma_desc(rows + (kk // 4) * c.q_panel + (kk % 4) * 32, 16, 1024)
-                        acc += read_k_major(smem, da, 64) @ read_k_major(smem, db, bm).T
+                        db = wgmma_desc(rows + q0 * 128 + (kk // 4) * c.q_panel + (kk % 4) * 32,
+                                        16, 1024)
+                        acc += read_k_major(smem, da, 64) @ read_k_major(smem, db, sn).T
                     return to_frag(acc)
 
                 s = keys_by_queries(c.k_off, q_t)
                 dp = keys_by_queries(c.v_off, do_t)
-                need_mask = kw0 + 64 > sk or (causal and kw0 + 63 > i0 + diag)
-                lo = key_t - i0 - diag if causal else np.full(128, -bm)
+                need_mask = kw0 + 64 > sk or (causal and kw0 + 63 > i0 + q0 + diag)
+                lo = key_t - i0 - diag - q0 if causal else np.full(128, -bm)
                 real = [key_t < sk, key_t + 8 < sk]
-                for nt in range(bm // 8):
-                    lpair = fsm[(lse_t + (nt * 8 + 2 * T4) * 4) // 4 + np.arange(2)[:, None]]
+                for nt in range(sn // 8):
+                    lpair = fsm[(lse_t + (q0 + nt * 8 + 2 * T4) * 4) // 4
+                                + np.arange(2)[:, None]]
                     for e in range(4):
                         x = np.exp2(s[:, 4 * nt + e] * scale_log2 - lpair[e % 2])
                         if need_mask:
@@ -252,18 +265,30 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
                             ok = real[e // 2] & (qc >= lo + 8 * (e // 2))
                             x = np.where(ok, x, 0.0)
                         s[:, 4 * nt + e] = x
-                pk = _pack_p(s, bm)
-                for nt in range(bm // 8):
-                    dpair = fsm[(delta_t + (nt * 8 + 2 * T4) * 4) // 4 + np.arange(2)[:, None]]
+                pk = _pack_p(s, sn)
+                for nt in range(sn // 8):
+                    dpair = fsm[(delta_t + (q0 + nt * 8 + 2 * T4) * 4) // 4
+                                + np.arange(2)[:, None]]
                     for e in range(4):
                         pv = pk[:, nt // 2, (nt % 2) * 2 + e // 2, e % 2]
                         dp[:, 4 * nt + e] = np.where(pv == 0, 0.0,
                                                      pv * (dp[:, 4 * nt + e] - dpair[e % 2]))
-                dsk = _pack_p(dp, bm)
-                for kk in range(bm // 16):
+                dsk = _pack_p(dp, sn)
+
+                def store_keys_by_queries(at, row, col, word):  # one 32-bit word (key, query)
+                    addr = (at + (col // 64) * c.pt_panel + row * 128
+                            + ((((col % 64) // 8) ^ (row % 8)) << 4) + (col % 8) * 2)
+                    smem[addr // 2] = word[:, 0]
+                    smem[addr // 2 + 1] = word[:, 1]
+
+                for kk in range(sn // 16):
                     for w in range(4):
-                        row = 64 * cw + 16 * WARP + G + 8 * (w % 2)
-                        col = (2 * kk + w // 2) * 8 + 2 * T4
+                        row = kwo + 16 * WARP + G + 8 * (w % 2)
+                        col = q0 + (2 * kk + w // 2) * 8 + 2 * T4
+                        if c.split:  # P^T and (K-major dS) dS^T [key][query] for dV, dK
+                            store_keys_by_queries(c.pt_off, row, col, pk[:, kk, w])
+                            if c.ds_kmajor:
+                                store_keys_by_queries(c.dst_off, row, col, dsk[:, kk, w])
                         for h in range(2):
                             if c.ds_kmajor:  # dS: (query, key), 64-key panels
                                 cq = col + h
@@ -276,16 +301,25 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
                                 smem[addr // 2 + h] = dsk[:, kk, w, h]
                 pks.append(pk)
                 dsks.append(dsk)
-            for cw in range(c.consumers):  # dV, dK: after the stores (they read registers only)
-                dv = from_frag(dv_acc[cw], dpad)
-                dk = from_frag(dk_acc[cw], dpad)
+            # dV, dK: after the stores (they read registers only; SPLIT: P^T and dS^T from
+            # shared memory, after barrier 2, columns c0 .. of dO and Q)
+            for cw in range(c.consumers):
+                nkv = c.dkv_n
+                c0 = nkv * cw if c.split else 0
+                dv = from_frag(dv_acc[cw], nkv)
+                dk = from_frag(dk_acc[cw], nkv)
                 for kk in range(bm // 16):
-                    bdo = read_mn_major(smem, wgmma_desc(do_t + kk * 16 * 128, c.q_panel, 1024),
-                                        dpad)
-                    bq = read_mn_major(smem, wgmma_desc(q_t + kk * 16 * 128, c.q_panel, 1024),
-                                       dpad)
-                    dv += a_from_regs(pks[cw][:, kk]) @ bdo.T
-                    dk += a_from_regs(dsks[cw][:, kk]) @ bq.T
+                    b = (c0 // 64) * c.q_panel + kk * 16 * 128
+                    bdo = read_mn_major(smem, wgmma_desc(do_t + b, c.q_panel, 1024), nkv)
+                    bq = read_mn_major(smem, wgmma_desc(q_t + b, c.q_panel, 1024), nkv)
+                    if c.split:
+                        a = (kk // 4) * c.pt_panel + (kk % 4) * 32
+                        ap = read_k_major(smem, wgmma_desc(c.pt_off + a, 16, 1024), 64)
+                        ads = read_k_major(smem, wgmma_desc(c.dst_off + a, 16, 1024), 64)
+                    else:
+                        ap, ads = a_from_regs(pks[cw][:, kk]), a_from_regs(dsks[cw][:, kk])
+                    dv += ap @ bdo.T
+                    dk += ads @ bq.T
                 dv_acc[cw], dk_acc[cw] = to_frag(dv), to_frag(dk)
             if it + 1 < n_iter:  # the next tile's lse2 / delta, into the other buffer
                 fsm[(lse_s + (1 - buf) * bm * 4) // 4 + np.arange(bm)] = l2n
@@ -329,11 +363,12 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
                 mem.write(dqa, [turn_at], [my_turn + 1])
         off = bwd_offsets(p, bwd_index(p, kv_red, owner, 0))
         for cw in range(c.consumers):
-            key_t = key0 + 64 * cw + 16 * WARP + G
+            key_t = key0 + (0 if c.split else 64 * cw) + 16 * WARP + G
+            c0 = c.dkv_n * cw if c.split else 0
             for name, acc, mul in (("dk", dk_acc[cw], scale), ("dv", dv_acc[cw], 1.0)):
                 for h in range(2):
                     key = key_t + 8 * h
-                    for cc in range(dpad // 32):
+                    for cc in range(c.dkv_n // 32):
                         for wp in range(4):  # one warp at a time: quad_transpose is per warp
                             sel = WARP == wp
                             words = np.stack([np.stack(
@@ -341,7 +376,7 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
                                  mul * acc[sel, (4 * cc + j) * 4 + 2 * h + 1]], -1)
                                 for j in range(4)])
                             words = quad_transpose(words)
-                            col = (4 * cc + T4[sel]) * 8
+                            col = c0 + (4 * cc + T4[sel]) * 8
                             ok = (key[sel] < sk) & (col < d)
                             for j in range(4):
                                 for hh in range(2):
@@ -376,7 +411,7 @@ def run_plan_launches(mem, launches, bplan, causal):
         if "cuflash_bwd_preprocess" in spec_name:
             preprocess(mem, params, grid)
         elif "cuflash_bwd_wgmma" in spec_name:
-            assert threads == c.threads
+            assert threads == c.threads == kern.threads
             bwd_wgmma_kernel(mem, params, grid, c, causal, det)
         elif "cuflash_bwd_convert_dq" in spec_name:
             convert_dq(mem, params, grid)

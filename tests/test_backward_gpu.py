@@ -35,15 +35,15 @@ def _skip_unsupported(dtype):
 def _backward_kernels(dtype=None, d=64, dv=None):
     """Backward kernels to force besides "auto": the generic one always; the tensor-core one
     for the inputs it takes (float16 / bfloat16, D == Dv, D % 8 == 0, D <= 128: see
-    _dispatch.bwd_tensorcore_reason) and the Hopper one for the same inputs on a compute
-    capability 9.0 device, or all three for every dtype when none is given (tests that take the
-    kernel as a parameter skip those that do not apply: _skip_kernel; this form touches no GPU,
-    as it runs at collection)."""
+    _dispatch.bwd_tensorcore_reason) and the Hopper one for the same inputs up to D = 256 on a
+    compute capability 9.0 device, or all three for every dtype when none is given (tests that
+    take the kernel as a parameter skip those that do not apply: _skip_kernel; this form touches
+    no GPU, as it runs at collection)."""
     if dtype is None:
         return ["generic", "tensorcore", "hopper"]
-    if _tensorcore_applies(dtype, d, d if dv is None else dv):
-        return ["generic", "tensorcore"] + (["hopper"] if _on_hopper() else [])
-    return ["generic"]
+    dv = d if dv is None else dv
+    return (["generic"] + (["tensorcore"] if _tensorcore_applies(dtype, d, dv) else [])
+            + (["hopper"] if _hopper_applies(dtype, d, dv) and _on_hopper() else []))
 
 
 def _on_hopper():
@@ -59,9 +59,17 @@ def _tensorcore_applies(dtype, d, dv):
             and d <= max(_dispatch.TC_BWD_CONFIGS))
 
 
+def _hopper_applies(dtype, d, dv):
+    """The Hopper backward's conditions: the tensor-core backward's, up to D = 256."""
+    from cuflash import _dispatch
+
+    return (dtype in _dispatch.HOPPER_BWD_DTYPES and d == dv and d % 8 == 0
+            and d <= max(_dispatch.HOPPER_BWD_CONFIGS))
+
+
 def _skip_kernel(kernel, dtype, d, dv=None):
-    if kernel in ("tensorcore", "hopper") and not _tensorcore_applies(dtype, d,
-                                                                      d if dv is None else dv):
+    applies = {"tensorcore": _tensorcore_applies, "hopper": _hopper_applies}.get(kernel)
+    if applies is not None and not applies(dtype, d, d if dv is None else dv):
         pytest.skip(f"the {kernel} backward does not take {dtype}, D={d}")
     if kernel == "hopper" and not _on_hopper():
         pytest.skip("the Hopper backward (sm_90a) runs on compute capability 9.0 only")
@@ -125,7 +133,9 @@ def test_backward_matches_reference(sq, sk, dtype, causal, kernel):
         assert label.startswith("tensorcore-bwd"), label
     if kernel == "hopper":
         assert label.startswith("hopper-bwd"), label
-    if kernel == "auto" and _tensorcore_applies(dtype, d, d):  # hopper-bwd: HOPPER_BWD_AUTO
+    if kernel == "auto" and _hopper_applies(dtype, d, d) and _on_hopper():  # HOPPER_BWD_AUTO
+        assert label.startswith("hopper-bwd"), label
+    elif kernel == "auto" and _tensorcore_applies(dtype, d, d):
         assert label.startswith(("tensorcore-bwd", "hopper-bwd")), label
     check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=scale, dtype=dtype,
                                   ref=ref, label=label)
@@ -180,13 +190,14 @@ def test_backward_broadcast_axes_are_summed(qb, kb, vb, dtype, causal):
                                       ref=ref, label=label)
 
 
-@pytest.mark.parametrize("kernel", ["auto"] + _backward_kernels())
-def test_backward_strided_bshd_views(kernel):
+@pytest.mark.parametrize("kernel,D", [(k, 128) for k in ["auto"] + _backward_kernels()]
+                         + [("hopper", 256)])
+def test_backward_strided_bshd_views(kernel, D):
     """(B, S, H, D) buffers passed as (B, H, S, D) views, outputs too: used in place."""
-    _skip_kernel(kernel, "float16", 128)
+    _skip_kernel(kernel, "float16", D)
     cp = cupy()
-    rng = _rng("bshd", kernel)
-    B, S, H, D = 2, 300, 4, 128
+    rng = _rng("bshd", kernel, D)
+    B, S, H = 2, 300, 4
     x = [reference.round_to(rng.standard_normal((B, S, H, D)), "float16") for _ in range(4)]
     g = [cp.asarray(a.astype(np.float16)).transpose(0, 2, 1, 3) for a in x]
     assert not g[0].flags.c_contiguous
@@ -459,13 +470,17 @@ def test_tensorcore_backward_fallbacks_say_why():
     hopper = _dispatch.HOPPER_BWD_AUTO and cp.cuda.Device().compute_capability == "90"
     assert cuflash.backward_dispatch_info(o, x, kv, kv, o, lse).startswith(
         "hopper-bwd" if hopper else "tensorcore-bwd")
-    # D = 256 and float32: generic, with the reason
+    # D = 256 (the Hopper backward takes it; elsewhere generic) and float32: generic, with the
+    # reason
     for shape, dt, why in (((2, 40, 256), cp.float16, "up to 128"),
                            ((2, 40, 64), cp.float32, "float16 and bfloat16")):
         y = cp.asarray(rng.standard_normal(shape)).astype(dt)
         o, lse = cuflash.attention(y, y, y, return_lse=True)
         info = cuflash.backward_dispatch_info(o, y, y, y, o, lse)
-        assert info.startswith("generic-bwd") and why in info, info
+        if hopper and dt == cp.float16:
+            assert info.startswith("hopper-bwd<float16,D256,BM64,BN64,"), info
+        else:
+            assert info.startswith("generic-bwd") and why in info, info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,7 +561,7 @@ def test_hopper_backward_refusals_say_why():
     _need_hopper()
     cp = cupy()
     rng = _rng("hopfall")
-    for shape, dt, why in (((2, 40, 256), cp.float16, "up to 128"),
+    for shape, dt, why in (((2, 40, 60), cp.float16, "multiple of 8"),
                            ((2, 40, 64), cp.float32, "float16 and bfloat16")):
         y = cp.asarray(rng.standard_normal(shape)).astype(dt)
         o, lse = cuflash.attention(y, y, y, return_lse=True)
@@ -554,7 +569,7 @@ def test_hopper_backward_refusals_say_why():
             cuflash.attention_backward(o, y, y, y, o, lse, kernel="hopper")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_hopper_backward_other_ds_layout(dtype, causal, d, monkeypatch):
@@ -565,17 +580,50 @@ def test_hopper_backward_other_ds_layout(dtype, causal, d, monkeypatch):
     _need_hopper()
     from cuflash import _dispatch
 
-    cp = cupy()
     monkeypatch.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", False)
     q, k, v, do = random_backward_inputs(_rng("hopdst", dtype, causal, d), (2, 3), (2, 3), 1000,
                                          1113, d, d, dtype)
     inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
+    _check_hopper_modes(inputs, (q, k, v, do), dtype, causal, "dsT,")
+
+
+def _check_hopper_modes(inputs, host, dtype, causal, want):
+    """kernel="hopper" in both dq modes against float64 (labels holding `want`), and the
+    deterministic mode bitwise the same on a second call; returns its (dq, dk, dv), label."""
+    cp = cupy()
+    q, k, v, do = host
     ref = grad_reference(do, q, k, v, causal=causal, scale=None, dtype=dtype)
     for det in (False, True):
         grads, label = _run_bwd(inputs, dtype, causal=causal, kernel="hopper", deterministic=det)
-        assert label.startswith("hopper-bwd") and "dsT," in label, label
+        assert label.startswith("hopper-bwd") and want in label, label
+        assert ("det," in label) == det, label
         check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=None, dtype=dtype,
                                       ref=ref, label=label)
     again, _ = _run_bwd(inputs, dtype, causal=causal, kernel="hopper", deterministic=True)
     for name, a, b in zip(("dq", "dk", "dv"), grads, again):
         assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), f"{label}: {name} differs"
+    return grads, label
+
+
+@pytest.mark.parametrize("d", [200, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_backward_d256(dtype, causal, d):
+    """D = 256 (and a head dim padded to it): two warpgroups share each block's 64 keys
+    (attn_bwd_wgmma.cu, SPLIT). MQA (dk, dv summed over 4 query heads), Sq != Sk with tails on
+    both sides (1000 queries: 15 tiles of 64 and 40 rows; 1113 keys: 17 blocks and 25 keys),
+    NaN-poisoned outputs, both dq modes against float64; deterministic: bitwise the same on a
+    second call and for batch entry 1 alone (a smaller grid)."""
+    _skip_unsupported(dtype)
+    _need_hopper()
+    cp = cupy()
+    q, k, v, do = random_backward_inputs(_rng("hop256", dtype, causal, d), (2, 4), (2, 1), 1000,
+                                         1113, d, d, dtype)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
+    grads, label = _check_hopper_modes(inputs, (q, k, v, do), dtype, causal, "D256,BM64,BN64,")
+    qg, kg, vg, dog, o, lse = inputs
+    one = cuflash.attention_backward(dog[1:], qg[1:], kg[1:], vg[1:], o[1:], lse[1:],
+                                     causal=causal, deterministic=True, kernel="hopper")
+    for name, a, b in zip(("dq", "dk", "dv"), grads, one):
+        assert bool(cp.all(a[1:].view(cp.uint8) == b.view(cp.uint8))), \
+            f"{label}: {name} of batch entry 1 depends on the batch size"

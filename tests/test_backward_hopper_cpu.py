@@ -24,7 +24,8 @@ def test_hopper_backward_plans():
                     assert bp.deterministic == det and not bp.lse_acc
                     kern = bp.passes[0][1]
                     assert kern.spec.arch == "sm_90a" and kern.spec.family == "attn_bwd_wgmma"
-                    assert kern.smem_bytes <= 227 * 1024 and kern.threads == 128 * (bn // 64)
+                    assert kern.smem_bytes <= 227 * 1024
+                    assert kern.threads == (256 if dpad > 128 else 128 * (bn // 64))
                     assert (kern.block_m, kern.block_n) == (bm, bn)
                     mask = "causal" if causal else "full"
                     assert bp.label == (f"hopper-bwd<{dt},D{dpad},BM{bm},BN{bn},"
@@ -38,6 +39,14 @@ def test_hopper_backward_plans():
     # smaller head dims take the next tile (zero-padded)
     assert "D64," in _dispatch.bwd_hopper_plan("float16", 40, False, False).label
     assert "D128," in _dispatch.bwd_hopper_plan("float16", 72, False, False).label
+    assert "D256,BM64,BN64," in _dispatch.bwd_hopper_plan("float16", 136, False, False).label
+    # D = 256: two warpgroups (256 threads) on 64 keys; both dS layouts fit (227 KiB)
+    k256 = _dispatch.bwd_hopper_plan("bfloat16", 256, True, True).passes[0][1]
+    assert (k256.threads, k256.smem_bytes) == (256, 223232)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", False)
+        assert _dispatch.bwd_hopper_plan("float16", 256, False, False).passes[0][1] \
+            .smem_bytes == 223232 - 64 * 64 * 2
 
 
 def _prob(**kw):
@@ -57,7 +66,7 @@ def test_hopper_backward_dispatch(monkeypatch):
         "hopper-bwd<bfloat16,D128,BM64,BN128,det,causal>"
     for cc, edit, why in ((80, {}, "compute capability 9.0"),
                           (90, dict(dtype_name="float32"), "float16 and bfloat16"),
-                          (90, dict(d=256, dv=256), "up to 128"),
+                          (90, dict(d=264, dv=264), "up to 256"),
                           (90, dict(dv=32), "D == Dv"), (90, dict(d=60, dv=60), "multiple of 8")):
         with pytest.raises(ValueError, match=f"kernel='hopper'.*{why}"):
             _dispatch.backward_plan_for(_prob(**edit), cc)
@@ -69,8 +78,10 @@ def test_hopper_backward_dispatch(monkeypatch):
     assert _dispatch.backward_plan_for(_prob(kernel="auto"), 90).label.startswith("hopper-bwd")
     assert _dispatch.backward_plan_for(_prob(kernel="auto"), 80).label.startswith(
         "tensorcore-bwd")
-    assert _dispatch.backward_plan_for(_prob(kernel="auto", d=256, dv=256), 90).label \
-        .startswith("generic-bwd")
+    assert _dispatch.backward_plan_for(_prob(kernel="auto", d=256, dv=256), 90).label == \
+        "hopper-bwd<float16,D256,BM64,BN64,causal>"
+    assert _dispatch.backward_plan_for(_prob(kernel="auto", d=256, dv=256), 80).label \
+        .startswith("generic-bwd")  # the mma.sync backward stops at 128
     assert _dispatch.backward_plan_for(_prob(kernel="tensorcore"), 90).label.startswith(
         "tensorcore-bwd")
 
@@ -90,8 +101,9 @@ def test_hopper_backward_is_compiled_and_not_varlen():
                    for s in _dispatch.varlen_backward_kernel_specs(90))
 
 
-# (dtype, q batch, k batch, Sq, Sk, D, causal, deterministic, layout): both tiles (D = 64: BM 128
-# with dQ split over query panels; D = 128: BM 64 split over head-dim panels), padded head dims,
+# (dtype, q batch, k batch, Sq, Sk, D, causal, deterministic, layout): the three tiles (D = 64: BM
+# 128 with dQ split over query panels; D = 128: BM 64 split over head-dim panels; D = 256), padded
+# head dims,
 # tails of both, several key blocks and query tiles, Sq > Sk (rows without keys) and Sq < Sk,
 # MQA (dk, dv summed over query heads), and (S, H, D) memory seen as (H, S, D).
 HOPPER_MODEL_CASES = [
@@ -100,6 +112,11 @@ HOPPER_MODEL_CASES = [
     ("float16", (2,), (2,), 200, 130, 128, True, True, "bshd"),
     ("bfloat16", (1,), (1,), 45, 150, 120, False, True, "contiguous"),
     ("float16", (3,), (1,), 130, 129, 64, False, True, "contiguous"),
+    # D = 256 (SPLIT: two warpgroups share 64 keys, splitting queries of S^T and columns of
+    # dK, dV, dQ), and head dims padded to it
+    ("float16", (2,), (2,), 150, 200, 256, True, True, "contiguous"),
+    ("bfloat16", (1,), (1,), 130, 70, 200, True, False, "bshd"),
+    ("float16", (3,), (1,), 70, 129, 192, False, True, "contiguous"),
 ]
 
 
@@ -135,3 +152,36 @@ def test_hopper_model_catches_a_layout_error(monkeypatch, ds_kmajor):
         _run_kernel_model("hopper", "float16", (1,), (1,), 100, 140, 64, False, False, 90,
                           "contiguous", monkeypatch)
     assert calls["n"] > 0
+
+
+@pytest.mark.parametrize("wrong", ["query_half", "dst_is_pt"])
+def test_hopper_model_split_catches_a_slip(monkeypatch, wrong):
+    """The D = 256 (SPLIT) path of the model is sharp: the second warpgroup reading the first
+    one's query half for S^T / dP^T, or dK reading P^T where dS^T belongs, gives wrong
+    gradients."""
+    import bwd_wgmma_model as model
+
+    real_init = model.Cfg.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        if wrong == "dst_is_pt":
+            self.dst_off = self.pt_off
+
+    monkeypatch.setattr(model.Cfg, "__init__", init)
+    if wrong == "query_half":
+        real_k = model.read_k_major
+        c = model.Cfg(256, 64, 64)
+
+        def k_major(smem, desc, rows):  # the B of S^T / dP^T (Q, dO rows) from query 0 always
+            start, _, _ = model.desc_fields(desc)
+            if rows == c.sn and c.q_off <= start < c.ds_off:
+                off = (start - c.q_off) % c.q_panel
+                if off >= c.sn * 128:
+                    desc = model.wgmma_desc(start - c.sn * 128, 16, 1024)
+            return real_k(smem, desc, rows)
+
+        monkeypatch.setattr(model, "read_k_major", k_major)
+    with pytest.raises(AssertionError, match="model error"):
+        _run_kernel_model("hopper", "float16", (1,), (1,), 100, 90, 256, False, False, 90,
+                          "contiguous", monkeypatch)

@@ -207,14 +207,16 @@ def _sass(cubin):
                               check=True).stdout
 
 
-@pytest.mark.parametrize("dtype,d", [("float16", 64), ("bfloat16", 128)])
+@pytest.mark.parametrize("dtype,d", [("float16", 64), ("bfloat16", 128), ("float16", 256),
+                                     ("bfloat16", 256)])
 @pytest.mark.parametrize("causal,det", [(False, False), (True, True)])
 def test_hopper_backward_uses_wgmma(dtype, d, causal, det):
     """The Hopper backward's cubin holds warpgroup MMAs only (no HMMA), 16-bit operands with
     float32 accumulators, and exactly the predicted count per query tile and warpgroup: S^T and
     dP^T D / 16 each (m64nBM), dV and dK BM / 16 each (m64nD), dQ BN / 16 per 64 x 64 piece
-    (m64n64, PIECES / 2 pieces): 32 at both head dims. The main loop is not unrolled, so the
-    static count is that of one tile."""
+    (m64n64, PIECES / 2 pieces): 32 at D = 64 and 128. D = 256 (SPLIT: two warpgroups share
+    the keys) halves the widths: S^T, dP^T m64n(BM / 2), dV, dK m64n(D / 2): 16 + 16 + 4 + 4 +
+    8 = 48. The main loop is not unrolled, so the static count is that of one tile."""
     import re
 
     bp = _dispatch.bwd_hopper_plan(dtype, d, causal, det)
@@ -223,8 +225,12 @@ def test_hopper_backward_uses_wgmma(dtype, d, causal, det):
     assert "HMMA" not in sass.replace("HGMMA", "")
     hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32(\.BF16)?", sass)
     bm, bn = kern.block_m, kern.block_n
-    pieces = (bm // 64) * (d // 64) // (bn // 64)
-    want = {str(bm): 2 * (d // 16), str(d): 2 * (bm // 16)}
+    split = d > 128  # BwdWgmmaConfig::SPLIT
+    consumers = kern.threads // 128
+    pieces = (bm // 64) * (d // 64) // consumers
+    sn, dkv = (bm // consumers, d // consumers) if split else (bm, d)
+    want = {str(sn): 2 * (d // 16)}
+    want[str(dkv)] = want.get(str(dkv), 0) + 2 * (bm // 16)
     want["64"] = want.get("64", 0) + pieces * (bn // 16)
     got = {}
     for n, _ in hgmma:
