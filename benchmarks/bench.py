@@ -75,9 +75,12 @@ DEFAULT_WARMUP = 5
 # before Hopper, and for float32 at head dims the Hopper form does not take), cuflash-hopper
 # the Hopper kernel (for float32 "highest" its fp16-split form, 3xfp16: _dispatch.HOPPER_F32_FORM;
 # cuflash-hopper-3xtf32 its 3xTF32 wgmma form; cuflash-hopper-high its one-pass TF32 form),
-# cuflash-generic the scalar audit kernel: all off by default.
-IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-hopper",
-         "cuflash-hopper-det", "cuflash-hopper-3xtf32", "cuflash-hopper-high", "cuflash-generic",
+# cuflash-tc-3xtf32 the mma.sync kernel's 3xTF32 form of "highest" (cuflash-tensorcore runs its
+# fp16-split form, 3xfp16: _dispatch.TC_F32_FORM), cuflash-generic the scalar audit kernel: all
+# off by default.
+IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-tc-3xtf32",
+         "cuflash-hopper", "cuflash-hopper-det", "cuflash-hopper-3xtf32", "cuflash-hopper-high",
+         "cuflash-generic",
          "torch-flash",
          "torch-cudnn",
          "torch-efficient", "torch-math", "cupy-naive")
@@ -882,12 +885,16 @@ class Impl:
 
 class CuflashImpl(Impl):
 
-    def __init__(self, env, args, kernel, precision=None, deterministic=False, f32_form=None):
+    def __init__(self, env, args, kernel, precision=None, deterministic=False, f32_form=None,
+                 form_table="HOPPER_F32_FORM"):
         super().__init__(env, args)
         self.kernel = kernel
         self.precision = precision
         self.deterministic = deterministic
-        self.f32_form = f32_form  # the Hopper float32 form's table in place of HOPPER_F32_FORM
+        # the float32 form's table in place of _dispatch.<form_table> (HOPPER_F32_FORM for the
+        # Hopper kernel, TC_F32_FORM for the mma.sync one)
+        self.f32_form = f32_form
+        self.form_table = form_table
         self.name = "cuflash" if kernel == "auto" else f"cuflash-{kernel}"
         if precision is not None:
             self.name = f"cuflash-{precision}" if kernel == "auto" else f"{self.name}-{precision}"
@@ -899,17 +906,17 @@ class CuflashImpl(Impl):
 
     @contextlib.contextmanager
     def context(self):
-        """With f32_form: _dispatch.HOPPER_F32_FORM replaced while this implementation runs."""
+        """With f32_form: _dispatch.<form_table> replaced while this implementation runs."""
         if self.f32_form is None:
             yield
             return
         from cuflash import _dispatch
-        saved = _dispatch.HOPPER_F32_FORM
-        _dispatch.HOPPER_F32_FORM = self.f32_form
+        saved = getattr(_dispatch, self.form_table)
+        setattr(_dispatch, self.form_table, self.f32_form)
         try:
             yield
         finally:
-            _dispatch.HOPPER_F32_FORM = saved
+            setattr(_dispatch, self.form_table, saved)
 
     def unavailable(self):
         if self.deterministic and self.args.pass_ != "backward":
@@ -1143,6 +1150,10 @@ def make_impls(env, args):
             impls.append(CuflashImpl(env, args, "hopper", precision="high"))
         elif name == "cuflash-hopper-3xtf32":  # "highest" in its 3xTF32 wgmma form
             impls.append(CuflashImpl(env, args, "hopper", f32_form={}))
+        elif name == "cuflash-tc-3xtf32":  # "highest" in the mma.sync kernel's 3xTF32 form
+            impl = CuflashImpl(env, args, "tensorcore", f32_form={}, form_table="TC_F32_FORM")
+            impl.name = name
+            impls.append(impl)
         elif name in TorchSDPAImpl.BACKENDS:
             impls.append(TorchSDPAImpl(env, args, name))
         elif name == "cupy-naive":

@@ -130,18 +130,45 @@ TC_F32_ARCH_CONFIGS = {
 }
 
 
-def _f32_config(dpad: int, precision: str, compute_capability: int):
+#: float32 "highest" on the mma.sync kernel in the fp16-split form (attn_mma.cu, OP = fp16_t,
+#: "3xfp16"; notes/FLOAT32.md, "mma.sync 3xfp16"): each tile scaled by a power of two and split
+#: into fp16 hi + lo in place in shared memory (float32 rows of D + 4 words), three m16n8k16 fp16
+#: products per multiply-add. {padded head dim: tiles}, in the format of TC_CONFIGS.
+TC_F16SPLIT_CONFIGS = {
+    32: (64, 4, 1, 2, True),
+    64: (64, 4, 1, 2, True),
+    96: (32, 4, 1, 2, True),
+    128: (32, 4, 1, 2, False),
+}
+#: The form float32 takes on the mma.sync kernel where it is not F32_TERMS' TF32 one: "highest"
+#: takes 3xfp16; {} gives the 3xTF32 form (TC_F32_CONFIGS) back (benchmarks/bench.py:
+#: cuflash-tc-3xtf32). Replace the dict rather than edit it: the call cache (_callcache) notices
+#: a new dict.
+TC_F32_FORM = {"highest": "3xfp16"}
+
+
+def tc_f32_form(precision: str) -> str:
+    """The mma.sync float32 form `precision` takes: "3xfp16", "3xtf32" or "tf32"."""
+    return TC_F32_FORM.get(precision, F32_TERMS[precision][1])
+
+
+def _f32_config(dpad: int, precision: str, compute_capability: int, form: Optional[str] = None):
+    if (form or tc_f32_form(precision)) == "3xfp16":
+        return TC_F16SPLIT_CONFIGS.get(dpad) if precision == "highest" else None
     arch = max((a for a in TC_F32_ARCH_CONFIGS if a <= compute_capability), default=None)
     if arch is not None and (dpad, precision) in TC_F32_ARCH_CONFIGS[arch]:
         return TC_F32_ARCH_CONFIGS[arch][(dpad, precision)]
     return TC_F32_CONFIGS.get((dpad, precision))
 
 
-def f32_head_dims(precision: str, compute_capability: int = 90):
-    """Padded head dims of the float32 tensor-core kernel in this precision mode on a device of
-    this compute capability."""
+def f32_head_dims(precision: str, compute_capability: int = 90, form: Optional[str] = None):
+    """Padded head dims of the float32 tensor-core kernel in this precision mode (in `form`, by
+    default the one TC_F32_FORM gives it) on a device of this compute capability."""
+    if (form or tc_f32_form(precision)) == "3xfp16":
+        return sorted(TC_F16SPLIT_CONFIGS) if precision == "highest" else []
     return sorted(dp for dp, mode in TC_F32_CONFIGS
-                  if mode == precision and _f32_config(dp, mode, compute_capability) is not None)
+                  if mode == precision
+                  and _f32_config(dp, mode, compute_capability, form) is not None)
 
 
 #: Precision modes of float32 inputs (the `precision=` argument): the number of tensor-core
@@ -161,34 +188,46 @@ def _arch_config(table, arch_table, key, compute_capability):
 
 
 def tensorcore_config(dpad: int, compute_capability: int, dtype_name: str = "float16",
-                      precision: str = "highest"):
+                      precision: str = "highest", form: Optional[str] = None):
     """(BN, warps, MT, min blocks per SM, staged O) for a padded head dim on a device."""
     if dtype_name == "float32":
-        return _f32_config(dpad, precision, compute_capability)
+        return _f32_config(dpad, precision, compute_capability, form)
     return _arch_config(TC_CONFIGS, TC_ARCH_CONFIGS, dpad, compute_capability)
 
 
 def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: int,
-                    precision: str = "highest", config=None) -> Plan:
-    """The mma.sync kernel for these inputs. float32 takes the TF32 form with the products of
-    `precision` (F32_TERMS); 16-bit dtypes ignore it (their products are exact in float32).
+                    precision: str = "highest", config=None, form: Optional[str] = None) -> Plan:
+    """The mma.sync kernel for these inputs. float32 takes the form TC_F32_FORM gives
+    `precision` ("3xfp16": TC_F16SPLIT_CONFIGS) or `form` ("3xfp16", or F32_TERMS' mode of
+    `precision`: "3xtf32" or "tf32", the TF32 form with the products of F32_TERMS,
+    TC_F32_CONFIGS); 16-bit dtypes ignore both (their products are exact in float32).
     ``config``: a function of (dpad, plain config) giving the tile config to use instead (the
     variants' plans, cuflash/_dispatch_variants.py)."""
     f32 = dtype_name == "float32"
-    dpad = head_dim_bucket(d, f32_head_dims(precision, compute_capability) if f32 else TC_CONFIGS)
+    form = (form or tc_f32_form(precision)) if f32 else None
+    f16split = form == "3xfp16"
+    if f32 and not f16split and form != F32_TERMS[precision][1]:
+        raise ValueError(f"precision={precision!r} has no tensor-core float32 form {form!r}")
+    if f16split and precision != "highest":
+        raise ValueError(f"the 3xfp16 form is precision='highest' only (got {precision!r})")
+    dpad = head_dim_bucket(d, f32_head_dims(precision, compute_capability, form) if f32
+                           else TC_CONFIGS)
     bn, nwarps, mt, minb, stage_o = tensorcore_config(dpad, compute_capability, dtype_name,
-                                                      precision)
+                                                      precision, form)
     if config is not None:
         bn, nwarps, mt, minb, stage_o = config(dpad, (bn, nwarps, mt, minb, stage_o))
-    terms, mode = F32_TERMS[precision] if f32 else (1, None)
+    terms, mode = (3, "3xfp16") if f16split else F32_TERMS[precision] if f32 else (1, None)
     bm = 16 * mt * nwarps
-    if f32:
+    if f16split:  # MmaConfig: every tile D + 4 words a row, 2 words a warp for the reductions
+        smem = (bm + 2 * bn) * (dpad + 4) * 4 + 2 * nwarps * 4
+    elif f32:
         smem = ((bm + bn) * (dpad + 16) + bn * (dpad + 4)) * 4  # MmaConfig: SQK, SV
     else:
         smem = (bm + 2 * bn) * (dpad + 8) * 2
     cxx_bool = {True: "true", False: "false"}
     name = (f"cuflash::cuflash_fwd_mma<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {bn}, {nwarps}, "
-            f"{mt}, {minb}, {cxx_bool[bool(stage_o)]}, {cxx_bool[bool(causal)]}>")
+            f"{mt}, {minb}, {cxx_bool[bool(stage_o)]}, {cxx_bool[bool(causal)]}"
+            f"{', cuflash::fp16_t' if f16split else ''}>")
     label = (f"tensorcore<{dtype_name},{mode + ',' if mode else ''}D{dpad},BM{bm},BN{bn},"
              f"{'stagedO,' if stage_o else ''}{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_mma", name), block_m=bm, block_n=bn,
@@ -529,10 +568,15 @@ def all_specialisations(compute_capability: int = 90):
     for dt in TC_DTYPES:
         modes = F32_TERMS if dt == "float32" else ("highest",)
         for precision in modes:
-            for dpad in (f32_head_dims(precision, compute_capability) if dt == "float32"
-                         else TC_CONFIGS):
-                for causal in (False, True):
-                    plans.append(tensorcore_plan(dt, dpad, causal, compute_capability, precision))
+            # float32: the form TC_F32_FORM gives the mode, and the TF32 one (selectable)
+            forms = ({tc_f32_form(precision), F32_TERMS[precision][1]} if dt == "float32"
+                     else {None})
+            for form in sorted(forms, key=str):
+                for dpad in (f32_head_dims(precision, compute_capability, form)
+                             if dt == "float32" else TC_CONFIGS):
+                    for causal in (False, True):
+                        plans.append(tensorcore_plan(dt, dpad, causal, compute_capability,
+                                                     precision, form=form))
     if compute_capability == 90:
         for dt in HOPPER_DTYPES:
             for dpad, causal, long_keys in HOPPER_TABLE:

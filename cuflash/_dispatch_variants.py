@@ -120,7 +120,7 @@ def tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, compute_capab
     them."""
     import dataclasses
 
-    from ._dispatch import tensorcore_plan
+    from ._dispatch import F32_TERMS, tensorcore_plan
 
     reads = variant_reads(variant)
 
@@ -131,7 +131,10 @@ def tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, compute_capab
             return TC_HOOK_CONFIGS[dpad]
         return TC_VARIANT_CONFIGS.get((dpad, reads), plain)
 
-    base = tensorcore_plan(dtype_name, d, causal, compute_capability, precision, config=config)
+    # float32: the TF32 forms (cuflash_fwd_mma_var has no fp16-split form, whatever TC_F32_FORM)
+    form = F32_TERMS[precision][1] if dtype_name == "float32" else None
+    base = tensorcore_plan(dtype_name, d, causal, compute_capability, precision, config=config,
+                           form=form)
     name = (base.spec.name.replace("cuflash_fwd_mma<", "cuflash_fwd_mma_var<")[:-1]
             + f", {policy_name(variant)}>")
     label = base.label[:-1] + f",{policy_label(variant)}>"

@@ -58,20 +58,27 @@
 // D % 4 == 0 (float32), D <= DPAD, every row of q, k, v, o 16-byte aligned. Head dims below DPAD
 // are zero-padded in shared memory.
 #include "common.cuh"
+#include "fp16split.cuh"
 #include "variants.cuh"
 
 namespace cuflash {
 
-template <typename T, int DPAD, int BN, int NWARPS, int MT>
+template <typename T, int DPAD, int BN, int NWARPS, int MT, bool F16S_ = false>
 struct MmaConfig {
-    static constexpr bool F32 = sizeof(T) == 4;   // float32 operands through TF32 products
+    static constexpr bool F32 = sizeof(T) == 4;   // float32 operands (TF32 or fp16-split products)
+    // float32 through fp16-split products (OP = fp16_t, "3xfp16"; see Mma16SplitOps): every
+    // tile lands as float32 and is rewritten in place as fp16 hi and lo halves of each row.
+    static constexpr bool F16S = F32 && F16S_;
     static constexpr int BM = 16 * MT * NWARPS;   // query rows per block
     static constexpr int THREADS = 32 * NWARPS;
     // Row strides in elements. 16-bit: +16 bytes per row, so ldmatrix rows hit all banks. float32:
     // Q and K rows are read as 16-byte vectors by lanes (g, t4) at row g, word 4 t4; a stride of
     // 16 (mod 32) words puts the 8 lanes of each quarter-warp phase on distinct banks. V is read as
     // words at rows 2 t4 and 2 t4 + 1, column g: a stride of 4 (mod 16) words does the same.
-    static constexpr int SQK = F32 ? DPAD + 16 : DPAD + 8;
+    // F16S: every tile DPAD + 4 words a row (4 DPAD + 16 bytes, 16 mod 128), so that the fp16
+    // rows of its hi and lo halves are ldmatrix rows free of bank conflicts, as the 16-bit
+    // kernel's.
+    static constexpr int SQK = F16S ? DPAD + 4 : F32 ? DPAD + 16 : DPAD + 8;
     static constexpr int SV = F32 ? DPAD + 4 : DPAD + 8;
     static constexpr int EPC = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
     static constexpr int CHUNKS = DPAD / EPC;      // 16-byte chunks per row
@@ -85,6 +92,8 @@ struct MmaConfig {
     // more registers) except at D = 256, where O's 128 registers leave no room for them.
     static constexpr bool SPLIT_S = DPAD <= 192;
     static constexpr int SMEM_ELEMS = (BM + BN) * SQK + BN * SV;
+    // F16S: 2 NWARPS words after the tiles for the block's max reductions (split16_block).
+    static constexpr int RED_WORDS = F16S ? 2 * NWARPS : 0;
     static_assert(DPAD % 16 == 0 && BN % 16 == 0, "tile shapes must be multiples of 16");
     static_assert(!F32 || DPAD % 32 == 0, "float32 head-dim buckets are multiples of 32");
     static_assert(NT_O % OG == 0, "output groups must tile the head dim");
@@ -286,6 +295,205 @@ struct Mma32Ops {
     }
 };
 
+// ---- the products of one K/V tile, float32 operands in the fp16-split form (OP = fp16_t,
+// "3xfp16"; fp16split.cuh, notes/FLOAT32.md: "fp16 split" and "mma.sync 3xfp16").
+// Every tile (Q once per block, each K and V tile) lands as float32 and is rewritten in place by
+// split16_block: row r's first 2 DPAD bytes become the fp16 hi parts of x 2^e, the next 2 DPAD
+// bytes the lo parts (e: one power of two per tile). The consumers are the 16-bit kernel's
+// ldmatrix reads (V transposed by ldmatrix.trans) on the hi and the lo rows, three m16n8k16 fp16
+// products per multiply-add (hi hi, hi lo, lo hi; lo lo, 2^-22 of the product, is dropped):
+// - S: each k16 step's hi hi product is formed from a zeroed fragment and added to S in IEEE
+//   float32 (promoted: the tensor cores' accumulation truncates; notes/FLOAT32.md), the small
+//   ones chain over the tile in s2; S = (S + s2) 2^-(eq + ek) (scale_pow2: exact);
+// - P V: P (<= 2^8) split as P 2^P16_LOG2 in registers (pack_p_f16split); per k16 step and n8
+//   tile of O the hi hi product from zero goes into O through one FFMA by 2^-(P16_LOG2 + ev)
+//   (a power of two: exact), the small ones chain over the tile per group of OG n8 tiles and
+//   follow with the same FFMA after the tile.
+template <int DPAD, int BN, int NWARPS, int MT>
+struct Mma16SplitOps {
+    using Cfg = MmaConfig<float, DPAD, BN, NWARPS, MT, true>;
+    static_assert(Cfg::SQK == Cfg::SV, "one row stride for every split tile");
+    static constexpr unsigned int RS = Cfg::SQK * 4;  // row stride in bytes
+    static constexpr unsigned int LO = DPAD * 2;      // the lo half of a row, in bytes
+    // Per-lane ldmatrix row addresses (bytes), as in Mma16Ops.
+    unsigned int q_base, k_base, v_base;
+    // The three products of one k16 step and n8 tile: the large one (a_hi b_hi) into t from zero
+    // (the caller promotes it), the small ones (a_hi b_lo, a_lo b_hi) chained in `small`.
+    static __device__ __forceinline__ void step(float (&t)[4], float (&small)[4],
+                                                const unsigned int (&ah)[4],
+                                                const unsigned int (&al)[4], const unsigned int* bh,
+                                                const unsigned int* bl) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) t[e] = 0.f;
+        Mma<fp16_t>::run(t, ah, bh[0], bh[1]);
+        Mma<fp16_t>::run(small, ah, bl[0], bl[1]);
+        Mma<fp16_t>::run(small, al, bh[0], bh[1]);
+    }
+    // The hi and lo fragments of one ldmatrix position (x4; TRANS: ldmatrix.trans, for V).
+    template <bool TRANS>
+    static __device__ __forceinline__ void ld_split(unsigned int addr, unsigned int (&hi)[4],
+                                                    unsigned int (&lo)[4]) {
+        if constexpr (TRANS) {
+            ldmatrix_x4_trans(addr, hi[0], hi[1], hi[2], hi[3]);
+            ldmatrix_x4_trans(addr + LO, lo[0], lo[1], lo[2], lo[3]);
+        } else {
+            ldmatrix_x4(addr, hi[0], hi[1], hi[2], hi[3]);
+            ldmatrix_x4(addr + LO, lo[0], lo[1], lo[2], lo[3]);
+        }
+    }
+    __device__ __forceinline__ Mma16SplitOps(const float* q_s, const float* k_s, const float* v_s,
+                                             int warp, int lane) {
+        const int lr = lane % 8, lm = lane / 8;
+        q_base = smem_addr(q_s) + (warp * MT * 16 + lr + 8 * (lm % 2)) * RS + 16 * (lm / 2);
+        k_base = smem_addr(k_s) + (lr + 8 * (lm / 2)) * RS + 16 * (lm % 2);
+        v_base = smem_addr(v_s) + (lr + 8 * (lm % 2)) * RS + 16 * (lm / 2);
+    }
+    // S = Q K_j^T of the inputs (s: zero on entry); e_qk = eq + ek.
+    __device__ __forceinline__ void scores(float (&s)[MT][Cfg::NT_S][4], int e_qk) const {
+        float s2[MT][Cfg::NT_S][4] = {};  // the small products
+        // Not unrolled (as Mma32Ops::scores): with every step's loads in view ptxas hoisted them
+        // (D = 128: 255 registers and spills).
+#pragma unroll 1
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+            unsigned int ah[MT][4], al[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ld_split<false>(q_base + mt * 16 * RS + kk * 32, ah[mt], al[mt]);
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                unsigned int bh[4], bl[4];  // keys 16 nn .. (two n8 tiles) x k 16 kk ..
+                ld_split<false>(k_base + nn * 16 * RS + kk * 32, bh, bl);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float t[4];
+                        step(t, s2[mt][2 * nn + h], ah[mt], al[mt], bh + 2 * h, bl + 2 * h);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[mt][2 * nn + h][e] += t[e];
+                    }
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float(&flat)[Cfg::NT_S * 4] = reinterpret_cast<float(&)[Cfg::NT_S * 4]>(s[mt]);
+#pragma unroll
+            for (int i = 0; i < Cfg::NT_S; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][i][e] += s2[mt][i][e];
+            scale_pow2(flat, -e_qk);  // exact: S of x, not of x 2^e
+        }
+    }
+    // O += P V_j with P the float32 probabilities in the score registers, V_j 2^ev in shared
+    // memory.
+    __device__ __forceinline__ void pv(float (&acc_o)[MT][Cfg::NT_O][4],
+                                       const float (&p)[MT][Cfg::NT_S][4], int ev) const {
+        constexpr int OG = Cfg::OG;
+        static_assert(OG % 2 == 0, "ldmatrix.trans gives two n8 tiles of V");
+        unsigned int ph[MT][BN / 16][4], pl[MT][BN / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) pack_p_f16split<Cfg::NT_S>(p[mt], ph[mt], pl[mt]);
+        const float f = pow2f(-(P16_LOG2 + ev));  // 2^-133 .. 2^107
+#pragma unroll
+        for (int og = 0; og < Cfg::NT_O / OG; ++og) {
+            // A scheduling fence (f is never 0, but neither compiler knows it): ptxas does not
+            // move instructions across a branch, so each group's V loads and products stay in
+            // the group. Without it ptxas issued the later groups' loads and from-zero products
+            // early: 255 registers and spills at D = 128.
+            if (f == 0.f) asm volatile("trap;");
+            float small[MT][OG][4] = {};  // the tile's small products of this group
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+                for (int n2 = 0; n2 < OG / 2; ++n2) {
+                    const int nt = og * OG + 2 * n2;  // first of the two n8 tiles of O
+                    unsigned int bh[4], bl[4];  // keys 16 kk .. x columns 8 nt .. (two n8 tiles)
+                    ld_split<true>(v_base + kk * 16 * RS + nt * 16, bh, bl);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            float t[4];
+                            step(t, small[mt][2 * n2 + h], ph[mt][kk], pl[mt][kk], bh + 2 * h,
+                                 bl + 2 * h);
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                acc_o[mt][nt + h][e] = fmaf(t[e], f, acc_o[mt][nt + h][e]);
+                        }
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < OG; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc_o[mt][og * OG + i][e] =
+                            fmaf(small[mt][i][e], f, acc_o[mt][og * OG + i][e]);
+        }
+    }
+};
+
+// A float32 tile of ROWS rows (row stride STRIDE words, CHUNKS 16-byte chunks a row) that this
+// block copied with load_tile, rewritten in place as fp16 hi and lo halves of x 2^e per row
+// (Mma16SplitOps), e the tile's exponent (fp16split.cuh: split16_exponent) returned in `e`.
+// Each thread reads the chunks it copied itself (load_tile's chunk i = tid + n THREADS), which
+// its cp_async_wait made visible to it: no barrier before the reads. The tile's max then takes a
+// warp reduction, one word per warp at `red` and one block barrier, which also orders every
+// thread's reads before any thread's in-place writes (a row's hi half covers other threads'
+// float32 chunks). With `scan`, the barrier also returns whether rows [scan_from, ROWS) hold a
+// NaN or an infinity (tile_has_nonfinite's answer, over the same chunks); such a tile is left as
+// float32 for pv_visible_keys. The caller puts a barrier between the writes and the first reads
+// of the hi and lo rows, and one between the reads of `red` and its next use.
+template <int ROWS, int CHUNKS, int STRIDE, int THREADS>
+__device__ __forceinline__ bool split16_block(float* tile, unsigned int* red, int tid, int& e,
+                                              bool scan, int scan_from) {
+    constexpr int N = (ROWS * CHUNKS + THREADS - 1) / THREADS;
+    float4 x[N];
+    unsigned int mx = FINITE_KEY0;
+    bool bad = false;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const int i = tid + n * THREADS;
+        if (ROWS * CHUNKS % THREADS == 0 || i < ROWS * CHUNKS) {
+            x[n] = *reinterpret_cast<const float4*>(tile + (i / CHUNKS) * STRIDE +
+                                                    (i % CHUNKS) * 4);
+            mx = max(mx, max(max(finite_key(x[n].x), finite_key(x[n].y)),
+                             max(finite_key(x[n].z), finite_key(x[n].w))));
+            if (scan && i / CHUNKS >= scan_from)
+                bad = bad || nonfinite_word<float>(__float_as_uint(x[n].x)) ||
+                      nonfinite_word<float>(__float_as_uint(x[n].y)) ||
+                      nonfinite_word<float>(__float_as_uint(x[n].z)) ||
+                      nonfinite_word<float>(__float_as_uint(x[n].w));
+        }
+    }
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    if (tid % 32 == 0) red[tid / 32] = mx;
+    if (scan)
+        bad = __syncthreads_or(bad) != 0;
+    else
+        __syncthreads();
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) mx = max(mx, red[w]);
+    e = split16_exponent(mx);
+    if (bad) return true;
+    const float sc = pow2f(e);
+    unsigned char* base = reinterpret_cast<unsigned char*>(tile);
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const int i = tid + n * THREADS;
+        if (ROWS * CHUNKS % THREADS == 0 || i < ROWS * CHUNKS) {
+            unsigned int h0, h1, l0, l1;
+            split16_pair(x[n].x * sc, x[n].y * sc, h0, l0);
+            split16_pair(x[n].z * sc, x[n].w * sc, h1, l1);
+            unsigned char* row = base + (i / CHUNKS) * STRIDE * 4 + (i % CHUNKS) * 8;
+            *reinterpret_cast<uint2*>(row) = make_uint2(h0, h1);
+            *reinterpret_cast<uint2*>(row + CHUNKS * 8) = make_uint2(l0, l1);
+        }
+    }
+    return false;
+}
+
 // ---- P.V of a masked tile whose V holds a NaN or an infinity.
 // Under the causal mask some rows do not see some keys of a tile; their P is 0 there, but a
 // tensor-core product still adds 0 * NaN = NaN (and 0 * inf) to those rows, where the mathematical
@@ -409,15 +617,20 @@ __device__ __forceinline__ void variant_scores(float (&s)[NT][4], const V& var, 
 }
 
 template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, bool STAGE_O, bool CAUSAL,
-          typename V>
+          typename V, typename OP = T>
 __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantParams& vp) {
-    using Cfg = MmaConfig<T, DPAD, BN, NWARPS, MT>;
+    constexpr bool F16S = sizeof(T) == 4 && sizeof(OP) == 2;  // the fp16-split form
+    using Cfg = MmaConfig<T, DPAD, BN, NWARPS, MT, F16S>;
     static_assert(Cfg::F32 ? (TERMS == 1 || TERMS == 3) : TERMS == 1,
                   "TERMS: 1 for 16-bit operands; 1 (one-pass TF32) or 3 (split) for float32");
+    static_assert(sizeof(OP) == sizeof(T) || (F16S && TERMS == 3),
+                  "OP: T, or fp16_t for float32's 3xfp16 form");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
     T* k_s = q_s + Cfg::BM * Cfg::SQK;
     T* v_s = k_s + BN * Cfg::SQK;
+    // F16S: words for the tiles' max reductions (split16_block): K and V tiles, then Q.
+    [[maybe_unused]] unsigned int* red = reinterpret_cast<unsigned int*>(v_s + BN * Cfg::SV);
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -452,10 +665,21 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
     }
 
     load_tile<Cfg::BM, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(q_s, q, p.q_sr, row0, sq, d, tid);
+    if constexpr (F16S) cp_async_commit();  // Q alone, split before K_0 lands
     if (j_first < n_tiles)
         load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, j_first * BN, sk, d,
                                                            tid);
     cp_async_commit();
+    // F16S: the exponents of the block's Q tile and of the K and V tiles being computed (the
+    // split tiles hold x 2^e).
+    [[maybe_unused]] int eq = 0, ek = 0, ev = 0;
+    if constexpr (F16S) {
+        cp_async_wait<1>();
+        // Its own words of `red` (the K and V tiles' follow): the first K tile's split may start
+        // before every thread has read these; its barriers order Q's writes before the scores.
+        split16_block<Cfg::BM, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(q_s, red + NWARPS, tid, eq,
+                                                                   false, 0);
+    }
 
     // Warp w owns m-tiles mt = 0..MT-1 at rows row0 + (w * MT + mt) * 16; a thread holds rows
     // g and g + 8 of each.
@@ -479,16 +703,25 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
     // Units of the scores the softmax sees: raw (the scale folded into exp2) on the plain path,
     // scaled on the variant path (variant_scores).
     const float scale_log2 = V::PLAIN ? static_cast<float>(p.scale_log2) : 1.4426950408889634f;
-    using Ops = typename Select<Cfg::F32, Mma32Ops<TERMS, DPAD, BN, NWARPS, MT>,
-                                 Mma16Ops<T, DPAD, BN, NWARPS, MT>>::type;
+    using Ops = typename Select<
+        F16S, Mma16SplitOps<DPAD, BN, NWARPS, MT>,
+        typename Select<Cfg::F32, Mma32Ops<TERMS, DPAD, BN, NWARPS, MT>,
+                        Mma16Ops<T, DPAD, BN, NWARPS, MT>>::type>::type;
     const Ops ops(q_s, k_s, v_s, warp, lane);
 
     for (int j = j_first; j < n_tiles; ++j) {
         const int key0 = j * BN;
         cp_async_wait<0>();
-        __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
+        if constexpr (F16S) {
+            // K_j landed (this thread's chunks); split16_block's barrier: every thread's, and
+            // every warp is done with V_{j-1}. The split, then a barrier before the scores.
+            split16_block<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, red, tid, ek, false, 0);
+        } else {
+            __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
+        }
         load_tile<BN, Cfg::CHUNKS, Cfg::SV, Cfg::THREADS>(v_s, v, p.v_sr, key0, sk, d, tid);
         cp_async_commit();
+        if constexpr (F16S) __syncthreads();  // K_j's hi and lo rows are written
 
         float s[MT][Cfg::NT_S][4];
 #pragma unroll
@@ -497,7 +730,10 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
             for (int i = 0; i < Cfg::NT_S; ++i)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][i][e] = 0.f;
-        ops.scores(s);
+        if constexpr (F16S)
+            ops.scores(s, eq + ek);
+        else
+            ops.scores(s);
 
         // Mask (on tiles from masked_from on), then the online softmax of the thread's rows and
         // the lazy rescale of O (common.cuh: softmax_step). 16-bit: P then goes to 16 bits right
@@ -538,12 +774,19 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
         bool v_nonfinite = false;
         const int hidden = row0 + diag + 1 - key0;  // first key of the tile row0 does not see
         const bool var_scan = V::MASKS && var_partial;
-        if ((CAUSAL && hidden < BN) || var_scan)
+        const bool scan_v = (CAUSAL && hidden < BN) || var_scan;
+        if constexpr (F16S) {
+            // The scan over this thread's chunks of V_j, the barrier of the max reduction, and
+            // (a finite tile) V_j's split; a tile the scan flags stays float32.
+            v_nonfinite = split16_block<BN, Cfg::CHUNKS, Cfg::SV, Cfg::THREADS>(
+                v_s, red, tid, ev, scan_v, hidden > 0 && !var_scan ? hidden : 0);
+        } else if (scan_v) {
             v_nonfinite = __syncthreads_or(tile_has_nonfinite<T, BN, Cfg::CHUNKS, Cfg::SV,
                                                               Cfg::THREADS>(
                               v_s, hidden > 0 && !var_scan ? hidden : 0, tid)) != 0;
-        else
+        } else {
             __syncthreads();
+        }
         const auto load_next_k = [&]() {
             if (j + 1 < n_tiles) {
                 load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, key0 + BN, sk,
@@ -552,6 +795,7 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
             }
         };
         if (!v_nonfinite) load_next_k();
+        if (F16S && !v_nonfinite) __syncthreads();  // V_j's hi and lo rows are written
         if (v_nonfinite) {
             // The rare tile of pv_visible_keys (block-uniform: the scan's OR). K_j's buffer is
             // free (the next K tile is requested after this), and each warp parks its P there,
@@ -596,6 +840,8 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
             }
             __syncthreads();  // every warp is done with K_j's buffer
             load_next_k();
+        } else if constexpr (F16S) {
+            ops.pv(acc_o, s, ev);
         } else if constexpr (Cfg::F32) {
             ops.pv(acc_o, s);
         } else {
@@ -658,10 +904,10 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
 // cuflash_fwd_mma_var<..., V>: a variant's policy V (variants.cuh), VariantParams the second
 // argument. Both are named instantiations a profiler shows.
 template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O,
-          bool CAUSAL>
+          bool CAUSAL, typename OP = T>
 __global__ void __launch_bounds__(32 * NWARPS, MINB) cuflash_fwd_mma(const AttnParams p) {
-    fwd_mma_body<T, TERMS, DPAD, BN, NWARPS, MT, STAGE_O, CAUSAL, PlainVariant>(p,
-                                                                               VariantParams{});
+    fwd_mma_body<T, TERMS, DPAD, BN, NWARPS, MT, STAGE_O, CAUSAL, PlainVariant, OP>(
+        p, VariantParams{});
 }
 template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O,
           bool CAUSAL, typename V>

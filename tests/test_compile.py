@@ -50,15 +50,21 @@ def _other_epilogue_specs(cc):
     arch_staged = {a: {k: v[:4] + (not v[4],) for k, v in c.items()}
                    for a, c in _dispatch.TC_ARCH_CONFIGS.items()}
     f32_staged = {k: v[:4] + (not v[4],) for k, v in _dispatch.TC_F32_CONFIGS.items()}
+    f16s_staged = {k: v[:4] + (not v[4],) for k, v in _dispatch.TC_F16SPLIT_CONFIGS.items()}
     with mock.patch.dict(_dispatch.TC_CONFIGS, staged), \
             mock.patch.dict(_dispatch.TC_ARCH_CONFIGS, arch_staged), \
-            mock.patch.dict(_dispatch.TC_F32_CONFIGS, f32_staged):
+            mock.patch.dict(_dispatch.TC_F32_CONFIGS, f32_staged), \
+            mock.patch.dict(_dispatch.TC_F16SPLIT_CONFIGS, f16s_staged):
         specs = [_dispatch.tensorcore_plan(dt, dpad, causal, cc).spec
                  for dt in ("float16", "bfloat16") for dpad in _dispatch.TC_CONFIGS
                  for causal in (False, True)]
-        specs += [_dispatch.tensorcore_plan("float32", dpad, causal, cc, precision).spec
+        specs += [_dispatch.tensorcore_plan("float32", dpad, causal, cc, precision,
+                                            form=_dispatch.F32_TERMS[precision][1]).spec
                   for (dpad, precision) in _dispatch.TC_F32_CONFIGS
                   for causal in (False, True)]
+        specs += [_dispatch.tensorcore_plan("float32", dpad, causal, cc, "highest",
+                                            form="3xfp16").spec
+                  for dpad in _dispatch.TC_F16SPLIT_CONFIGS for causal in (False, True)]
     return specs
 
 
@@ -181,6 +187,32 @@ def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision, form):
             per_tile = 3 * (d // 16 + plan.block_n // 16 * (d // 64))
             assert len(hgmma) % per_tile == 0, (len(hgmma), per_tile)
             assert {(m, n) for m, n, _, _ in hgmma} == {("64", str(plan.block_n)), ("64", "64")}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_tensorcore_fp16split_uses_fp16_mma(d, arch):
+    """The mma.sync kernel's 3xfp16 form of float32 "highest" (attn_mma.cu, OP = fp16_t) runs fp16
+    products with float32 accumulators only (HMMA.16816.F32, no TF32 HMMA), three per k16 step:
+    the scores' k-loop body (one 16-column step, not unrolled: 3 BN / 8) and the unrolled P V
+    (3 BN / 16 D / 8) in the cubin; its 3xTF32 form stays TF32 (HMMA.1688.F32.TF32)."""
+    import re
+
+    plan = _dispatch.tensorcore_plan("float32", d, False, int(arch[3:]), "highest",
+                                     form="3xfp16")
+    assert plan.label.startswith("tensorcore<float32,3xfp16,"), plan.label
+    assert plan.spec.name.endswith(", cuflash::fp16_t>"), plan.spec.name
+    hmma = re.findall(r"HMMA\.(\w+)\.F32(\.\w+)?", _sass(_compile.compile_report(plan.spec,
+                                                                                arch).cubin))
+    assert hmma and set(hmma) == {("16816", "")}, sorted(set(hmma))
+    bn = plan.block_n
+    assert len(hmma) == 3 * (bn // 8 + bn // 16 * (d // 8)), len(hmma)
+    if d not in _dispatch.f32_head_dims("highest", int(arch[3:]), "3xtf32"):
+        return  # sm_80 D = 128: no 3xTF32 form (TC_F32_ARCH_CONFIGS)
+    old = _dispatch.tensorcore_plan("float32", d, False, int(arch[3:]), "highest", form="3xtf32")
+    tf32 = re.findall(r"HMMA\.(\w+)\.F32(\.\w+)?", _sass(_compile.compile_report(old.spec,
+                                                                                arch).cubin))
+    assert tf32 and set(tf32) == {("1688", ".TF32")}, sorted(set(tf32))
 
 
 def _sass(cubin):

@@ -63,8 +63,13 @@ def _auto_label(d, precision):
     """The label prefix kernel="auto" gives float32 inputs of head dim d (tensor-core sizes)."""
     if _hopper_f32(d, precision):
         return f"hopper<float32,{_hopper_mode(precision)},"
-    mode = "3xtf32" if precision == "highest" else "tf32"
-    return f"tensorcore<float32,{mode},"
+    return f"tensorcore<float32,{_tc_mode(precision)},"
+
+
+def _tc_mode(precision):
+    """The mode the mma.sync float32 form's label names: 3xfp16 for "highest" (TC_F32_FORM),
+    tf32 for "high"."""
+    return _dispatch.tc_f32_form(precision)
 
 
 def _needs_hopper(d=64, precision="highest"):
@@ -118,9 +123,8 @@ def test_matches_reference(sq, sk, causal, precision, kernel):
         pytest.skip(f"precision={precision!r} takes D <= {max(_tc_dims(precision), default=0)} "
                     "on this GPU's mma.sync kernel")
     o, lse, label = _run(q, k, v, causal=causal, precision=precision, kernel=kernel)
-    mode = "3xtf32" if precision == "highest" else "tf32"
     if kernel == "tensorcore":
-        assert label.startswith(f"tensorcore<float32,{mode},"), label
+        assert label.startswith(f"tensorcore<float32,{_tc_mode(precision)},"), label
     elif d <= max(_tc_dims(precision), default=0) or _hopper_f32(d, precision):
         assert label.startswith(_auto_label(d, precision)), label
     _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
@@ -185,6 +189,8 @@ def test_epilogues(sq, sk, d, causal, precision, stage_o, monkeypatch):
                     "on this GPU's tensor cores")
     cfg = {key: val[:4] + (stage_o,) for key, val in _dispatch.TC_F32_CONFIGS.items()}
     monkeypatch.setattr(_dispatch, "TC_F32_CONFIGS", cfg)
+    cfg16 = {key: val[:4] + (stage_o,) for key, val in _dispatch.TC_F16SPLIT_CONFIGS.items()}
+    monkeypatch.setattr(_dispatch, "TC_F16SPLIT_CONFIGS", cfg16)
     q, k, v = random_inputs(_rng("f32epi", sq, sk, d, causal, precision, stage_o), (2,), (2,),
                             sq, sk, d, d, "float32")
     o, lse, label = _run(q, k, v, causal=causal, precision=precision, kernel="tensorcore")
@@ -247,20 +253,24 @@ def test_modes_differ_as_documented():
     assert errs["high"] > 30 * errs["highest"], errs
 
 
+@pytest.mark.parametrize("form", ["3xfp16", "3xtf32"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sk", [64, 113, 128])
-def test_short_rows_tensorcore(sk, d):
-    """Single query rows (Sq = 1) over one or two key tiles, on the mma.sync 3xTF32 kernel, 6 fresh
-    seeds each, under the float32 rule. These failed on the H200 (2026-12-01, up to 5.8x the naive
-    error) while the large products chained through the tensor cores' truncating accumulator;
-    attn_mma.cu now promotes them (notes/FLOAT32.md). Broadcast key/value heads on odd seeds."""
+def test_short_rows_tensorcore(sk, d, form, monkeypatch):
+    """Single query rows (Sq = 1) over one or two key tiles, on the mma.sync kernel in both forms
+    of "highest" (TC_F32_FORM), 6 fresh seeds each, under the float32 rule. These failed on the
+    H200 (2026-12-01, up to 5.8x the naive error) while the large products chained through the
+    tensor cores' truncating accumulator; attn_mma.cu now promotes them (notes/FLOAT32.md).
+    Broadcast key/value heads on odd seeds."""
     _needs_tensorcores()
+    monkeypatch.setattr(_dispatch, "TC_F32_FORM", {"highest": form} if form == "3xfp16" else {})
     for seed in range(6):
         kv = (2, 4) if seed % 2 == 0 else (2, 1)
-        q, k, v = random_inputs(_rng("f32short", sk, d, seed), (2, 4), kv, 1, sk, d, d, "float32")
+        q, k, v = random_inputs(_rng("f32short", sk, d, seed, form), (2, 4), kv, 1, sk, d, d,
+                                "float32")
         o, lse, label = _run(q, k, v, causal=seed % 3 == 2, precision="highest",
                              kernel="tensorcore")
-        assert label.startswith("tensorcore<float32,3xtf32"), label
+        assert label.startswith(f"tensorcore<float32,{form},"), label
         _check(o, lse, q, k, v, causal=seed % 3 == 2, scale=1 / math.sqrt(d),
                precision="highest")
 
@@ -413,9 +423,14 @@ def test_hopper_fp16split_magnitudes(d, causal):
     tests/test_fp16split_model.py). V stays below 2^110: any online softmax's unnormalised O
     (p <= 2^8) must stay finite."""
     _needs_fp16split(d)
-    for name, q, k, v in _magnitudes(_rng("f32h16mag", d, causal), d):
-        o, lse, label = _run(q, k, v, causal=causal, precision="highest", kernel="hopper")
-        assert label.startswith("hopper<float32,3xfp16,"), label
+    _check_magnitudes(_rng("f32h16mag", d, causal), d, causal, "hopper")
+
+
+def _check_magnitudes(rng, d, causal, kernel):
+    """Every case of _magnitudes on `kernel`'s 3xfp16 form, under the float32 rule."""
+    for name, q, k, v in _magnitudes(rng, d):
+        o, lse, label = _run(q, k, v, causal=causal, precision="highest", kernel=kernel)
+        assert label.startswith(f"{kernel}<float32,3xfp16,"), label
         try:
             _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision="highest")
         except AssertionError as exc:
@@ -446,15 +461,94 @@ def test_hopper_fp16split_nan_and_inf_rows():
     _check(o, lse, q, kz, v, causal=True, scale=1 / 8, precision="highest")
 
 
+@pytest.mark.parametrize("kernel", ["hopper", "tensorcore"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq,sk", [(1, 113), (113, 1000), (300, 2048)])
-def test_hopper_3xtf32_form_still_selectable(sq, sk, d, monkeypatch):
-    """HOPPER_F32_FORM = {} gives "highest" the 3xTF32 form again (benchmarks/bench.py:
-    cuflash-hopper-3xtf32 measures it beside the 3xfp16 one)."""
-    _needs_hopper(d, "highest")
-    monkeypatch.setattr(_dispatch, "HOPPER_F32_FORM", {})
-    q, k, v = random_inputs(_rng("f32h3xtf32", sq, sk, d), (2, 2), (2, 2), sq, sk, d, d,
+def test_3xtf32_form_still_selectable(sq, sk, d, kernel, monkeypatch):
+    """HOPPER_F32_FORM = {} (TC_F32_FORM = {} for the mma.sync kernel) gives "highest" the 3xTF32
+    form again (benchmarks/bench.py: cuflash-hopper-3xtf32 and cuflash-tc-3xtf32 measure it
+    beside the 3xfp16 one)."""
+    if kernel == "hopper":
+        _needs_hopper(d, "highest")
+    else:
+        _needs_tensorcores()
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_FORM" if kernel == "hopper" else "TC_F32_FORM", {})
+    q, k, v = random_inputs(_rng("f32h3xtf32", sq, sk, d, kernel), (2, 2), (2, 2), sq, sk, d, d,
                             "float32")
-    o, lse, label = _run(q, k, v, causal=True, precision="highest", kernel="hopper")
-    assert label.startswith("hopper<float32,3xtf32,"), label
+    o, lse, label = _run(q, k, v, causal=True, precision="highest", kernel=kernel)
+    assert label.startswith(f"{kernel}<float32,3xtf32,"), label
     _check(o, lse, q, k, v, causal=True, scale=1 / math.sqrt(d), precision="highest")
+
+
+# ------------------------------------------------------------------------------------------------
+# The mma.sync kernel's fp16-split form ("3xfp16", attn_mma.cu with OP = fp16_t: notes/FLOAT32.md,
+# "mma.sync 3xfp16"), which "highest" takes on kernel="tensorcore" (_dispatch.TC_F32_FORM) and
+# so on kernel="auto" wherever the mma.sync kernel runs float32; the tests above run it. These add
+# the accuracy bar's inputs, per-tile magnitudes, non-finite inputs and the 3xTF32 form.
+# ------------------------------------------------------------------------------------------------
+
+
+def _needs_tc_fp16split():
+    _needs_tensorcores()
+    if _tc_mode("highest") != "3xfp16":
+        pytest.skip("_dispatch.TC_F32_FORM does not select the 3xfp16 form")
+
+
+@pytest.mark.parametrize("d,scale", [(64, None), (64, 2.5), (128, 1.0), (128, 2.5), (96, 1.5)])
+def test_tc_fp16split_large_scores_and_long_keys(d, scale):
+    """Issue 10's accuracy bar on the mma.sync 3xfp16 form: q and k with standard deviation 3
+    (large, peaked scores), Sk = 16k (D = 64) and 4096, under the float32 rule."""
+    _needs_tc_fp16split()
+    q, k, v = _large_inputs(_rng("f32t16large", d, scale), d)
+    sc = 1 / math.sqrt(d) if scale is None else scale
+    o, lse, label = _run(q, k, v, causal=False, precision="highest", scale=sc,
+                         kernel="tensorcore")
+    assert label.startswith("tensorcore<float32,3xfp16,"), label
+    err, naive = _check(o, lse, q, k, v, causal=False, scale=sc, precision="highest")
+    print(f"tensorcore 3xfp16 D={d} scale={sc}: max err {err:.3e}, naive float32 {naive:.3e}")
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tc_fp16split_magnitudes(d, causal):
+    """Per-tile powers of two on the mma.sync form (tiles of 64 or 32 keys; Q once per block of
+    64 rows): tiles 2^20 apart, cancelling factors 2^+-100, subnormal V, Q or K near the float32
+    maximum, one row 2^20 above its tile (the model: tests/test_mma_fp16split_model.py)."""
+    _needs_tc_fp16split()
+    _check_magnitudes(_rng("f32t16mag", d, causal), d, causal, "tensorcore")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_tc_fp16split_nan_inf_and_zero_tiles(d):
+    """A NaN or an infinity in K reaches exactly the rows that see its key (it takes no part in
+    the tile's exponent: fp16split.cuh, finite_key); a NaN in V on a causal diagonal tile reaches
+    exactly the rows that see it (the tile stays float32 for pv_visible_keys); all-zero K and V
+    tiles (exponent 126, no NaN scale) give correct rows."""
+    _needs_tc_fp16split()
+    q, k, v = random_inputs(_rng("f32t16nan", d), (2,), (2,), 200, 200, d, d, "float32")
+    for name, kb, vb in (("k nan", np.nan, None), ("k inf", np.inf, None), ("v nan", None, np.nan)):
+        kk, vv = k.copy(), v.copy()
+        if kb is not None:
+            kk[1, 100, 3] = kb  # key 100, seen by rows 100.. (causal)
+        if vb is not None:
+            vv[1, 100, 3] = vb
+        o, _, label = _run(q, kk, vv, causal=True, precision="highest", kernel="tensorcore")
+        assert label.startswith("tensorcore<float32,3xfp16,"), label
+        oh = to_host64(o)
+        if vb is not None:
+            assert np.isnan(oh[1, 100:, 3]).all(), name
+            assert np.isfinite(np.delete(oh[1, 100:], 3, axis=-1)).all(), name
+        else:
+            assert (np.isnan(oh[1, 100:]) if kb != np.inf else ~np.isfinite(oh[1, 100:])).all(), \
+                name
+        assert np.isfinite(oh[1, :100]).all() and np.isfinite(oh[0]).all(), name
+        rule = reference.pass_threshold(q[1:, :100], k[1:, :100], v[1:, :100], causal=True,
+                                        dtype="float32")
+        verdict = rule.judge(oh[1:, :100])
+        assert verdict.passed, (name, verdict.reasons)
+    kz, vz = k.copy(), v.copy()
+    kz[:, 64:128] = 0.0
+    vz[:, 128:192] = 0.0
+    o, lse, _ = _run(q, kz, vz, causal=True, precision="highest", kernel="tensorcore")
+    _check(o, lse, q, kz, vz, causal=True, scale=1 / math.sqrt(d), precision="highest")
+

@@ -144,8 +144,9 @@ def test_float32_dispatch_on_hopper(monkeypatch, auto_hopper):
                                      dtype_name="float32", d=d, dv=d, sq=S, sk=S, scale=0.125,
                                      precision=precision, causal=False, variant=None)
 
-    for precision, mode in (("highest", "3xtf32"), ("high", "tf32")):
-        hmode = "3xfp16" if precision == "highest" else mode  # HOPPER_F32_FORM
+    for precision in ("highest", "high"):
+        hmode = "3xfp16" if precision == "highest" else "tf32"  # HOPPER_F32_FORM
+        mode = _dispatch.tc_f32_form(precision)  # TC_F32_FORM: 3xfp16 for "highest" too
         for d in (64, 96, 128):
             plan = _dispatch.plan_for(prob(d, precision=precision), 90)
             forced = _dispatch.plan_for(prob(d, "hopper", precision), 90)
