@@ -326,7 +326,7 @@ class _DecodeRecord(_RecordBase):
             self.comb(*self.comb_t, args, stream=stream)
 
 
-def _arr_key(x, cp_ndarray, torch_tensor, ptrs):
+def _arr_key(x, cp_ndarray, torch_tensor, ptrs, strided=None):
     """The key of one array (appending its data pointer to `ptrs`), LookupError for any other
     type (and for a torch tensor whose layout is not strided: its ``stride()`` raises, and the
     full path rejects it with a clear error)."""
@@ -337,7 +337,7 @@ def _arr_key(x, cp_ndarray, torch_tensor, ptrs):
         ptrs.append(p)
         return (x.shape, x.strides, x.dtype, mem.device_id, p & 15)
     if t is torch_tensor:
-        if x.layout is not _torch_strided():
+        if x.layout is not strided:   # (torch.strided)
             raise LookupError
         p = x.data_ptr()
         ptrs.append(p)
@@ -346,10 +346,6 @@ def _arr_key(x, cp_ndarray, torch_tensor, ptrs):
         return (t, x.shape, x.stride(), x.dtype, x.get_device(), p & 15, x.requires_grad,
                 x.is_neg())
     raise LookupError
-
-
-def _torch_strided():
-    return sys.modules["torch"].strided
 
 
 #: What `signature_of` establishes about one call: ``(key, ptrs, torch)``, the key, the data
@@ -382,9 +378,11 @@ def signature_of(q, k, v, causal, scale, return_lse, out, kernel, precision, wor
     else:
         torch = sys.modules.get("torch")
         tt = getattr(torch, "Tensor", None) if torch is not None else None
+        st = getattr(torch, "strided", None) if torch is not None else None
         lst = []
         try:
-            key = (_arr_key(q, nd, tt, lst), _arr_key(k, nd, tt, lst), _arr_key(v, nd, tt, lst))
+            key = (_arr_key(q, nd, tt, lst, st), _arr_key(k, nd, tt, lst, st),
+                   _arr_key(v, nd, tt, lst, st))
         except LookupError:
             return None
         ptrs = tuple(lst)
