@@ -68,6 +68,8 @@ assert [_decode.DECODE_PARAMS_DTYPE.fields[f][1] for f in _decode._DEC_PTRS[:7]]
     [8 * i for i in range(7)] and _decode._DEC_PTRS[:7] == (
         "q", "k", "v", "o", "lse", "o_part", "lse_part"), "DecodeParams must start so"
 
+_get_ident = threading.get_ident
+
 #: Hopper records keep the tensor maps of this many input (q, k, v) pointer sets.
 _MAPS_KEPT = 8
 
@@ -243,6 +245,11 @@ class _Record(_RecordBase):
         caller has made the record's device current. `parts` is unused (the dense kernels need
         no workspace)."""
         plan = self.plan
+        if not self.hopper and self.host_args is not None and _get_ident() == self.owner:
+            _PTRS.pack_into(self.host_mv, 0, *ptrs)   # (the common case, first)
+            self.kern(self.grid_t, self.block_t, self.host_args, shared_mem=plan.smem_bytes,
+                      stream=stream)
+            return
         if self.hopper:
             last = self.last   # (one read: another thread may replace it meanwhile)
             qkv = tuple(ptrs[:3])
@@ -257,7 +264,7 @@ class _Record(_RecordBase):
                             pass
                     self.maps[qkv] = block
                 last = self.last = (qkv, block)
-        if self.host_args is not None and threading.get_ident() == self.owner:
+        if self.host_args is not None and _get_ident() == self.owner:
             if not self.hopper:
                 _PTRS.pack_into(self.host_mv, 0, *ptrs)
             else:
@@ -315,7 +322,7 @@ class _DecodeRecord(_RecordBase):
             raise ValueError(f"{self.label}: the split partials need {self.part_bytes} bytes")
         else:
             o_part, lse_part = parts, parts + self.o_part_bytes
-        if self.host_args is not None and threading.get_ident() == self.owner:
+        if self.host_args is not None and _get_ident() == self.owner:
             _DPTRS.pack_into(self.host_mv, 0, *ptrs, o_part, lse_part)
             args = self.host_args
         else:
