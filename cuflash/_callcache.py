@@ -68,6 +68,8 @@ assert [_decode.DECODE_PARAMS_DTYPE.fields[f][1] for f in _decode._DEC_PTRS[:7]]
     [8 * i for i in range(7)] and _decode._DEC_PTRS[:7] == (
         "q", "k", "v", "o", "lse", "o_part", "lse_part"), "DecodeParams must start so"
 
+_get_ident = threading.get_ident
+
 #: Hopper records keep the tensor maps of this many input (q, k, v) pointer sets.
 _MAPS_KEPT = 8
 
@@ -243,6 +245,11 @@ class _Record(_RecordBase):
         caller has made the record's device current. `parts` is unused (the dense kernels need
         no workspace)."""
         plan = self.plan
+        if not self.hopper and self.host_args is not None and _get_ident() == self.owner:
+            _PTRS.pack_into(self.host_mv, 0, *ptrs)   # (the common case, first)
+            self.kern(self.grid_t, self.block_t, self.host_args, shared_mem=plan.smem_bytes,
+                      stream=stream)
+            return
         if self.hopper:
             last = self.last   # (one read: another thread may replace it meanwhile)
             qkv = tuple(ptrs[:3])
@@ -257,7 +264,7 @@ class _Record(_RecordBase):
                             pass
                     self.maps[qkv] = block
                 last = self.last = (qkv, block)
-        if self.host_args is not None and threading.get_ident() == self.owner:
+        if self.host_args is not None and _get_ident() == self.owner:
             if not self.hopper:
                 _PTRS.pack_into(self.host_mv, 0, *ptrs)
             else:
@@ -315,7 +322,7 @@ class _DecodeRecord(_RecordBase):
             raise ValueError(f"{self.label}: the split partials need {self.part_bytes} bytes")
         else:
             o_part, lse_part = parts, parts + self.o_part_bytes
-        if self.host_args is not None and threading.get_ident() == self.owner:
+        if self.host_args is not None and _get_ident() == self.owner:
             _DPTRS.pack_into(self.host_mv, 0, *ptrs, o_part, lse_part)
             args = self.host_args
         else:
@@ -326,7 +333,7 @@ class _DecodeRecord(_RecordBase):
             self.comb(*self.comb_t, args, stream=stream)
 
 
-def _arr_key(x, cp_ndarray, torch_tensor, ptrs):
+def _arr_key(x, cp_ndarray, torch_tensor, ptrs, strided=None):
     """The key of one array (appending its data pointer to `ptrs`), LookupError for any other
     type (and for a torch tensor whose layout is not strided: its ``stride()`` raises, and the
     full path rejects it with a clear error)."""
@@ -337,7 +344,7 @@ def _arr_key(x, cp_ndarray, torch_tensor, ptrs):
         ptrs.append(p)
         return (x.shape, x.strides, x.dtype, mem.device_id, p & 15)
     if t is torch_tensor:
-        if x.layout is not _torch_strided():
+        if x.layout is not strided:   # (torch.strided)
             raise LookupError
         p = x.data_ptr()
         ptrs.append(p)
@@ -346,10 +353,6 @@ def _arr_key(x, cp_ndarray, torch_tensor, ptrs):
         return (t, x.shape, x.stride(), x.dtype, x.get_device(), p & 15, x.requires_grad,
                 x.is_neg())
     raise LookupError
-
-
-def _torch_strided():
-    return sys.modules["torch"].strided
 
 
 #: What `signature_of` establishes about one call: ``(key, ptrs, torch)``, the key, the data
@@ -382,9 +385,11 @@ def signature_of(q, k, v, causal, scale, return_lse, out, kernel, precision, wor
     else:
         torch = sys.modules.get("torch")
         tt = getattr(torch, "Tensor", None) if torch is not None else None
+        st = getattr(torch, "strided", None) if torch is not None else None
         lst = []
         try:
-            key = (_arr_key(q, nd, tt, lst), _arr_key(k, nd, tt, lst), _arr_key(v, nd, tt, lst))
+            key = (_arr_key(q, nd, tt, lst, st), _arr_key(k, nd, tt, lst, st),
+                   _arr_key(v, nd, tt, lst, st))
         except LookupError:
             return None
         ptrs = tuple(lst)

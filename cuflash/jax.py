@@ -308,20 +308,25 @@ def _fwd_callback(cfg, with_lse):
         stream = None if dev[0] == _KDLCPU else ctx.stream
         bufs = (q, k, v) + (tuple(out) if with_lse else (out,))
         if stream is not None:
-            # one __cuda_array_interface__ per buffer gives the pointer and the shape
-            sig = [dev[1]]
-            ptrs = []
-            for b in bufs:
-                cai = b.__cuda_array_interface__
-                p = cai["data"][0]
-                ptrs.append(p)
-                sig += (cai["shape"], b.dtype, p & 15)
-            sig = tuple(sig)
+            # one __cuda_array_interface__ per buffer gives the pointer and the shape (written
+            # out: a loop over the buffers cost 1.5 us more)
+            cq, ck, cv = (q.__cuda_array_interface__, k.__cuda_array_interface__,
+                          v.__cuda_array_interface__)
+            pq, pk, pv = cq["data"][0], ck["data"][0], cv["data"][0]
+            ob, lb = bufs[3], (bufs[4] if with_lse else None)
+            co = ob.__cuda_array_interface__
+            po = co["data"][0]
+            sig = (dev[1], cq["shape"], q.dtype, pq & 15, ck["shape"], k.dtype, pk & 15,
+                   cv["shape"], v.dtype, pv & 15, co["shape"], ob.dtype, po & 15)
+            if lb is None:
+                pl = 0
+            else:
+                cl = lb.__cuda_array_interface__
+                pl = cl["data"][0]
+                sig += (cl["shape"], lb.dtype, pl & 15)
             rec = records.get(sig)
             if rec is not None and rec.valid():
-                if not with_lse:
-                    ptrs.append(0)
-                _launch_record(rec, dev[1], tuple(ptrs), stream,
+                _launch_record(rec, dev[1], (pq, pk, pv, po, pl), stream,
                                kept.get(sig) if cmdbuf else None)
                 return
         hk = k.shape[-2]

@@ -720,3 +720,69 @@ def test_torch_keys(fake):
     assert neg.is_neg()
     assert _callcache.signature(neg, x, x, False, None, False, None, "auto", None) != \
         _callcache.signature(x, x, x, False, None, False, None, "auto", None)
+
+
+class _XlaBuffer:
+    """A stand-in for the buffers XLA hands a GPU buffer callback."""
+
+    def __init__(self, shape, dtype, ptr):
+        self.shape, self.dtype, self._ptr = tuple(shape), np.dtype(dtype), ptr
+
+    def __dlpack_device__(self):
+        return (2, 0)   # kDLCUDA, device 0
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self._ptr, False),
+                "version": 2}
+
+
+@pytest.mark.parametrize("with_lse", [False, True])
+@pytest.mark.parametrize("s", [16, 128])   # the decode kernel, a dense kernel
+def test_jax_callback_hit_launches_the_full_paths_block(fake, monkeypatch, with_lse, s):
+    """cuflash.jax's forward callback on (stand-in) XLA buffers: the first call takes the full
+    path and records; a call on other buffers launches the record with their pointers on XLA's
+    stream, exactly the block a fresh callback's full path launches for those buffers."""
+    jax = pytest.importorskip("jax")
+    cj = pytest.importorskip("cuflash.jax")
+
+    def as_array(buf, stream):
+        return FakeArray(buf.shape, buf.dtype, ptr=buf.__cuda_array_interface__["data"][0])
+
+    real_view = cj._view
+
+    def view(x, hk):   # the real view's shape and strides, on the stand-in's pointer
+        y = real_view(np.empty(x.shape, x.dtype), hk)
+        return FakeArray(y.shape, x.dtype, ptr=x.data.ptr, strides=y.strides)
+
+    monkeypatch.setattr(cj, "_as_array", as_array)
+    monkeypatch.setattr(cj, "_view", view)
+    shape = (1, s, 2, 64)   # (B, S, H, D), JAX's layout
+    spec = jax.ShapeDtypeStruct(shape, jax.numpy.float16)
+    cfg = cj._config(spec, spec, spec, causal=False, scale=None, precision=None,
+                     return_lse=with_lse, kernel="auto", deterministic=False,
+                     command_buffer=False)
+    ctx = types.SimpleNamespace(stream=0xC0FFEE)
+
+    def buffers():
+        q, k, v, o = (_XlaBuffer(shape, "float16", next(_it)) for _ in range(4))
+        lse = _XlaBuffer((1, 2, s), "float32", next(_it))
+        return (q, k, v), ((o, lse) if with_lse else o)
+
+    _it = iter(range(1 << 42, 1 << 50, 1 << 24))
+    cb = cj._fwd_callback(cfg, with_lse)
+    qkv, out = buffers()
+    cb(ctx, out, *qkv)                        # the full path, recorded
+    n = fake["checks"]
+    qkv, out = buffers()
+    m = len(fake["launches"])
+    cb(ctx, out, *qkv)                        # a hit with XLA's pointers
+    hit = fake["launches"][m:]
+    assert fake["checks"] == n, "the callback's second call must launch its record"
+    assert hit and all(x[5] == 0xC0FFEE for x in hit), "on XLA's stream"
+    _callcache.clear()
+    monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
+    m = len(fake["launches"])
+    cj._fwd_callback(cfg, with_lse)(ctx, out, *qkv)   # a fresh callback: the full path
+    assert fake["checks"] == n + 1
+    assert fake["launches"][m:] == hit
