@@ -72,7 +72,7 @@ DEFAULT_REPEATS = 30
 DEFAULT_WARMUP = 5
 
 # Implementations in table order. cuflash-tensorcore forces the mma.sync kernel (what "auto" runs
-# before Hopper, and for float32 everywhere for now: _dispatch.HOPPER_F32_AUTO), cuflash-hopper
+# before Hopper, and for float32 at head dims the Hopper form does not take), cuflash-hopper
 # the Hopper kernel (for float32 "highest" its fp16-split form, 3xfp16: _dispatch.HOPPER_F32_FORM;
 # cuflash-hopper-3xtf32 its 3xTF32 wgmma form; cuflash-hopper-high its one-pass TF32 form),
 # cuflash-tc-3xtf32 the mma.sync kernel's 3xTF32 form of "highest" (cuflash-tensorcore runs its

@@ -197,10 +197,12 @@ def bench_varlen(args, rows):
     o = cuflash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
     s0 = int(np.argmin(lens))  # check the shortest and the first sequences
     for s in sorted({s0, 0}):
+        # query head 0 and its kv head 0 (groups of H / Hkv): the float64 reference and the
+        # naive counterpart of all 32 heads of an up-to-8k sequence take minutes on the host
         a, b = int(cu[s]), int(cu[s + 1])
-        qs, ks, vs = (_host(x[a:b]).transpose(1, 0, 2) for x in (q, k, v))
+        qs, ks, vs = (_host(x[a:b, :1]).transpose(1, 0, 2) for x in (q, k, v))
         rule = reference.pass_threshold(qs, ks, vs, causal=True, dtype="float16")
-        verdict = rule.judge(_host(o[a:b]).transpose(1, 0, 2))
+        verdict = rule.judge(_host(o[a:b, :1]).transpose(1, 0, 2))
         if not verdict.passed:
             res["cuflash-varlen"] = "FAILED " + "; ".join(verdict.reasons)
     if "cuflash-varlen" not in res:

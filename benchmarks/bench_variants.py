@@ -333,7 +333,7 @@ def main(argv=None):
                         torch.cuda.synchronize()
                     except Exception:
                         continue
-                    bad = check(cupy.from_dlpack(to), q, k, v, causal, kw, args.dtype, slices)
+                    bad = check(cupy.from_dlpack(to.detach()), q, k, v, causal, kw, args.dtype, slices)
                     if bad:
                         row[f"torch_{backend}_error"] = bad
                         continue

@@ -13,6 +13,10 @@ Python's launch time is not timed, median of --repeats such timings. Candidates:
   C<consumer warpgroups> [ov: overlapped softmax] [pp: ping-pong] [P: persistent]".
 
     PYTHONPATH=. python benchmarks/tune.py --kernel hopper [--d 64,128,256] [--s 512,2048,8192]
+    PYTHONPATH=. python benchmarks/tune.py --shapes 32x12x197x64,64x16x256x64 --causal 0
+
+``--shapes`` (B x H x S x D, Sq = Sk) replaces the grid (B = 16384 / S, H = 2048 / D) with given
+problems, e.g. issue 13's small ones; ``--causal`` picks the masks (default both).
 
 Needs a GPU, CuPy and PyTorch (for the peers and the random inputs).
 """
@@ -35,10 +39,13 @@ CANDIDATES = {
         64: [(H(128, 2, 1, 2, False, True), True), (H(128, 2, 2, 2, False, True), True),
              (H(128, 2, 2, 2, True, True), True), (H(128, 2, 1, 3, True, True), True),
              (H(128, 2, 2, 3, True, True), True), (H(128, 2, 2, 3, True, True), False),
-             (H(128, 2, 1, 3, False, True), True), (H(128, 2, 1, 2, True, True), True)],
+             (H(128, 2, 1, 3, False, True), True), (H(128, 2, 1, 2, True, True), True),
+             (H(64, 2, 1, 2, True, True), True), (H(64, 3, 1, 2, True, True), True),
+             (H(64, 2, 1, 3, True, True), True), (H(128, 2, 1, 2, True, True), False)],
         128: [(H(128, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), True),
               (H(176, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), False),
-              (H(176, 2, 1, 2, True, True), False)],
+              (H(176, 2, 1, 2, True, True), False), (H(64, 2, 1, 2, True, True), True),
+              (H(64, 3, 1, 2, True, True), True), (H(128, 2, 1, 2, True, True), False)],
         256: [(H(80, 2, 1, 2, True, True), True), (H(64, 2, 1, 2, True, True), True),
               (H(80, 2, 1, 2, True, True), False)],
     },
@@ -77,13 +84,14 @@ class GridPoint:
     normal from torch), the output buffer, the FLOP count and the float64 reference of slice
     (0, 0) with the project's pass threshold."""
 
-    def __init__(self, d, s, causal):
+    def __init__(self, d, s, causal, b=None, h=None):
         import cupy as cp
         import torch
 
         from cuflash import reference
 
-        b, h = 16384 // s, 2048 // d
+        b = 16384 // s if b is None else b
+        h = 2048 // d if h is None else h
         self.q, self.k, self.v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
                                   for _ in range(3))
         self.qc, self.kc, self.vc = (cp.from_dlpack(x) for x in (self.q, self.k, self.v))
@@ -102,23 +110,22 @@ class GridPoint:
 
 
 def _apply(dispatch, kernel, d, cfg):
-    """Make `cfg` the dispatcher's choice for head dim d; returns a function that undoes it."""
+    """Make `cfg` the dispatcher's choice for head dim d; returns a function that undoes it. The
+    tables are replaced, not edited in place: the call cache (cuflash/_callcache.py) keeps the
+    table objects a record was made under and reuses the record while they are the same."""
     if kernel == "tensorcore":
-        saved = dict(dispatch.TC_CONFIGS)
-        dispatch.TC_CONFIGS[d] = cfg
+        saved = dispatch.TC_CONFIGS
+        dispatch.TC_CONFIGS = {**saved, d: cfg}
 
         def undo():
-            dispatch.TC_CONFIGS.clear()
-            dispatch.TC_CONFIGS.update(saved)
+            dispatch.TC_CONFIGS = saved
     else:
-        saved = dict(dispatch.HOPPER_TABLE)
-        for key in saved:
-            if key[0] == d:
-                dispatch.HOPPER_TABLE[key] = cfg
+        saved, gain = dispatch.HOPPER_TABLE, dispatch.HOPPER_C3_GAIN
+        dispatch.HOPPER_TABLE = {key: (cfg if key[0] == d else val) for key, val in saved.items()}
+        dispatch.HOPPER_C3_GAIN = float("inf")  # the candidate as given, whatever Sq is
 
         def undo():
-            dispatch.HOPPER_TABLE.clear()
-            dispatch.HOPPER_TABLE.update(saved)
+            dispatch.HOPPER_TABLE, dispatch.HOPPER_C3_GAIN = saved, gain
     return undo
 
 
@@ -128,7 +135,14 @@ def main(argv=None):
     ap.add_argument("--d", default="64,128,256")
     ap.add_argument("--s", default="512,2048,8192")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--shapes", default="", help="BxHxSxD problems instead of the grid")
+    ap.add_argument("--causal", default="0,1")
     args = ap.parse_args(argv)
+    masks = [bool(int(x)) for x in args.causal.split(",")]
+    if args.shapes:
+        points = [tuple(int(n) for n in sh.split("x")) for sh in args.shapes.split(",")]
+    else:
+        points = [(None, None, int(s), int(d)) for d in args.d.split(",") for s in args.s.split(",")]
 
     import cupy as cp
     import torch
@@ -149,38 +163,37 @@ def main(argv=None):
         torch.cuda.synchronize()
         return float(np.median([burst_ms(fn, spinner) for _ in range(args.repeats)]))
 
-    for d in (int(x) for x in args.d.split(",")):
-        for s in (int(x) for x in args.s.split(",")):
-            for causal in (False, True):
-                pt = GridPoint(d, s, causal)
-                q, k, v, qc, kc, vc, out, flops = (pt.q, pt.k, pt.v, pt.qc, pt.kc, pt.vc, pt.out,
-                                                   pt.flops)
-                row = {"D": d, "S": s, "causal": causal}
-                for peer, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                                      ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    try:
-                        with sdpa_kernel(backend):
-                            row[peer] = round(flops / timed(
-                                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                                / 1e9, 1)
-                    except RuntimeError as exc:  # backend unavailable for this shape or GPU
-                        row[peer] = f"n/a: {exc}"[:60]
-                for cfg in CANDIDATES[args.kernel][d]:
-                    undo = _apply(_dispatch, args.kernel, d, cfg)
-                    try:
-                        kw = {"causal": causal, "out": out, "kernel": args.kernel}
-                        cuflash.attention(qc, kc, vc, **kw)
-                        verdict = pt.verdict()
-                        if not verdict.passed:
-                            row[label(args.kernel, cfg)] = "FAIL " + "; ".join(verdict.reasons)
-                            continue
-                        ms = timed(lambda: cuflash.attention(qc, kc, vc, **kw))
-                        row[label(args.kernel, cfg)] = round(flops / ms / 1e9, 1)
-                    except Exception as exc:  # a config that does not fit this GPU
-                        row[label(args.kernel, cfg)] = f"n/a: {type(exc).__name__}: {exc}"[:100]
-                    finally:
-                        undo()
-                print(json.dumps(row), flush=True)
+    for b, h, s, d in points:
+        for causal in masks:
+            pt = GridPoint(d, s, causal, b, h)
+            q, k, v, qc, kc, vc, out, flops = (pt.q, pt.k, pt.v, pt.qc, pt.kc, pt.vc, pt.out,
+                                               pt.flops)
+            row = {"B": pt.q.shape[0], "H": pt.q.shape[1], "D": d, "S": s, "causal": causal}
+            for peer, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                                  ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                try:
+                    with sdpa_kernel(backend):
+                        row[peer] = round(flops / timed(
+                            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                            / 1e9, 1)
+                except RuntimeError as exc:  # backend unavailable for this shape or GPU
+                    row[peer] = f"n/a: {exc}"[:60]
+            for cfg in CANDIDATES[args.kernel][d]:
+                undo = _apply(_dispatch, args.kernel, d, cfg)
+                try:
+                    kw = {"causal": causal, "out": out, "kernel": args.kernel}
+                    cuflash.attention(qc, kc, vc, **kw)
+                    verdict = pt.verdict()
+                    if not verdict.passed:
+                        row[label(args.kernel, cfg)] = "FAIL " + "; ".join(verdict.reasons)
+                        continue
+                    ms = timed(lambda: cuflash.attention(qc, kc, vc, **kw))
+                    row[label(args.kernel, cfg)] = round(flops / ms / 1e9, 1)
+                except Exception as exc:  # a config that does not fit this GPU
+                    row[label(args.kernel, cfg)] = f"n/a: {type(exc).__name__}: {exc}"[:100]
+                finally:
+                    undo()
+            print(json.dumps(row), flush=True)
     return 0
 
 

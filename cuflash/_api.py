@@ -71,10 +71,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         forces the scalar audit kernel (float32/float64 arithmetic, accurate exp);
         ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
         float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0 and D <= 128 for precision
-        "highest" (96 on compute capability 8.x), D <= 256 for "high") and ``"hopper"`` the
+        "highest", D <= 256 for "high") and ``"hopper"`` the
         TMA/wgmma kernel (compute capability 9.0, float16/bfloat16 with 64 <= D <= 256, float32
-        with 64 <= D <= 128 and D % 8 == 0 in either precision mode, which ``"auto"`` does not
-        take yet: ``_dispatch.HOPPER_F32_AUTO``); both need
+        with 64 <= D <= 128 and D % 8 == 0 in either precision mode, which ``"auto"`` takes
+        there too: ``_dispatch.HOPPER_F32_AUTO``); both need
         D == Dv and 16-byte aligned rows, and raise ValueError, saying why, if the inputs do not
         qualify. With a variant (window, softcap, alibi_slopes, bias, mask, hooks) ``"auto"``
         takes the tensor-core kernel where it qualifies (bias and mask contiguous or broadcast

@@ -405,8 +405,11 @@ def hopper_f32_head_dims(precision: str, form: Optional[str] = None):
 
 
 #: What the wider query block of three consumers (BM = 192) gains per useful row over two
-#: (BM = 128) where both are fully used (HOPPER_TABLE's note: +8-19% at D = 64 without the mask).
-HOPPER_C3_GAIN = 1.15
+#: (BM = 128). Measured on the H200 (2026-12-02, benchmarks/RESULTS.md "session e, call 2":
+#: tune.py --shapes, D = 64 without the mask), C3 / C2 times the rows-used ratio: 1.28 at
+#: Sq = 197, 1.31 at 256, 1.19 at 512, 1.23 at 577, 1.24 at 1024. 1.25 picks the faster of the
+#: two at all five (1.15 took BM = 128 at Sq = 577, 2.6% slower).
+HOPPER_C3_GAIN = 1.25
 
 
 def _row_use(sq: int, bm: int) -> float:
@@ -509,14 +512,15 @@ def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     return None
 
 
-#: Whether kernel="auto" takes the Hopper float32 form (HOPPER_F32_TABLE) where it qualifies.
-#: Off: its first H200 run (2026-12-01, tree 820a861) passed bench.py's float64 checks at all 8
-#: points of the float32 table at 1.43-2.46x torch's EFFICIENT backend, but its test files did
-#: not complete in that run, and tests/test_backward_gpu.py::test_backward_matches_reference
-#: failed for float32, Sq = 1, Sk = 1000, causal, with o and lse from this forward (both backward
-#: kernels on them; the same tests passed with o from the mma.sync form the run before). Until a
-#: complete GPU run, auto keeps the mma.sync form for float32 and kernel="hopper" opts in.
-HOPPER_F32_AUTO = False
+#: Whether kernel="auto" takes the Hopper float32 form (HOPPER_F16SPLIT_TABLE / HOPPER_F32_TABLE,
+#: the form HOPPER_F32_FORM gives the precision) where it qualifies. On since the complete H200
+#: run of 2026-12-02 (tree aa6468b, benchmarks/RESULTS.md "2026-12-02"): with the flag on, the
+#: float32 cases of tests/test_gpu.py, test_backward_gpu.py and test_nonfinite.py 261 passed and
+#: 2 failed, both the generic backward's dv at Sq = 1, Sk = 1000 (causal), which recomputes P
+#: from q and k and so does not depend on the forward: the same two failed with the flag off in
+#: the same run (notes/BACKWARD.md, "Open"); tests/test_gpu_float32.py passed whole. Set it to
+#: False to have auto take the mma.sync form for float32 again.
+HOPPER_F32_AUTO = True
 
 
 def plan_for(prob, compute_capability: Optional[int]) -> Plan:
