@@ -71,7 +71,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         forces the scalar audit kernel (float32/float64 arithmetic, accurate exp);
         ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
         float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0 and D <= 128 for precision
-        "highest" (96 on compute capability 8.x), D <= 256 for "high") and ``"hopper"`` the
+        "highest", D <= 256 for "high") and ``"hopper"`` the
         TMA/wgmma kernel (compute capability 9.0, float16/bfloat16 with 64 <= D <= 256, float32
         with 64 <= D <= 128 and D % 8 == 0 in either precision mode, which ``"auto"`` takes
         there too: ``_dispatch.HOPPER_F32_AUTO``); both need
@@ -307,9 +307,10 @@ def dispatch_info(q, k, v, *, causal=False, kernel="auto", precision=None, windo
                   mask_mod=None, mod_args=None):
     """The name of the kernel `attention` would run for these arguments, e.g.
     ``"cpu-numpy"``, ``"generic<float16,D64,full>"`` or
-    ``"tensorcore<float32,3xtf32,D128,BM64,BN64,stagedO,full>"`` (float32 on the tensor cores names
-    its product mode: ``3xtf32`` for precision "highest", ``tf32`` for "high"; the Hopper kernel's
-    "highest" names ``3xfp16``, its fp16-split form). With a variant
+    ``"tensorcore<float32,3xfp16,D128,BM64,BN32,full>"`` (float32 on the tensor cores names
+    its product mode: ``3xfp16`` for precision "highest", the fp16-split form, or ``3xtf32`` where
+    that form is selected (_dispatch.TC_F32_FORM, HOPPER_F32_FORM) and for a variant, ``tf32`` for
+    "high"). With a variant
     (window, softcap, alibi_slopes, bias, mask, user hooks) the label names its parts, e.g.
     ``"tensorcore<float16,D64,BM64,BN64,stagedO,causal,window,softcap>"``, and, where the
     tensor-core kernel was passed over, why, e.g. ``"generic<float64,D64,full,window> (the

@@ -20,6 +20,13 @@
 // large products chain from zero over one key tile). The small cross products of each tile's P.V
 // go to fresh accumulators added to O after the tile (Mma32Ops::PROMOTE; notes/FLOAT32.md).
 //
+// Version 4: float32 "highest" in the fp16-split form (OP = fp16_t, "3xfp16"; fp16split.cuh,
+// notes/FLOAT32.md: "mma.sync 3xfp16"): every tile scaled by a power of two of its own and split
+// in place in shared memory into fp16 hi and lo halves (split16_block), then the 16-bit kernel's
+// ldmatrix reads and three m16n8k16 fp16 products per multiply-add (Mma16SplitOps): half the
+// tensor-core instructions of 3xTF32's m16n8k8 and a quarter of its conversions. OP = T (every
+// other instantiation) is the code it was.
+//
 // Version 2: lazy rescaling of l and O (only when the max grows by more than 2^8) and the scale
 // folded into one FFMA per score; 4-warp blocks, several per SM. Version 1 (8 warps, 1 block per
 // SM, rescale every tile) ran at 0.6-0.8x PyTorch's FLASH backend on an H200.

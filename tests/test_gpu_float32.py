@@ -149,28 +149,35 @@ def test_head_dims(d, causal, precision):
     _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision=precision)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "tensorcore"])
 @pytest.mark.parametrize("precision", MODES)
-def test_broadcast_heads_scale_and_tails(precision):
-    """A key/value head axis of size 1 (multi-query), a non-default scale, odd lengths."""
+def test_broadcast_heads_scale_and_tails(precision, kernel):
+    """A key/value head axis of size 1 (multi-query), a non-default scale, odd lengths; "auto"
+    (the Hopper kernel on an H200) and the mma.sync kernel."""
     _needs_tensorcores()
-    q, k, v = random_inputs(_rng("f32mqa", precision), (2, 8), (2, 1), 131, 97, 64, 64, "float32")
-    o, lse, _ = _run(q, k, v, causal=True, precision=precision, scale=0.3)
+    q, k, v = random_inputs(_rng("f32mqa", precision, kernel), (2, 8), (2, 1), 131, 97, 64, 64,
+                            "float32")
+    o, lse, label = _run(q, k, v, causal=True, precision=precision, scale=0.3, kernel=kernel)
+    if kernel == "tensorcore":
+        assert label.startswith(f"tensorcore<float32,{_tc_mode(precision)},"), label
     _check(o, lse, q, k, v, causal=True, scale=0.3, precision=precision)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "tensorcore"])
 @pytest.mark.parametrize("precision", MODES)
-def test_strided_bshd_view(precision):
+def test_strided_bshd_view(precision, kernel):
     """A (B, S, H, D) buffer passed as a (B, H, S, D) view is used in place."""
     _needs_tensorcores()
     cp = cupy()
-    rng = _rng("f32bshd", precision)
+    rng = _rng("f32bshd", precision, kernel)
     B, S, H, D = 2, 300, 4, 128
     x = [reference.round_to(rng.standard_normal((B, S, H, D)), "float32") for _ in range(3)]
     views = [cp.asarray(a.astype(np.float32)).transpose(0, 2, 1, 3) for a in x]
     assert not views[0].flags.c_contiguous
     out = poisoned((B, H, S, D), "float32")
     lse = poisoned((B, H, S), "float32")
-    cuflash.attention(*views, causal=True, out=(out, lse), return_lse=True, precision=precision)
+    cuflash.attention(*views, causal=True, out=(out, lse), return_lse=True, precision=precision,
+                      kernel=kernel)
     ref_in = [a.transpose(0, 2, 1, 3) for a in x]
     _check(out, lse, *ref_in, causal=True, scale=1 / math.sqrt(D), precision=precision)
 
