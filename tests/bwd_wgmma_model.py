@@ -147,8 +147,7 @@ class Cfg:
         self.pt_off = self.ds_off + self.ds_bytes
         self.dst_off = (self.pt_off + self.ds_bytes * self.split) if ds_kmajor else self.ds_off
         self.ld_off = self.ds_off + self.ds_bytes * (1 + self.split + (self.split and ds_kmajor))
-        self.turn_off = self.ld_off + 2 * 2 * bm * 4  # (DET) thread 0's pending hand-over
-        self.smem = 1024 + self.turn_off + 16
+        self.smem = 1024 + self.ld_off + 2 * 2 * bm * 4
         self.pieces = (bm // 64) * self.panels
         self.pieces_wg = self.pieces // self.consumers
         assert self.pieces % self.consumers == 0
@@ -172,46 +171,29 @@ def load_swizzled(mem, smem, dst, ptr, base, ld, row0, rows, n_rows, d, c):
             smem[(d0 + n * rstep * 128) // 2 + e] = vals
 
 
-def block_order(bid, grid, nn, det, nsm):
-    """common.cuh bwd_key_block: (k/v owner, rank) of block index bid; DET_ORDER (det): groups
-    of W = max(1, nsm / nn) owners, rank-major inside a group."""
-    if not det:
-        return divmod(bid, nn)
-    owners, w = grid // nn, max(1, nsm // nn)
-    group, rest = divmod(bid, w * nn)
-    wg = min(w, owners - group * w)
-    rank, o = divmod(rest, wg)
-    return group * w + o, rank
-
-
-def key_blocks(p, grid, bm, bn, causal, det=False, nsm=132):
+def key_blocks(p, grid, bm, bn, causal):
     """common.cuh bwd_key_block for every block index, in order: (block index, k/v owner, key
     block, the (reduction step, query tile) visits)."""
     sq, sk, nn = int(p["sq"]), int(p["sk"]), int(p["n_nblocks"])
     steps = range(reduce_count(p, int(p["kv_red"])))
     n_mtiles = -(-sq // bm)
     for bid in range(grid):
-        owner, rev = block_order(bid, grid, nn, det, nsm)
+        owner, rev = divmod(bid, nn)
         nblock = nn - 1 - rev
         first = max(nblock * bn - (sk - sq), 0) if causal else 0
         m_first = n_mtiles if first >= sq else first // bm
         yield bid, owner, nblock, [(r, mt) for r in steps for mt in range(m_first, n_mtiles)]
 
 
-def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
+def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
     """Every block of cuflash_bwd_wgmma in block-index order (the dispatch order the turns rely
-    on), each warpgroup's products as matrices read through the descriptors the kernel builds.
-    nsm: what %nsmid reads (the deterministic block order and start gate depend on it, the
-    results must not)."""
+    on), each warpgroup's products as matrices read through the descriptors the kernel builds."""
     sq, sk, d = int(p["sq"]), int(p["sk"]), int(p["d"])
     kv_red, diag = int(p["kv_red"]), sk - sq
     scale_log2, scale = float(p["scale_log2"]), float(p["scale"])
     dqa_sr, dqa = int(p["dqa_sr"]), int(p["dq_accum"])
     bm, bn, dpad = c.bm, c.bn, c.dpad
-    seen = set()
-    for bid, owner, nblock, visits in key_blocks(p, grid, bm, bn, causal, det, nsm):
-        assert (owner, nblock) not in seen, "every (owner, key block) once"
-        seen.add((owner, nblock))
+    for bid, owner, nblock, visits in key_blocks(p, grid, bm, bn, causal):
         key0, n_iter = nblock * bn, len(visits)
         smem = np.full(c.smem // 2, np.nan)   # 16-bit elements, by byte address / 2
         fsm = np.full(c.smem // 4, np.nan)    # float32 words, by byte address / 4
@@ -244,11 +226,6 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
             fsm[delta_s // 4 + np.arange(bm)] = dl
         dk_acc = np.zeros((c.consumers, 128, c.dkv_n // 2))
         dv_acc = np.zeros((c.consumers, 128, c.dkv_n // 2))
-        if det and not causal and n_iter > 1 and grid >= 8 * nsm:  # the start gate (tile 0)
-            at0 = bwd_offsets(p, bwd_index(p, kv_red, owner, visits[0][0]))["dqa"] + dpad
-            got = mem.read(dqa, [at0])[0]
-            rank = int(p["n_nblocks"]) - 1 - nblock
-            assert got == rank, f"block {bid}: gate turn {got} != {rank}"
         for it, (red, mt) in enumerate(visits):
             buf, i0 = it & 1, mt * bm
             if it + 1 < n_iter:
@@ -419,9 +396,8 @@ def _pack_p(frag, bm):
     return out
 
 
-def run_plan_launches(mem, launches, bplan, causal, nsm=132):
-    """Run the launches recorded from launch_backward for a Hopper plan (nsm: the SM count the
-    kernel reads, %nsmid)."""
+def run_plan_launches(mem, launches, bplan, causal):
+    """Run the launches recorded from launch_backward for a Hopper plan."""
     kern = bplan.passes[0][1]
     name = kern.spec.name
     targs = [x.strip() for x in name[name.index("<") + 1:name.rindex(">")].split(",")]
@@ -436,7 +412,7 @@ def run_plan_launches(mem, launches, bplan, causal, nsm=132):
             preprocess(mem, params, grid)
         elif "cuflash_bwd_wgmma" in spec_name:
             assert threads == c.threads == kern.threads
-            bwd_wgmma_kernel(mem, params, grid, c, causal, det, nsm)
+            bwd_wgmma_kernel(mem, params, grid, c, causal, det)
         elif "cuflash_bwd_convert_dq" in spec_name:
             convert_dq(mem, params, grid)
         else:
