@@ -136,15 +136,21 @@ struct WgmmaConfig {
     // tiles), the consumers share the rest of the SM's 64 K (a multiple of 8, at most 240): 240
     // with two consumers, 160 with three (float: 224 with two).
     static constexpr int PRODUCER_REGS = F32 ? 56 : 24;
-    static constexpr int CONSUMER_REGS_RAW = (65536 - PRODUCER_REGS * 128) / (128 * CONSUMERS);
+    // The pool setmaxnreg moves registers within: what the block was launched with, ptxas's
+    // count for 128 (CONSUMERS + 1) threads at one block per SM (168 a thread with two
+    // consumers, 128 with three), not the SM's 65536. A consumer's setmaxnreg.inc waits until
+    // the producer has given back enough, so a budget over the pool hangs every launch.
+    static constexpr int LAUNCH_REGS = 65536 / (128 * (CONSUMERS + 1)) / 8 * 8;
+    static constexpr int POOL_REGS = LAUNCH_REGS * 128 * (CONSUMERS + 1);
+    static constexpr int CONSUMER_REGS_RAW = (POOL_REGS - PRODUCER_REGS * 128) / (128 * CONSUMERS);
     static constexpr int CONSUMER_REGS =
         (CONSUMER_REGS_RAW > 240 ? 240 : CONSUMER_REGS_RAW) / 8 * 8;
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
     static_assert(QSTAGES == 1 || QSTAGES == 2, "one or two Q buffers");
     static_assert(DPAD % 64 == 0 && DPAD <= 256, "DPAD must be 64, 128, 192 or 256");
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16, <= 256");
-    static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536,
-                  "register budget of one SM");
+    static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= POOL_REGS,
+                  "setmaxnreg budgets within the block's launch registers");
     static_assert(TERMS == 1 || (F32 && TERMS == 3), "TERMS: 1, or 3 for float");
     static_assert(sizeof(OP) == sizeof(T) || (F16S && TERMS == 3), "OP: T, or fp16_t for 3xfp16");
     static_assert(!TF32 || (BN % 32 == 0 && (DPAD / 4) * (BN / 4) % 128 == 0),
