@@ -144,7 +144,6 @@ def blocks_per_sm(plan, dpad: int) -> int:
     return max(1, min(_SM_SMEM // (plan.smem_bytes + 1024), regs))
 
 
-@functools.lru_cache(maxsize=4096)
 def choose_splits(work: int, n_key_tiles: int, sm_count: int, per_sm: int,
                   tile_bytes: int) -> int:
     """Key splits per (entry, row block), from the problem and the SM count only (so results are
@@ -162,19 +161,26 @@ def choose_splits(work: int, n_key_tiles: int, sm_count: int, per_sm: int,
     s > 1. The smallest s within 3% of the least modelled time wins. Saturation is assumed
     only at full occupancy (a wave of fewer blocks is charged as a full one), which errs
     towards filling the GPU: an idle slot costs bandwidth, an extra split only the small
-    partials' traffic."""
-    warps = DECODE_WARPS
+    partials' traffic. The result is cached per arguments and model constants (the module's
+    values at the call, so a changed constant is seen)."""
+    return _choose_splits(work, n_key_tiles, sm_count, per_sm, tile_bytes, DECODE_WARPS,
+                          MIN_TILES_PER_WARP, MAX_SPLITS, DECODE_BW, DECODE_T_BLOCK,
+                          DECODE_T_COMBINE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_splits(work, n_key_tiles, sm_count, per_sm, tile_bytes, warps, min_tiles,
+                   max_splits, bw, t_block, t_combine):
     slots = max(1, sm_count * per_sm)
     work = max(1, work)
-    cap = max(1, -(-n_key_tiles // (warps * MIN_TILES_PER_WARP)))
-    cap = min(cap, max(1, -(-8 * slots // work)), MAX_SPLITS)  # <= ~8 waves of blocks
-    t_tile = tile_bytes * slots * warps / DECODE_BW   # one tile at one warp's rate
+    cap = max(1, -(-n_key_tiles // (warps * min_tiles)))
+    cap = min(cap, max(1, -(-8 * slots // work)), max_splits)  # <= ~8 waves of blocks
+    t_tile = tile_bytes * slots * warps / bw   # one tile at one warp's rate
     times = []
     for s in range(1, cap + 1):
         per_warp = -(-(-(-n_key_tiles // s)) // warps)  # tiles of a split's busiest warp
         waves = -(-work * s // slots)
-        times.append(waves * (DECODE_T_BLOCK + per_warp * t_tile)
-                     + (DECODE_T_COMBINE if s > 1 else 0.0))
+        times.append(waves * (t_block + per_warp * t_tile) + (t_combine if s > 1 else 0.0))
     best = min(times)
     return next(s for s, t in enumerate(times, 1) if t <= best * 1.03)
 

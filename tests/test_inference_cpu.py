@@ -278,3 +278,17 @@ def test_gqa_audit_judges_the_tf32_mode_by_its_own_rule():
     _, _, ok_default, _ = _audit_inference._sequence_verdict("float32", o, lse, q, k, v, True,
                                                              "tensorcore")
     assert not ok_default
+
+
+def test_choose_splits_sees_changed_constants(monkeypatch):
+    """The split count is cached, but per model constants too: a changed MAX_SPLITS or cost
+    constant is used at once, not an earlier call's result."""
+    from cuflash import _decode
+
+    many = _decode.choose_splits(1, 8192, 132, 3, 8192)
+    assert many > 2
+    monkeypatch.setattr(_decode, "MAX_SPLITS", 2)
+    assert _decode.choose_splits(1, 8192, 132, 3, 8192) == 2
+    monkeypatch.setattr(_decode, "MAX_SPLITS", 256)
+    monkeypatch.setattr(_decode, "DECODE_T_COMBINE", 1.0)   # a combine costlier than any split
+    assert _decode.choose_splits(1, 8192, 132, 3, 8192) == 1
