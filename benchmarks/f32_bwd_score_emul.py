@@ -1,9 +1,14 @@
 """Emulation of the generic float32 backward's dv at Sq = 1 (notes/BACKWARD.md, "Open: the float32
-generic backward at Sq = 1"): the score dot in several float32 summation orders (exact FMA), the
-online max and sum over 32 lanes and the butterfly sum of attn_bwd_generic.cu, then dv = p * do,
-compared with the gradient pass rule (cuflash.reference.grad_pass_threshold) on fresh draws.
+generic backward at Sq = 1").
 
-    python benchmarks/f32_bwd_score_emul.py 300     # draws; prints (worst error / threshold, fails)
+With one query row dv_j = p_j do, so dv's error is p_j's relative error, i.e. the score's
+absolute error. This script forms the score dot product in several float32 summation orders
+(exact FMA: the product and the add rounded once), then the kernel's softmax (the online max and
+sum over 32 lanes and 32-key tiles, the butterfly sum of attn_bwd_generic.cu), then dv, and
+compares each with the gradient pass rule (cuflash.reference.grad_pass_threshold) on fresh draws
+of (Sq, Sk, D) = (1, 1000, 128), causal, standard normal inputs.
+
+    python benchmarks/f32_bwd_score_emul.py [DRAWS]     # prints, per order: (worst err/thr, fails)
 """
 import math
 import os
@@ -12,59 +17,97 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from cuflash import reference as R
-f32, f64 = np.float32, np.float64  # noqa: E702
-D, sk = 128, 1000; scale = f32(1/math.sqrt(D))
-def dot(q, K, nch):
-    parts = np.zeros((nch, K.shape[0]), f32)
-    for c in range(0, D, nch):
-        for u in range(nch):
-            parts[u] = (parts[u].astype(f64) + f64(q[c+u])*K[:, c+u].astype(f64)).astype(f32)
-    while parts.shape[0] > 1:
-        h = parts.shape[0]//2; parts = (parts[:h] + parts[h:]).astype(f32)
+from cuflash import reference  # noqa: E402
+
+F32, F64 = np.float32, np.float64
+D, SK, LANES = 128, 1000, 32
+SCALE = F32(1 / math.sqrt(D))
+
+
+def _fma(acc, a, b):
+    """float32 fma(a, b, acc) elementwise: a * b of two float32 values is exact in float64."""
+    return (acc.astype(F64) + a.astype(F64) * b.astype(F64)).astype(F32)
+
+
+def dot(q, k, chains=None, chunk=None):
+    """q . k_j for every row of k in float32: `chains` interleaved FMA chains (bwd_dot has 4)
+    combined pairwise, or serial chunks of `chunk` terms summed as a pairwise tree; neither: the
+    correctly rounded dot product."""
+    if chains is None and chunk is None:
+        return (k.astype(F64) @ q.astype(F64)).astype(F32)
+    if chains is not None:
+        parts = [np.zeros(k.shape[0], F32) for _ in range(chains)]
+        for c in range(D):
+            parts[c % chains] = _fma(parts[c % chains], q[c], k[:, c])
+    else:
+        parts = []
+        for c0 in range(0, D, chunk):
+            acc = np.zeros(k.shape[0], F32)
+            for c in range(c0, c0 + chunk):
+                acc = _fma(acc, q[c], k[:, c])
+            parts.append(acc)
+    while len(parts) > 1:  # (powers of two here)
+        parts = [(parts[i] + parts[i + 1]).astype(F32) for i in range(0, len(parts), 2)]
     return parts[0]
-def dot_tree(q, K, chunk):
-    # serial FMA chunks of `chunk` terms, then a pairwise tree over the chunks
-    sums = []
-    for c0 in range(0, D, chunk):
-        acc = np.zeros(K.shape[0], f32)
-        for c in range(c0, c0 + chunk):
-            acc = (acc.astype(f64) + f64(q[c])*K[:, c].astype(f64)).astype(f32)
-        sums.append(acc)
-    while len(sums) > 1:
-        sums = [(sums[i] + sums[i+1]).astype(f32) for i in range(0, len(sums), 2)]
-    return sums[0]
-def arg(s, m, fma):
-    return (s.astype(f64)*f64(scale) - f64(m)).astype(f32) if fma else ((s*scale).astype(f32) - f32(m)).astype(f32)
-def pvec(s, fma):
-    st = (s*scale).astype(f32)
-    n = s.shape[0]; m = -np.inf; l = np.zeros(32, f32)
-    for t in range((n+31)//32):
-        seg = slice(t*32, min(n, (t+1)*32)); w = st[seg].shape[0]
-        m_new = max(m, st[seg].max())
-        alpha = f32(np.exp(f64(m) - f64(m_new))) if m != -np.inf else f32(0)
-        pj = np.zeros(32, f32); pj[:w] = np.exp(arg(s[seg], m_new, fma).astype(f64)).astype(f32)
-        l = (l.astype(f64)*alpha + pj).astype(f32); m = m_new
-    for off in (16, 8, 4, 2, 1): l = (l + l[np.arange(32) ^ off]).astype(f32)
-    e = np.exp(arg(s, m, fma).astype(f64)).astype(f32)
-    return (e / l[0]).astype(f32)
-cfg = {"now(4ch)": (4, False), "4ch+fma": (4, True), "16ch": (16, False), "32ch": (32, False),
-       "32ch+fma": (32, True), "tree8": (-8, False), "tree8+fma": (-8, True),
-       "tree4+fma": (-4, True), "tree16+fma": (-16, True), "exact": (0, False),
-       "exact+fma": (0, True)}
-worst = {c: 0 for c in cfg}; fails = {c: 0 for c in cfg}
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 100
-for seed in range(N):
-    rng = np.random.default_rng(1000 + seed)
-    q = rng.standard_normal((1, D)).astype(f32); k = rng.standard_normal((sk, D)).astype(f32)
-    v = rng.standard_normal((sk, D)).astype(f32); do = rng.standard_normal((1, D)).astype(f32)
-    q64, k64, v64, do64 = (x.astype(f64)[None] for x in (q, k, v, do))
-    ref = R.attention_backward_ref(do64, q64, k64, v64, causal=True, scale=float(scale))
-    tols, naive = R.grad_pass_threshold(do64, q64, k64, v64, causal=True, scale=float(scale), dtype="float32", ref=ref)
-    for c, (nch, fma) in cfg.items():
-        s = dot_tree(q[0], k, -nch) if nch < 0 else dot(q[0], k, nch) if nch else (q.astype(f64) @ k.T.astype(f64))[0].astype(f32)
-        p = pvec(s, fma)
-        dv = (p[:, None] * do[0][None, :]).astype(f32)
-        r = np.abs(dv - ref[2][0]).max() / tols[2]
-        worst[c] = max(worst[c], r); fails[c] += r > 1
-print("seeds", N, {c: (round(float(worst[c]), 3), int(fails[c])) for c in cfg})
+
+
+def _exponent(s, m, fused):
+    """s * scale - m: two roundings, or one (fused: fma(s, scale, -m))."""
+    if fused:
+        return (s.astype(F64) * F64(SCALE) - F64(m)).astype(F32)
+    return ((s * SCALE).astype(F32) - F32(m)).astype(F32)
+
+
+def probabilities(s, fused):
+    """The kernel's p_j = exp(s_j scale - m) / l: m and l online over tiles of 32 keys, one key
+    per lane, then l's butterfly sum over the lanes."""
+    st = (s * SCALE).astype(F32)
+    m, lanes = -np.inf, np.zeros(LANES, F32)
+    for t0 in range(0, s.shape[0], LANES):
+        tile = slice(t0, min(s.shape[0], t0 + LANES))
+        m_new = max(m, st[tile].max())
+        alpha = F32(np.exp(F64(m) - F64(m_new))) if m != -np.inf else F32(0)
+        pj = np.zeros(LANES, F32)
+        pj[:st[tile].shape[0]] = np.exp(_exponent(s[tile], m_new, fused).astype(F64)).astype(F32)
+        lanes = _fma(pj, lanes, np.full(LANES, alpha, F32))
+        m = m_new
+    for off in (16, 8, 4, 2, 1):
+        lanes = (lanes + lanes[np.arange(LANES) ^ off]).astype(F32)
+    return (np.exp(_exponent(s, m, fused).astype(F64)).astype(F32) / lanes[0]).astype(F32)
+
+
+#: name -> (dot keyword arguments, fused exponent); "4 chains" is what the kernel does now.
+ORDERS = {
+    "4 chains": ({"chains": 4}, False), "4 chains+fma": ({"chains": 4}, True),
+    "16 chains": ({"chains": 16}, False), "32 chains": ({"chains": 32}, False),
+    "32 chains+fma": ({"chains": 32}, True), "tree of 8": ({"chunk": 8}, False),
+    "tree of 8+fma": ({"chunk": 8}, True), "tree of 4+fma": ({"chunk": 4}, True),
+    "tree of 16+fma": ({"chunk": 16}, True), "exact": ({}, False), "exact+fma": ({}, True),
+}
+
+
+def main(draws):
+    worst = dict.fromkeys(ORDERS, 0.0)
+    fails = dict.fromkeys(ORDERS, 0)
+    for seed in range(draws):
+        rng = np.random.default_rng(1000 + seed)
+        q, do = (rng.standard_normal(D).astype(F32) for _ in range(2))
+        k, v = (rng.standard_normal((SK, D)).astype(F32) for _ in range(2))
+        q64, k64, v64, do64 = (x.astype(F64)[None, None] if x.ndim == 1 else x.astype(F64)[None]
+                               for x in (q, k, v, do))
+        ref = reference.attention_backward_ref(do64, q64, k64, v64, causal=True,
+                                               scale=float(SCALE))
+        tols, _ = reference.grad_pass_threshold(do64, q64, k64, v64, causal=True,
+                                                scale=float(SCALE), dtype="float32", ref=ref)
+        for name, (kw, fused) in ORDERS.items():
+            dv = (probabilities(dot(q, k, **kw), fused)[:, None] * do[None, :]).astype(F32)
+            ratio = float(np.abs(dv - ref[2][0]).max() / tols[2])
+            worst[name] = max(worst[name], ratio)
+            fails[name] += ratio > 1
+    print(f"draws {draws}")
+    for name in ORDERS:
+        print(f"  {name:16s} worst err/thr {worst[name]:.3f}   over the rule {fails[name]}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100)
