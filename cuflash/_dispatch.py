@@ -833,10 +833,11 @@ def bwd_hopper_threads(dpad: int, bn: int) -> int:
 
 def bwd_hopper_smem(dpad: int, bm: int, bn: int, ds_kmajor: bool = True) -> int:
     """Shared-memory bytes of cuflash_bwd_wgmma (BwdWgmmaConfig::SMEM): K, V, two stages of Q
-    and dO, dS (D > 128: also P^T, and dS^T beside a K-major dS), lse and delta."""
+    and dO, dS (D > 128: also P^T, and dS^T beside a K-major dS), lse and delta, and 16 bytes
+    for the deterministic mode's pending turn hand-over."""
     score_tiles = 1 + (dpad > 128) * (1 + bool(ds_kmajor))
     return (1024 + 2 * bn * dpad * 2 + 2 * 2 * bm * dpad * 2 + score_tiles * bn * bm * 2
-            + 2 * 2 * bm * 4)
+            + 2 * 2 * bm * 4 + 16)
 
 
 def bwd_hopper_plan(dtype_name: str, d: int, causal: bool, deterministic: bool) -> BackwardPlan:

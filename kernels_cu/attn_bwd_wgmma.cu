@@ -69,16 +69,21 @@
 //   the wgmmas read through the async proxy); barrier 1 (every copy landed; the previous tile's
 //   dQ products are complete, so dS^T and the other buffer are free); request the next tile into
 //   the other buffer (and fetch its lse, delta into registers); S^T and dP^T (two commit groups);
-//   P^T once S^T is in, dS^T once dP^T is; dS^T to shared memory; dV, dK (one commit group, left
-//   in flight); store the next tile's lse, delta; (DET: wait for the tile's turn); fence.proxy.
-//   async; barrier 2 (dS^T complete); dQ (one commit group); wait for all; the dq atomics;
-//   (DET: fence, barrier 3, hand the turn on).
+//   (DET: thread 0 hands the previous tile's turn on); P^T once S^T is in, dS^T once dP^T is;
+//   dS^T to shared memory; dV, dK (one commit group, left in flight); store the next tile's lse,
+//   delta; fence.proxy.async; barrier 2 (dS^T complete); dQ (one commit group); (DET: each
+//   warp's lane 0 waits for the tile's turn while dQ runs); wait for all; the dq atomics.
 //
 // dq accumulation and determinism: as attn_bwd_mma.cu (notes/BACKWARD.md, "Deterministic dq"):
 // float atomics (DET = false), or (DET = true) the key blocks adding into one query tile take
 // turns in descending key-block order through a counter at column DPAD of the tile's first dq
-// accumulator row (zeroed by the preprocess); key blocks are numbered from the end of the grid,
-// so a block waits only for blocks dispatched before it. The tiles here are this kernel's BM rows.
+// accumulator row (zeroed by the preprocess); a key block's rank r (the r-th from the end) is
+// dispatched after rank r - 1 of its owner, so a block waits only for blocks dispatched before
+// it. The tiles here are this kernel's BM rows. What the turns cost and how this kernel keeps it
+// down (notes/BACKWARD.md, "Deterministic dq on Hopper"): the wait is polled per warp under the
+// dQ products, the hand-over is thread 0's alone after the next barrier 1 (no per-thread fence,
+// no third barrier), blocks run in groups rank-major (common.cuh bwd_key_block, DET_ORDER), and
+// without the mask rank r starts once rank r - 1 has handed on its first tile (a tile of slack).
 //
 // Requirements checked on the host (cuflash/_dispatch.py: bwd_hopper_reason): compute capability
 // 9.0, float16 or bfloat16, D == Dv, D % 8 == 0, D <= DPAD <= 256, rows of q, k, v, do (and dk, dv) on
@@ -127,8 +132,10 @@ struct BwdWgmmaConfig {
     static constexpr int DST_OFF = DS_KMAJOR ? PT_OFF + (SPLIT ? DS_BYTES : 0) : DS_OFF;
     static constexpr int LD_OFF =
         DS_OFF + DS_BYTES + (SPLIT ? DS_BYTES : 0) + (SPLIT && DS_KMAJOR ? DS_BYTES : 0);
-    // + 1024: the dynamic shared memory base is only 16-byte aligned; it is rounded up.
-    static constexpr int SMEM = 1024 + LD_OFF + 2 * 2 * BM * 4;
+    // + 1024: the dynamic shared memory base is only 16-byte aligned; it is rounded up. + 16:
+    // (DET) thread 0's pending hand-over (the turn counter's address, the turn it hands on).
+    static constexpr int TURN_OFF = LD_OFF + 2 * 2 * BM * 4;
+    static constexpr int SMEM = 1024 + TURN_OFF + 16;
     // dQ pieces of 64 x 64 (query panel mp, head-dim panel np), PIECES / CONSUMERS each.
     static constexpr int PIECES = (BM / 64) * PANELS;
     static constexpr int PIECES_WG = PIECES / CONSUMERS;
@@ -181,6 +188,14 @@ __device__ __forceinline__ float2 lds_f2(unsigned int addr) {
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(r.x), "=f"(r.y) : "r"(addr) : "memory");
     return r;
 }
+__device__ __forceinline__ void sts_u64(unsigned int addr, unsigned long long v) {
+    asm volatile("st.shared.u64 [%0], %1;\n" :: "r"(addr), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long lds_u64(unsigned int addr) {
+    unsigned long long v;
+    asm volatile("ld.shared.u64 %0, [%1];\n" : "=l"(v) : "r"(addr) : "memory");
+    return v;
+}
 __device__ __forceinline__ void sts_f32(unsigned int addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
 }
@@ -211,7 +226,7 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     const int warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
     const int lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const BwdKeyBlock kb = bwd_key_block<BM, BN, CAUSAL>(p);
+    const BwdKeyBlock kb = bwd_key_block<BM, BN, CAUSAL, DET>(p);
     const unsigned int owner = kb.owner, n_red = kb.n_red;
     const int nblock = kb.nblock, key0 = kb.key0, sq = kb.sq, sk = kb.sk, d = kb.d;
     const int diag = kb.diag, m_first = kb.m_first, n_iter = kb.n_iter;
@@ -271,6 +286,41 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     }
     const int key_t = kw0 + 16 * warp + g;  // this thread's keys: key_t, key_t + 8
 
+    // DET: the turn counter of query tile mt (reduction step ix) and this block's turn there:
+    // the tile's last key block (the diagonal one under the causal mask) first, key block 0
+    // last.
+    const auto turn_at = [&](const BwdIndex& ix, int mt, int& mine) {
+        mine = (keys_needed<CAUSAL>(mt * BM, BM, sq, sk) - 1) / BN - nblock;
+        return reinterpret_cast<int*>(p.dq_accum + bwd_offsets(p, ix).dqa +
+                                      static_cast<long long>(mt * BM) * p.dqa_sr + DPAD);
+    };
+    // DET: the turn this block hands on (thread 0, after the next barrier 1 has ordered every
+    // thread's additions before it: the release is cumulative through bar.sync, as a grid-wide
+    // barrier's), so that no warp waits for a fence at the end of a tile. Thread 0 keeps the
+    // pending hand-over in shared memory (registers are at the cap): the counter's address (0:
+    // none) and the turn it hands on.
+    const unsigned int turn_s = base + Cfg::TURN_OFF;
+    if (DET && tid == 0) sts_u64(turn_s, 0ull);
+    const auto hand_on = [&]() {
+        if (DET && tid == 0) {
+            const unsigned long long at = lds_u64(turn_s);
+            if (at != 0ull) {
+                const int next = static_cast<int>(lds_u64(turn_s + 8));
+                __threadfence();
+                bwd_turn_store(reinterpret_cast<int*>(at), next);
+                sts_u64(turn_s, 0ull);
+            }
+        }
+    };
+    // DET without the mask: every key block visits the query tiles in the same order, so rank r
+    // (key block n_nblocks - 1 - r) starts only once rank r - 1 has handed on its first tile: a
+    // tile apart, the chain has a tile of slack at every turn instead of none (notes/
+    // BACKWARD.md, "Deterministic dq on Hopper"). Only for grids of 8 waves or more (the
+    // first wave's start-up idles up to (N - 1) / 2 tiles a block, once per launch). Without
+    // the mask the first tile is tile 0 (its counter at column DPAD of row 0) and rank r's turn
+    // at every tile is r.
+    const bool gate = DET && !CAUSAL && n_iter > 1 && gridDim.x >= 8u * sm_count();
+
     for (int it = 0; it < n_iter; ++it) {
         const int buf = it & 1;
         const int i0 = cur_mt * BM;
@@ -305,9 +355,19 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
             wgmma_commit();
         };
         const auto issue_dp = [&]() { keys_by_queries(dp, v_s, do_t); };
+        if (DET && !CAUSAL && it == 0 && gate) {  // each warp waits; no block barrier
+            if (lane == 0) {
+                const int* at = reinterpret_cast<const int*>(p.dq_accum +
+                                                             bwd_offsets(p, cur_ix).dqa + DPAD);
+                while (bwd_turn_load(at) != static_cast<int>(p.n_nblocks) - 1 - nblock)
+                    __nanosleep(64);
+            }
+            __syncwarp();
+        }
         wgmma_fence();
         keys_by_queries(s, k_s, q_t);
         if constexpr (Cfg::DP_EARLY) issue_dp();
+        if (DET) hand_on();  // the previous tile's turn, under this tile's first products
 
         // P^T. Element e of n8 tile nt: key key_t + 8 (e / 2), query column nt * 8 + 2 t4 +
         // (e % 2). Masked: keys past Sk (zero-filled K gives s = 0, not -inf) and, under the
@@ -429,16 +489,9 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
             sts_f32(lse_s + ((1 - buf) * BM + tid) * 4, l2_next);
             sts_f32(delta_s + ((1 - buf) * BM + tid) * 4, dl_next);
         }
-        // DET: this block's turn at the tile. Its last key block (the diagonal one under the
-        // causal mask) first, key block 0 last.
         float* dqa = p.dq_accum + bwd_offsets(p, cur_ix).dqa;
-        int* turn = reinterpret_cast<int*>(dqa + static_cast<long long>(i0) * p.dqa_sr + DPAD);
-        const int my_turn = (keys_needed<CAUSAL>(i0, BM, sq, sk) - 1) / BN - nblock;
-        if (DET && tid == 0) {
-            while (bwd_turn_load(turn) != my_turn) __nanosleep(32);
-        }
         fence_async_smem();
-        __syncthreads();  // (2) dS^T complete; (DET) our turn
+        __syncthreads();  // (2) dS^T complete
 
         // dQ pieces: 64 queries (query panel mp) x 64 head-dim columns (panel np of K) over the
         // block's BN keys, BN / 16 k16 steps of 16 keys; B = K N-major (16 key rows a step).
@@ -480,6 +533,21 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
             }
         }
         wgmma_commit();
+        // DET: our turn at the tile, polled by each warp's lane 0 while the dQ products run
+        // (the warp would wait for them anyway); bar.warp.sync orders the warp's additions
+        // after the acquire. Thread 0 records the hand-over.
+        if (DET) {
+            if (lane == 0) {
+                int mine;
+                int* const turn = turn_at(cur_ix, cur_mt, mine);
+                while (bwd_turn_load(turn) != mine) __nanosleep(32);
+                if (tid == 0) {
+                    sts_u64(turn_s, reinterpret_cast<unsigned long long>(turn));
+                    sts_u64(turn_s + 8, static_cast<unsigned long long>(mine + 1));
+                }
+            }
+            __syncwarp();
+        }
         wgmma_wait<0>();
         fence_regs(dk_acc);
         fence_regs(dv_acc);
@@ -499,12 +567,11 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
                 }
             }
         }
-        if (DET) {
-            __threadfence();
-            __syncthreads();  // (3) every thread's additions are visible before the next turn
-            if (tid == 0) bwd_turn_store(turn, my_turn + 1);
-        }
         kb.step(p, cur_mt, cur_red, cur_ix);
+    }
+    if (DET) {
+        __syncthreads();  // every warp's additions to the last tile before its release
+        hand_on();
     }
     cp_async_wait<0>();  // nothing in flight when the block exits
 

@@ -905,12 +905,33 @@ struct BwdKeyBlock {
         if (++red < static_cast<int>(n_red)) ix = bwd_index(p, p.kv_red, owner, red);
     }
 };
-template <int BM, int BN, bool CAUSAL>
+// The number of SMs as the hardware numbers them (%nsmid: the largest SM id + 1).
+__device__ __forceinline__ unsigned int sm_count() {
+    unsigned int n;
+    asm("mov.u32 %0, %%nsmid;\n" : "=r"(n));
+    return n;
+}
+// DET_ORDER (the deterministic turns, notes/BACKWARD.md "Deterministic dq on Hopper"): blocks in
+// groups of W = max(1, SMs / n_nblocks) owners, rank-major inside a group (rank r = the r-th key
+// block from the end: every owner's rank 0, then every rank 1, ...), so that the W slots the
+// rank-r blocks of one group free are taken by the rank-r blocks of the next and an owner's
+// ranks start one after another, not in bursts. Rank r - 1 of an owner is always dispatched
+// before rank r (the turns still wait only for earlier blocks), and which block index runs
+// which key block changes no sum.
+template <int BM, int BN, bool CAUSAL, bool DET_ORDER = false>
 __device__ __forceinline__ BwdKeyBlock bwd_key_block(const BwdParams& p) {
     BwdKeyBlock b;
     const unsigned int nn = static_cast<unsigned int>(p.n_nblocks);
+    unsigned int rank = blockIdx.x % nn;
     b.owner = blockIdx.x / nn;
-    b.nblock = static_cast<int>(nn - 1 - blockIdx.x % nn);
+    if (DET_ORDER) {
+        const unsigned int owners = gridDim.x / nn, w = max(1u, sm_count() / nn);
+        const unsigned int group = blockIdx.x / (w * nn), in = blockIdx.x - group * w * nn;
+        const unsigned int wg = min(w, owners - group * w);  // owners in this group
+        rank = in / wg;
+        b.owner = group * w + in % wg;
+    }
+    b.nblock = static_cast<int>(nn - 1 - rank);
     b.key0 = b.nblock * BN;
     b.sq = static_cast<int>(p.sq);
     b.sk = static_cast<int>(p.sk);

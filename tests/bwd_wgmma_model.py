@@ -147,7 +147,8 @@ class Cfg:
         self.pt_off = self.ds_off + self.ds_bytes
         self.dst_off = (self.pt_off + self.ds_bytes * self.split) if ds_kmajor else self.ds_off
         self.ld_off = self.ds_off + self.ds_bytes * (1 + self.split + (self.split and ds_kmajor))
-        self.smem = 1024 + self.ld_off + 2 * 2 * bm * 4
+        self.turn_off = self.ld_off + 2 * 2 * bm * 4  # (DET) thread 0's pending hand-over
+        self.smem = 1024 + self.turn_off + 16
         self.pieces = (bm // 64) * self.panels
         self.pieces_wg = self.pieces // self.consumers
         assert self.pieces % self.consumers == 0
@@ -171,29 +172,46 @@ def load_swizzled(mem, smem, dst, ptr, base, ld, row0, rows, n_rows, d, c):
             smem[(d0 + n * rstep * 128) // 2 + e] = vals
 
 
-def key_blocks(p, grid, bm, bn, causal):
+def block_order(bid, grid, nn, det, nsm):
+    """common.cuh bwd_key_block: (k/v owner, rank) of block index bid; DET_ORDER (det): groups
+    of W = max(1, nsm / nn) owners, rank-major inside a group."""
+    if not det:
+        return divmod(bid, nn)
+    owners, w = grid // nn, max(1, nsm // nn)
+    group, rest = divmod(bid, w * nn)
+    wg = min(w, owners - group * w)
+    rank, o = divmod(rest, wg)
+    return group * w + o, rank
+
+
+def key_blocks(p, grid, bm, bn, causal, det=False, nsm=132):
     """common.cuh bwd_key_block for every block index, in order: (block index, k/v owner, key
     block, the (reduction step, query tile) visits)."""
     sq, sk, nn = int(p["sq"]), int(p["sk"]), int(p["n_nblocks"])
     steps = range(reduce_count(p, int(p["kv_red"])))
     n_mtiles = -(-sq // bm)
     for bid in range(grid):
-        owner, rev = divmod(bid, nn)
+        owner, rev = block_order(bid, grid, nn, det, nsm)
         nblock = nn - 1 - rev
         first = max(nblock * bn - (sk - sq), 0) if causal else 0
         m_first = n_mtiles if first >= sq else first // bm
         yield bid, owner, nblock, [(r, mt) for r in steps for mt in range(m_first, n_mtiles)]
 
 
-def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
+def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
     """Every block of cuflash_bwd_wgmma in block-index order (the dispatch order the turns rely
-    on), each warpgroup's products as matrices read through the descriptors the kernel builds."""
+    on), each warpgroup's products as matrices read through the descriptors the kernel builds.
+    nsm: what %nsmid reads (the deterministic block order and start gate depend on it, the
+    results must not)."""
     sq, sk, d = int(p["sq"]), int(p["sk"]), int(p["d"])
     kv_red, diag = int(p["kv_red"]), sk - sq
     scale_log2, scale = float(p["scale_log2"]), float(p["scale"])
     dqa_sr, dqa = int(p["dqa_sr"]), int(p["dq_accum"])
     bm, bn, dpad = c.bm, c.bn, c.dpad
-    for bid, owner, nblock, visits in key_blocks(p, grid, bm, bn, causal):
+    seen = set()
+    for bid, owner, nblock, visits in key_blocks(p, grid, bm, bn, causal, det, nsm):
+        assert (owner, nblock) not in seen, "every (owner, key block) once"
+        seen.add((owner, nblock))
         key0, n_iter = nblock * bn, len(visits)
         smem = np.full(c.smem // 2, np.nan)   # 16-bit elements, by byte address / 2
         fsm = np.full(c.smem // 4, np.nan)    # float32 words, by byte address / 4
@@ -226,6 +244,11 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det):
             fsm[delta_s // 4 + np.arange(bm)] = dl
         dk_acc = np.zeros((c.consumers, 128, c.dkv_n // 2))
         dv_acc = np.zeros((c.consumers, 128, c.dkv_n // 2))
+        if det and not causal and n_iter > 1 and grid >= 8 * nsm:  # the start gate (tile 0)
+            at0 = bwd_offsets(p, bwd_index(p, kv_red, owner, visits[0][0]))["dqa"] + dpad
+            got = mem.read(dqa, [at0])[0]
+            rank = int(p["n_nblocks"]) - 1 - nblock
+            assert got == rank, f"block {bid}: gate turn {got} != {rank}"
         for it, (red, mt) in enumerate(visits):
             buf, i0 = it & 1, mt * bm
             if it + 1 < n_iter:
@@ -396,8 +419,9 @@ def _pack_p(frag, bm):
     return out
 
 
-def run_plan_launches(mem, launches, bplan, causal):
-    """Run the launches recorded from launch_backward for a Hopper plan."""
+def run_plan_launches(mem, launches, bplan, causal, nsm=132):
+    """Run the launches recorded from launch_backward for a Hopper plan (nsm: the SM count the
+    kernel reads, %nsmid)."""
     kern = bplan.passes[0][1]
     name = kern.spec.name
     targs = [x.strip() for x in name[name.index("<") + 1:name.rindex(">")].split(",")]
@@ -412,7 +436,7 @@ def run_plan_launches(mem, launches, bplan, causal):
             preprocess(mem, params, grid)
         elif "cuflash_bwd_wgmma" in spec_name:
             assert threads == c.threads == kern.threads
-            bwd_wgmma_kernel(mem, params, grid, c, causal, det)
+            bwd_wgmma_kernel(mem, params, grid, c, causal, det, nsm)
         elif "cuflash_bwd_convert_dq" in spec_name:
             convert_dq(mem, params, grid)
         else:

@@ -772,9 +772,11 @@ def test_tensorcore_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, cc, layo
                       monkeypatch)
 
 
-def _run_kernel_model(kernel, dtype, qb, kb, sq, sk, d, causal, det, cc, layout, monkeypatch):
+def _run_kernel_model(kernel, dtype, qb, kb, sq, sk, d, causal, det, cc, layout, monkeypatch,
+                      **model_kw):
     """The plan backward_plan_for picks for kernel= ("tensorcore": tests/bwd_mma_model.py,
-    "hopper": tests/bwd_wgmma_model.py) on FakeArrays, its recorded launches run by the model."""
+    "hopper": tests/bwd_wgmma_model.py) on FakeArrays, its recorded launches run by the model
+    (model_kw: passed on to its run_plan_launches)."""
     import bwd_generic_model as gmodel
     import bwd_mma_model
     import bwd_wgmma_model
@@ -806,7 +808,7 @@ def _run_kernel_model(kernel, dtype, qb, kb, sq, sk, d, causal, det, cc, layout,
     bp = _dispatch.backward_plan_for(prob, cc)
     assert bp.label.startswith(f"{kernel}-bwd") and bp.deterministic == det
     launches = _record_launches(bp, prob, grads, mem, monkeypatch)
-    model.run_plan_launches(mem, launches, bp, causal)
+    model.run_plan_launches(mem, launches, bp, causal, **model_kw)
     _check_model_grads(grads, do, q, k, v, causal, dtype, lse_ref, lse_term=True)
 
 

@@ -42,11 +42,11 @@ def test_hopper_backward_plans():
     assert "D256,BM64,BN64," in _dispatch.bwd_hopper_plan("float16", 136, False, False).label
     # D = 256: two warpgroups (256 threads) on 64 keys; both dS layouts fit (227 KiB)
     k256 = _dispatch.bwd_hopper_plan("bfloat16", 256, True, True).passes[0][1]
-    assert (k256.threads, k256.smem_bytes) == (256, 223232)
+    assert (k256.threads, k256.smem_bytes) == (256, 223248)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_dispatch, "HOPPER_BWD_DS_KMAJOR", False)
         assert _dispatch.bwd_hopper_plan("float16", 256, False, False).passes[0][1] \
-            .smem_bytes == 223232 - 64 * 64 * 2
+            .smem_bytes == 223248 - 64 * 64 * 2
 
 
 def _prob(**kw):
@@ -185,3 +185,34 @@ def test_hopper_model_split_catches_a_slip(monkeypatch, wrong):
     with pytest.raises(AssertionError, match="model error"):
         _run_kernel_model("hopper", "float16", (1,), (1,), 100, 90, 256, False, False, 90,
                           "contiguous", monkeypatch)
+
+
+@pytest.mark.parametrize("nsm", [1, 3, 7, 132])
+@pytest.mark.parametrize("d,causal", [(64, False), (256, False), (128, True)])
+def test_hopper_deterministic_block_order(d, causal, nsm, monkeypatch):
+    """The deterministic mode's block order (common.cuh bwd_key_block, DET_ORDER: groups of
+    max(1, SMs / key blocks) owners, rank-major inside) and start gate (no mask, grids of 8
+    waves or more: nsm = 1 here) for several SM counts (%nsmid): every (owner, key block) runs once, and run in
+    block-index order every turn and gate is ready when its block gets there (so no block
+    waits for one dispatched after it), with the gradients right."""
+    _run_kernel_model("hopper", "float16", (5,), (5,), 300, 260, d, causal, True, 90,
+                      "contiguous", monkeypatch, nsm=nsm)
+
+
+def test_hopper_block_order_model_is_sharp():
+    """block_order: rank r - 1 of an owner has a lower block index than rank r, for every grid
+    and SM count (what the turns' deadlock freedom rests on), and the mapping is a bijection."""
+    import bwd_wgmma_model as model
+
+    for nn in (1, 2, 3, 5, 32, 128, 256):
+        for owners in (1, 2, 5, 7, 33, 128):
+            for nsm in (1, 3, 132, 144):
+                grid = nn * owners
+                where = {}
+                for bid in range(grid):
+                    where[model.block_order(bid, grid, nn, True, nsm)] = bid
+                assert len(where) == grid
+                for (o, r), bid in where.items():
+                    assert 0 <= o < owners and 0 <= r < nn
+                    if r:
+                        assert where[(o, r - 1)] < bid
