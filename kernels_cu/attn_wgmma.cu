@@ -36,6 +36,10 @@
 //       c. The consumer index is broadcast from lane 0 so that the compiler treats it as
 //          warp-uniform (uniform registers); without that, a + b spilled 16-56 bytes at D = 256
 //          and at BM = 192 and ran 4-15% slower (ab.py, D = 64, 128 and 256, S = 512-1024).
+//   5   3xfp16 float32 (F16S): the producer requests tile j + STAGES - 1 once tile j is prepared,
+//       so loads land during the splits before; each tile used to be requested and then waited
+//       for in its own iteration, a serial load-split chain (notes/FLOAT32.md, "Hopper 3xfp16 at
+//       D = 64": predicted 87 -> 105-120 TFLOP/s at D = 64; D = 128, two stages, is unchanged).
 //
 // Block = 1 + CONSUMERS warpgroups (384 or 512 threads), BM = 64 * CONSUMERS query rows:
 //   - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
@@ -133,13 +137,16 @@ struct WgmmaConfig {
     static constexpr int NT_S = BN / 8;                 // n8 tiles of scores per 16-row slab
     static constexpr int NT_O = DPAD / 8;
     // setmaxnreg: the producer keeps 24 registers (56 for float, whose producer threads prepare
-    // tiles), the consumers share the rest of the SM's 64 K (a multiple of 8, at most 240): 240
-    // with two consumers, 160 with three (float: 224 with two).
-    static constexpr int PRODUCER_REGS = F32 ? 56 : 24;
+    // tiles; 72 for the 3xfp16 form with three stages, whose producer keeps two tiles' loads in
+    // flight: NVRTC 13.0 spilled 12-32 bytes there with 56 or 64), the consumers share the rest
+    // of the pool (a multiple of 8, at most 240): 240 with two consumers, 160 with three (float:
+    // 224 with two; 3xfp16 with three stages 216).
+    static constexpr int PRODUCER_REGS = (F16S && STAGES > 2) ? 72 : F32 ? 56 : 24;
     // The pool setmaxnreg moves registers within: what the block was launched with, ptxas's
     // count for 128 (CONSUMERS + 1) threads at one block per SM (168 a thread with two
     // consumers, 128 with three), not the SM's 65536. A consumer's setmaxnreg.inc waits until
-    // the producer has given back enough, so a budget over the pool hangs every launch.
+    // the producer has given back enough, so a budget over the pool hangs every launch (it did:
+    // 64 + 224 with two consumers, H200 2026-12-02).
     static constexpr int LAUNCH_REGS = 65536 / (128 * (CONSUMERS + 1)) / 8 * 8;
     static constexpr int POOL_REGS = LAUNCH_REGS * 128 * (CONSUMERS + 1);
     static constexpr int CONSUMER_REGS_RAW = (POOL_REGS - PRODUCER_REGS * 128) / (128 * CONSUMERS);
@@ -552,6 +559,45 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 load_q();
                 prep_q();
             }
+            if constexpr (F16S && STAGES > 2) {
+                // 3xfp16 with three or more stages (version 5): the loads run LOOK = STAGES - 1 tiles ahead of the splits.
+                // Tile j + LOOK's K and V are requested once tile j is prepared, so their TMA
+                // latency hides under the splits of the tiles before; before, each tile's loads
+                // were issued at the top of its own iteration and then waited for, so the stages
+                // never held a tile ahead (notes/FLOAT32.md, "Hopper 3xfp16 at D = 64"). Both
+                // tiles land in their stages and are prepared there (split16_tile).
+                constexpr int LOOK = STAGES - 1;
+                // tile t of this item is tile gi of the block's walk: stage gi % STAGES
+                const auto issue = [&](int t, unsigned int gi) {
+                    if (!issuer) return;
+                    const int st = gi % STAGES;
+                    const unsigned int use = gi / STAGES;
+                    if (gi >= STAGES) mbar_wait(k_empty(st), (use - 1) & 1);
+                    load(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, Cfg::KV_PANEL, t * BN, k_land(st),
+                         Cfg::KV_BYTES);
+                    if (gi >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
+                    load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, t * BN,
+                         v_land_st(st), Cfg::KV_BYTES);
+                };
+                if (n_tiles > 0) {
+                    issue(0, it);
+                    load_q();
+                    for (int t = 1; t < LOOK && t < n_tiles; ++t) issue(t, it + t);
+                    prep_q();
+                }
+                for (int j = 0; j < n_tiles; ++j, ++it) {
+                    const int st = it % STAGES;
+                    const unsigned int use = it / STAGES;
+                    mbar_wait(k_land(st), use & 1u);
+                    split16_tile<BN, DPAD>(k_s + st * Cfg::KV_BYTES, red, k_exp(st), tid, PREP);
+                    prepared(k_full(st));
+                    mbar_wait(v_land_st(st), use & 1u);
+                    split16_tile<BN, DPAD>(v_s + st * Cfg::KV_BYTES, red, v_exp(st), tid, PREP);
+                    prepared(v_full(st));
+                    if (j + LOOK < n_tiles) issue(j + LOOK, it + LOOK);
+                }
+                continue;
+            }
             for (int j = 0; j < n_tiles; ++j, ++it) {
                 // Stage st held tile it - STAGES; K and V are released separately (K as soon as
                 // its scores are computed), so K may come in while the old V is in use.
@@ -568,7 +614,8 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                     load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN, v_full(st),
                          Cfg::KV_BYTES);
                 } else if constexpr (F16S) {
-                    // Both tiles land in their stages and are prepared there (split16_tile).
+                    // Two stages: tile j is requested at the top of its iteration, after tile
+                    // j - 1 is prepared (what the lookahead above would do with STAGES - 1 = 1).
                     if (issuer) {
                         if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
                         load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN,
