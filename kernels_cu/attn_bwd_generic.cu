@@ -78,15 +78,31 @@ __device__ __forceinline__ void bwd_load_tile(Acc* s, int rows, const T* x, long
     }
 }
 
-// Four interleaved partial sums of a . b over n4 (a multiple of 4, zero-padded) elements.
+// a . b over n4 (a multiple of 4) elements, zero-padded to the head-dim bucket (a multiple of 32):
+// CH interleaved FMA chains, combined as a pairwise tree of neighbours. float32 takes 16 chains:
+// with 4, the scores at Sq = 1 carried more rounding than the rule's naive float32 counterpart
+// (BLAS gemv) on about 1% of draws (notes/BACKWARD.md, "The float32 generic backward at Sq = 1";
+// `python benchmarks/f32_bwd_score_emul.py 300`: 4 chains 2/300 over the rule, 16 chains 0/300,
+// worst 0.86x). float64 keeps 4 (its error is far inside its rule).
 template <typename Acc>
 __device__ __forceinline__ Acc bwd_dot(const Acc* a, const Acc* b, int n4) {
-    Acc part[4] = {Acc(0), Acc(0), Acc(0), Acc(0)};
-    for (int c = 0; c < n4; c += 4) {
+    constexpr int CH = sizeof(Acc) == 4 ? 16 : 4;
+    Acc part[CH];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) part[u] += a[c + u] * b[c + u];
+    for (int u = 0; u < CH; ++u) part[u] = Acc(0);
+    // Round up to CH: the tiles are zero beyond the head dim up to the bucket (bwd_load_tile),
+    // and CH divides the bucket.
+    const int n = (n4 + CH - 1) & ~(CH - 1);
+    for (int c = 0; c < n; c += CH) {
+#pragma unroll
+        for (int u = 0; u < CH; ++u) part[u] += a[c + u] * b[c + u];
     }
-    return (part[0] + part[1]) + (part[2] + part[3]);
+#pragma unroll
+    for (int w = 1; w < CH; w *= 2) {
+#pragma unroll
+        for (int u = 0; u < CH; u += 2 * w) part[u] += part[u + w];
+    }
+    return part[0];
 }
 
 template <typename T, typename Acc, int DB, int DVB, bool CAUSAL, typename V>
