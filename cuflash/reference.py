@@ -719,6 +719,36 @@ def _bound_constants(dtype, precision=None):
                 sixteen=sixteen, eta=_UNDERFLOW[name])
 
 
+# The fp16 split of the float32 "highest" tensor-core forms (kernels_cu/fp16split.cuh): every tile
+# of Q, K and V is scaled by a power of two that puts its largest magnitude M in [2^13, 2^14), and
+# P (<= 2^8 unnormalised) by 2^7, then x = hi + lo in fp16. Relative to each element the split is
+# exact to 2^-22 (inside e_prod), but lo has fp16's subnormal floor: an element far below its
+# tile's maximum keeps an absolute error of up to 2^-25 in the scaled units, 2^-38 M unscaled
+# (2^-32 for a weight). notes/ERROR_BOUND.md, "Block-scaled splits".
+_SPLIT16_FLOOR = 2.0 ** -38
+_SPLIT16_P_FLOOR = 2.0 ** -32
+
+
+def _split16_floor(q, k, v, scale, a, sd, v1, dtype, precision):
+    """The fp16 split's absolute floor (above) for float32 outputs in the "highest" modes, as
+    an array that broadcasts against o (0 for other dtypes and for "high"): the score error
+    scale 2^-37 D M_q M_k (Q's and K's floors through every product) through the weights
+    (expm1 of twice it, times sd + A), V's floor 2^-38 M_v (the weights sum to 1) and P's floor
+    2^-32 per visible key's |v_j| (v1), doubled for the products' and sums' own roundings on
+    these terms."""
+    if _dtype_name(dtype) != "float32" or precision == "high":
+        return 0.0
+    def amax(x):
+        with np.errstate(invalid="ignore"):
+            return np.max(np.where(np.isfinite(x), np.abs(x), 0.0), axis=(-1, -2), keepdims=True) \
+                if x.size else np.zeros(x.shape[:-2] + (1, 1))
+    d = q.shape[-1]
+    ds = 2.0 * _SPLIT16_FLOOR * abs(float(scale)) * d * amax(q) * amax(k)   # (..., 1, 1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return 2.0 * (np.expm1(2.0 * ds) * (sd + a) + _SPLIT16_FLOOR * amax(v)
+                      + _SPLIT16_P_FLOOR * v1)
+
+
 def _bound_one(w, o, a, sd, sig, mx, n_vis, v1, d, dtype, key_tile, rounded_scores,
                precision=None):
     """The bound of :func:`error_bound` for one arithmetic model; arrays as computed there."""
@@ -837,6 +867,9 @@ def error_bound(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
         args = (w, o, a, sd, sig, mx, n_vis, v1, d)
         bound = _bound_one(*args, dtype, key_tile, rounded_scores, precision)
         bound = bound + _bound_one(*args, "float64", sk, False)  # the reference's own rounding
+        if not rounded_scores:
+            floor = _split16_floor(q, k, v, scale, a, sd, v1, dtype, precision)
+            bound = bound + np.where(np.asarray(n_vis)[..., None] > 0, floor, 0.0)
     return bound
 
 
@@ -881,6 +914,9 @@ def _error_bound_variant(q, k, v, causal, scale, dtype, key_tile, rounded_scores
         args = (w, o, a, sd, sig, mx, n_vis, v1, d)
         bound = _bound_one(*args, dtype, key_tile, rounded_scores, precision)
         bound = bound + _bound_one(*args, "float64", sk, False)
+        if not rounded_scores:
+            floor = _split16_floor(q, k, v, scale, a, sd, v1, dtype, precision)
+            bound = bound + np.where(np.asarray(n_vis)[..., None] > 0, floor, 0.0)
     return bound
 
 

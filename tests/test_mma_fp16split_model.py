@@ -121,3 +121,26 @@ def test_model_nonfinite_and_zero_tiles():
     vz[:, 64:96] = 0.0
     vd = _judge(q, kz, vz, causal=True)
     assert vd.passed, vd.reasons
+
+
+def test_split_floor_of_tiny_values():
+    """The fp16 split's absolute floor (cuflash.reference, `_split16_floor`): values about 2^-22 below
+    their V tile's maximum, seen alone by causal row 0 (o = v_0 exactly), keep an absolute error
+    near 2^-40 max|v| (fp16's subnormal spacing in lo), which is over the bound's relative
+    terms alone (the H200 found it at D = 96 on a fresh draw, session f) and inside the floor.
+    The floor stays 1e-10 of max|v|, so it cannot hide a wrong weight or a lost product."""
+    rng = np.random.default_rng(96)
+    q, k, v = _draw(rng, 1, 8, 8, 96)
+    v[0, 0, :] = (1e-6 * rng.standard_normal(96)).astype(np.float32)   # full float32 mantissas
+    v[0, 1, 0] = 3.5
+    o = hopper_f32_model(q, k, v, causal=True, bm=BM, bn=_bn(96), rng=np.random.default_rng(1))
+    o_ref, _ = ref.attention_ref(q, k, v, causal=True)
+    err = np.abs(o - o_ref)[0, 0]
+    relative_only = ref.error_bound(q, k, v, causal=True, dtype="float64")[0, 0] + \
+        64 * 2.0 ** -24 * np.abs(o_ref[0, 0])       # e_prod relative to the element
+    assert np.max(err) > 0 and np.max(err / relative_only) > 1.0, np.max(err / relative_only)
+    bound = ref.error_bound(q, k, v, causal=True, dtype=F32)
+    assert np.all(np.abs(o - o_ref) <= bound)
+    assert ref._split16_floor(q, k, v, 1 / np.sqrt(96), 0.0, 0.0, 0.0, F32, None).max() \
+        < 1e-10 * np.abs(v).max()
+    assert _judge(q, k, v, causal=True, seed=1).passed
