@@ -15,21 +15,34 @@ Run from the repository root::
 Every result is checked before it is timed: two (batch, kv head) slices of the output (the
 first and the last), with their query heads, against the float64 reference under the project's
 pass rule (cuflash.reference.pass_threshold). A failing implementation is reported, not timed.
-Time: the median of --repeats calls each between CUDA events, after --warmup calls. GB/s counts
-the bytes of K and V of every sequence once (B * Sk * Hkv * D * 2 * itemsize); the copy ceiling
-of an H200 is about 4.3 TB/s.
+Time: GPU time, as benchmarks/bench.py measures it (its `time_impl`): after --warmup calls, a
+spinning kernel holds the stream while the --repeats timed calls and their CUDA events are
+enqueued, so the events time the GPU's work and not the Python before each launch (host time per
+call is benchmarks/host_time.py's measurement); the median is reported. The decode and kvcache
+grids rotate over enough copies of their inputs that K and V are not in L2 when read (at least
+2 x the L2 size in all, up to 16 copies). Until 2026-12-02 (session f) each call was timed alone
+between two events after a synchronisation, which added the host time before the launch to
+every implementation's GPU time (about 45 us a cuflash decode call: B = 1, Sk = 128k, Hkv = 8 read
+at 3.1 TB/s that way). GB/s counts the bytes of K and V of every sequence once
+(B * Sk * Hkv * D * 2 * itemsize); the copy ceiling of an H200 is about 4.3 TB/s.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import sys
 import time
+
+import os
 
 import numpy as np
 
 import cuflash
 from cuflash import reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import Spinner, time_impl  # noqa: E402  (bench.py's timing method, one copy)
 
 H, D = 32, 128
 FULL = dict(b=(1, 8, 64), sk=(1024, 8192, 32768, 131072), hkv=(32, 8, 1))
@@ -37,20 +50,37 @@ QUICK = dict(b=(1, 64), sk=(8192, 131072), hkv=(8,))
 MAX_KV_BYTES = 40 * 2**30  # skip points whose K + V exceed this
 
 
-def _events(fn, warmup, repeats):
+_SPINNER = None
+TIME_CAP_S = 2.0  # most seconds the timed calls of one implementation and point may take
+
+
+def _events(fn, warmup, repeats, n_sets=1):
+    """Median GPU seconds of `fn(i)` (i: the input set, 0 .. n_sets - 1; a function of no
+    argument is called as is) by bench.py's `time_impl`: warm-up calls, then the timed calls
+    between CUDA events enqueued behind a spinning kernel on the current CuPy stream (torch's
+    default stream is the same legacy stream)."""
     import cupy as cp
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
-    return float(np.median(times))
+    global _SPINNER
+    if _SPINNER is None:
+        _SPINNER = Spinner(cp)
+        if _SPINNER.err:
+            print(f"spin kernel unavailable ({_SPINNER.err}): host time leaks into the timings",
+                  file=sys.stderr)
+    run = fn if inspect.signature(fn).parameters else (lambda i: fn())
+    times, _, _ = time_impl(cp, run, cp.cuda.get_current_stream(), n_sets, warmup, repeats,
+                            TIME_CAP_S, _SPINNER)
+    return float(np.median(times)) * 1e-3
+
+
+def _n_sets(nbytes, l2_bytes=None):
+    """Copies of a point's inputs that keep K and V out of L2 between calls: enough for twice
+    the L2 size in all, at most 16 (one when a single copy already exceeds it)."""
+    if l2_bytes is None:
+        import cupy as cp
+
+        l2_bytes = cp.cuda.Device().attributes.get("L2CacheSize", 60 * 2**20)
+    return int(min(16, max(1, math.ceil(2 * l2_bytes / max(1, nbytes)))))
 
 
 def _host(x):
@@ -111,29 +141,31 @@ def bench_decode(grid, args, rows):
                 kv_bytes = 2 * b * sk * hkv * D * 2
                 if kv_bytes > MAX_KV_BYTES:
                     continue
-                tq = torch.randn(b, H, 1, D, device="cuda", dtype=torch.float16)
-                tk = torch.randn(b, hkv, sk, D, device="cuda", dtype=torch.float16)
-                tv = torch.randn(b, hkv, sk, D, device="cuda", dtype=torch.float16)
-                q, k, v = (cp.from_dlpack(x) for x in (tq, tk, tv))
+                n = _n_sets(kv_bytes)
+                sets = [tuple(torch.randn(*shape, device="cuda", dtype=torch.float16)
+                              for shape in ((b, H, 1, D), (b, hkv, sk, D), (b, hkv, sk, D)))
+                        for _ in range(n)]
+                cps = [tuple(cp.from_dlpack(x) for x in st) for st in sets]
+                q, k, v = cps[0]
                 res = {}
                 o = cp.empty((b, H, 1, D), dtype=cp.float16)
-                fn = lambda: cuflash.attention(q, k, v, out=o)  # noqa: E731
-                fn()
+                fn = lambda i: cuflash.attention(*cps[i], out=o)  # noqa: E731
+                fn(0)
                 check = _Checker(q, k, v, b, hkv)
                 why = check(o)
-                res["cuflash"] = why or kv_bytes / _events(fn, args.warmup, args.repeats) / 1e9
+                res["cuflash"] = why or kv_bytes / _events(fn, args.warmup, args.repeats, n) / 1e9
                 for name, run in torch_impls.items():
                     try:
-                        to = run(tq, tk, tv)
+                        to = run(*sets[0])
                         why = check(cp.from_dlpack(to))
-                        res[name] = why or kv_bytes / _events(lambda: run(tq, tk, tv),
-                                                              args.warmup, args.repeats) / 1e9
+                        res[name] = why or kv_bytes / _events(
+                            lambda i: run(*sets[i]), args.warmup, args.repeats, n) / 1e9
                     except Exception as exc:  # backend refuses the shape
                         res[name] = f"n/a ({type(exc).__name__})"
                 label = cuflash.dispatch_info(q, k, v)
                 rows.append(("decode", b, sk, hkv, res, label))
                 _print_row(rows[-1])
-                tq = tk = tv = q = k = v = o = None
+                sets = cps = q = k = v = o = to = None
                 torch.cuda.empty_cache()
 
 
@@ -148,31 +180,44 @@ def bench_paged(grid, args, rows):
                 kv_bytes = 2 * b * sk * hkv * D * 2
                 if 2 * kv_bytes > MAX_KV_BYTES:
                     continue
-                q = cp.random.standard_normal((b, 1, H, D), dtype=cp.float32).astype(cp.float16)
-                kc = cp.random.standard_normal((b, sk, hkv, D), dtype=cp.float32).astype(cp.float16)
-                vc = cp.random.standard_normal((b, sk, hkv, D), dtype=cp.float32).astype(cp.float16)
+                n = _n_sets(kv_bytes)
                 lens = cp.full((b,), sk, dtype=cp.int32)
                 page = 16
                 per = sk // page
-                perm = rng.permutation(b * per).astype(np.int32)
-                bt = cp.asarray(perm.reshape(b, per))
-                kp = cp.empty((b * per, page, hkv, D), dtype=cp.float16)
-                vp = cp.empty_like(kp)
-                kp[bt.ravel()] = kc.reshape(b * per, page, hkv, D)
-                vp[bt.ravel()] = vc.reshape(b * per, page, hkv, D)
+                sets = []
+                for _ in range(n):
+                    q = cp.random.standard_normal((b, 1, H, D), dtype=cp.float32).astype(cp.float16)
+                    kc = cp.random.standard_normal((b, sk, hkv, D), dtype=cp.float32).astype(
+                        cp.float16)
+                    vc = cp.random.standard_normal((b, sk, hkv, D), dtype=cp.float32).astype(
+                        cp.float16)
+                    perm = rng.permutation(b * per).astype(np.int32)
+                    bt = cp.asarray(perm.reshape(b, per))
+                    kp = cp.empty((b * per, page, hkv, D), dtype=cp.float16)
+                    vp = cp.empty_like(kp)
+                    kp[bt.ravel()] = kc.reshape(b * per, page, hkv, D)
+                    vp[bt.ravel()] = vc.reshape(b * per, page, hkv, D)
+                    sets.append((q, kc, vc, kp, vp, bt))
+                q, kc, vc = sets[0][:3]
                 res = {}
                 check = _Checker(q.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
                                  vc.transpose(0, 2, 1, 3), b, hkv)
-                for name, kk, vv, tab in (("contiguous", kc, vc, None), ("paged16", kp, vp, bt)):
-                    o = cp.empty((b, 1, H, D), dtype=cp.float16)
-                    fn = lambda: cuflash.attention_with_kvcache(  # noqa: E731
-                        q, kk, vv, lens, block_table=tab, out=o)
-                    fn()
+                o = cp.empty((b, 1, H, D), dtype=cp.float16)
+                for name, paged in (("contiguous", False), ("paged16", True)):
+                    def fn(i, paged=paged):
+                        q_, kc_, vc_, kp_, vp_, bt_ = sets[i]
+                        if paged:
+                            return cuflash.attention_with_kvcache(q_, kp_, vp_, lens,
+                                                                  block_table=bt_, out=o)
+                        return cuflash.attention_with_kvcache(q_, kc_, vc_, lens, out=o)
+                    o.fill(np.nan)
+                    fn(0)
                     why = check(o.transpose(0, 2, 1, 3))
-                    res[name] = why or kv_bytes / _events(fn, args.warmup, args.repeats) / 1e9
+                    res[name] = why or kv_bytes / _events(fn, args.warmup, args.repeats, n) / 1e9
                 rows.append(("kvcache", b, sk, hkv, res, ""))
                 _print_row(rows[-1])
-                kc = vc = kp = vp = None
+                sets = q = kc = vc = o = None
+                cp.get_default_memory_pool().free_all_blocks()
 
 
 def bench_varlen(args, rows):
