@@ -612,6 +612,9 @@ def _hit(cp, rec, call, out, workspace, stream):
 def clear():
     """Forget every recorded signature (tests; after changing dispatch tables at run time)."""
     global _last
+    from . import _kvcache
+
     _CACHE.clear()
     _STREAMS.clear()
+    _kvcache._KV_RECORDS.clear()
     _last = (None, None)

@@ -11,12 +11,16 @@ recurrence per sequence.
 from __future__ import annotations
 
 import numbers
+import struct
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
-from . import _checks, _gqa, _interop
+from . import _callcache, _checks, _decode, _gqa, _interop
+from ._callcache import _arr_key
+from ._launch import WORKSPACE_ALIGN
 
 KVCACHE_KERNELS = ("auto", "decode")
 #: Smallest page of a paged cache: one key tile of the decode kernel (pages are powers of two).
@@ -315,9 +319,10 @@ def kvcache_launch(prob, attrs):
     return plan, cfg, _lens_bytes(prob) + cfg.part_bytes
 
 
-def _append(prob, starts, stream):
-    """Launch the in-place append of k_new, v_new at key positions ``starts[b]`` (int32, (B,))."""
-    from . import _compile, _decode
+def _append_block(prob, starts_ptr):
+    """(AppendParams of the in-place append of k_new, v_new at key positions ``starts[b]``
+    (the int32 (B,) array at `starts_ptr`), its grid of 256-thread blocks)."""
+    from . import _decode
 
     paged = prob.block_table is not None
     kc, vc = prob.k_cache, prob.v_cache
@@ -325,7 +330,7 @@ def _append(prob, starts, stream):
     ve = [s // vc.itemsize for s in vc.strides]
     ap = np.zeros((), dtype=_decode.APPEND_PARAMS_DTYPE)
     ap["k_new"], ap["v_new"] = prob.k_new.data.ptr, prob.v_new.data.ptr
-    ap["k"], ap["v"], ap["seqlens"] = kc.data.ptr, vc.data.ptr, starts.data.ptr
+    ap["k"], ap["v"], ap["seqlens"] = kc.data.ptr, vc.data.ptr, starts_ptr
     ap["block_table"] = prob.block_table.data.ptr if paged else 0
     ap["b"], ap["snew"], ap["hkv"], ap["d"] = prob.b, prob.snew, prob.hkv, prob.d
     for pre, x in (("nk", prob.k_new), ("nv", prob.v_new)):
@@ -340,14 +345,24 @@ def _append(prob, starts, stream):
     ap["page_log2"] = prob.page.bit_length() - 1 if paged else 0
     ap["bt_stride"] = prob.block_table.shape[1] if paged else 0
     n = prob.b * prob.snew * prob.hkv * (prob.d // 8)
-    kern = _compile.get_kernel(_decode.append_spec(prob.dtype_name, paged), prob.device_id)
-    kern((-(-n // 256),), (256,), (ap[()],), stream=stream)
+    return ap[()], -(-n // 256)
 
 
-def kvcache_gpu(prob):
+def _append(prob, starts, stream):
+    """Launch the in-place append of k_new, v_new at key positions ``starts[b]`` (int32, (B,))."""
+    from . import _compile, _decode
+
+    block, grid = _append_block(prob, starts.data.ptr)
+    kern = _compile.get_kernel(_decode.append_spec(prob.dtype_name, prob.block_table is not None),
+                               prob.device_id)
+    kern((grid,), (256,), (block,), stream=stream)
+
+
+def kvcache_gpu(prob, call=None):
     """The GPU path: append (kv_append), then decode through the cache (and the combine), all on
     the launch stream; scratch in ``prob.workspace`` or, without one, a pool allocation on that
-    stream. No host synchronisation."""
+    stream. No host synchronisation. `call`: this call's signature (`_kv_signature`), recorded
+    after the launch so that the next call with it takes the hit path."""
     import cupy
 
     from . import _decode, _launch
@@ -399,10 +414,188 @@ def kvcache_gpu(prob):
             l=(0, le[0], g * le[1], le[1], le[2]), k=k_str, v=v_str, seqlens=seqlens,
             block_table=prob.block_table, page=prob.page, k_page=ie[0] if paged else 0,
             v_page=ve[0] if paged else 0)
+        parts = ws[lens_bytes:] if cfg.splits > 1 else None
         _decode.launch(plan, geom, prob.q, kc, vc, o, lse, scale=prob.scale,
-                       device_id=prob.device_id, stream=st, cfg=cfg,
-                       parts=ws[lens_bytes:] if cfg.splits > 1 else None)
+                       device_id=prob.device_id, stream=st, cfg=cfg, parts=parts)
+        if call is not None:
+            _kv_record(call, prob, plan, cfg, geom, o, lse, parts, lens_bytes, need)
     return o, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# The call cache of attention_with_kvcache (a decode step's hit path; notes/INFERENCE.md,
+# "attention_with_kvcache": the call cache)
+
+#: signature -> _KVRecord; the oldest goes when full.
+_KV_RECORDS = {}
+_KV_RECORDS_SIZE = 64
+#: DecodeParams' first 11 fields (q, k, v, o, lse, o_part, lse_part, seqlens, block_table,
+#: cu_q, cu_k) and AppendParams' first 6 (k_new, v_new, k, v, seqlens, block_table) are the
+#: pointers a hit writes; the rest of each block is a function of the signature.
+_DEC_NPTR, _APP_NPTR = 11, 6
+
+
+def _kv_signature(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale,
+                  return_lse, out, workspace, kernel):
+    """``(key, ptrs)`` of an `attention_with_kvcache` call whose arrays are all plain CuPy
+    arrays (``ptrs``: q, k_cache, v_cache, cache_seqlens (0 for an int), block_table, k_new,
+    v_new; 0 where absent), or None (NumPy, torch or anything else: the full path). The key
+    holds each array's shape, strides, dtype, device and ``ptr & 15``, an int cache_seqlens by
+    value (it sets the key count), out's and workspace's layouts (the workspace's alignment
+    modulo `WORKSPACE_ALIGN` too) and the flags with their types."""
+    cp = sys.modules.get("cupy")
+    if cp is None or type(q) is not cp.ndarray:
+        return None
+    nd = cp.ndarray
+    ptrs = []
+    try:
+        keys = [_arr_key(x, nd, None, ptrs) for x in (q, k_cache, v_cache)]
+        if type(cache_seqlens) is int:
+            keys.append(("int", cache_seqlens))
+            ptrs.append(0)
+        else:
+            keys.append(_arr_key(cache_seqlens, nd, None, ptrs))
+        for x in (block_table, k_new, v_new):
+            if x is None:
+                keys.append(None)
+                ptrs.append(0)
+            else:
+                keys.append(_arr_key(x, nd, None, ptrs))
+        if out is None:
+            ok = None
+        elif type(out) is nd:
+            ok = _arr_key(out, nd, None, [])
+        elif isinstance(out, (tuple, list)):
+            ok = (type(out), len(out)) + tuple(_arr_key(x, nd, None, []) for x in out)
+        else:
+            return None
+        wk = None if workspace is None else (_arr_key(workspace, nd, None, [])
+                                             + (workspace.data.ptr % WORKSPACE_ALIGN,))
+    except LookupError:
+        return None
+    key = (tuple(keys), ok, wk, type(causal), causal, type(scale), scale, type(return_lse),
+           return_lse, type(kernel), kernel)
+    return key, tuple(ptrs)
+
+
+class _KVRecord:
+    """What a full `kvcache_gpu` call established for a signature: the outputs' shapes, the
+    scratch layout (lengths section, split partials), the kernels, their grids and the
+    parameter blocks' bytes after their pointers, and the tables' generation."""
+
+    __slots__ = ("tables", "device_id", "o_shape", "lse_shape", "dtype", "return_lse", "need",
+                 "lens_bytes", "b", "snew", "seqlens_int", "splits", "o_part_bytes", "dec",
+                 "dec_t", "dec_smem", "dec_tmpl", "comb", "comb_t", "app", "app_t", "app_tmpl")
+
+
+def _kv_record(call, prob, plan, cfg, geom, o, lse, parts, lens_bytes, need):
+    """Record `call` after its full-path launch, unless the checks copied an input (the kernels
+    must read and write the caller's buffers) or nothing was launched."""
+    from . import _compile, _decode
+
+    key, ptrs = call
+    try:
+        hash(key)
+    except TypeError:
+        return
+    seen = tuple(0 if x is None else x.data.ptr for x in (
+        prob.q, prob.k_cache, prob.v_cache, prob.seqlens, prob.block_table, prob.k_new,
+        prob.v_new))
+    if seen != ptrs:
+        return
+    rec = _KVRecord()
+    rec.tables = _callcache._tables()
+    rec.device_id, rec.dtype, rec.return_lse = prob.device_id, o.dtype, prob.return_lse
+    rec.o_shape = tuple(o.shape)
+    rec.lse_shape = None if lse is None else tuple(lse.shape)
+    rec.need, rec.lens_bytes, rec.b, rec.snew = need, lens_bytes, prob.b, prob.snew
+    rec.seqlens_int, rec.splits, rec.o_part_bytes = prob.seqlens_int, cfg.splits, \
+        cfg.o_part_bytes
+    params = _decode.decode_params(plan, geom, prob.q, prob.k_cache, prob.v_cache, o, lse,
+                                   scale=prob.scale, cfg=cfg, parts=parts)
+    rec.dec_tmpl = params.tobytes()[8 * _DEC_NPTR:]
+    rec.dec = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
+    rec.dec_t, rec.dec_smem = ((cfg.grid,), (plan.threads,)), plan.smem_bytes
+    rec.comb = rec.comb_t = None
+    if cfg.splits > 1:
+        rec.comb = _compile.get_kernel(_decode.combine_spec(_decode._dtype_of(plan), cfg.dpad),
+                                       prob.device_id)
+        rec.comb_t = ((cfg.entries * cfg.rows,), (_decode.COMBINE_THREADS,))
+    rec.app = rec.app_t = rec.app_tmpl = None
+    if prob.snew:
+        block, grid = _append_block(prob, 0)
+        rec.app_tmpl = block.tobytes()[8 * _APP_NPTR:]
+        rec.app = _compile.get_kernel(_decode.append_spec(prob.dtype_name,
+                                                          prob.block_table is not None),
+                                      prob.device_id)
+        rec.app_t = ((grid,), (256,))
+    if len(_KV_RECORDS) >= _KV_RECORDS_SIZE:
+        _KV_RECORDS.pop(next(iter(_KV_RECORDS)), None)
+    _KV_RECORDS[key] = rec
+
+
+def _kv_lookup(key):
+    """The valid record of `key`, or None (also for an unhashable key)."""
+    try:
+        rec = _KV_RECORDS.get(key)
+    except TypeError:
+        return None
+    return rec if rec is not None and rec.tables == _callcache._GEN[0] else None
+
+
+def _kv_hit(rec, ptrs, cache_seqlens, out, workspace, stream):
+    """Launch record `rec` with this call's buffers: what `kvcache_gpu` does for the signature,
+    without its checks and planning."""
+    cp = sys.modules["cupy"]
+    dev = rec.device_id
+    if cp.cuda.runtime.getDevice() != dev:
+        with cp.cuda.Device(dev):
+            return _kv_hit(rec, ptrs, cache_seqlens, out, workspace, stream)
+    st = cp.cuda.get_current_stream() if stream is None else _callcache._stream(stream, dev)
+    q_p, kc_p, vc_p, sl_p, bt_p, kn_p, vn_p = ptrs
+    ws = _decode.scratch(rec.need, workspace, st, "attention_with_kvcache_workspace_size")
+    with st:
+        if out is None:
+            o, lse = cp.empty(rec.o_shape, dtype=rec.dtype), None
+        elif isinstance(out, (tuple, list)):
+            o, lse = out
+        else:
+            o, lse = out, None
+        if rec.return_lse and lse is None:
+            lse = cp.empty(rec.lse_shape, dtype=cp.float32)
+        dec_sl = sl_p
+        if rec.snew:
+            lens_ws = ws[:rec.lens_bytes].view(cp.int32)[:rec.b]
+            if rec.seqlens_int is None:   # append at cache_seqlens, attend to cache_seqlens + Snew
+                starts = sl_p
+                _kv_launch(rec.app, rec.app_t, (kn_p, vn_p, kc_p, vc_p, starts, bt_p),
+                           rec.app_tmpl, _decode.APPEND_PARAMS_DTYPE, st)
+                cp.add(cache_seqlens, np.int32(rec.snew), out=lens_ws)
+                dec_sl = lens_ws.data.ptr
+            else:   # an int: the append's start positions; the decode takes the common count
+                lens_ws.fill(rec.seqlens_int)
+                _kv_launch(rec.app, rec.app_t, (kn_p, vn_p, kc_p, vc_p, lens_ws.data.ptr, bt_p),
+                           rec.app_tmpl, _decode.APPEND_PARAMS_DTYPE, st)
+                dec_sl = 0
+    o_part = lse_part = 0
+    if rec.splits > 1:
+        o_part = ws.data.ptr + rec.lens_bytes
+        lse_part = o_part + rec.o_part_bytes
+    args = _kv_block((q_p, kc_p, vc_p, o.data.ptr, 0 if lse is None else lse.data.ptr, o_part,
+                      lse_part, dec_sl, bt_p, 0, 0), rec.dec_tmpl, _decode.DECODE_PARAMS_DTYPE)
+    rec.dec(*rec.dec_t, (args,), shared_mem=rec.dec_smem, stream=st)
+    if rec.comb is not None:   # both kernels read one block (copied at each launch)
+        rec.comb(*rec.comb_t, (args,), stream=st)
+    return (o, lse) if rec.return_lse else o
+
+
+def _kv_block(ptrs, tmpl, dtype):
+    """A parameter block (NumPy structured scalar): `ptrs` (uint64 each), then `tmpl`."""
+    return np.frombuffer(struct.pack(f"<{len(ptrs)}Q", *ptrs) + tmpl, dtype)[0]
+
+
+def _kv_launch(kern, grid_block, ptrs, tmpl, dtype, stream):
+    kern(*grid_block, (_kv_block(ptrs, tmpl, dtype),), stream=stream)
 
 
 def kvcache_dispatch_label(prob):
@@ -497,11 +690,20 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         table naming pages outside the cache, is the caller's error and reads or writes out of
         bounds, as in FlashAttention.
     """
+    # A signature (CuPy arrays: shapes, strides, dtypes, devices, alignment; an int
+    # cache_seqlens by value; the flags) seen before has passed every check: launch its record
+    # (`_kv_hit`) with this call's pointers.
+    call = _kv_signature(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal,
+                         scale, return_lse, out, workspace, kernel)
+    if call is not None:
+        rec = _kv_lookup(call[0])
+        if rec is not None:
+            return _kv_hit(rec, call[1], cache_seqlens, out, workspace, stream)
     prob = check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                          k_new=k_new, v_new=v_new, causal=causal, scale=scale,
                          return_lse=return_lse, out=out, stream=stream, kernel=kernel,
                          workspace=workspace)
-    o, lse = kvcache_numpy(prob) if prob.backend == "cpu" else kvcache_gpu(prob)
+    o, lse = kvcache_numpy(prob) if prob.backend == "cpu" else kvcache_gpu(prob, call)
     return (o, lse) if prob.return_lse else o
 
 

@@ -220,6 +220,50 @@ def test_kvcache_gpu(page, group, sq, snew, lens, dtype, causal):
         check_appended(to_host64(kg), to_host64(vg), lens, kn, vn, block_table=bt)
 
 
+@pytest.mark.parametrize("seqlens_int", [False, True])
+@pytest.mark.parametrize("page,group,sq,snew,lens", [KV_CASES[1], KV_CASES[2], KV_CASES[3],
+                                                     KV_CASES[8]])
+def test_kvcache_hits_match_the_reference(page, group, sq, snew, lens, seqlens_int,
+                                          monkeypatch):
+    """Three calls of one signature on fresh inputs each (the first takes the full path and
+    records it, the others the call cache's hit path: `_kvcache._kv_hit`), each against float64
+    with NaN-poisoned outputs; an int cache_seqlens (one length for every sequence) too."""
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    from cuflash import _callcache, _kvcache
+
+    cp = cupy()
+    checks = []
+    real = _kvcache.check_kvcache
+    monkeypatch.setattr(_kvcache, "check_kvcache", lambda *a, **kw: checks.append(1) or
+                        real(*a, **kw))
+    _callcache.clear()
+    hkv, d, dtype = 2, 128, "float16"
+    lens = np.array(lens, np.int32)
+    if seqlens_int:
+        lens = np.full_like(lens, int(lens.max()))
+    b = lens.size
+    for rep in range(3):
+        rng = _rng("kvhit", page, group, sq, snew, tuple(lens), seqlens_int, rep)
+        q, k, v, bt, kn, vn = random_kv_problem(rng, b=b, hkv=hkv, group=group, sq=sq, d=d,
+                                                lens=lens, snew=snew, page=page, dtype=dtype)
+        kg, vg = to_gpu(k, dtype), to_gpu(v, dtype)
+        o = poisoned((b, sq, hkv * group, d), dtype)
+        lse = poisoned((b, hkv * group, sq), "float32")
+        res = cuflash.attention_with_kvcache(
+            to_gpu(q, dtype), kg, vg, int(lens[0]) if seqlens_int else cp.asarray(lens),
+            block_table=None if bt is None else cp.asarray(bt),
+            k_new=None if kn is None else to_gpu(kn, dtype),
+            v_new=None if vn is None else to_gpu(vn, dtype), return_lse=True, out=(o, lse))
+        assert res[0] is o and res[1] is lse
+        cp.cuda.get_current_stream().synchronize()
+        check_kvcache_result(to_host64(o), to_host64(lse), q, k, v, lens, block_table=bt,
+                             k_new=kn, v_new=vn, causal=False, dtype=dtype)
+        if snew:
+            check_appended(to_host64(kg), to_host64(vg), lens, kn, vn, block_table=bt)
+    assert len(checks) == 1, "the second and third calls must be call-cache hits"
+
+
 def test_kvcache_paged_matches_contiguous_bitwise():
     """The same keys in a contiguous and in a paged (page 16) cache give identical results."""
     if _cc() < 80:
