@@ -32,7 +32,9 @@ computed on the GPU, under cuflash.reference's gradient rule (twice the error of
 same-precision backward plus the small absolute term; see BackwardCheckSet). FLOPs are 2.5x the
 forward's (five matmuls instead of two). ``cuflash-det`` is cuflash with deterministic=True;
 ``cuflash-hopper`` / ``cuflash-hopper-det`` force the Hopper backward (kernel="hopper", sm_90a)
-in both modes, ``cuflash-tensorcore`` the mma.sync one.
+in both modes, ``cuflash-hopper-ov`` / ``cuflash-hopper-ov-det`` the same with the D = 256 form's
+overlapped schedule (_dispatch.HOPPER_BWD_OVERLAP; other head dims run what cuflash-hopper runs),
+``cuflash-tensorcore`` the mma.sync one.
 
 See benchmarks/README.md for the method in prose.
 """
@@ -80,6 +82,7 @@ DEFAULT_WARMUP = 5
 # off by default.
 IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-tc-3xtf32",
          "cuflash-hopper", "cuflash-hopper-det", "cuflash-hopper-3xtf32", "cuflash-hopper-high",
+         "cuflash-hopper-ov", "cuflash-hopper-ov-det",
          "cuflash-generic",
          "torch-flash",
          "torch-cudnn",
@@ -886,8 +889,10 @@ class Impl:
 class CuflashImpl(Impl):
 
     def __init__(self, env, args, kernel, precision=None, deterministic=False, f32_form=None,
-                 form_table="HOPPER_F32_FORM"):
+                 form_table="HOPPER_F32_FORM", settings=None):
         super().__init__(env, args)
+        # {name: value} of _dispatch constants set while this implementation runs
+        self.settings = dict(settings or {})
         self.kernel = kernel
         self.precision = precision
         self.deterministic = deterministic
@@ -906,17 +911,23 @@ class CuflashImpl(Impl):
 
     @contextlib.contextmanager
     def context(self):
-        """With f32_form: _dispatch.<form_table> replaced while this implementation runs."""
-        if self.f32_form is None:
+        """With f32_form: _dispatch.<form_table> replaced while this implementation runs (and
+        each of `settings`)."""
+        settings = dict(self.settings)
+        if self.f32_form is not None:
+            settings[self.form_table] = self.f32_form
+        if not settings:
             yield
             return
         from cuflash import _dispatch
-        saved = getattr(_dispatch, self.form_table)
-        setattr(_dispatch, self.form_table, self.f32_form)
+        saved = {k: getattr(_dispatch, k) for k in settings}
+        for k, v in settings.items():
+            setattr(_dispatch, k, v)
         try:
             yield
         finally:
-            setattr(_dispatch, self.form_table, saved)
+            for k, v in saved.items():
+                setattr(_dispatch, k, v)
 
     def unavailable(self):
         if self.deterministic and self.args.pass_ != "backward":
@@ -1146,6 +1157,11 @@ def make_impls(env, args):
             impls.append(CuflashImpl(env, args, name.split("-", 1)[1]))
         elif name == "cuflash-hopper-det":  # --pass backward: the Hopper backward, deterministic
             impls.append(CuflashImpl(env, args, "hopper", deterministic=True))
+        elif name in ("cuflash-hopper-ov", "cuflash-hopper-ov-det"):  # --pass backward, D = 256
+            impl = CuflashImpl(env, args, "hopper", deterministic=name.endswith("-det"),
+                               settings={"HOPPER_BWD_OVERLAP": True})
+            impl.name = name
+            impls.append(impl)
         elif name == "cuflash-hopper-high":
             impls.append(CuflashImpl(env, args, "hopper", precision="high"))
         elif name == "cuflash-hopper-3xtf32":  # "highest" in its 3xTF32 wgmma form

@@ -818,6 +818,11 @@ HOPPER_BWD_DTYPES = ("float16", "bfloat16")
 #: pair of scores), False stores dS^T and reads it M-major (half the stores; an operand form
 #: nothing else uses). Tests and benchmarks flip it to measure the other.
 HOPPER_BWD_DS_KMAJOR = True
+#: The D = 256 (SPLIT) form's overlapped schedule (kernel template argument OV, label "ov,"):
+#: the same products in another order, dV under dS^T and the dq atomics under dK
+#: (notes/BACKWARD.md, "D = 256: the overlapped schedule"). Off until the H200 has run it; tests
+#: and benchmarks (cuflash-hopper-ov) turn it on to measure it.
+HOPPER_BWD_OVERLAP = False
 #: Whether kernel="auto" takes the Hopper backward on compute capability 9.0 where it qualifies.
 #: On since its GPU tests passed on the H200 (2026-12-01: every kernel="hopper" case of
 #: tests/test_backward_gpu.py, 98 passed), where it measured 1.01-1.19x torch's FLASH backward
@@ -849,10 +854,11 @@ def bwd_hopper_plan(dtype_name: str, d: int, causal: bool, deterministic: bool) 
     cxx_bool = {True: "true", False: "false"}
     mask = "causal" if causal else "full"
     kmajor = bool(HOPPER_BWD_DS_KMAJOR)
+    overlap = bool(HOPPER_BWD_OVERLAP) and dpad > 128  # the SPLIT form's schedule
     name = (f"cuflash::cuflash_bwd_wgmma<{_CXX_TYPE[dtype_name]}, {dpad}, {bm}, {bn}, "
             f"{cxx_bool[bool(causal)]}, {cxx_bool[bool(deterministic)]}, {cxx_bool[kmajor]}, "
-            "cuflash::PlainVariant>")
-    det = ("det," if deterministic else "") + ("" if kmajor else "dsT,")
+            "cuflash::PlainVariant" + (", true>" if overlap else ">"))
+    det = ("det," if deterministic else "") + ("" if kmajor else "dsT,") + ("ov," if overlap else "")
     kern = Plan(label=f"bwd_wgmma<{dtype_name},D{dpad},BM{bm},BN{bn},{det}{mask}>",
                 spec=Specialisation("attn_bwd_wgmma", name, arch="sm_90a"), block_m=bm,
                 block_n=bn, threads=bwd_hopper_threads(dpad, bn),

@@ -199,6 +199,14 @@ __device__ __forceinline__ unsigned long long lds_u64(unsigned int addr) {
 __device__ __forceinline__ void sts_f32(unsigned int addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
 }
+// Element (row, col) of a 16-bit tile stored as 64-column panels of PANEL bytes (128-byte rows,
+// the 128-byte swizzle), for a pair of columns col, col + 1 in one 32-bit store (col even).
+template <int PANEL>
+__device__ __forceinline__ void sts_panel_u32(unsigned int at, int row, int col, unsigned int v) {
+    sts_u32(at + (col / 64) * PANEL + row * 128 +
+                (static_cast<unsigned int>(((col % 64) / 8) ^ (row % 8)) << 4) + (col % 8) * 2,
+            v);
+}
 // Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy
 // (the wgmmas' operand reads).
 __device__ __forceinline__ void fence_async_smem() {
@@ -206,10 +214,16 @@ __device__ __forceinline__ void fence_async_smem() {
 }
 
 template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, bool DS_KMAJOR,
-          typename POLICY>
+          typename POLICY, bool OV>
 __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     static_assert(POLICY::PLAIN, "the Hopper backward takes the plain policy only so far");
     using Cfg = BwdWgmmaConfig<DPAD, BM, BN, DS_KMAJOR>;
+    // OV (SPLIT only; notes/BACKWARD.md, "D = 256: the overlapped schedule"): the same products
+    // on the same operands in another order, so that the tensor cores work under the phases
+    // that left them idle: S^T and dP^T are issued before the next tile's loads; P^T is stored
+    // and published by a barrier of its own (1b) so that dV += P^T dO runs under dS^T; after
+    // barrier 2 dQ is a commit group of its own ahead of dK, and the dq atomics run under dK.
+    static_assert(!OV || Cfg::SPLIT, "the overlapped schedule is the SPLIT form's (D > 128)");
     constexpr int THREADS = Cfg::THREADS;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -321,13 +335,8 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     // at every tile is r.
     const bool gate = DET && !CAUSAL && n_iter > 1 && gridDim.x >= 8u * sm_count();
 
-    for (int it = 0; it < n_iter; ++it) {
-        const int buf = it & 1;
-        const int i0 = cur_mt * BM;
-        cp_async_wait<0>();
-        fence_async_smem();
-        __syncthreads();  // (1) the tile landed; the previous tile's dQ reads are complete
-        const bool more = it + 1 < n_iter;
+    // The next tile's Q, dO into the other stage and its lse, delta into registers.
+    const auto issue_next = [&](bool more, int buf) {
         if (more) {
             int mt_n = cur_mt, red_n = cur_red;
             BwdIndex ix_n = cur_ix;
@@ -335,6 +344,20 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
             load_rows(ix_n, mt_n * BM, 1 - buf, l2_next, dl_next);
         }
         cp_async_commit();
+    };
+    for (int it = 0; it < n_iter; ++it) {
+        const int buf = it & 1;
+        const int i0 = cur_mt * BM;
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();  // (1) the tile landed; the previous tile's dQ reads are complete
+        const bool more = it + 1 < n_iter;
+        // The next tile's Q, dO into the other stage (free: its last readers, the previous
+        // tile's wgmmas, completed before barrier 1) and its lse, delta into registers. OV:
+        // after S^T and dP^T are issued, so that the tensor cores start without waiting for
+        // the index arithmetic and the 32 cp.async of each thread. (Without OV the SASS is the
+        // inline form's but for two registers swapped.)
+        if constexpr (!OV) issue_next(more, buf);
         const unsigned int q_t = base + Cfg::Q_OFF + buf * Cfg::Q_BYTES;
         const unsigned int do_t = base + Cfg::DO_OFF + buf * Cfg::Q_BYTES;
         const unsigned int lse_t = lse_s + buf * BM * 4, delta_t = delta_s + buf * BM * 4;
@@ -367,6 +390,7 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         wgmma_fence();
         keys_by_queries(s, k_s, q_t);
         if constexpr (Cfg::DP_EARLY) issue_dp();
+        if constexpr (OV) issue_next(more, buf);
         if (DET) hand_on();  // the previous tile's turn, under this tile's first products
 
         // P^T. Element e of n8 tile nt: key key_t + 8 (e / 2), query column nt * 8 + 2 t4 +
@@ -412,8 +436,38 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
             wgmma_fence();
             issue_dp();
         }
+        // OV: P^T is stored now (word w of pk[kk]: key kwo + 16 warp + g + 8 (w % 2), queries
+        // q0 + (2 kk + w / 2) * 8 + 2 t4 and the next, as in the store loop below) and
+        // published by barrier 1b (dV sums over the queries of both warpgroups), and dV +=
+        // P^T dO (the SS form issued after barrier 2 without OV) is issued at once and left in
+        // flight under dS^T. Its commit group completes before the dQ group (wait<1> after
+        // barrier 2), so P^T and this stage's dO are free again before the next barrier 1.
+        if constexpr (OV) {
+#pragma unroll
+            for (int kk = 0; kk < SN / 16; ++kk)
+#pragma unroll
+                for (int w = 0; w < 4; ++w)
+                    sts_panel_u32<Cfg::PT_PANEL>(base + Cfg::PT_OFF,
+                                                 kwo + 16 * warp + g + 8 * (w % 2),
+                                                 q0 + (2 * kk + w / 2) * 8 + 2 * t4, pk[kk][w]);
+            fence_async_smem();
+            __syncthreads();  // (1b) P^T complete (every thread, every iteration)
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<T, DKV_N>::sst(
+                    dv_acc,
+                    wgmma_desc(base + Cfg::PT_OFF + (kk / 4) * Cfg::PT_PANEL + (kk % 4) * 32, 16,
+                               1024),
+                    wgmma_desc(do_t + (c0 / 64) * Cfg::Q_PANEL + kk * 16 * 128, Cfg::Q_PANEL,
+                               1024),
+                    1);
+            wgmma_commit();
+        }
         // dS^T = P^T (dP^T - delta), P as rounded to 16 bits (0 where P is 0: never 0 * NaN).
-        wgmma_wait<0>();
+        // (OV: dP^T's group completes, dV's stays in flight.)
+        if constexpr (OV) wgmma_wait<1>();
+        else wgmma_wait<0>();
         fence_regs(dp);
         unsigned int dsk[SN / 16][4];
         {
@@ -437,12 +491,9 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         // 8 keys of one chunk x 4 rows of distinct chunks: no bank conflict); else element
         // (key r, query c) of dS^T in panel c / 64, row r, one 32-bit store of both queries (8
         // rows x 4 words of a warp hit 32 different banks). SPLIT: also P^T and (DS_KMAJOR)
-        // dS^T as dS^T is stored without DS_KMAJOR, for dV and dK.
+        // dS^T as dS^T is stored without DS_KMAJOR, for dV and dK (OV: P^T is stored already).
         const auto sts_keys_by_queries = [&](unsigned int at, int row, int col, unsigned int v) {
-            sts_u32(at + (col / 64) * Cfg::PT_PANEL + row * 128 +
-                        (static_cast<unsigned int>(((col % 64) / 8) ^ (row % 8)) << 4) +
-                        (col % 8) * 2,
-                    v);
+            sts_panel_u32<Cfg::PT_PANEL>(at, row, col, v);
         };
 #pragma unroll
         for (int kk = 0; kk < SN / 16; ++kk)
@@ -451,7 +502,7 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
                 const int row = kwo + 16 * warp + g + 8 * (w % 2);   // key in the block
                 const int col = q0 + (2 * kk + w / 2) * 8 + 2 * t4;  // query in the tile
                 if constexpr (Cfg::SPLIT) {
-                    sts_keys_by_queries(base + Cfg::PT_OFF, row, col, pk[kk][w]);
+                    if constexpr (!OV) sts_keys_by_queries(base + Cfg::PT_OFF, row, col, pk[kk][w]);
                     if constexpr (DS_KMAJOR)
                         sts_keys_by_queries(base + Cfg::DST_OFF, row, col, dsk[kk][w]);
                 }
@@ -496,10 +547,11 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         // dQ pieces: 64 queries (query panel mp) x 64 head-dim columns (panel np of K) over the
         // block's BN keys, BN / 16 k16 steps of 16 keys; B = K N-major (16 key rows a step).
         wgmma_fence();
-        if constexpr (Cfg::SPLIT) {
+        if constexpr (Cfg::SPLIT && !OV) {
             // dV += P^T dO, dK += dS^T Q for columns c0 ..: A = P^T, dS^T (keys x queries,
             // K-major: 32 bytes a k16 step inside a 64-query panel); B = dO, Q columns c0 ..
-            // N-major (c0 / 64 panels on).
+            // N-major (c0 / 64 panels on). (OV: dV is in flight since barrier 1b, and dK
+            // follows dQ in a commit group of its own.)
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {
                 const unsigned int a = (kk / 4) * Cfg::PT_PANEL + (kk % 4) * 32;
@@ -533,6 +585,18 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
             }
         }
         wgmma_commit();
+        if constexpr (OV) {  // dK += dS^T Q, the operands of the form above
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                Wgmma<T, DKV_N>::sst(
+                    dk_acc,
+                    wgmma_desc(base + Cfg::DST_OFF + (kk / 4) * Cfg::PT_PANEL + (kk % 4) * 32,
+                               16, 1024),
+                    wgmma_desc(q_t + (c0 / 64) * Cfg::Q_PANEL + kk * 16 * 128, Cfg::Q_PANEL,
+                               1024),
+                    1);
+            wgmma_commit();
+        }
         // DET: our turn at the tile, polled by each warp's lane 0 while the dQ products run
         // (the warp would wait for them anyway); bar.warp.sync orders the warp's additions
         // after the acquire. Thread 0 records the hand-over.
@@ -548,8 +612,13 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
             }
             __syncwarp();
         }
-        wgmma_wait<0>();
-        fence_regs(dk_acc);
+        // OV: dV's and dQ's groups complete, dK's stays in flight under the atomics.
+        if constexpr (OV) {
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+            fence_regs(dk_acc);
+        }
         fence_regs(dv_acc);
 #pragma unroll
         for (int pc = 0; pc < Cfg::PIECES_WG; ++pc) {
@@ -566,6 +635,10 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
                         bwd_red_add2(dst + nt * 8, dq[pc][nt * 4 + 2 * h], dq[pc][nt * 4 + 2 * h + 1]);
                 }
             }
+        }
+        if constexpr (OV) {  // dK complete: dS^T and this stage's Q are free for the next tile
+            wgmma_wait<0>();
+            fence_regs(dk_acc);
         }
         kb.step(p, cur_mt, cur_red, cur_ix);
     }
@@ -602,11 +675,13 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     write_keys(static_cast<T*>(p.dv) + off.dv, p.dv_sr, dv_acc, 1.f);
 }
 
+// OV (default false, so the other instantiations keep their names and code): the overlapped
+// schedule of the SPLIT form (D > 128), _dispatch.HOPPER_BWD_OVERLAP.
 template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, bool DS_KMAJOR,
-          typename POLICY>
+          typename POLICY, bool OV = false>
 __global__ void __launch_bounds__(BwdWgmmaConfig<DPAD, BM, BN, DS_KMAJOR>::THREADS, 1)
 cuflash_bwd_wgmma(const BwdParams p) {
-    bwd_wgmma_body<T, DPAD, BM, BN, CAUSAL, DET, DS_KMAJOR, POLICY>(p);
+    bwd_wgmma_body<T, DPAD, BM, BN, CAUSAL, DET, DS_KMAJOR, POLICY, OV>(p);
 }
 
 }  // namespace cuflash

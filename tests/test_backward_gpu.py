@@ -605,25 +605,68 @@ def _check_hopper_modes(inputs, host, dtype, causal, want):
     return grads, label
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("d", [200, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_hopper_backward_d256(dtype, causal, d):
+def test_hopper_backward_d256(dtype, causal, d, overlap, monkeypatch):
     """D = 256 (and a head dim padded to it): two warpgroups share each block's 64 keys
-    (attn_bwd_wgmma.cu, SPLIT). MQA (dk, dv summed over 4 query heads), Sq != Sk with tails on
-    both sides (1000 queries: 15 tiles of 64 and 40 rows; 1113 keys: 17 blocks and 25 keys),
-    NaN-poisoned outputs, both dq modes against float64; deterministic: bitwise the same on a
-    second call and for batch entry 1 alone (a smaller grid)."""
+    (attn_bwd_wgmma.cu, SPLIT), in both schedules (overlap: _dispatch.HOPPER_BWD_OVERLAP, label
+    "ov,"). MQA (dk, dv summed over 4 query heads), Sq != Sk with tails on both sides (1000
+    queries: 15 tiles of 64 and 40 rows; 1113 keys: 17 blocks and 25 keys), NaN-poisoned
+    outputs, both dq modes against float64; deterministic: bitwise the same on a second call
+    and for batch entry 1 alone (a smaller grid)."""
     _skip_unsupported(dtype)
     _need_hopper()
+    from cuflash import _dispatch
+
+    monkeypatch.setattr(_dispatch, "HOPPER_BWD_OVERLAP", overlap)
     cp = cupy()
     q, k, v, do = random_backward_inputs(_rng("hop256", dtype, causal, d), (2, 4), (2, 1), 1000,
                                          1113, d, d, dtype)
     inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
     grads, label = _check_hopper_modes(inputs, (q, k, v, do), dtype, causal, "D256,BM64,BN64,")
+    assert ("ov," in label) == overlap, label
     qg, kg, vg, dog, o, lse = inputs
     one = cuflash.attention_backward(dog[1:], qg[1:], kg[1:], vg[1:], o[1:], lse[1:],
                                      causal=causal, deterministic=True, kernel="hopper")
     for name, a, b in zip(("dq", "dk", "dv"), grads, one):
         assert bool(cp.all(a[1:].view(cp.uint8) == b.view(cp.uint8))), \
             f"{label}: {name} of batch entry 1 depends on the batch size"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_backward_d256_schedules_agree(dtype, causal, monkeypatch):
+    """The D = 256 form's two schedules (_dispatch.HOPPER_BWD_OVERLAP off and on) run the same
+    products on the same operands and, deterministic, add dq in the same order: dq, dk and dv
+    are bitwise the same (and dk, dv without determinism, which has no atomics for them), so a
+    phase that reads a buffer before it is written or after it is reused shows up here even
+    where the error would stay under the rule. 4 heads of 1500 queries x 2100 keys (tails: 28
+    rows, 52 keys; 132 blocks), outputs NaN-poisoned, each schedule also against float64."""
+    _skip_unsupported(dtype)
+    _need_hopper()
+    from cuflash import _dispatch
+
+    cp = cupy()
+    q, k, v, do = random_backward_inputs(_rng("hop256ov", dtype, causal), (1, 4), (1, 4), 1500,
+                                         2100, 256, 256, dtype)
+    inputs = _gpu_inputs(q, k, v, do, dtype, causal=causal, scale=None)
+    ref = grad_reference(do, q, k, v, causal=causal, scale=None, dtype=dtype)
+    got = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(_dispatch, "HOPPER_BWD_OVERLAP", overlap)
+        for det in (False, True):
+            grads, label = _run_bwd(inputs, dtype, causal=causal, kernel="hopper",
+                                    deterministic=det)
+            assert ("ov," in label) == overlap and ("det," in label) == det, label
+            check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=None,
+                                          dtype=dtype, ref=ref, label=label)
+            got[overlap, det] = grads
+    for det in (False, True):
+        names = ("dq", "dk", "dv") if det else ("dk", "dv")
+        for name in names:
+            i = ("dq", "dk", "dv").index(name)
+            a, b = got[False, det][i], got[True, det][i]
+            assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), \
+                f"D = 256 {'det' if det else 'default'}: {name} differs between the schedules"

@@ -36,6 +36,15 @@ def test_hopper_backward_plans():
         bp = _dispatch.bwd_hopper_plan("float16", 64, True, True)
         assert bp.label == "hopper-bwd<float16,D64,BM128,BN128,det,dsT,causal>"
         assert bp.passes[0][1].spec.name.endswith(", false, cuflash::PlainVariant>")
+    with pytest.MonkeyPatch.context() as mp:  # the overlapped schedule: D = 256 only, says so
+        mp.setattr(_dispatch, "HOPPER_BWD_OVERLAP", True)
+        bp = _dispatch.bwd_hopper_plan("bfloat16", 256, True, True)
+        assert bp.label == "hopper-bwd<bfloat16,D256,BM64,BN64,det,ov,causal>"
+        assert bp.passes[0][1].spec.name.endswith(", true, cuflash::PlainVariant, true>")
+        assert bp.passes[0][1].smem_bytes == 223248  # the same buffers
+        for dpad in (64, 128):  # no such schedule there: the same kernels
+            assert _dispatch.bwd_hopper_plan("float16", dpad, False, False).passes[0][1].spec \
+                .name.endswith(", true, cuflash::PlainVariant>")
     # smaller head dims take the next tile (zero-padded)
     assert "D64," in _dispatch.bwd_hopper_plan("float16", 40, False, False).label
     assert "D128," in _dispatch.bwd_hopper_plan("float16", 72, False, False).label
@@ -129,6 +138,17 @@ def test_hopper_kernel_model(dtype, qb, kb, sq, sk, d, causal, det, layout, ds_k
     _run_kernel_model("hopper", dtype, qb, kb, sq, sk, d, causal, det, 90, layout, monkeypatch)
 
 
+@pytest.mark.parametrize("dtype,qb,kb,sq,sk,d,causal,det,layout",
+                         [c for c in HOPPER_MODEL_CASES if c[5] > 128])
+def test_hopper_kernel_model_overlapped(dtype, qb, kb, sq, sk, d, causal, det, layout,
+                                        monkeypatch):
+    """The D = 256 form with its overlapped schedule (_dispatch.HOPPER_BWD_OVERLAP): the same
+    products on the same operands, so the thread-level model's gradients stand; the order of
+    its phases is checked by tests/bwd_wgmma_schedule.py (test_hopper_schedule_*)."""
+    monkeypatch.setattr(_dispatch, "HOPPER_BWD_OVERLAP", True)
+    _run_kernel_model("hopper", dtype, qb, kb, sq, sk, d, causal, det, 90, layout, monkeypatch)
+
+
 @pytest.mark.parametrize("ds_kmajor", [True, False])
 def test_hopper_model_catches_a_layout_error(monkeypatch, ds_kmajor):
     """The model is sharp: reading K for dQ = dS K without the transpose bit of B (the K-major
@@ -216,3 +236,65 @@ def test_hopper_block_order_model_is_sharp():
                     assert 0 <= o < owners and 0 <= r < nn
                     if r:
                         assert where[(o, r - 1)] < bid
+
+
+@pytest.mark.parametrize("n_iter", [1, 2, 3, 5])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hopper_schedule_is_ordered(overlap, n_iter):
+    """Both schedules of the D = 256 form (tests/bwd_wgmma_schedule.py): every shared-memory
+    buffer is written and read (cp.async, st.shared, the wgmmas' operand reads) in intervals a
+    barrier apart, every store that a wgmma reads is fenced to the async proxy before its
+    barrier, no accumulator is touched while its commit group is pending, and nothing is left
+    pending at the end."""
+    import bwd_wgmma_schedule as sched
+
+    assert sched.check(sched.block_ops(n_iter, overlap)) == []
+
+
+@pytest.mark.parametrize("slip", ["no_barrier_1b", "no_fence_1b", "dq_wait_2", "no_final_wait",
+                                  "loads_before_barrier_1", "dv_with_s", "plain_dv_early"])
+def test_hopper_schedule_model_is_sharp(slip):
+    """The schedule checker catches plausible slips of the overlapped schedule: dV issued
+    without barrier 1b (the other warpgroup's P^T half may not be stored yet) or without the
+    fence before it, the dq atomics after wait_group 2 (dQ still pending), no wait for dK at
+    the end of a tile (the next tile's stores into dS^T and loads into Q race it), the next
+    tile's loads before barrier 1 (into the stage the other warpgroup may still read), dV
+    issued in S^T's commit group before P^T exists, and the plain schedule's dV moved before
+    barrier 2 without a barrier of its own."""
+    import bwd_wgmma_schedule as sched
+
+    overlap = slip != "plain_dv_early"
+    real = sched.tile_ops
+
+    def tile_ops(it, n_iter, ov):
+        ops = real(it, n_iter, ov)
+        if slip == "no_barrier_1b":
+            ops.remove(("bar", "1b"))
+        elif slip == "no_fence_1b":
+            del ops[ops.index(("bar", "1b")) - 1]
+        elif slip == "dq_wait_2":
+            at = max(i for i, op in enumerate(ops) if op == ("wait", 1))
+            ops[at] = ("wait", 2)
+        elif slip == "no_final_wait":
+            at = max(i for i, op in enumerate(ops) if op == ("wait", 0))
+            del ops[at:at + 2]
+        elif slip == "loads_before_barrier_1":
+            cps = [op for op in ops if op[0] == "cp"]
+            ops = [op for op in ops if op[0] != "cp"]
+            ops[1:1] = cps
+        elif slip == "dv_with_s":
+            dv = next(op for op in ops if op[0] == "mma" and op[2] == "dv")
+            at = ops.index(dv)
+            del ops[at:at + 2]
+            ops.insert(ops.index(("bar", "1")) + 1, dv)
+        elif slip == "plain_dv_early":
+            dv = next(op for op in ops if op[0] == "mma" and op[2] == "dv")
+            ops.remove(dv)
+            ops[ops.index(("sts", "PT")) + 1:ops.index(("sts", "PT")) + 1] = [dv, ("commit",)]
+        return ops
+
+    ops = []
+    for it in range(3):
+        ops += tile_ops(it, 3, overlap)
+    ops = sched.block_ops(0, overlap)[:-1] + ops + [("cpwait",)]
+    assert sched.check(ops) != [], slip

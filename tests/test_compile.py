@@ -103,10 +103,23 @@ def _hopper_bwd_other_layout_specs(cc):
                 for causal in (False, True) for det in (False, True)]
 
 
+def _hopper_bwd_overlap_specs(cc):
+    """The Hopper backward's D = 256 form with the overlapped schedule
+    (_dispatch.HOPPER_BWD_OVERLAP), which tests/test_backward_gpu.py and the bench force."""
+    if cc != 90:
+        return []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_dispatch, "HOPPER_BWD_OVERLAP", not _dispatch.HOPPER_BWD_OVERLAP)
+        return [_dispatch.bwd_hopper_plan(dt, 256, causal, det).passes[0][1].spec
+                for dt in _dispatch.HOPPER_BWD_DTYPES
+                for causal in (False, True) for det in (False, True)]
+
+
 CASES = [(spec, arch) for arch in ARCHS
          for spec in (_specs(int(arch[3:])) + _other_epilogue_specs(int(arch[3:]))
                       + _bwd_candidate_specs(int(arch[3:]))
-                      + _hopper_bwd_other_layout_specs(int(arch[3:])))]
+                      + _hopper_bwd_other_layout_specs(int(arch[3:]))
+                      + _hopper_bwd_overlap_specs(int(arch[3:])))]
 CASES += [(spec, "sm_90a") for spec in _hopper_schedule_specs()
           if (spec, "sm_90a") not in CASES and (spec, "sm_90") not in CASES]
 # Each distinct compilation once: a spec with a fixed arch compiles for it whatever the list it came
@@ -280,6 +293,55 @@ def test_hopper_backward_uses_wgmma(dtype, d, causal, det):
         got[n] = got.get(n, 0) + 1
     assert got == want, (got, want)
     assert all((t == ".BF16") == (dtype == "bfloat16") for _, t in hgmma)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("dtype,causal,det", [("float16", False, False), ("bfloat16", True, True),
+                                              ("float16", False, True)])
+def test_hopper_backward_d256_schedule_matches_sass(dtype, causal, det, overlap):
+    """The D = 256 form's main loop in the SASS shows the barriers, commit groups (their wgmma
+    shapes) and wgmma waits of the schedule that tests/bwd_wgmma_schedule.py checks, in its
+    order (both schedules: _dispatch.HOPPER_BWD_OVERLAP): the schedule model is the kernel's."""
+    import re
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bwd_wgmma_schedule as sched
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_dispatch, "HOPPER_BWD_OVERLAP", overlap)
+        spec = _dispatch.bwd_hopper_plan(dtype, 256, causal, det).passes[0][1].spec
+    # the loop: the longest backward branch around HGMMAs (the tile loop is not unrolled)
+    body, label_at = [], {}
+    for ln in _sass(_report(spec).cubin).splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", ln)
+        if m:
+            label_at[m.group(1)] = len(body)
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+([^;]*);", ln)
+        if m:
+            body.append(m.group(1))
+    loops = []
+    for i, ins in enumerate(body):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
+        if m and label_at.get(m.group(1), i + 1) <= i:
+            lo = label_at[m.group(1)]
+            if any("HGMMA" in x for x in body[lo:i]):
+                loops.append((i - lo, lo, i))
+    _, lo, hi = max(loops)
+    seq, group = [], {}
+    for ins in body[lo:hi + 1]:
+        if "BAR.SYNC" in ins:
+            seq.append(("bar",))
+        elif "HGMMA" in ins:
+            n = int(re.search(r"HGMMA\.64x(\d+)x16", ins).group(1))
+            group[n] = group.get(n, 0) + 1
+            if re.search(r",\s*gsb0\s*$", ins):
+                seq.append(("group", tuple(sorted(group.items()))))
+                group = {}
+        elif "WARPGROUP.DEPBAR" in ins:
+            seq.append(("wait", int(re.search(r"gsb0,\s*0x(\d+)", ins).group(1))))
+    assert not group, "an HGMMA group without its gsb0 end"
+    assert seq == sched.sass_sequence(sched.tile_ops(1, 3, overlap)), seq
 
 
 def test_wgmma_header_is_current():
