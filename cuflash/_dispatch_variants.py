@@ -2,11 +2,13 @@
 
 Kernels take the variant as the policy of kernels_cu/variants.cuh, a template parameter: the
 generic kernels (``cuflash_fwd_generic_var<T, Acc, DB, DVB, CAUSAL, Variant<WINDOW, SOFTCAP,
-ALIBI, BiasT, MASK>>`` and the backward's) and the mma.sync tensor-core forward
-(``cuflash_fwd_mma_var<..., CAUSAL, V>``, attn_mma.cu). Forward: ``kernel="auto"`` takes the
-tensor-core kernel where the inputs qualify (`tensorcore_variant_reason`; never the Hopper
-kernel, which takes no policy yet), else the generic one, whose label says why;
-``kernel="tensorcore"`` demands it and raises ValueError saying why not; ``"hopper"`` raises.
+ALIBI, BiasT, MASK>>`` and the backward's), the mma.sync tensor-core forward
+(``cuflash_fwd_mma_var<..., CAUSAL, V>``, attn_mma.cu) and the Hopper forward
+(``cuflash_fwd_wgmma_var<..., CAUSAL, V[, OP]>``, attn_wgmma.cu). Forward: ``kernel="auto"``
+takes the Hopper kernel where `hopper_variant_reason` allows and HOPPER_VARIANTS_AUTO is on (off
+until its GPU run), else the tensor-core kernel where the inputs qualify
+(`tensorcore_variant_reason`), else the generic one, whose label says why;
+``kernel="tensorcore"`` / ``"hopper"`` demand theirs and raise ValueError saying why not.
 Backward: the mma.sync tensor-core backward (``cuflash_bwd_mma_var<..., OPT, V>``,
 attn_bwd_mma.cu) where `bwd_tensorcore_variant_reason` says the inputs qualify (float16 /
 bfloat16, the head dims of `_dispatch.TC_BWD_CONFIGS`), else the generic variant kernels;
@@ -197,6 +199,13 @@ HOPPER_VARIANT_F32_TILES = {(64, "high", False): dict(bn=64),
                             (128, "high", True): dict(overlap=False)}
 
 
+#: User hooks on the Hopper forward, {padded head dim: HopperTiles fields}, applied after the
+#: tables above (every dtype and form; hooks count as reads there): both example hooks on every
+#: built-in part at D = 128 spilled 108-156 bytes with 64-key tiles (40 without the overlapped
+#: softmax) under NVRTC 13.0, none with 32-key tiles; D = 64 and D = 256 fit the reads' tiles.
+HOPPER_HOOK_TILES = {128: dict(bn=32)}
+
+
 def hopper_variant_plan(dtype_name: str, d: int, causal: bool, sk: int, variant,
                         precision: str = "highest", sq=None) -> Plan:
     """The Hopper forward with the variant's policy (attn_wgmma.cu: cuflash_fwd_wgmma_var): the
@@ -208,12 +217,16 @@ def hopper_variant_plan(dtype_name: str, d: int, causal: bool, sk: int, variant,
     from ._dispatch import hopper_plan
 
     reads = variant_reads(variant)
+    hooks = getattr(variant, "has_mods", False)
 
     def choose(dpad, cfg, persistent):
         if dtype_name == "float32":
-            return cfg._replace(**HOPPER_VARIANT_F32_TILES.get((dpad, precision, reads), {})), \
-                persistent
-        return cfg._replace(**HOPPER_VARIANT_TILES.get((dpad, reads), {})), persistent
+            cfg = cfg._replace(**HOPPER_VARIANT_F32_TILES.get((dpad, precision, reads), {}))
+        else:
+            cfg = cfg._replace(**HOPPER_VARIANT_TILES.get((dpad, reads), {}))
+        if hooks:
+            cfg = cfg._replace(**HOPPER_HOOK_TILES.get(dpad, {}))
+        return cfg, persistent
 
     base = hopper_plan(dtype_name, d, causal, sk, precision, sq=sq, choose=choose)
     name = base.spec.name.replace("cuflash_fwd_wgmma<", "cuflash_fwd_wgmma_var<")
@@ -227,13 +240,9 @@ def hopper_variant_plan(dtype_name: str, d: int, causal: bool, sk: int, variant,
 
 def hopper_variant_reason(prob, compute_capability) -> "str | None":
     """Why the Hopper forward cannot run these inputs with their variant (None: it can): the
-    plain Hopper kernel's conditions (`_dispatch.hopper_reason`), no user hooks (not supported
-    there yet), and bias / mask tensors read with a column stride of 0 or 1."""
+    plain Hopper kernel's conditions (`_dispatch.hopper_reason`) and bias / mask tensors read
+    with a column stride of 0 or 1. Every built-in part and user hook is supported there."""
     from ._dispatch import hopper_reason
-    if getattr(prob.variant, "has_mods", False):
-        hooks = prob.variant.hook_names()
-        return (f"the user hook{'s' if len(hooks) > 1 else ''} {' and '.join(hooks)} "
-                f"{'are' if len(hooks) > 1 else 'is'} not supported there yet")
     why = hopper_reason(prob, compute_capability)
     if why is not None:
         return why
@@ -276,6 +285,25 @@ def hopper_variant_compile_specs():
     for causal in (False, True):
         add("float16", 128, causal, _Spec(window=True))
     add("bfloat16", 256, False, _Spec(softcap=True))
+    # user hooks: mod_compile_specs' cases, and those tests/test_mods_gpu.py runs on the Hopper
+    # kernel (its hooks from cuflash.mods.example_hooks)
+    from .mods import example_hooks
+    ex = example_hooks()
+    cap, rel, doc = ex["tanh_cap"], ex["rel_bias"], ex["document"]
+    for dt, precision in (("float16", "highest"), ("bfloat16", "highest"),
+                          ("float32", "highest"), ("float32", "high")):
+        for pol, causal, d in ((_with_mods(_Spec(), cap, None), False, 64),
+                               (_with_mods(_Spec(), rel, doc), True, 64),
+                               (_with_mods(_Spec(window=True, alibi=True), cap, doc), True, 64),
+                               (_with_mods(_Spec(), None, doc), True, 64),
+                               (_with_mods(_Spec(window=True, softcap=True, alibi=True,
+                                                 bias="float32", mask=True), cap, doc),
+                                True, 128)):
+            add(dt, d, causal, pol, precision)
+    add("float16", 64, True, _with_mods(_Spec(), cap, None))
+    add("float16", 64, True, _with_mods(_Spec(), rel, None))
+    add("float16", 256, True, _with_mods(_Spec(window=True, softcap=True, alibi=True,
+                                               bias="float32", mask=True), cap, doc))
     return out
 
 

@@ -43,17 +43,21 @@ def test_auto_takes_hopper_only_with_the_flag(tma, monkeypatch):
     assert variant_plan_for(prob, 90).spec.family == "attn_wgmma"
     assert variant_plan_for(prob, 80).spec.family == "attn_mma"   # sm_80: never Hopper
     # what the Hopper kernel cannot take still goes to the mma.sync kernel under auto
+    assert variant_plan_for(_prob(Variant(softcap=2.0), d=32), 90).spec.family == "attn_mma"
+
+
+def test_hooks_on_the_hopper_kernel(tma):
     ex = example_hooks()
-    hooked = _prob(Variant(score_mod=ex["tanh_cap"], mod_batch=(2, 3)))
-    assert variant_plan_for(hooked, 90).spec.family == "attn_mma"
+    var = Variant(score_mod=ex["tanh_cap"], mask_mod=ex["document"], mod_batch=(2, 3))
+    plan = variant_plan_for(_prob(var, kernel="hopper", causal=True), 90)
+    assert plan.spec.name.startswith("cuflash::cuflash_fwd_wgmma_var<cuflash::fp16_t, 1, 64, 64,")
+    assert "cuflash::UserVariant<" in plan.spec.name and "struct Mod_" in plan.spec.extra_source
+    assert f"score_mod[{ex['tanh_cap'].digest[:8]}]" in plan.label
+    # D128: 32-key tiles (HOPPER_HOOK_TILES)
+    assert hopper_variant_plan("float16", 128, True, 1024, var).block_n == 32
 
 
 def test_hopper_refusals_say_why(tma):
-    ex = example_hooks()
-    hooked = _prob(Variant(score_mod=ex["tanh_cap"], mod_batch=(2, 3)), kernel="hopper")
-    with pytest.raises(ValueError, match=r"kernel='hopper' cannot run these inputs with the "
-                                         r"attention variant .*score_mod.*not supported there"):
-        variant_plan_for(hooked, 90)
     strided = _arr((100, 240), itemsize=4, strides=(960, 8))
     strided.dtype = np.dtype(np.float32)
     with pytest.raises(ValueError, match="kernel='hopper'.*column stride"):
