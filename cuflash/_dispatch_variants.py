@@ -310,7 +310,7 @@ def hopper_variant_compile_specs():
 def variant_plan_for(prob, compute_capability=None) -> Plan:
     """The forward plan of a problem with a variant (``prob.variant`` not None) on a device of
     this compute capability: for ``kernel="auto"`` the Hopper kernel where it qualifies and
-    HOPPER_VARIANTS_AUTO is on, else the tensor-core kernel where it qualifies, else the generic
+    HOPPER_VARIANTS_AUTO is on (for float32, _dispatch.HOPPER_F32_AUTO too), else the tensor-core kernel where it qualifies, else the generic
     one. kernel="hopper" takes the Hopper kernel or raises saying why not; kernel="decode" (no
     policy) raises, naming the variant."""
     if prob.kernel == "decode":  # the kernel family without the policy yet
@@ -319,7 +319,9 @@ def variant_plan_for(prob, compute_capability=None) -> Plan:
                 else f"the attention variant ({policy_label(prob.variant)})")
         raise ValueError(f"kernel={prob.kernel!r} cannot run these inputs: {what} is not "
                          "supported there yet; use kernel='auto', 'tensorcore' or 'generic'")
-    if prob.kernel == "hopper" or (prob.kernel == "auto" and HOPPER_VARIANTS_AUTO):
+    from . import _dispatch
+    auto = HOPPER_VARIANTS_AUTO and (_dispatch.HOPPER_F32_AUTO or prob.dtype_name != "float32")
+    if prob.kernel == "hopper" or (prob.kernel == "auto" and auto):
         why_not = hopper_variant_reason(prob, compute_capability)
         if why_not is None:
             return hopper_variant_plan(prob.dtype_name, prob.d, prob.causal, prob.sk,

@@ -44,6 +44,12 @@ def test_auto_takes_hopper_only_with_the_flag(tma, monkeypatch):
     assert variant_plan_for(prob, 80).spec.family == "attn_mma"   # sm_80: never Hopper
     # what the Hopper kernel cannot take still goes to the mma.sync kernel under auto
     assert variant_plan_for(_prob(Variant(softcap=2.0), d=32), 90).spec.family == "attn_mma"
+    # float32 follows _dispatch.HOPPER_F32_AUTO as the plain path does
+    f32 = _prob(Variant(softcap=2.0), dtype="float32")
+    f32.q = f32.k = f32.v = _arr((2, 3, 100, 64), itemsize=4)
+    assert variant_plan_for(f32, 90).label.startswith("hopper<float32,3xfp16,")
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_AUTO", False)
+    assert variant_plan_for(f32, 90).spec.family == "attn_mma"
 
 
 def test_hooks_on_the_hopper_kernel(tma):
