@@ -6,6 +6,13 @@ FlexAttention (compiled; score_mod / block mask) where torch has it, issue 15's 
 
     PYTHONPATH=. python benchmarks/bench_variants.py                  # S = 4096, 16384
     PYTHONPATH=. python benchmarks/bench_variants.py --s 2048 --quick --json /tmp/v.json
+    PYTHONPATH=. python benchmarks/bench_variants.py --kernels hopper --backward 0 --flex 0
+
+--kernels: the cuflash forward kernels timed per variant (default "auto,hopper": the
+dispatcher's choice, and the Hopper forward with the variant's policy by name, attn_wgmma.cu:
+cuflash_fwd_wgmma_var; one that cannot run the inputs is reported, not timed). Each row's "per
+tile" is against plain cuflash under kernel="auto". The backward (and torch's, FlexAttention's)
+runs once per variant, on the first kernel's row: it does not depend on the forward's kernel.
 
 Every result is checked first: cuflash's (and torch's) output on a few (batch, head) slices
 against the float64 reference (cuflash.reference.attention_ref with the same variant) under the
@@ -51,6 +58,8 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="plain,softcap,alibi,window,bias,mask")
     ap.add_argument("--backward", type=int, default=1, help="also time the backward")
     ap.add_argument("--flex", type=int, default=1, help="torch FlexAttention peers (compiled)")
+    ap.add_argument("--kernels", default="auto,hopper",
+                    help="cuflash forward kernels to time per variant (kernel= values)")
     args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.repeats = 1, 3
@@ -290,23 +299,32 @@ def main(argv=None):
                 flex = torch.compile(flex_attention)
             except Exception:   # pragma: no cover - torch without FlexAttention
                 flex = None
-        for name in args.variants.split(","):
-            kw = variant_kwargs(name, rng, b, h, s, args)
-            row = dict(s=s, b=b, h=h, d=d, causal=causal, variant=name,
-                       label=cuflash.dispatch_info(q, k, v, causal=causal, **kw))
-            run = lambda: cuflash.attention(q, k, v, causal=causal, **kw)  # noqa: E731
-            bad = check(run(), q, k, v, causal, kw, args.dtype, slices)
+        kernels = args.kernels.split(",")
+        for name, kern in ((n, kn) for n in args.variants.split(",") for kn in kernels):
+            first = kern == kernels[0]   # the backward and the peers: once per variant
+            if first:
+                kw = variant_kwargs(name, rng, b, h, s, args)
+            row = dict(s=s, b=b, h=h, d=d, causal=causal, variant=name, kernel=kern)
+            try:
+                row["label"] = cuflash.dispatch_info(q, k, v, causal=causal, kernel=kern, **kw)
+            except ValueError as exc:   # this kernel cannot run the inputs
+                row["label"] = "-"
+                row["cuflash_error"] = str(exc)[:200]
+            run = lambda: cuflash.attention(q, k, v, causal=causal, kernel=kern,  # noqa: E731
+                                            **kw)
+            bad = row.get("cuflash_error") or check(run(), q, k, v, causal, kw, args.dtype,
+                                                    slices)
             if bad:
                 row["cuflash_error"] = bad
             else:
                 row["ms"] = time_ms(run, args.warmup, args.repeats)
-                if name == "plain":
+                if name == "plain" and kern == "auto":
                     plain_ms = row["ms"]
                 pairs = visible_pairs(name, s, causal, args)
                 if plain_ms is not None:
                     row["per_tile"] = (plain_ms / visible_pairs("plain", s, causal, args)) / (
                         row["ms"] / pairs)
-                if args.backward:
+                if args.backward and first:
                     o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **kw)
                     row["bwd_label"] = cuflash.backward_dispatch_info(do, q, k, v, o, lse,
                                                                       causal=causal, **kw)
@@ -322,7 +340,7 @@ def main(argv=None):
                         if plain_bwd_ms is not None:
                             row["bwd_per_tile"] = (plain_bwd_ms / visible_pairs(
                                 "plain", s, causal, args)) / (row["bwd_ms"] / pairs)
-            if torch is not None and name != "softcap":
+            if torch is not None and name != "softcap" and first:
                 tm = torch_mask(name, kw, b, h, s, causal, args.dtype, args.window)
                 for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
                     try:
@@ -365,7 +383,7 @@ def main(argv=None):
                         except Exception as exc:   # this backend has no backward for it
                             row["torch_bwd_error"] = f"{type(exc).__name__}: {exc}"[:200]
                     break
-            if flex is not None:
+            if flex is not None and first:
                 try:
                     score_mod, mask_mod = flex_mods(name, kw, causal, args.window)
                     bm = (create_block_mask(mask_mod, b if name == "mask" else None, None, s, s,
@@ -395,7 +413,7 @@ def main(argv=None):
                 except Exception as exc:   # pragma: no cover - FlexAttention refused it
                     row["flex_error"] = f"{type(exc).__name__}: {exc}"[:200]
             rows.append(row)
-            print(f"S={s} {name:8s} {row.get('ms', float('nan')):8.3f} ms  per tile "
+            print(f"S={s} {name:8s} {kern:7s} {row.get('ms', float('nan')):8.3f} ms  per tile "
                   f"{row.get('per_tile', float('nan')):5.2f}  torch "
                   f"{row.get('torch_backend', '-')} {row.get('torch_ms', float('nan')):8.3f} ms"
                   f"  vs torch {row.get('vs_torch', float('nan')):5.2f}  flex "

@@ -432,12 +432,14 @@ def hopper_choice(dpad: int, causal: bool, sk: int, sq: Optional[int] = None):
 
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
                 precision: str = "highest", form: Optional[str] = None,
-                sq: Optional[int] = None) -> Plan:
+                sq: Optional[int] = None, choose=None) -> Plan:
     """The Hopper kernel for these inputs; float32 takes the form HOPPER_F32_FORM gives
     `precision` ("3xfp16": HOPPER_F16SPLIT_TABLE; else the TF32 form with the products of
     F32_TERMS, HOPPER_F32_TABLE), or `form` ("3xfp16", or F32_TERMS' mode of `precision`: "3xtf32"
     / "tf32") where given; 16-bit dtypes ignore both. `sq` (None: not known) lets short query
-    counts take narrower query blocks (hopper_choice)."""
+    counts take narrower query blocks (hopper_choice). `choose(dpad, tiles, persistent)`, if
+    given, returns the (tiles, persistent) to use instead (the variants' registers:
+    _dispatch_variants.hopper_variant_plan)."""
     f32 = dtype_name == "float32"
     form = form or (hopper_f32_form(precision) if f32 else None)
     f16split = f32 and form == "3xfp16"
@@ -457,6 +459,8 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
         dpad = head_dim_bucket(d, {key[0] for key in HOPPER_TABLE})
         cfg, persistent = hopper_choice(dpad, causal, sk, sq)
         terms, mode = 1, None
+    if choose is not None:
+        cfg, persistent = choose(dpad, cfg, persistent)
     cxx_bool = {True: "true", False: "false"}
     name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {cfg.bn}, "
             f"{cfg.stages}, {cfg.q_stages}, {cfg.consumers}, {cxx_bool[bool(cfg.overlap)]}, "

@@ -2,11 +2,13 @@
 
 Kernels take the variant as the policy of kernels_cu/variants.cuh, a template parameter: the
 generic kernels (``cuflash_fwd_generic_var<T, Acc, DB, DVB, CAUSAL, Variant<WINDOW, SOFTCAP,
-ALIBI, BiasT, MASK>>`` and the backward's) and the mma.sync tensor-core forward
-(``cuflash_fwd_mma_var<..., CAUSAL, V>``, attn_mma.cu). Forward: ``kernel="auto"`` takes the
-tensor-core kernel where the inputs qualify (`tensorcore_variant_reason`; never the Hopper
-kernel, which takes no policy yet), else the generic one, whose label says why;
-``kernel="tensorcore"`` demands it and raises ValueError saying why not; ``"hopper"`` raises.
+ALIBI, BiasT, MASK>>`` and the backward's), the mma.sync tensor-core forward
+(``cuflash_fwd_mma_var<..., CAUSAL, V>``, attn_mma.cu) and the Hopper forward
+(``cuflash_fwd_wgmma_var<..., CAUSAL, V[, OP]>``, attn_wgmma.cu). Forward: ``kernel="auto"``
+takes the Hopper kernel where `hopper_variant_reason` allows and HOPPER_VARIANTS_AUTO is on (off
+until its GPU run), else the tensor-core kernel where the inputs qualify
+(`tensorcore_variant_reason`), else the generic one, whose label says why;
+``kernel="tensorcore"`` / ``"hopper"`` demand theirs and raise ValueError saying why not.
 Backward: the mma.sync tensor-core backward (``cuflash_bwd_mma_var<..., OPT, V>``,
 attn_bwd_mma.cu) where `bwd_tensorcore_variant_reason` says the inputs qualify (float16 /
 bfloat16, the head dims of `_dispatch.TC_BWD_CONFIGS`), else the generic variant kernels;
@@ -166,17 +168,169 @@ def _column_stride_reason(variant) -> "str | None":
     return None
 
 
+#: Whether kernel="auto" takes the Hopper forward (attn_wgmma.cu: cuflash_fwd_wgmma_var) for a
+#: variant on compute capability 9.0 where `hopper_variant_reason` says it qualifies. Off until
+#: its GPU tests (tests/test_variants_gpu.py, the kernel="hopper" cases) have passed on the
+#: H200: until then auto takes the mma.sync kernel for variants, and kernel="hopper" selects the
+#: Hopper one explicitly.
+HOPPER_VARIANTS_AUTO = False
+
+#: Tiles of the Hopper forward with a variant (16-bit inputs), {(padded head dim, reads
+#: tensors): HopperTiles fields to replace}, where the plain table's (HOPPER_TABLE) do not fit:
+#: three consumers (BM = 192) leave each 160 registers (attn_wgmma.cu: WgmmaConfig), too few for
+#: a policy's per-element work (notes/VARIANTS.md, "The Hopper forward with a policy").
+#: NVRTC 13.0, sm_90a, every part combined: the plain tiles spilled 132 bytes at D = 64 (BN = 128,
+#: two consumers) and 332 at D = 128 with a bias and a mask, 12 with the positional parts at
+#: D = 128, BN = 176, 40-440 at D = 256 (BN = 80; 4-308 still at BN = 64 with the overlapped
+#: softmax, 64 with a bias and a mask without it): hence 64-key tiles where the policy reads
+#: tensors, 128 keys at D = 128 without, and at D = 256 no overlapped softmax (P_{j-1} and S_j in
+#: registers at once) with 64-key tiles, 32 where the policy reads tensors.
+HOPPER_VARIANT_TILES = {
+    (64, False): dict(consumers=2), (64, True): dict(consumers=2, bn=64),
+    (128, False): dict(bn=128), (128, True): dict(bn=64),
+    (256, False): dict(bn=64, overlap=False), (256, True): dict(bn=32, overlap=False),
+}
+#: The same for float32, {(padded head dim, precision, reads tensors): fields}: one-pass TF32
+#: ("high") with a bias or a mask spilled 524 bytes at D = 64 (128 still without the overlapped
+#: softmax, none with 64-key tiles too) and 84 at D = 128 with the overlapped softmax; window,
+#: softcap and ALiBi under causal 76 bytes at D = 64 with 128-key tiles (none with 64). (The 3xfp16 form of "highest" has none and fits as it is.)
+HOPPER_VARIANT_F32_TILES = {(64, "high", False): dict(bn=64),
+                            (64, "high", True): dict(overlap=False, bn=64),
+                            (128, "high", True): dict(overlap=False)}
+
+
+#: User hooks on the Hopper forward, {padded head dim: HopperTiles fields}, applied after the
+#: tables above (every dtype and form; hooks count as reads there): both example hooks on every
+#: built-in part at D = 128 spilled 108-156 bytes with 64-key tiles (40 without the overlapped
+#: softmax) under NVRTC 13.0, none with 32-key tiles; D = 64 and D = 256 fit the reads' tiles.
+HOPPER_HOOK_TILES = {128: dict(bn=32)}
+
+
+def hopper_variant_plan(dtype_name: str, d: int, causal: bool, sk: int, variant,
+                        precision: str = "highest", sq=None) -> Plan:
+    """The Hopper forward with the variant's policy (attn_wgmma.cu: cuflash_fwd_wgmma_var): the
+    plain Hopper plan (hopper_plan, HOPPER_TABLE and the float32 forms' tables) with the
+    tiles of HOPPER_VARIANT_TILES, ``_var<..., CAUSAL, V[, OP]>`` in the kernel's name
+    and the variant's parts in the label."""
+    import dataclasses
+
+    from ._dispatch import hopper_plan
+
+    reads = variant_reads(variant)
+    hooks = getattr(variant, "has_mods", False)
+
+    def choose(dpad, cfg, persistent):
+        if dtype_name == "float32":
+            cfg = cfg._replace(**HOPPER_VARIANT_F32_TILES.get((dpad, precision, reads), {}))
+        else:
+            cfg = cfg._replace(**HOPPER_VARIANT_TILES.get((dpad, reads), {}))
+        if hooks:
+            cfg = cfg._replace(**HOPPER_HOOK_TILES.get(dpad, {}))
+        return cfg, persistent
+
+    base = hopper_plan(dtype_name, d, causal, sk, precision, sq=sq, choose=choose)
+    name = base.spec.name.replace("cuflash_fwd_wgmma<", "cuflash_fwd_wgmma_var<")
+    op = ", cuflash::fp16_t>"
+    pol = policy_name(variant)
+    name = (name[:-len(op)] + f", {pol}{op}" if name.endswith(op) else name[:-1] + f", {pol}>")
+    label = base.label[:-1] + f",{policy_label(variant)}>"
+    return dataclasses.replace(base, label=label, spec=Specialisation(
+        base.spec.family, name, arch=base.spec.arch, extra_source=_hook_source(variant)))
+
+
+def hopper_variant_reason(prob, compute_capability) -> "str | None":
+    """Why the Hopper forward cannot run these inputs with their variant (None: it can): the
+    plain Hopper kernel's conditions (`_dispatch.hopper_reason`) and bias / mask tensors read
+    with a column stride of 0 or 1. Every built-in part and user hook is supported there."""
+    from ._dispatch import hopper_reason
+    why = hopper_reason(prob, compute_capability)
+    if why is not None:
+        return why
+    return _column_stride_reason(prob.variant)
+
+
+def hopper_variant_compile_specs():
+    """The Hopper forward's variant specialisations the compile check builds (sm_90a): for
+    float16 at D64 every part alone (bias in float16 and float32), window and the five parts
+    combined with and without causal, the positional parts (window, softcap, ALiBi) combined
+    under causal; at D128 and D256 the positional parts and all five, with and without causal;
+    bfloat16 all five at D128 (causal and not); float32 (3xfp16 "highest" and one-pass TF32
+    "high") the positional parts and all five at D64 and D128 under causal, and every form
+    tests/test_variants_gpu.py runs on the Hopper kernel (its cases at D64, the window tests at
+    D64 and D128, the head-dim tests)."""
+    out = []
+
+    def add(dt, d, causal, pol, precision="highest"):
+        spec = hopper_variant_plan(dt, d, causal, 1024, pol, precision).spec
+        if spec not in out:
+            out.append(spec)
+
+    every = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
+    positional = _Spec(window=True, softcap=True, alibi=True)
+    for dt in ("float16", "float32"):   # tests/test_variants_gpu.py: the Hopper cases
+        _add_d64_forms(add, dt)
+    for d in (128, 256):
+        for causal in (False, True):
+            add("float16", d, causal, positional)
+            add("float16", d, causal, every)
+    for causal in (False, True):
+        add("bfloat16", 64, causal, every)
+        add("bfloat16", 128, causal, every)
+    for d in (64, 128):
+        for precision in ("highest", "high"):
+            add("float32", d, True, positional, precision)
+            add("float32", d, True, every, precision)
+    # the window tests' and head-dim tests' other forms
+    add("bfloat16", 64, True, _Spec(window=True))
+    for causal in (False, True):
+        add("float16", 128, causal, _Spec(window=True))
+    add("bfloat16", 256, False, _Spec(softcap=True))
+    # user hooks: mod_compile_specs' cases, and those tests/test_mods_gpu.py runs on the Hopper
+    # kernel (its hooks from cuflash.mods.example_hooks)
+    from .mods import example_hooks
+    ex = example_hooks()
+    cap, rel, doc = ex["tanh_cap"], ex["rel_bias"], ex["document"]
+    for dt, precision in (("float16", "highest"), ("bfloat16", "highest"),
+                          ("float32", "highest"), ("float32", "high")):
+        for pol, causal, d in ((_with_mods(_Spec(), cap, None), False, 64),
+                               (_with_mods(_Spec(), rel, doc), True, 64),
+                               (_with_mods(_Spec(window=True, alibi=True), cap, doc), True, 64),
+                               (_with_mods(_Spec(), None, doc), True, 64),
+                               (_with_mods(_Spec(window=True, softcap=True, alibi=True,
+                                                 bias="float32", mask=True), cap, doc),
+                                True, 128)):
+            add(dt, d, causal, pol, precision)
+    add("float16", 64, True, _with_mods(_Spec(), cap, None))
+    add("float16", 64, True, _with_mods(_Spec(), rel, None))
+    add("float16", 256, True, _with_mods(_Spec(window=True, softcap=True, alibi=True,
+                                               bias="float32", mask=True), cap, doc))
+    return out
+
+
 def variant_plan_for(prob, compute_capability=None) -> Plan:
     """The forward plan of a problem with a variant (``prob.variant`` not None) on a device of
-    this compute capability: the tensor-core kernel for ``kernel="auto"`` where it qualifies
-    (also on sm_90: the Hopper kernel takes no policy), else the generic one. kernel="hopper"
-    and kernel="decode" (families without the policy) raise, naming the variant."""
-    if prob.kernel in ("hopper", "decode"):  # kernel families without the policy yet
+    this compute capability: for ``kernel="auto"`` the Hopper kernel where it qualifies and
+    HOPPER_VARIANTS_AUTO is on (for float32, _dispatch.HOPPER_F32_AUTO too), else the tensor-core kernel where it qualifies, else the generic
+    one. kernel="hopper" takes the Hopper kernel or raises saying why not; kernel="decode" (no
+    policy) raises, naming the variant."""
+    if prob.kernel == "decode":  # the kernel family without the policy yet
         hooks = prob.variant.hook_names() if getattr(prob.variant, "has_mods", False) else []
         what = (f"the user hook{'s' if len(hooks) > 1 else ''} {' and '.join(hooks)}" if hooks
                 else f"the attention variant ({policy_label(prob.variant)})")
         raise ValueError(f"kernel={prob.kernel!r} cannot run these inputs: {what} is not "
                          "supported there yet; use kernel='auto', 'tensorcore' or 'generic'")
+    from . import _dispatch
+    auto = HOPPER_VARIANTS_AUTO and (_dispatch.HOPPER_F32_AUTO or prob.dtype_name != "float32")
+    if prob.kernel == "hopper" or (prob.kernel == "auto" and auto):
+        why_not = hopper_variant_reason(prob, compute_capability)
+        if why_not is None:
+            return hopper_variant_plan(prob.dtype_name, prob.d, prob.causal, prob.sk,
+                                       prob.variant, getattr(prob, "precision", "highest"),
+                                       sq=prob.sq)
+        if prob.kernel == "hopper":
+            raise ValueError(f"kernel='hopper' cannot run these inputs with "
+                             f"{_variant_words(prob.variant)}: {why_not}; use kernel='auto', "
+                             "'tensorcore' or 'generic'")
     reason = ""
     if prob.kernel in ("auto", "tensorcore"):
         why_not = tensorcore_variant_reason(prob, compute_capability)
@@ -444,6 +598,20 @@ def _with_mods(spec, score_mod, mask_mod):
     return spec
 
 
+def _add_d64_forms(add, dt):
+    """The D64 forms of a forward compile set, through add(dtype, d, causal, policy): every part
+    alone (bias in float16 and float32), window and the five parts combined with and without
+    causal, the positional parts (window, softcap, ALiBi) combined under causal."""
+    every = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
+    for pol in (_Spec(softcap=True), _Spec(alibi=True), _Spec(bias="float32"),
+                _Spec(bias="float16"), _Spec(mask=True)):
+        add(dt, 64, False, pol)
+    for causal in (False, True):
+        add(dt, 64, causal, _Spec(window=True))
+        add(dt, 64, causal, every)
+    add(dt, 64, True, _Spec(window=True, softcap=True, alibi=True))
+
+
 def tensorcore_variant_compile_specs(compute_capability: int = 90):
     """The tensor-core forward's variant specialisations the compile check builds (sm_90): at
     D64 every part alone (bias in float16 and float32), window and the five parts combined with
@@ -462,14 +630,7 @@ def tensorcore_variant_compile_specs(compute_capability: int = 90):
             out.append(spec)
 
     for dt in ("float16", "bfloat16", "float32"):
-        every = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
-        for pol in (_Spec(softcap=True), _Spec(alibi=True), _Spec(bias="float32"),
-                    _Spec(bias="float16"), _Spec(mask=True)):
-            add(dt, 64, False, pol)
-        for causal in (False, True):
-            add(dt, 64, causal, _Spec(window=True))
-            add(dt, 64, causal, every)
-        add(dt, 64, True, _Spec(window=True, softcap=True, alibi=True))
+        _add_d64_forms(add, dt)
     every16 = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
     for d in (96, 128, 192, 256):
         add("float16", d, True, every16)

@@ -570,58 +570,8 @@ __device__ __forceinline__ bool tile_has_nonfinite(const T* smem, int row_from, 
     return bad;
 }
 
-// ---- Variants (kernels_cu/variants.cuh): the scores of one 16-row slab (the m16n8 layout of
-// softmax_step) scaled, transformed by the policy and masked, in place. The plain kernel leaves
-// its scores raw and folds the scale into exp2's FFMA; a score transform (softcap, ALiBi, a
-// bias, a user score_mod) needs the scaled score, so the variant path scales first and then runs
-// the softmax in scaled units (scale_log2 = log2 e). `partial`: the tile needs per-element
-// visibility (the key tail, the causal diagonal, a window edge, a mask); on other tiles only the
-// transform runs. Rows past Sq are clamped for the policy's reads (their results are never
-// written), as are keys past Sk (masked anyway). The scale is an unfused multiply (__fmul_rn), so
-// that no contraction with the transform's additions differs between this kernel and the
-// tensor-core backward (attn_bwd_mma.cu: bwd_variant_probs), which recomputes the same logits.
-template <int NT, bool CAUSAL, bool FAST, bool PARTIAL, typename V>
-__device__ __forceinline__ void variant_scores_as(float (&s)[NT][4], const V& var, int key0,
-                                                  int t4, int sq, int sk, int row_lo, int diag,
-                                                  float scale) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row_lo + 8 * h;
-        const int r = V::READS ? min(row, sq - 1) : row;
-        // i + off - j for this thread's first key of the tile, once per row and tile.
-        const float dist0 = static_cast<float>(row + diag - key0 - 2 * t4);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float& x = s[nt][2 * h + e];
-                const int key = key0 + nt * 8 + 2 * t4 + e;
-                const float dist = dist0 - static_cast<float>(nt * 8 + e);
-                if constexpr (PARTIAL) {
-                    const int kc = V::READS ? min(key, sk - 1) : key;
-                    bool ok = key < sk;
-                    if (CAUSAL) ok = ok && key <= row + diag;
-                    if (V::MASKS) ok = ok && var.visible_tc(r, kc);
-                    const float t = var.template score_tc<FAST>(__fmul_rn(x, scale), r, kc, dist);
-                    x = ok ? t : neg_inf<float>();
-                } else {
-                    x = var.template score_tc<FAST>(__fmul_rn(x, scale), r, key, dist);
-                }
-            }
-    }
-}
-// The two forms as separate loops (one branch per tile): with the choice per element, ptxas
-// if-converted both into one predicated sequence that kept both forms' addresses live (a float32
-// bias at D = 64 went past 128 registers and spilled).
-template <int NT, bool CAUSAL, bool FAST, typename V>
-__device__ __forceinline__ void variant_scores(float (&s)[NT][4], const V& var, bool partial,
-                                               int key0, int t4, int sq, int sk, int row_lo,
-                                               int diag, float scale) {
-    if (partial)
-        variant_scores_as<NT, CAUSAL, FAST, true>(s, var, key0, t4, sq, sk, row_lo, diag, scale);
-    else
-        variant_scores_as<NT, CAUSAL, FAST, false>(s, var, key0, t4, sq, sk, row_lo, diag, scale);
-}
+// The variant's scores (variant_scores: scale, transform, mask) are in variants.cuh, shared with
+// the Hopper forward (attn_wgmma.cu).
 
 template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, bool STAGE_O, bool CAUSAL,
           typename V, typename OP = T>

@@ -68,6 +68,7 @@
 #include "common.cuh"
 #include "fp16split.cuh"
 #include "wgmma_ops.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -411,11 +412,25 @@ __device__ __forceinline__ int tiles_needed(int row0, int rows, int sq, int sk) 
     return row0 >= sq ? 0 : (keys_needed<CAUSAL>(row0, rows, sq, sk) + BN - 1) / BN;
 }
 
+// A variant's window (variants.cuh: key_range) narrows the key tiles of query rows [row0, row0 +
+// BM) to [*jt0, *jt0 + *n) of the causal count n that tiles_needed gave (unchanged without a
+// window: jt0 = 0). The producer (for the block's rows) and every consumer (for the block's rows
+// too: the range is the block's, so that their counts match the tiles loaded) call it with the
+// same bound policy. An empty range gives n = 0.
+template <int BN, typename V>
+__device__ __forceinline__ void window_tiles(const V& var, int row0, int bm, int sq, int sk,
+                                             int& jt0, int& n) {
+    if constexpr (V::HAS_WINDOW) {
+        long long j0, j1;
+        var.key_range(row0, min(row0 + bm, sq), j0, j1, sk);
+        jt0 = static_cast<int>(j0 / BN);
+        n = max(0, min(n, static_cast<int>((j1 + BN - 1) / BN)) - jt0);
+    }
+}
+
 template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
-          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP = T>
-__global__ void __launch_bounds__(
-    WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>::THREADS, 1)
-cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
+          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP, typename V>
+__device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const VariantParams& vp) {
     using Cfg = WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>;
     using Op = typename Cfg::Op;
     constexpr bool F32 = Cfg::F32;
@@ -510,10 +525,17 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         WorkWalk<CAUSAL> walk(p);
         for (BlockCoord bc; walk.next(bc); ++wi) {
             const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
-            const int n_tiles = tiles_needed<CAUSAL, BN>(row0, Cfg::BM, sq, sk);
+            int n_tiles = tiles_needed<CAUSAL, BN>(row0, Cfg::BM, sq, sk);
             const unsigned int ub = static_cast<unsigned int>(bc.b);
             const int ix[3] = {static_cast<int>(ub / n2 / n1), static_cast<int>(ub / n2 % n1),
                                static_cast<int>(ub % n2)};
+            // A window: the block's tiles jt0 ... jt0 + n_tiles - 1 (what the consumers compute).
+            int jt0 = 0;
+            if constexpr (V::HAS_WINDOW) {
+                V var;
+                var.bind(vp, p.sq, p.sk, ix[0], ix[1], ix[2]);
+                window_tiles<BN>(var, row0, Cfg::BM, sq, sk, jt0, n_tiles);
+            }
             // Tensor t's coordinates on batch axes 2, 1, 0 (innermost first): the batch index,
             // or 0 where t broadcasts over the axis.
             int c[3][3];
@@ -573,10 +595,10 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                     const int st = gi % STAGES;
                     const unsigned int use = gi / STAGES;
                     if (gi >= STAGES) mbar_wait(k_empty(st), (use - 1) & 1);
-                    load(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, Cfg::KV_PANEL, t * BN, k_land(st),
-                         Cfg::KV_BYTES);
+                    load(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, Cfg::KV_PANEL, (jt0 + t) * BN,
+                         k_land(st), Cfg::KV_BYTES);
                     if (gi >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
-                    load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, t * BN,
+                    load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, (jt0 + t) * BN,
                          v_land_st(st), Cfg::KV_BYTES);
                 };
                 if (n_tiles > 0) {
@@ -605,20 +627,20 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 const unsigned int use = it / STAGES;
                 if (issuer) {
                     if (it >= STAGES) mbar_wait(k_empty(st), (use - 1) & 1);
-                    load(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, Cfg::KV_PANEL, j * BN,
+                    load(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, Cfg::KV_PANEL, (jt0 + j) * BN,
                          F32 ? k_land(st) : k_full(st), Cfg::KV_BYTES);
                 }
                 if (j == 0) load_q();
                 if constexpr (!F32) {
                     if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
-                    load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN, v_full(st),
-                         Cfg::KV_BYTES);
+                    load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, (jt0 + j) * BN,
+                         v_full(st), Cfg::KV_BYTES);
                 } else if constexpr (F16S) {
                     // Two stages: tile j is requested at the top of its iteration, after tile
                     // j - 1 is prepared (what the lookahead above would do with STAGES - 1 = 1).
                     if (issuer) {
                         if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
-                        load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN,
+                        load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, (jt0 + j) * BN,
                              v_land_st(st), Cfg::KV_BYTES);
                     }
                     if (j == 0) prep_q();
@@ -632,7 +654,8 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                     // The staging buffer is free: the previous tile's transpose ended in a
                     // PREP barrier.
                     if (issuer)
-                        load(vraw_s, &hp.tm_v, 2, Cfg::KV_PANEL, j * BN, v_land, Cfg::KV_BYTES);
+                        load(vraw_s, &hp.tm_v, 2, Cfg::KV_PANEL, (jt0 + j) * BN, v_land,
+                             Cfg::KV_BYTES);
                     if (j == 0) prep_q();
                     mbar_wait(k_land(st), use & 1u);
                     split_tile<TERMS, Cfg::KV_BYTES>(k_s + st * Cfg::KV_BYTES,
@@ -658,7 +681,9 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     const int warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
     const int lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const float scale_log2 = static_cast<float>(p.scale_log2);
+    // Units of the scores the softmax sees: raw (the scale folded into exp2) for the plain policy,
+    // scaled for a variant (variants.cuh: variant_scores scales, transforms and masks them).
+    const float scale_log2 = V::PLAIN ? static_cast<float>(p.scale_log2) : 1.4426950408889634f;
     unsigned int q_wg = q_s + 64 * cw * 128;  // this consumer's 64 rows in each Q panel (per item)
     const int d = static_cast<int>(p.d);
 
@@ -841,13 +866,40 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
     for (BlockCoord bc; walk.next(bc); ++wi) {
         const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
         // This consumer's tiles and those every consumer computes (n_turns).
-        const int n_tiles = tiles_needed<CAUSAL, BN>(row0 + 64 * cw, 64, sq, sk);
+        int n_tiles = tiles_needed<CAUSAL, BN>(row0 + 64 * cw, 64, sq, sk);
         int n_turns = n_tiles;
 #pragma unroll
         for (int c = 0; c < CONSUMERS; ++c)
             n_turns = min(n_turns, tiles_needed<CAUSAL, BN>(row0 + 64 * c, 64, sq, sk));
         const int row_lo = row0 + 64 * cw + 16 * warp + g;  // the thread's rows: +0 and +8
         const int masked_from = first_masked_tile<CAUSAL>(row0 + 64 * cw, BN, sq, sk);
+        // A variant: its policy bound to the item's batch entry; a window's tiles are the
+        // block's [jt0, ...) (window_tiles, as the producer loads them), local index j = tile
+        // jt0 + j, the counts cut to the block's window.
+        int jt0 = 0;
+        [[maybe_unused]] V var;
+        if constexpr (!V::PLAIN) {
+            const unsigned int ub = static_cast<unsigned int>(bc.b);
+            const unsigned int n2 = static_cast<unsigned int>(p.nb2);
+            const unsigned int n1 = static_cast<unsigned int>(p.nb1);
+            var.bind(vp, p.sq, p.sk, (ub / n2) / n1, (ub / n2) % n1, ub % n2);
+            window_tiles<BN>(var, row0, Cfg::BM, sq, sk, jt0, n_tiles);
+            window_tiles<BN>(var, row0, Cfg::BM, sq, sk, jt0, n_turns);
+        }
+        // A variant's scores of key tile jt, in place before its softmax step: scaled,
+        // transformed, and masked per element on partial tiles (the causal diagonal or key tail
+        // from masked_from on, a window edge, a mask; tile_kind over this consumer's rows).
+        const auto variant_step = [&](int jt) {
+            if constexpr (!V::PLAIN) {
+                const int key0 = jt * BN, r0 = row0 + 64 * cw;
+                const bool partial = jt >= masked_from ||
+                                     var.tile_kind(r0, min(r0 + 64, sq), key0, key0 + BN) !=
+                                         TILE_FULL;
+                variant_scores<Cfg::NT_S, CAUSAL, TERMS == 1>(s, var, partial, key0, t4, sq, sk,
+                                                              row_lo, diag,
+                                                              static_cast<float>(p.scale));
+            }
+        };
         const auto stage = [it](int j) { return static_cast<int>((it + j) % STAGES); };
         const auto parity = [it](int j) { return ((it + j) / STAGES) & 1u; };
 
@@ -880,8 +932,9 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                     scores_in();
                 }
                 scores_done(stage(j), j == n_tiles - 1);
+                variant_step(jt0 + j);
                 softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
-                    s, m_run, l_run, alpha, j >= masked_from, j * BN,
+                    s, m_run, l_run, alpha, V::PLAIN && jt0 + j >= masked_from, (jt0 + j) * BN,
                     t4, sk, row_lo, diag, scale_log2);
                 rescale_rows<Cfg::NT_O>(acc_o, alpha);
                 pack();
@@ -911,8 +964,9 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             wgmma_wait<0>();
             scores_in();
             scores_done(stage(0), n_tiles == 1);
+            variant_step(jt0);
             softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
-                s, m_run, l_run, alpha, 0 >= masked_from, 0, t4, sk,
+                s, m_run, l_run, alpha, V::PLAIN && jt0 >= masked_from, jt0 * BN, t4, sk,
                 row_lo, diag, scale_log2);  // O is 0: no rescale
             pack();
             for (int j = 1; j < n_tiles; ++j) {
@@ -928,8 +982,9 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 wgmma_wait<1>();  // S_j is in
                 scores_in();
                 scores_done(stage(j), j == n_tiles - 1);
+                variant_step(jt0 + j);
                 softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
-                    s, m_run, l_run, alpha, j >= masked_from, j * BN,
+                    s, m_run, l_run, alpha, V::PLAIN && jt0 + j >= masked_from, (jt0 + j) * BN,
                     t4, sk, row_lo, diag, scale_log2);
                 wgmma_wait<0>();  // P_{j-1} V_{j-1} is in O
                 pv_in();
@@ -948,7 +1003,8 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         if (n_tiles == 0) release(q_empty(wi % QSTAGES));  // (else released with the last S)
         // The block's tiles past this consumer's: release their stages without using them, once
         // loaded (waiting for "full" first keeps the arrivals in the stage's current phase).
-        const int n_block = tiles_needed<CAUSAL, BN>(row0, Cfg::BM, sq, sk);  // as loaded
+        int n_block = tiles_needed<CAUSAL, BN>(row0, Cfg::BM, sq, sk);  // as loaded
+        if constexpr (!V::PLAIN) window_tiles<BN>(var, row0, Cfg::BM, sq, sk, jt0, n_block);
         for (int j = n_tiles; j < n_block; ++j) {
             mbar_wait(k_full(stage(j)), parity(j));
             release(k_empty(stage(j)));
@@ -963,7 +1019,9 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         // n8 tile the stores were throttled by the memory pipeline and took about a quarter of
         // the warps' time at D = 256, S = 512 (ncu source counters, notes/PERF.md).
         // Under a causal mask a row whose O is not finite is written by exact_row_pv instead
-        // (common.cuh: a NaN or inf in V at a key the row cannot see must not reach it).
+        // (common.cuh: a NaN or inf in V at a key the row cannot see must not reach it); with a
+        // variant (whose window, mask or -inf bias hides keys), by exact_row_pv_var.
+        constexpr bool REDO = CAUSAL || !V::PLAIN;
         const BatchOffsets off = batch_offsets(p, bc.b);
         T* o = static_cast<T*>(p.o) + off.o;
         float inv_h[2];
@@ -976,7 +1034,7 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
             const int row = row_lo + 8 * h;
             const float inv = (l == 0.f) ? 0.f : 1.f / l;
             inv_h[h] = inv;
-            if constexpr (CAUSAL) {
+            if constexpr (REDO) {
                 float t = 0.f;  // NaN or inf anywhere in the row makes the sum non-finite
 #pragma unroll
                 for (int i = 0; i < Cfg::NT_O; ++i) t += acc_o[i][2 * h] + acc_o[i][2 * h + 1];
@@ -1011,7 +1069,7 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                 }
             }
         }
-        if constexpr (CAUSAL) {
+        if constexpr (REDO) {
             if (__any_sync(0xffffffffu, redo != 0)) {  // non-finite inputs only
                 const float m_c[2] = {m_run[0] == neg_inf<float>() ? 0.f : m_run[0] * scale_log2,
                                       m_run[1] == neg_inf<float>() ? 0.f : m_run[1] * scale_log2};
@@ -1023,6 +1081,15 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
                         const float inv = __shfl_sync(0xffffffffu, inv_h[h], src);
                         const int row = row0 + 64 * cw + 16 * warp + src / 4 + 8 * h;
                         if (!((bits >> h) & 1) || row >= sq) continue;
+                        if constexpr (!V::PLAIN) {  // the policy's keys and scores
+                            exact_row_pv_var<T, CAUSAL, TERMS == 1>(
+                                var, static_cast<const T*>(p.q) + off.q + row * p.q_sr,
+                                static_cast<const T*>(p.k) + off.k, p.k_sr,
+                                static_cast<const T*>(p.v) + off.v, p.v_sr,
+                                static_cast<int>(p.d), static_cast<int>(p.dv), row, sq, sk,
+                                static_cast<float>(p.scale), mc, inv, o + row * p.o_sr);
+                            continue;
+                        }
                         const int n_keys = max(0, min(sk, row + diag + 1));
                         exact_row_pv<T>(static_cast<const T*>(p.q) + off.q + row * p.q_sr,
                                         static_cast<const T*>(p.k) + off.k, p.k_sr,
@@ -1035,6 +1102,28 @@ cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
         }
     }
     if (cw == 0) turn_take(true);  // the last consumer's final pass (see turn_take above)
+}
+
+// cuflash_fwd_wgmma: the plain policy (one kernel argument, the code it always had);
+// cuflash_fwd_wgmma_var<..., CAUSAL, V[, OP]>: a variant's policy V (variants.cuh), VariantParams
+// the second argument (notes/VARIANTS.md, "The Hopper forward with a policy"). Both are named
+// instantiations a profiler shows.
+template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
+          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP = T>
+__global__ void __launch_bounds__(
+    WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>::THREADS, 1)
+cuflash_fwd_wgmma(const __grid_constant__ HopperParams hp) {
+    fwd_wgmma_body<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OVERLAP, PINGPONG, CAUSAL, OP,
+                   PlainVariant>(hp, VariantParams{});
+}
+template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
+          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename V, typename OP = T>
+__global__ void __launch_bounds__(
+    WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>::THREADS, 1)
+cuflash_fwd_wgmma_var(const __grid_constant__ HopperParams hp,
+                      const __grid_constant__ VariantParams vp) {
+    fwd_wgmma_body<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OVERLAP, PINGPONG, CAUSAL, OP,
+                   V>(hp, vp);
 }
 
 }  // namespace cuflash

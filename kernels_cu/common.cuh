@@ -550,6 +550,32 @@ __device__ __forceinline__ float row_lse(float m, float l, float scale_log2) {
 // sum do not depend on V, so the row's final m_c (= m * scale_log2, 0 while m = -inf) and 1 / l
 // from the main loop still hold. This path runs only for non-finite inputs; its speed does not
 // matter. All 32 lanes call it with the same row; D, Dv <= 256 (8 columns per lane).
+// The exact paths' pieces (exact_row_pv; variants.cuh: exact_row_pv_var), one warp per row:
+// q_row . kj over D (the warp's sum, the same value in every lane), acc += pj vj over the lane's
+// columns lane + 32 i, and o_row = acc / l.
+template <typename T>
+__device__ __forceinline__ float exact_row_dot(const T* q_row, const T* kj, int d, int lane) {
+    float s = 0.f;
+    for (int c = lane; c < d; c += 32) s = fmaf(to_float(q_row[c]), to_float(kj[c]), s);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    return s;
+}
+template <typename T>
+__device__ __forceinline__ void exact_row_axpy(float (&acc)[8], float pj, const T* vj, int dv,
+                                               int lane) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (lane + 32 * i < dv) acc[i] = fmaf(pj, to_float(vj[lane + 32 * i]), acc[i]);
+}
+template <typename T>
+__device__ __forceinline__ void exact_row_store(const float (&acc)[8], float inv_l, int dv,
+                                                int lane, T* o_row) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (lane + 32 * i < dv) o_row[lane + 32 * i] = from_acc<T>(acc[i] * inv_l);
+}
+
 template <typename T>
 __device__ __noinline__ void exact_row_pv(const T* q_row, const T* k, long long k_sr, const T* v,
                                           long long v_sr, int d, int dv, int n_keys,
@@ -559,20 +585,11 @@ __device__ __noinline__ void exact_row_pv(const T* q_row, const T* k, long long 
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.f;
     for (int j = 0; j < n_keys; ++j) {
-        const T* kj = k + j * k_sr;
-        float s = 0.f;
-        for (int c = lane; c < d; c += 32) s = fmaf(to_float(q_row[c]), to_float(kj[c]), s);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        const float s = exact_row_dot(q_row, k + j * k_sr, d, lane);
         const float pj = fast_exp2(fmaf(s, scale_log2, -m_c));
-        const T* vj = v + j * v_sr;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            if (lane + 32 * i < dv) acc[i] = fmaf(pj, to_float(vj[lane + 32 * i]), acc[i]);
+        exact_row_axpy(acc, pj, v + j * v_sr, dv, lane);
     }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-        if (lane + 32 * i < dv) o_row[lane + 32 * i] = from_acc<T>(acc[i] * inv_l);
+    exact_row_store(acc, inv_l, dv, lane, o_row);
 }
 
 }  // namespace cuflash

@@ -112,6 +112,7 @@ struct Variant {
     static constexpr bool MASKS = WINDOW || MASK;          // invisible keys beyond causal
     static constexpr bool READS = ALIBI || HAS_BIAS || MASK;
     static constexpr bool DSCORE = SOFTCAP;                // d score / d t is not 1
+    static constexpr bool HAS_WINDOW = WINDOW;             // key_range narrows the key tiles
 
     // Bound per batch entry (left unset for the parts that are off: never read then).
     const BiasT* bias;
@@ -360,6 +361,93 @@ struct UserVariant : Base {
         return (MASK_MOD && kind == TILE_FULL) ? TILE_PARTIAL : kind;
     }
 };
+
+// ---- The tensor-core forwards' variant scores (attn_mma.cu, attn_wgmma.cu): the scores of one
+// 16-row slab (the m16n8 layout of softmax_step, which wgmma's accumulator fragment shares) scaled, transformed by the policy and masked, in place. The plain kernel leaves
+// its scores raw and folds the scale into exp2's FFMA; a score transform (softcap, ALiBi, a
+// bias, a user score_mod) needs the scaled score, so the variant path scales first and then runs
+// the softmax in scaled units (scale_log2 = log2 e). `partial`: the tile needs per-element
+// visibility (the key tail, the causal diagonal, a window edge, a mask); on other tiles only the
+// transform runs. Rows past Sq are clamped for the policy's reads (their results are never
+// written), as are keys past Sk (masked anyway). The scale is an unfused multiply (__fmul_rn), so
+// that no contraction with the transform's additions differs between this kernel and the
+// tensor-core backward (attn_bwd_mma.cu: bwd_variant_probs), which recomputes the same logits.
+template <int NT, bool CAUSAL, bool FAST, bool PARTIAL, typename V>
+__device__ __forceinline__ void variant_scores_as(float (&s)[NT][4], const V& var, int key0,
+                                                  int t4, int sq, int sk, int row_lo, int diag,
+                                                  float scale) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row_lo + 8 * h;
+        const int r = V::READS ? min(row, sq - 1) : row;
+        // i + off - j for this thread's first key of the tile, once per row and tile.
+        const float dist0 = static_cast<float>(row + diag - key0 - 2 * t4);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float& x = s[nt][2 * h + e];
+                const int key = key0 + nt * 8 + 2 * t4 + e;
+                const float dist = dist0 - static_cast<float>(nt * 8 + e);
+                if constexpr (PARTIAL) {
+                    const int kc = V::READS ? min(key, sk - 1) : key;
+                    bool ok = key < sk;
+                    if (CAUSAL) ok = ok && key <= row + diag;
+                    if (V::MASKS) ok = ok && var.visible_tc(r, kc);
+                    const float t = var.template score_tc<FAST>(__fmul_rn(x, scale), r, kc, dist);
+                    x = ok ? t : neg_inf<float>();
+                } else {
+                    x = var.template score_tc<FAST>(__fmul_rn(x, scale), r, key, dist);
+                }
+            }
+    }
+}
+// The two forms as separate loops (one branch per tile): with the choice per element, ptxas
+// if-converted both into one predicated sequence that kept both forms' addresses live (a float32
+// bias at D = 64 went past 128 registers and spilled).
+template <int NT, bool CAUSAL, bool FAST, typename V>
+__device__ __forceinline__ void variant_scores(float (&s)[NT][4], const V& var, bool partial,
+                                               int key0, int t4, int sq, int sk, int row_lo,
+                                               int diag, float scale) {
+    if (partial)
+        variant_scores_as<NT, CAUSAL, FAST, true>(s, var, key0, t4, sq, sk, row_lo, diag, scale);
+    else
+        variant_scores_as<NT, CAUSAL, FAST, false>(s, var, key0, t4, sq, sk, row_lo, diag, scale);
+}
+
+
+// The Hopper forward's exact path for a row whose O is not finite (attn_wgmma.cu, the epilogue;
+// common.cuh: exact_row_pv, the plain form): one warp recomputes the row in float32 from global
+// memory over exactly the keys the policy lets it see (the window's reach, the causal limit,
+// visible_tc, and a score of -inf, a bias entry that acts as a mask), with the main pass's m_c
+// (= m log2 e, scaled units; 0 while m = -inf) and 1 / l, and the same transform (score_tc on
+// the unfused product), so that a NaN or an infinity in V at a key the row does not see does not
+// reach it. Rare (non-finite inputs only): written for few registers, not speed. All 32 lanes
+// call it with the same row (< Sq); D, Dv <= 256.
+template <typename T, bool CAUSAL, bool FAST, typename V>
+__device__ __forceinline__ void exact_row_pv_var(const V& var, const T* q_row, const T* k,
+                                                 long long k_sr, const T* v, long long v_sr,
+                                                 int d, int dv, int row, int sq, int sk,
+                                                 float scale, float m_c, float inv_l, T* o_row) {
+    const int lane = static_cast<int>(threadIdx.x & 31u);
+    long long j0, j1;
+    var.key_range(row, row + 1, j0, j1, sk);
+    if (CAUSAL) j1 = min(j1, static_cast<long long>(row) + (sk - sq) + 1);
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll 1
+    for (int j = static_cast<int>(j0); j < j1; ++j) {
+        if (V::MASKS && !var.visible_tc(row, j)) continue;
+        const float s = exact_row_dot(q_row, k + j * k_sr, d, lane);  // the same in every lane
+        const float t = var.template score_tc<FAST>(__fmul_rn(s, scale), row, j,
+                                                    static_cast<float>(row + (sk - sq) - j));
+        if (t == neg_inf<float>()) continue;
+        exact_row_axpy(acc, fast_exp2(fmaf(t, 1.4426950408889634f, -m_c)), v + j * v_sr, dv,
+                       lane);
+    }
+    exact_row_store(acc, inv_l, dv, lane, o_row);
+}
 
 // The two kernels of a family whose body is BODY<T, Acc, DB, DVB, CAUSAL, V>(params, vp): NAME,
 // the plain policy with one argument (PARAMS p), and NAME##_var<..., V> with VariantParams as a

@@ -1,8 +1,8 @@
 """GPU tests of the user hooks (score_mod / mask_mod, cuflash/mods.py), forward on the generic and
-the mma.sync tensor-core kernels (float64: generic only), backward on the same family (the
-tensor-core backward for float16 / bfloat16, the generic one for float32 / float64), against the
-float64 references under the project's pass rule
-(reference.pass_threshold / grad_pass_threshold), on fresh random inputs with every output
+the mma.sync tensor-core kernels (float64: generic only) and, for a few cases, the Hopper kernel
+(sm_90), backward on the same family (the tensor-core backward for float16 / bfloat16, the
+generic one for float32 / float64; after the Hopper forward the same), against the float64
+references under the project's pass rule (reference.pass_threshold / grad_pass_threshold), on fresh random inputs with every output
 poisoned with NaN: tails, Sq != Sk, causal on and off, broadcast kv heads, a strided q, rows
 without keys, hooks composed with built-in parts. Skipped without a GPU."""
 import numpy as np
@@ -70,14 +70,23 @@ def _kernels(dtype):
     return ("generic",) if dtype == "float64" else ("generic", "tensorcore")
 
 
+# The Hopper forward with hooks (attn_wgmma.cu: cuflash_fwd_wgmma_var, UserVariant), sm_90 only:
+# a score hook (strided q), a score hook reading args, a mask hook, rows without keys, hooks on
+# built-in parts, in float16, bfloat16 and float32.
+HOPPER_CASES = [CASES[1], CASES[2], CASES[3], CASES[6], CASES[8], CASES[9]]
+
+
 @pytest.mark.parametrize("name,causal,dtype,strided,sq,sk,kernel",
                          [c + s + (kern,) for c in CASES for s in SHAPES
                           for kern in _kernels(c[2])]
                          + [c + s + (kern,) for c in LONG_CASES for s in LONG
-                            for kern in _kernels(c[2])])
+                            for kern in _kernels(c[2])]
+                         + [c + s + ("hopper",) for c in HOPPER_CASES for s in SHAPES])
 def test_hooks_forward_backward(name, causal, dtype, strided, sq, sk, kernel):
     if dtype == "bfloat16" and bf16_dtype() is None:
         pytest.skip("bfloat16 on the GPU needs ml_dtypes")
+    if kernel == "hopper" and int(cupy().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper kernel runs on compute capability 9.0 only")
     rng = _rng(name, causal, dtype, sq, sk, kernel)
     d = dv = 64
     q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, dv, dtype)
@@ -88,8 +97,10 @@ def test_hooks_forward_backward(name, causal, dtype, strided, sq, sk, kernel):
     if strided:   # q as a (B, S, H, D) buffer seen through a transpose: row stride H * D
         qg = to_gpu(np.ascontiguousarray(np.swapaxes(q, 1, 2)), dtype).swapaxes(1, 2)
         assert sq == 1 or not qg.flags.c_contiguous
+    bwd = ("tensorcore" if dtype != "float32" else "generic") if kernel == "hopper" else None
     label, o, lse = check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal,
-                                       dtype=dtype, rng=rng, seed=SEED, kernel=kernel)
+                                       dtype=dtype, rng=rng, seed=SEED, kernel=kernel,
+                                       bwd_kernel=bwd)
     assert "_mod[" in label, label
     if name == "empty_rows":
         assert np.all(o[..., 1::2, :] == 0) and np.all(np.isneginf(lse[..., 1::2]))
@@ -125,13 +136,22 @@ def test_hook_compile_error_before_any_launch():
 
 
 def test_hooks_dispatch():
-    """kernel="auto" runs hooks on the mma.sync kernel (named by their hash in the label); the
-    Hopper kernel refuses them, naming the hook."""
+    """kernel="auto" runs hooks on the mma.sync kernel (named by their hash in the label; on
+    sm_90 too while _dispatch_variants.HOPPER_VARIANTS_AUTO is off); kernel="hopper" takes the
+    Hopper kernel on sm_90 and elsewhere refuses, naming the hook."""
+    from cuflash import _dispatch_variants
+
     cp = cupy()
     q = cp.ones((1, 2, 64, 64), dtype=cp.float16)
-    with pytest.raises(ValueError, match="score_mod"):
-        cuflash.attention(q, q, q, score_mod=EX["tanh_cap"], kernel="hopper")
-    with pytest.raises(ValueError, match="mask_mod"):
-        cuflash.attention(q, q, q, mask_mod=EX["prefix_lm"], kernel="hopper")
+    hopper = int(cp.cuda.Device().compute_capability) == 90
+    if hopper:
+        label = cuflash.dispatch_info(q, q, q, score_mod=EX["tanh_cap"], kernel="hopper")
+        assert label.startswith("hopper<") and "score_mod[" in label, label
+    else:
+        with pytest.raises(ValueError, match="score_mod"):
+            cuflash.attention(q, q, q, score_mod=EX["tanh_cap"], kernel="hopper")
+        with pytest.raises(ValueError, match="mask_mod"):
+            cuflash.attention(q, q, q, mask_mod=EX["prefix_lm"], kernel="hopper")
     label = cuflash.dispatch_info(q, q, q, mask_mod=EX["prefix_lm"])
-    assert label.startswith("tensorcore<") and "mask_mod[" in label, label
+    auto = "hopper<" if hopper and _dispatch_variants.HOPPER_VARIANTS_AUTO else "tensorcore<"
+    assert label.startswith(auto) and "mask_mod[" in label, label

@@ -1,8 +1,8 @@
 """Dispatch of the attention variants to the mma.sync tensor-core forward (attn_mma.cu:
 cuflash_fwd_mma_var), without a GPU: problems are stand-ins on a described device. kernel="auto"
-takes the tensor-core kernel for a variant where it qualifies (on sm_90 too: never the Hopper
-kernel), kernel="tensorcore" demands it with a ValueError saying why, the label names the
-variant's parts, and the launch passes VariantParams as the kernel's second argument."""
+takes the tensor-core kernel for a variant where it qualifies (on sm_90 too, unless
+_dispatch_variants.HOPPER_VARIANTS_AUTO: tests/test_hopper_variants_cpu.py), kernel="tensorcore"
+demands it with a ValueError saying why, the label names the variant's parts, and the launch passes VariantParams as the kernel's second argument."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -78,8 +78,8 @@ def test_tensorcore_refusals_say_why():
     var = Variant(bias=strided)
     plan = variant_plan_for(_prob(var), 90)
     assert plan.label.startswith("generic<") and "column stride" in plan.label
-    with pytest.raises(ValueError, match="kernel='hopper'.*attention variant"):
-        variant_plan_for(_prob(Variant(softcap=2.0), kernel="hopper"), 90)
+    with pytest.raises(ValueError, match="kernel='hopper'.*attention variant.*head dims"):
+        variant_plan_for(_prob(Variant(softcap=2.0), kernel="hopper", d=32), 90)
 
 
 def test_hooks_on_the_tensorcore_kernel():

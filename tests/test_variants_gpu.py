@@ -64,7 +64,8 @@ KERNEL_CASES = [c + (kern,) for c in CASES
                 for kern in (("generic",) if c[2] == "float64" else ("generic", "tensorcore"))]
 
 
-def _run_case(name, causal, dtype, sq, sk, kernel, d=64, kw=None, deterministic=False):
+def _run_case(name, causal, dtype, sq, sk, kernel, d=64, kw=None, deterministic=False,
+              bwd_kernel=None):
     if dtype == "bfloat16" and bf16_dtype() is None:
         pytest.skip("bfloat16 on the GPU needs ml_dtypes")
     rng = _rng(name, causal, dtype, sq, sk, kernel, d, deterministic)
@@ -72,8 +73,11 @@ def _run_case(name, causal, dtype, sq, sk, kernel, d=64, kw=None, deterministic=
     kw = _host_variant(name, rng, sq, sk, dtype) if kw is None else kw
     dkw = _to_device(kw)
     qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
+    if kernel == "hopper" and bwd_kernel is None:   # the backward of the same inputs
+        bwd_kernel = "tensorcore" if dtype != "float32" and d <= 128 else "generic"
     return check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype,
-                              rng=rng, seed=SEED, kernel=kernel, deterministic=deterministic)
+                              rng=rng, seed=SEED, kernel=kernel, deterministic=deterministic,
+                              bwd_kernel=bwd_kernel)
 
 
 @pytest.mark.parametrize("sq,sk", SHAPES)
@@ -137,16 +141,27 @@ def test_variant_backward_dispatch():
 
 
 def test_variant_dispatch():
-    """kernel="auto" takes the mma.sync kernel for a variant (on sm_90 too: not the Hopper
-    kernel), names the variant in the label; "hopper" refuses; float64 and D > 256 fall back to
-    the generic kernel and say why; "tensorcore" then raises."""
+    """kernel="auto" takes the mma.sync kernel for a variant (on sm_90 too, while
+    _dispatch_variants.HOPPER_VARIANTS_AUTO is off), names the variant in the label; "hopper"
+    takes the Hopper kernel on sm_90 and refuses elsewhere; float64 and D > 256 fall back to the
+    generic kernel and say why; "tensorcore" then raises."""
+    from cuflash import _dispatch_variants
+
     cp = cupy()
     q = cp.ones((1, 2, 64, 64), dtype=cp.float16)
     label = cuflash.dispatch_info(q, q, q, window=(8, 0))
-    assert label.startswith("tensorcore<float16,D64,") and label.endswith(",full,window>"), label
+    if _dispatch_variants.HOPPER_VARIANTS_AUTO and _hopper_device():
+        assert label.startswith("hopper<float16,D64,") and label.endswith(",full,window>"), label
+    else:
+        assert label.startswith("tensorcore<float16,D64,") and label.endswith(",full,window>"), \
+            label
     assert cuflash.dispatch_info(q, q, q, softcap=3.0, causal=True).endswith(",causal,softcap>")
-    with pytest.raises(ValueError, match="variant"):
-        cuflash.attention(q, q, q, softcap=3.0, kernel="hopper")
+    if _hopper_device():
+        label = cuflash.dispatch_info(q, q, q, softcap=3.0, kernel="hopper")
+        assert label.startswith("hopper<float16,D64,") and label.endswith(",full,softcap>"), label
+    else:
+        with pytest.raises(ValueError, match="kernel='hopper'.*variant"):
+            cuflash.attention(q, q, q, softcap=3.0, kernel="hopper")
     q64 = cp.ones((1, 2, 64, 64), dtype=cp.float64)
     label = cuflash.dispatch_info(q64, q64, q64, window=(8, 0))
     assert label.startswith("generic<float64,") and "tensor-core kernel cannot" in label, label
@@ -160,3 +175,77 @@ def test_plain_still_picks_fast_kernels():
     cp = cupy()
     q = cp.ones((1, 2, 64, 64), dtype=cp.float16)
     assert not cuflash.dispatch_info(q, q, q).startswith("generic<float16,D64,full,")
+
+
+# ---- The Hopper forward with a policy (attn_wgmma.cu: cuflash_fwd_wgmma_var), sm_90 only:
+# the same cases as above (D64: float16, float32's 3xfp16 form, bfloat16), each with the
+# backward from its o and lse; windows of several reaches at D64 and D128; the head dims whose
+# tiles differ (_dispatch_variants.HOPPER_VARIANT_TILES); NaN and inf in v at keys a window or a
+# mask hides from some rows (the epilogue's exact path, variants.cuh: exact_row_pv_var).
+
+def _hopper_device():
+    cp = cupy()
+    return int(cp.cuda.Device().compute_capability) == 90
+
+
+def _need_hopper():
+    if not _hopper_device():
+        pytest.skip("the Hopper kernel runs on compute capability 9.0 only")
+
+
+HOPPER_CASES = [c for c in CASES if c[2] != "float64"]
+
+
+@pytest.mark.parametrize("sq,sk", SHAPES)
+@pytest.mark.parametrize("name,causal,dtype", HOPPER_CASES)
+def test_variant_hopper_forward_backward(name, causal, dtype, sq, sk):
+    _need_hopper()
+    _run_case(name, causal, dtype, sq, sk, "hopper")
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal,dtype,d,sq,sk", [
+    (False, "float16", 64, 300, 1000), (True, "bfloat16", 64, 1000, 300),
+    (True, "float16", 128, 700, 700), (False, "float16", 128, 113, 1000)])
+def test_variant_hopper_windows(window, causal, dtype, d, sq, sk):
+    _need_hopper()
+    _run_case(f"window{window}", causal, dtype, sq, sk, "hopper", d=d, kw=dict(window=window))
+
+
+@pytest.mark.parametrize("name,causal,dtype,d", [
+    ("combined", False, "float16", 128), ("window", True, "float16", 128),
+    ("combined", True, "float16", 256), ("softcap", False, "bfloat16", 256),
+    ("combined", True, "float32", 128)])
+def test_variant_hopper_head_dims(name, causal, dtype, d):
+    _need_hopper()
+    _run_case(name, causal, dtype, 113, 1000, "hopper", d=d)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("kind,causal", [("window", False), ("window", True), ("mask", False)])
+def test_variant_hopper_nonfinite_v_at_hidden_keys(kind, causal, value):
+    """A NaN / inf in v at a key hidden from some rows (by the window or the mask) reaches
+    exactly the rows that see it; the other rows match the float64 reference under the pass
+    rule (which also demands the non-finite values where the reference has them)."""
+    _need_hopper()
+    cp = cupy()
+    sq, sk, d, key, col = 300, 300, 64, 200, 3
+    rng = _rng("hopper-nonfinite", kind, causal, float(value))
+    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, "float16")
+    v[(0,) * len(BATCH_KV) + (key, col)] = value
+    if kind == "window":
+        kw = dict(window=(40, 10))
+    else:
+        kw = dict(mask=rng.random((sq, sk)) > 0.3)
+    dkw = _to_device(kw)
+    qg, kg, vg = (to_gpu(x, "float16") for x in (q, k, v))
+    o = cp.full(BATCH_Q + (sq, d), cp.nan, dtype=cp.float16)
+    cuflash.attention(qg, kg, vg, causal=causal, out=o, kernel="hopper", **dkw)
+    oh = cp.asnumpy(o).astype(np.float64)
+    rule = R.pass_threshold(q, k, v, causal=causal, dtype="float16", **kw)
+    verdict = rule.judge(oh)
+    assert verdict.passed, (SEED, kind, causal, verdict.reasons)
+    o_ref, _ = R.attention_ref(q, k, v, causal=causal, **kw)
+    np.testing.assert_array_equal(~np.isfinite(oh), ~np.isfinite(o_ref))
+    reached = ~np.isfinite(o_ref[..., col])
+    assert reached.any() and not reached.all()   # the case hides the key from some rows
