@@ -779,6 +779,11 @@ TC_BWD_STATS_ARCH_CONFIGS = {
 #: Whether kernel="auto" takes the float32 tensor-core backward where it qualifies
 #: (`bwd_tensorcore_f32_reason`); off until its GPU tests pass (kernel="tensorcore" runs it).
 TC_BWD_F32_AUTO = False
+#: kernel="auto" (with TC_BWD_F32_AUTO) keeps the generic backward below this many query rows:
+#: the split products carry ~22-bit operands (hi + lo), and short rows come closest to the
+#: float32 rule (the CPU model, tests/f32_bwd_tc_model.py: Sq = 1 fails it on 5-9% of draws,
+#: Sq = 16 on 1 of 40, Sq = 32 on none of 40; notes/BACKWARD.md "float32 on the tensor cores").
+TC_BWD_F32_MIN_SQ = 64
 
 
 def bwd_stats_smem(dpad: int, nwarps: int, bn: int) -> int:
@@ -824,6 +829,16 @@ def bwd_tensorcore_f32_plan(d: int, causal: bool, deterministic: bool,
         preprocess=bwd_preprocess_plan("float32"),
         passes=(("rows", stats), ("keys", kern), ("dq_convert", bwd_convert_dq_plan("float32"))),
         dq_accum_row=dpad + TC_BWD_DQ_PAD, deterministic=bool(deterministic), lse_acc=True)
+
+
+def _bwd_f32_auto_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
+    """bwd_tensorcore_f32_reason, and for kernel="auto" the short-row limit TC_BWD_F32_MIN_SQ."""
+    why = bwd_tensorcore_f32_reason(prob, compute_capability)
+    sq = getattr(prob, "sq", None)
+    if why is None and prob.kernel == "auto" and sq is not None and sq < TC_BWD_F32_MIN_SQ:
+        return (f"its float32 form is taken for Sq >= {TC_BWD_F32_MIN_SQ} (got Sq={sq}): short "
+                "rows come closest to the float32 error rule with its ~22-bit split operands")
+    return why
 
 
 def bwd_tensorcore_f32_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
@@ -990,7 +1005,7 @@ def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
     deterministic = bool(getattr(prob, "deterministic", False))
     if prob.dtype_name == "float32" and (prob.kernel == "tensorcore" or
                                          (prob.kernel == "auto" and TC_BWD_F32_AUTO)):
-        why_not = bwd_tensorcore_f32_reason(prob, compute_capability)
+        why_not = _bwd_f32_auto_reason(prob, compute_capability)
         if why_not is None:
             return bwd_tensorcore_f32_plan(prob.d, prob.causal, deterministic, compute_capability)
         if prob.kernel == "tensorcore":
@@ -1020,7 +1035,7 @@ def backward_fallback_reason(prob, compute_capability: Optional[int]) -> Optiona
     if prob.kernel != "auto":
         return None
     if prob.dtype_name == "float32" and TC_BWD_F32_AUTO:
-        return bwd_tensorcore_f32_reason(prob, compute_capability)
+        return _bwd_f32_auto_reason(prob, compute_capability)
     if HOPPER_BWD_AUTO and bwd_hopper_reason(prob, compute_capability) is None:
         return None  # the Hopper backward runs (D = 256 included, which mma.sync does not take)
     return bwd_tensorcore_reason(prob, compute_capability)

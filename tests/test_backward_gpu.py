@@ -732,18 +732,23 @@ def test_f32_tensorcore_backward_magnitudes(case):
 
 
 def test_f32_tensorcore_backward_dispatch(monkeypatch):
-    """kernel="auto" takes the float32 tensor-core backward only with TC_BWD_F32_AUTO; kernel=
-    "tensorcore" refuses what it does not take (D > 64, D % 8), saying why."""
+    """kernel="auto" takes the float32 tensor-core backward only with TC_BWD_F32_AUTO and Sq >=
+    TC_BWD_F32_MIN_SQ; kernel="tensorcore" refuses what it does not take (D > 64, D % 8), saying
+    why."""
     cp = cupy()
     from cuflash import _dispatch
 
     rng = _rng("f32tcdisp")
-    y = cp.asarray(rng.standard_normal((2, 50, 64)).astype(np.float32))
+    y = cp.asarray(rng.standard_normal((2, _dispatch.TC_BWD_F32_MIN_SQ, 64)).astype(np.float32))
     o, lse = cuflash.attention(y, y, y, return_lse=True)
     assert cuflash.backward_dispatch_info(o, y, y, y, o, lse).startswith("generic-bwd")
     monkeypatch.setattr(_dispatch, "TC_BWD_F32_AUTO", True)
     info = cuflash.backward_dispatch_info(o, y, y, y, o, lse)
     assert info.startswith("tensorcore-bwd<float32,3xfp16,D64,"), info
+    short = y[:, 1:]  # fewer rows than TC_BWD_F32_MIN_SQ: generic under auto, with the reason
+    o, lse = cuflash.attention(short, y, y, return_lse=True)
+    info = cuflash.backward_dispatch_info(o, short, y, y, o, lse)
+    assert info.startswith("generic-bwd") and "Sq >=" in info, info
     for d, why in ((128, "up to 64"), (36, "multiple of 8")):
         z = cp.asarray(rng.standard_normal((2, 50, d)).astype(np.float32))
         o, lse = cuflash.attention(z, z, z, return_lse=True)
