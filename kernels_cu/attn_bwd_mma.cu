@@ -387,6 +387,29 @@ __device__ __forceinline__ void bwd_variant_probs(float (&s)[NT][4],
         }
 }
 
+// P^T in place from S^T (one warp's 16 keys x NT * 8 query columns): prob(s, query column) where
+// the key is real and (causal) seen by the row, else 0 (keys past Sk: zero-filled K gives s = 0,
+// not -inf; rows past Sq and rows without keys have lse2 / m = +inf). Branch-free: key key_w + 8 h
+// is seen by query column qc iff it is a real key and (causal) qc >= key_w + 8 h - i0 - diag;
+// tiles that need no mask get bounds every element passes. (A function, not a generic lambda:
+// NVRTC 13.0 takes a lambda with an `auto` parameter for a host function.)
+template <int NT, int BM, bool CAUSAL, typename Prob>
+__device__ __forceinline__ void bwd_masked_probs(float (&s)[NT][4], bool need_mask, int i0,
+                                                 int key_w, int sk, int diag, int t4,
+                                                 const Prob& prob) {
+    const int lo = (CAUSAL && need_mask) ? key_w - i0 - diag : -BM;
+    const bool real0 = key_w < sk, real1 = key_w + 8 < sk;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = nt * 8 + 2 * t4 + (e % 2);  // query column in the tile
+            const float x = prob(s[nt][e], qc);
+            const bool ok = (e / 2 ? real1 : real0) && qc >= lo + 8 * (e / 2);
+            s[nt][e] = ok ? x : 0.f;
+        }
+}
+
 // OP: the operand type of the products, T for float16 / bfloat16; fp16_t for T = float, the
 // float32 form (F16S, "3xfp16"; see "float32" above): m and l from lse_acc (the "rows" pass,
 // cuflash_bwd_stats_mma) instead of lse, plain tiles only (V = PlainVariant), OPT without LEAN.
@@ -583,20 +606,6 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p, const VariantPa
                 *reinterpret_cast<unsigned int*>(tile + (row * Cfg::SDS + col) * 2) = x[kk][w];
             }
     };
-    const auto masked_probs = [&](float (&s)[Cfg::NT_Q][4], bool need_mask, int i0,
-                                  auto prob) {
-        const int lo = (CAUSAL && need_mask) ? key_w - i0 - diag : -BM;
-        const bool real0 = key_w < sk, real1 = key_w + 8 < sk;
-#pragma unroll
-        for (int nt = 0; nt < Cfg::NT_Q; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qc = nt * 8 + 2 * t4 + (e % 2);  // query column in the tile
-                const float x = prob(s[nt][e], qc);
-                const bool ok = (e / 2 ? real1 : real0) && qc >= lo + 8 * (e / 2);
-                s[nt][e] = ok ? x : 0.f;
-            }
-    };
 
     // LATE (DET): the turn this block hands on once a barrier has ordered all its additions
     // before the hand-over: thread 0 releases it after the next barrier, so that no warp waits
@@ -665,9 +674,11 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p, const VariantPa
                 ops.template keys_by_rows<Cfg::NT_Q>(s, k_w, q_t);
                 scale_pow2(reinterpret_cast<float(&)[Cfg::NT_Q * 4]>(s), -(ek + eq));
                 const bool need_mask = key0 + BN > sk || (CAUSAL && key0 + BN - 1 > i0 + diag);
-                masked_probs(s, need_mask, i0, [&](float x, int qc) {
+                const auto prob = [&](float x, int qc) {
                     return acc_exp(__fmul_rn(x, scale) - m_t[qc]) * li_t[qc];
-                });
+                };
+                bwd_masked_probs<Cfg::NT_Q, BM, CAUSAL>(s, need_mask, i0, key_w, sk, diag, t4,
+                                                        prob);
                 pack_p_f16split<Cfg::NT_Q, BWD_P16_LOG2>(s, ph, pl);
             }
             // dV += P^T dO: the factor 2^-(BWD_P16_LOG2 + edo) (2^-139 .. 2^101, exact).
@@ -766,9 +777,11 @@ __device__ __forceinline__ void bwd_mma_body(const BwdParams& p, const VariantPa
                             s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -lse_t[qc]));
                         }
                 } else {
-                    masked_probs(s, need_mask, i0, [&](float x, int qc) {
+                    const auto prob = [&](float x, int qc) {
                         return fast_exp2(fmaf(x, scale_log2, -lse_t[qc]));
-                    });
+                    };
+                    bwd_masked_probs<Cfg::NT_Q, BM, CAUSAL>(s, need_mask, i0, key_w, sk, diag,
+                                                            t4, prob);
                 }
                 pack_p<T, Cfg::NT_Q>(s, pk);
             }
