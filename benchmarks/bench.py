@@ -34,7 +34,9 @@ forward's (five matmuls instead of two). ``cuflash-det`` is cuflash with determi
 ``cuflash-hopper`` / ``cuflash-hopper-det`` force the Hopper backward (kernel="hopper", sm_90a)
 in both modes, ``cuflash-hopper-ov`` / ``cuflash-hopper-ov-det`` the same with the D = 256 form's
 overlapped schedule (_dispatch.HOPPER_BWD_OVERLAP; other head dims run what cuflash-hopper runs),
-``cuflash-tensorcore`` the mma.sync one.
+``cuflash-tensorcore`` the mma.sync one (float32: its split-precision "3xfp16"
+form, which kernel="auto" does not take yet: _dispatch.TC_BWD_F32_AUTO), ``cuflash-tensorcore-det``
+that one with deterministic=True.
 
 See benchmarks/README.md for the method in prose.
 """
@@ -81,9 +83,9 @@ DEFAULT_WARMUP = 5
 # fp16-split form, 3xfp16: _dispatch.TC_F32_FORM), cuflash-generic the scalar audit kernel: all
 # off by default.
 IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-tc-3xtf32",
-         "cuflash-hopper", "cuflash-hopper-det", "cuflash-hopper-3xtf32", "cuflash-hopper-high",
-         "cuflash-hopper-ov", "cuflash-hopper-ov-det",
-         "cuflash-generic",
+         "cuflash-tensorcore-det", "cuflash-hopper", "cuflash-hopper-det",
+         "cuflash-hopper-3xtf32", "cuflash-hopper-high", "cuflash-hopper-ov",
+         "cuflash-hopper-ov-det", "cuflash-generic",
          "torch-flash",
          "torch-cudnn",
          "torch-efficient", "torch-math", "cupy-naive")
@@ -94,7 +96,8 @@ FLOAT32_IMPLS = ("cuflash", "cuflash-high", "torch-efficient", "torch-math", "cu
 #: --pass backward: cuflash (and deterministic=True) against torch's three fused backwards; for
 #: float32 against EFFICIENT, the one fused torch backward that takes float32.
 BACKWARD_IMPLS = ("cuflash", "cuflash-det", "torch-flash", "torch-cudnn", "torch-efficient")
-BACKWARD_FLOAT32_IMPLS = ("cuflash", "cuflash-det", "torch-efficient")
+BACKWARD_FLOAT32_IMPLS = ("cuflash", "cuflash-det", "cuflash-tensorcore", "cuflash-tensorcore-det",
+                          "torch-efficient")
 #: Backward FLOPs per forward FLOP: dS = ..., dQ, dK, dV and the recomputed S: 5 matmuls vs 2.
 BACKWARD_FLOP_FACTOR = 2.5
 #: --pass backward: the issue's grid starts at S = 1024.
@@ -1162,6 +1165,8 @@ def make_impls(env, args):
                                settings={"HOPPER_BWD_OVERLAP": True})
             impl.name = name
             impls.append(impl)
+        elif name == "cuflash-tensorcore-det":  # --pass backward: mma.sync, deterministic
+            impls.append(CuflashImpl(env, args, "tensorcore", deterministic=True))
         elif name == "cuflash-hopper-high":
             impls.append(CuflashImpl(env, args, "hopper", precision="high"))
         elif name == "cuflash-hopper-3xtf32":  # "highest" in its 3xTF32 wgmma form

@@ -342,7 +342,8 @@ def gpu_available():
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, deterministic=False,
                        out=None, workspace=None, stream=None, kernel="auto", window=None,
                        softcap=None, alibi_slopes=None, bias=None, mask=None,
-                       return_dbias=False, score_mod=None, mask_mod=None, mod_args=None):
+                       return_dbias=False, score_mod=None, mask_mod=None, mod_args=None,
+                       precision=None):
     """Gradients of `attention`: ``(dq, dk, dv)`` for an upstream gradient ``do = dL/do``.
 
     Recomputes the attention probabilities tile by tile from q, k and the forward's ``lse``
@@ -409,7 +410,12 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         saying why, when the inputs do not qualify; ``"hopper"`` demands the Hopper backward
         (wgmma, compute capability 9.0, the tensor-core backward's conditions with D <= 256;
         "auto" takes it first there: `cuflash._dispatch.HOPPER_BWD_AUTO`) in the same way. With a variant
-        the generic backward runs.
+        the generic backward runs. float32 inputs: ``"tensorcore"`` runs the float32 tensor-core
+        backward (the split-precision "3xfp16" products, float32-accurate; compute capability
+        8.0+, D == Dv, D % 8 == 0, D <= 128, 16-byte aligned rows, no variant), with a tensor-core
+        pass that recomputes each row's max, sum and delta first; ``"auto"`` takes it only where
+        `cuflash._dispatch.TC_BWD_F32_AUTO` is set (off until its GPU validation), else the
+        generic backward.
     window, softcap, alibi_slopes, bias, mask : optional
         The forward's variant, as in `attention` (pass the same values). Under softcap the
         gradient of the scaled score is ``dS * (1 - tanh(t / c)^2)``.
@@ -421,6 +427,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         gradient of the final scores, ``dS = P * (dP - delta)``, summed over the axes along which
         ``bias`` broadcasts (a ``(Sq, Sk)`` bias shared by every head gets the sum over heads),
         in the working precision, then rounded once to bias's dtype.
+    precision : {None, "default", "highest", "high"}, optional
+        As in `attention` (pass the forward's value): the least accuracy of float32 products.
+        Every float32 backward delivers full float32 ("highest") whatever is asked: the
+        tensor-core backward's split products are float32-accurate in both modes, and there is
+        no one-pass TF32 backward. Validated for every dtype, used by none other.
 
     Returns
     -------
@@ -449,7 +460,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
                                   variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
                                                           mask, score_mod, mask_mod,
                                                           mod_args),
-                                  return_dbias=return_dbias)
+                                  return_dbias=return_dbias, precision=precision)
     if prob.backend == "cpu":
         from ._cpu_backward import attention_backward_numpy
 
@@ -478,12 +489,12 @@ def _attention_backward_gpu(prob):
 
 
 def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, deterministic=False,
-                                      kernel="auto"):
+                                      kernel="auto", precision=None):
     """Bytes of GPU workspace `attention_backward` needs for these arguments (0 for NumPy
     inputs). Validates like `attention_backward`; launches and allocates nothing."""
     prob = _checks.check_backward(do, q, k, v, o, lse, causal=causal, scale=None,
                                   deterministic=deterministic, out=None, workspace=None,
-                                  stream=None, kernel=kernel)
+                                  stream=None, kernel=kernel, precision=precision)
     if prob.backend == "cpu":
         return 0
     from . import _dispatch, _launch
@@ -495,9 +506,10 @@ def attention_backward_workspace_size(do, q, k, v, o, lse, *, causal=False, dete
 def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=False,
                            kernel="auto", window=None, softcap=None, alibi_slopes=None,
                            bias=None, mask=None, return_dbias=False, score_mod=None,
-                           mask_mod=None, mod_args=None):
+                           mask_mod=None, mod_args=None, precision=None):
     """The name of the backward plan `attention_backward` would run, e.g. ``"cpu-numpy"``,
-    ``"tensorcore-bwd<float16,D64,BM64,BN64,causal>"`` (``det,`` in it for deterministic=True) or
+    ``"tensorcore-bwd<float16,D64,BM64,BN64,causal>"`` (``det,`` in it for deterministic=True;
+    ``float32,3xfp16,`` for the float32 tensor-core backward) or
     ``"generic-bwd<float32,D64,full>"``; when ``kernel="auto"`` falls back to the generic backward
     the reason follows in brackets. Validates like `attention_backward` (variant arguments
     included); launches nothing."""
@@ -507,7 +519,7 @@ def backward_dispatch_info(do, q, k, v, o, lse, *, causal=False, deterministic=F
                                   variant=_variant_kwargs(window, softcap, alibi_slopes, bias,
                                                           mask, score_mod, mask_mod,
                                                           mod_args),
-                                  return_dbias=return_dbias)
+                                  return_dbias=return_dbias, precision=precision)
     if prob.backend == "cpu":
         return "cpu-numpy"
     from . import _dispatch, _launch

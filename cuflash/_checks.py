@@ -397,7 +397,7 @@ def _no_self_overlap(name, buf):
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, workspace, stream,
-                   kernel, variant=None, return_dbias=False) -> BackwardProblem:
+                   kernel, variant=None, return_dbias=False, precision=None) -> BackwardProblem:
     """Validate the arguments of `cuflash.attention_backward` and return a `BackwardProblem`.
 
     q, k, v go through the forward's checks (`_check_qkv`); o, do, lse must be what the forward
@@ -426,6 +426,7 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     scale = check_scale(scale, d, dt)
     _check_kernel(kernel, backend)
+    precision = check_precision(precision)
 
     grads = None
     if out is not None:
@@ -455,7 +456,7 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
         stream=stream, kernel=kernel, device_id=device_id, o=o, do=do, lse=lse,
         deterministic=bool(deterministic), out_grads=grads, workspace=workspace, gqa=gqa,
         out_public=out_public, grad_shapes_public=shapes0, variant=var,
-        return_dbias=bool(return_dbias))
+        return_dbias=bool(return_dbias), precision=precision)
 
 
 def check_merge(o_a, lse_a, o_b, lse_b):

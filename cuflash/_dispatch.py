@@ -740,11 +740,125 @@ def bwd_tensorcore_config(dpad: int, compute_capability: int):
     return cfg + (0,) * (5 - len(cfg))
 
 
-def bwd_tensorcore_smem(dpad: int, bm: int, nwarps: int, stages: int) -> int:
-    """Shared-memory bytes of cuflash_bwd_mma (BwdMmaConfig::SMEM_BYTES)."""
-    bn, sd = 16 * nwarps, dpad + 8
-    half = 2 * bn * sd + 2 * stages * bm * sd + bn * (bm + 8)
-    return half * 2 + stages * 2 * bm * 4
+def bwd_tensorcore_smem(dpad: int, bm: int, nwarps: int, stages: int, f32: bool = False) -> int:
+    """Shared-memory bytes of cuflash_bwd_mma (BwdMmaConfig::SMEM_BYTES); ``f32``: the float32
+    form (float32 rows of dpad + 4 words, dS^T as hi and lo 16-bit tiles, 1 / l per row, the
+    split's reduction words and dS^T exponents)."""
+    bn, sd = 16 * nwarps, dpad + (4 if f32 else 8)
+    elems = 2 * bn * sd + 2 * stages * bm * sd + bn * (bm + 8)
+    if f32:
+        return elems * 4 + stages * 3 * bm * 4 + 6 * nwarps * 4
+    return elems * 2 + stages * 2 * bm * 4
+
+
+#: The float32 form of the tensor-core backward (attn_bwd_mma.cu: cuflash_bwd_mma<float, ...,
+#: OP = fp16_t>, "3xfp16": every product as three fp16 products of per-tile-scaled hi / lo splits,
+#: notes/BACKWARD.md "float32 on the tensor cores"), tiles per padded head dim in
+#: TC_BWD_CONFIGS' form: D <= 64 only, BM = 32 (BM = 64 spilled: 255 registers), 4 warps
+#: (BN = 64), one Q/dO stage, two blocks per SM (62 KiB of shared memory each). D = 128 (BM = 32,
+#: 110 KiB) spilled 60-300 bytes in every specialisation under NVRTC 13.0 (255 registers: the dK
+#: and dV accumulators alone take 128), so it is not offered (notes/BACKWARD.md). Not yet run on
+#: a GPU.
+TC_BWD_F16SPLIT_CONFIGS = {
+    64: (32, 4, 1, 2, 0),
+}
+#: Per-architecture exceptions (TC_BWD_ARCH_CONFIGS' form); none needed at D = 64.
+TC_BWD_F16SPLIT_ARCH_CONFIGS = {
+    80: {},
+    86: {},
+    90: {},
+}
+#: Its "rows" pass (cuflash_bwd_stats_mma: each row's m, l and delta on the tensor cores, for
+#: P = exp(s - m) / l instead of the forward's float32 lse): (warps (16 query rows each), keys per
+#: tile, min blocks per SM) per padded head dim; shared memory (32 warps + 2 keys) (dpad + 4)
+#: floats: D = 64 68 KiB.
+TC_BWD_STATS_CONFIGS = {
+    64: (4, 64, 2),
+}
+TC_BWD_STATS_ARCH_CONFIGS = {
+    80: {},
+    86: {},
+    90: {},
+}
+#: Whether kernel="auto" takes the float32 tensor-core backward where it qualifies
+#: (`bwd_tensorcore_f32_reason`); off until its GPU tests pass (kernel="tensorcore" runs it).
+TC_BWD_F32_AUTO = False
+#: The float32 tensor-core backward takes no fewer query rows than this: the split products
+#: carry ~22-bit operands (hi + lo), and short rows exceed the float32 rule (the CPU model,
+#: tests/f32_bwd_tc_model.py: Sq = 1 fails it on 5-9% of draws, Sq = 16 on 1 of 40, Sq = 32 on
+#: none of 40; notes/BACKWARD.md "float32 on the tensor cores"). kernel="auto" keeps the generic
+#: backward below it; kernel="tensorcore" raises ValueError saying so (a result outside the rule
+#: is never returned silently).
+TC_BWD_F32_MIN_SQ = 64
+
+
+def bwd_stats_smem(dpad: int, nwarps: int, bn: int) -> int:
+    """Shared-memory bytes of cuflash_bwd_stats_mma (BwdStatsConfig::SMEM_BYTES)."""
+    return (2 * 16 * nwarps + 2 * bn) * (dpad + 4) * 4 + 4 * nwarps * 4
+
+
+def bwd_tensorcore_f32_plan(d: int, causal: bool, deterministic: bool,
+                            compute_capability: int) -> BackwardPlan:
+    """The float32 tensor-core backward ("3xfp16", precision "highest" and "high" alike): the
+    preprocess, the "rows" pass that recomputes each row's max, sum and delta on the tensor cores
+    (lse_acc), the key-parallel cuflash_bwd_mma<float, ..., fp16_t> (dq in the float32
+    accumulator: atomics, or with `deterministic` the turn counters) and the dq conversion."""
+    dpad = head_dim_bucket(d, TC_BWD_F16SPLIT_CONFIGS)
+    cfg = tuple(_arch_config(TC_BWD_F16SPLIT_CONFIGS, TC_BWD_F16SPLIT_ARCH_CONFIGS, dpad,
+                             compute_capability))
+    bm, nwarps, stages, minb, opt = cfg + (0,) * (5 - len(cfg))
+    if opt & TC_BWD_OPTS["lean"]:
+        raise ValueError("the float32 tensor-core backward has no 'lean' form (OPT bit 1)")
+    if not deterministic:
+        opt &= ~TC_BWD_OPTS["late"]
+    bn = 16 * nwarps
+    cxx_bool = {True: "true", False: "false"}
+    mask = "causal" if causal else "full"
+    name = (f"cuflash::cuflash_bwd_mma<float, {dpad}, {bm}, {bn}, {nwarps}, {stages}, {minb}, "
+            f"{cxx_bool[bool(causal)]}, {cxx_bool[bool(deterministic)]}, {opt}, cuflash::fp16_t>")
+    det = "det," if deterministic else ""
+    det += "".join(f"{k}," for k, bit in TC_BWD_OPTS.items() if opt & bit)
+    kern = Plan(label=f"bwd_mma<float32,3xfp16,D{dpad},BM{bm},BN{bn},S{stages},{det}{mask}>",
+                spec=Specialisation("attn_bwd_mma", name), block_m=bm, block_n=bn,
+                threads=32 * nwarps,
+                smem_bytes=bwd_tensorcore_smem(dpad, bm, nwarps, stages, f32=True))
+    sw, sbn, sminb = _arch_config(TC_BWD_STATS_CONFIGS, TC_BWD_STATS_ARCH_CONFIGS, dpad,
+                                  compute_capability)
+    stats = Plan(label=f"bwd_stats_mma<float32,3xfp16,D{dpad},BM{16 * sw},BN{sbn},{mask}>",
+                 spec=Specialisation("attn_bwd_mma",
+                                     f"cuflash::cuflash_bwd_stats_mma<{dpad}, {sw}, {sbn}, "
+                                     f"{sminb}, {cxx_bool[bool(causal)]}>"),
+                 block_m=16 * sw, block_n=sbn, threads=32 * sw,
+                 smem_bytes=bwd_stats_smem(dpad, sw, sbn))
+    return BackwardPlan(
+        label=f"tensorcore-bwd<float32,3xfp16,D{dpad},BM{bm},BN{bn},{det}{mask}>",
+        preprocess=bwd_preprocess_plan("float32"),
+        passes=(("rows", stats), ("keys", kern), ("dq_convert", bwd_convert_dq_plan("float32"))),
+        dq_accum_row=dpad + TC_BWD_DQ_PAD, deterministic=bool(deterministic), lse_acc=True)
+
+
+def _bwd_f32_auto_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
+    """bwd_tensorcore_f32_reason, and the short-row limit TC_BWD_F32_MIN_SQ."""
+    why = bwd_tensorcore_f32_reason(prob, compute_capability)
+    sq = getattr(prob, "sq", None)
+    if why is None and sq is not None and sq < TC_BWD_F32_MIN_SQ:
+        return (f"its float32 form is taken for Sq >= {TC_BWD_F32_MIN_SQ} (got Sq={sq}): short "
+                "rows come closest to the float32 error rule with its ~22-bit split operands")
+    return why
+
+
+def bwd_tensorcore_f32_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
+    """Why the float32 tensor-core backward cannot run these inputs, or None if it can: float32,
+    sm_80+, D == Dv, D % 8 == 0, D <= 128, and the buffer conditions of the 16-bit form."""
+    why = _sm80_reason(prob, compute_capability, ("float32",))
+    if why is not None:
+        return why
+    if prob.d % 8:
+        return f"its float32 form needs a head dim that is a multiple of 8 (got {prob.d})"
+    if prob.d > max(TC_BWD_F16SPLIT_CONFIGS):
+        return (f"its float32 form takes head dims up to {max(TC_BWD_F16SPLIT_CONFIGS)} "
+                f"(got {prob.d})")
+    return _bwd_buffers_reason(prob)
 
 
 def bwd_tensorcore_plan(dtype_name: str, d: int, causal: bool, deterministic: bool,
@@ -792,6 +906,11 @@ def bwd_tensorcore_reason(prob, compute_capability: Optional[int],
                 "accumulators of larger ones do not fit in registers")
     if max_d is not None and prob.d > max_d:
         return f"the Hopper backward takes head dims up to {max_d} (got {prob.d})"
+    return _bwd_buffers_reason(prob)
+
+
+def _bwd_buffers_reason(prob) -> Optional[str]:
+    """The tensor-core backwards' conditions on the buffers (deterministic mode, alignment)."""
     q = getattr(prob, "q", None)
     if q is None:  # a bare description (tests): nothing more to check
         return None
@@ -896,6 +1015,13 @@ def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
         from ._dispatch_variants import variant_backward_plan_for
         return variant_backward_plan_for(prob, compute_capability)
     deterministic = bool(getattr(prob, "deterministic", False))
+    if prob.dtype_name == "float32" and (prob.kernel == "tensorcore" or
+                                         (prob.kernel == "auto" and TC_BWD_F32_AUTO)):
+        why_not = _bwd_f32_auto_reason(prob, compute_capability)
+        if why_not is None:
+            return bwd_tensorcore_f32_plan(prob.d, prob.causal, deterministic, compute_capability)
+        if prob.kernel == "tensorcore":
+            raise ValueError(f"kernel='tensorcore' cannot run this backward: {why_not}")
     if prob.kernel == "hopper" or (prob.kernel == "auto" and HOPPER_BWD_AUTO):
         why_not = bwd_hopper_reason(prob, compute_capability)
         if why_not is None:
@@ -920,6 +1046,8 @@ def backward_fallback_reason(prob, compute_capability: Optional[int]) -> Optiona
         return variant_backward_fallback_reason(prob, compute_capability)
     if prob.kernel != "auto":
         return None
+    if prob.dtype_name == "float32" and TC_BWD_F32_AUTO:
+        return _bwd_f32_auto_reason(prob, compute_capability)
     if HOPPER_BWD_AUTO and bwd_hopper_reason(prob, compute_capability) is None:
         return None  # the Hopper backward runs (D = 256 included, which mma.sync does not take)
     return bwd_tensorcore_reason(prob, compute_capability)
@@ -944,6 +1072,12 @@ def all_backward_specialisations(compute_capability: int = 90):
                         bp = bwd_tensorcore_plan(dt, dpad, causal, det, cc)
                         if all(bp.label != x.label or bp.passes != x.passes for x in plans):
                             plans.append(bp)
+        for dpad in TC_BWD_F16SPLIT_CONFIGS:  # float32, "3xfp16" (kernel="tensorcore")
+            for causal in (False, True):
+                for det in (False, True):
+                    bp = bwd_tensorcore_f32_plan(dpad, causal, det, cc)
+                    if all(bp.label != x.label or bp.passes != x.passes for x in plans):
+                        plans.append(bp)
     if compute_capability == 90:  # the Hopper backward (sm_90a; kernel="hopper", or auto)
         for dt in HOPPER_BWD_DTYPES:
             for dpad in HOPPER_BWD_CONFIGS:
@@ -1018,7 +1152,7 @@ def varlen_backward_kernel_specs(compute_capability: int = 90):
     bfloat16 on the tensor-core plans, every dtype on the generic ones)."""
     specs = []
     for bp in all_backward_specialisations(compute_capability):
-        if bp.label.startswith("hopper-bwd"):  # varlen_backward_plan_for never picks it
+        if bp.label.startswith("hopper-bwd") or "3xfp16" in bp.label:  # never picked for varlen
             continue
         for plan in (bp.preprocess,) + tuple(p for _, p in bp.passes):
             spec = _varlen_kernel(plan).spec

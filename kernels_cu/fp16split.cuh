@@ -63,11 +63,14 @@ __device__ __forceinline__ void scale_pow2(float (&x)[N], int e) {
 // wgmmas, scaled by 2^P16_LOG2 = 2^7 (hi <= 2^15); the layout is pack_p's.
 constexpr int P16_LOG2 = 7;
 static_assert(P16_LOG2 + static_cast<int>(RESCALE_LOG2) <= 15, "P hi in fp16 range");
-template <int NT>
+// LOG2: the scale's exponent (the backward's P <= 1 takes 2^BWD_P16_LOG2, its dS, already
+// scaled by its own exponent, 2^0).
+template <int NT, int LOG2 = P16_LOG2>
 __device__ __forceinline__ void pack_p_f16split(const float (&s)[NT][4],
                                                 unsigned int (&hi)[NT / 2][4],
                                                 unsigned int (&lo)[NT / 2][4]) {
-    constexpr float C = static_cast<float>(1 << P16_LOG2);
+    static_assert(LOG2 >= 0 && LOG2 <= 15, "a scale 2^LOG2 that keeps hi in fp16 range");
+    constexpr float C = static_cast<float>(1 << LOG2);
 #pragma unroll
     for (int kk = 0; kk < NT / 2; ++kk) {
         split16_pair(s[2 * kk][0] * C, s[2 * kk][1] * C, hi[kk][0], lo[kk][0]);
@@ -75,6 +78,67 @@ __device__ __forceinline__ void pack_p_f16split(const float (&s)[NT][4],
         split16_pair(s[2 * kk + 1][0] * C, s[2 * kk + 1][1] * C, hi[kk][2], lo[kk][2]);
         split16_pair(s[2 * kk + 1][2] * C, s[2 * kk + 1][3] * C, hi[kk][3], lo[kk][3]);
     }
+}
+
+// A float32 tile of ROWS rows (row stride STRIDE words, CHUNKS 16-byte chunks a row) that this
+// block copied with load_tile, rewritten in place as fp16 hi and lo halves of x 2^e per row
+// (attn_mma.cu: Mma16SplitOps; attn_bwd_mma.cu: BwdMmaSplitOps), e the tile's exponent
+// (split16_exponent) returned in `e`.
+// Each thread reads the chunks it copied itself (load_tile's chunk i = tid + n THREADS), which
+// its cp_async_wait made visible to it: no barrier before the reads. The tile's max then takes a
+// warp reduction, one word per warp at `red` and one block barrier, which also orders every
+// thread's reads before any thread's in-place writes (a row's hi half covers other threads'
+// float32 chunks). With `scan`, the barrier also returns whether rows [scan_from, ROWS) hold a
+// NaN or an infinity (tile_has_nonfinite's answer, over the same chunks); such a tile is left as
+// float32 for pv_visible_keys. The caller puts a barrier between the writes and the first reads
+// of the hi and lo rows, and one between the reads of `red` and its next use.
+template <int ROWS, int CHUNKS, int STRIDE, int THREADS>
+__device__ __forceinline__ bool split16_block(float* tile, unsigned int* red, int tid, int& e,
+                                              bool scan, int scan_from) {
+    constexpr int N = (ROWS * CHUNKS + THREADS - 1) / THREADS;
+    float4 x[N];
+    unsigned int mx = FINITE_KEY0;
+    bool bad = false;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const int i = tid + n * THREADS;
+        if (ROWS * CHUNKS % THREADS == 0 || i < ROWS * CHUNKS) {
+            x[n] = *reinterpret_cast<const float4*>(tile + (i / CHUNKS) * STRIDE +
+                                                    (i % CHUNKS) * 4);
+            mx = max(mx, max(max(finite_key(x[n].x), finite_key(x[n].y)),
+                             max(finite_key(x[n].z), finite_key(x[n].w))));
+            if (scan && i / CHUNKS >= scan_from)
+                bad = bad || nonfinite_word<float>(__float_as_uint(x[n].x)) ||
+                      nonfinite_word<float>(__float_as_uint(x[n].y)) ||
+                      nonfinite_word<float>(__float_as_uint(x[n].z)) ||
+                      nonfinite_word<float>(__float_as_uint(x[n].w));
+        }
+    }
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    if (tid % 32 == 0) red[tid / 32] = mx;
+    if (scan)
+        bad = __syncthreads_or(bad) != 0;
+    else
+        __syncthreads();
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) mx = max(mx, red[w]);
+    e = split16_exponent(mx);
+    if (bad) return true;
+    const float sc = pow2f(e);
+    unsigned char* base = reinterpret_cast<unsigned char*>(tile);
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const int i = tid + n * THREADS;
+        if (ROWS * CHUNKS % THREADS == 0 || i < ROWS * CHUNKS) {
+            unsigned int h0, h1, l0, l1;
+            split16_pair(x[n].x * sc, x[n].y * sc, h0, l0);
+            split16_pair(x[n].z * sc, x[n].w * sc, h1, l1);
+            unsigned char* row = base + (i / CHUNKS) * STRIDE * 4 + (i % CHUNKS) * 8;
+            *reinterpret_cast<uint2*>(row) = make_uint2(h0, h1);
+            *reinterpret_cast<uint2*>(row + CHUNKS * 8) = make_uint2(l0, l1);
+        }
+    }
+    return false;
 }
 
 }  // namespace cuflash

@@ -437,7 +437,9 @@ def test_shared_memory_is_checked(launches):
 def test_backward_plans():
     plans = _dispatch.all_backward_specialisations(90)
     generic = [bp for bp in plans if bp.label.startswith("generic-bwd")]
-    tc = [bp for bp in plans if bp.label.startswith("tensorcore-bwd")]
+    tc = [bp for bp in plans if bp.label.startswith("tensorcore-bwd") and "3xfp16" not in bp.label]
+    tc32 = [bp for bp in plans if bp.label.startswith("tensorcore-bwd<float32,3xfp16,")]
+    assert len(tc32) == len(_dispatch.TC_BWD_F16SPLIT_CONFIGS) * 2 * 2  # D, mask, determinism
     hopper = [bp for bp in plans if bp.label.startswith("hopper-bwd")]
     assert len(generic) == 4 * 4 * 2
     assert len(tc) == 2 * len(_dispatch.TC_BWD_CONFIGS) * 2 * 2  # dtypes, D, mask, determinism
@@ -476,7 +478,7 @@ def test_backward_plans():
     assert bp.deterministic and "det" in bp.label
     prob.kernel = "generic"
     assert _dispatch.backward_plan_for(prob, 90).label == "generic-bwd<float16,D64,full>"
-    for edit, why in ((dict(dtype_name="float32"), "float16 and bfloat16"),
+    for edit, why in ((dict(dtype_name="float64"), "float16 and bfloat16"),
                       (dict(d=256, dv=256), "up to 128"), (dict(dv=32), "D == Dv"),
                       (dict(d=60, dv=60), "multiple of 8")):
         bad = types.SimpleNamespace(**dict(vars(prob), kernel="tensorcore", **edit))

@@ -52,9 +52,15 @@ def _on_hopper():
     return _launch.device_attributes(cupy().cuda.Device().id)["compute_capability"] == 90
 
 
-def _tensorcore_applies(dtype, d, dv):
+def _tensorcore_applies(dtype, d, dv, sq=None):
+    """The tensor-core backward's conditions: float16 / bfloat16 up to D = 128, or its float32
+    ("3xfp16") form up to max(TC_BWD_F16SPLIT_CONFIGS) with at least TC_BWD_F32_MIN_SQ query
+    rows (`sq`, when the test knows it)."""
     from cuflash import _dispatch
 
+    if dtype == "float32":
+        return (d == dv and d % 8 == 0 and d <= max(_dispatch.TC_BWD_F16SPLIT_CONFIGS)
+                and (sq is None or sq >= _dispatch.TC_BWD_F32_MIN_SQ))
     return (dtype in _dispatch.TC_BWD_DTYPES and d == dv and d % 8 == 0
             and d <= max(_dispatch.TC_BWD_CONFIGS))
 
@@ -67,9 +73,12 @@ def _hopper_applies(dtype, d, dv):
             and d <= max(_dispatch.HOPPER_BWD_CONFIGS))
 
 
-def _skip_kernel(kernel, dtype, d, dv=None):
-    applies = {"tensorcore": _tensorcore_applies, "hopper": _hopper_applies}.get(kernel)
-    if applies is not None and not applies(dtype, d, d if dv is None else dv):
+def _skip_kernel(kernel, dtype, d, dv=None, sq=None):
+    dv = d if dv is None else dv
+    if kernel == "tensorcore" and not _tensorcore_applies(dtype, d, dv, sq):
+        pytest.skip(f"the tensorcore backward does not take {dtype}, D={d}, Sq={sq} "
+                    "(float32 short rows are refused: test_f32_tensorcore_backward_matches_reference)")
+    if kernel == "hopper" and not _hopper_applies(dtype, d, dv):
         pytest.skip(f"the {kernel} backward does not take {dtype}, D={d}")
     if kernel == "hopper" and not _on_hopper():
         pytest.skip("the Hopper backward (sm_90a) runs on compute capability 9.0 only")
@@ -114,7 +123,7 @@ def _case(key, make):
 def test_backward_matches_reference(sq, sk, dtype, causal, kernel):
     _skip_unsupported(dtype)
     d = [64, 128, 256, 96][(sq + sk) % 4]
-    _skip_kernel(kernel, dtype, d)
+    _skip_kernel(kernel, dtype, d, sq=sq)
     batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
     scale = 1 / math.sqrt(d)
 
@@ -135,7 +144,7 @@ def test_backward_matches_reference(sq, sk, dtype, causal, kernel):
         assert label.startswith("hopper-bwd"), label
     if kernel == "auto" and _hopper_applies(dtype, d, d) and _on_hopper():  # HOPPER_BWD_AUTO
         assert label.startswith("hopper-bwd"), label
-    elif kernel == "auto" and _tensorcore_applies(dtype, d, d):
+    elif kernel == "auto" and _tensorcore_applies(dtype, d, d, sq) and dtype != "float32":
         assert label.startswith(("tensorcore-bwd", "hopper-bwd")), label
     check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=scale, dtype=dtype,
                                   ref=ref, label=label)
@@ -670,3 +679,136 @@ def test_hopper_backward_d256_schedules_agree(dtype, causal, monkeypatch):
             a, b = got[False, det][i], got[True, det][i]
             assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), \
                 f"D = 256 {'det' if det else 'default'}: {name} differs between the schedules"
+
+
+# ---------------------------------------------------------------------------------------------
+# The float32 tensor-core backward (attn_bwd_mma.cu, T = float, OP = fp16_t: "3xfp16", with the
+# tensor-core stats pass cuflash_bwd_stats_mma): kernel="tensorcore" (auto only with
+# _dispatch.TC_BWD_F32_AUTO). The tests above that take the kernel as a parameter run it too where
+# _tensorcore_applies (head dims 16-64, rows without keys, broadcast axes); these add tails on
+# both sides, both dq modes, strided MQA views and magnitudes far from 1.
+
+F32_TC_SHAPES = [(1, 1), (7, 7), (113, 113), (1000, 1000), (1, 1000), (1000, 1), (1000, 7),
+                 (113, 1000), (7, 113), (257, 64)]
+
+
+def _f32_tc_label_ok(label, deterministic):
+    assert label.startswith("tensorcore-bwd<float32,3xfp16,"), label
+    assert ("det," in label) == deterministic, label
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", F32_TC_SHAPES)
+def test_f32_tensorcore_backward_matches_reference(sq, sk, causal, deterministic):
+    """float32 kernel="tensorcore": tails 1, 7, 113, 1000 on both sides, Sq != Sk, both masks,
+    both dq modes, head dims 64 and padded ones (40, 16, 56), NaN-poisoned outputs, against the
+    float64 gradients under the pass rule; deterministic=True bitwise the same on a second call."""
+    cp = cupy()
+    from cuflash import _dispatch
+
+    d = [64, 40, 16, 56][(sq + sk) % 4]
+    batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
+    q, k, v, do = random_backward_inputs(_rng("f32tc", sq, sk, causal, deterministic), batch,
+                                         batch, sq, sk, d, d, "float32")
+    inputs = _gpu_inputs(q, k, v, do, "float32", causal=causal, scale=None)
+    if sq < _dispatch.TC_BWD_F32_MIN_SQ:   # short rows: refused, never over the rule
+        with pytest.raises(ValueError, match="Sq >="):
+            _run_bwd(inputs, "float32", causal=causal, kernel="tensorcore",
+                     deterministic=deterministic)
+        return
+    grads, label = _run_bwd(inputs, "float32", causal=causal, kernel="tensorcore",
+                            deterministic=deterministic)
+    _f32_tc_label_ok(label, deterministic)
+    check_grads_against_reference(grads, do, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                                  dtype="float32", label=label)
+    if deterministic:
+        again, _ = _run_bwd(inputs, "float32", causal=causal, kernel="tensorcore",
+                            deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), grads, again):
+            assert bool(cp.all(a.view(cp.uint8) == b.view(cp.uint8))), f"{label}: {name} differs"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_f32_tensorcore_backward_strided_mqa_deterministic(causal):
+    """(B, S, H, D) float32 buffers as (B, H, S, D) views, k and v one shared head (MQA: dk, dv
+    summed over 4 query heads), outputs strided views too (NaN-poisoned); both dq modes against
+    float64; deterministic: bitwise the same on a second call and for batch entry 1 alone."""
+    cp = cupy()
+    rng = _rng("f32tcbshd", causal)
+    B, S, Sk, H, D = 2, 300, 257, 4, 64
+    shapes = [(B, S, H, D), (B, Sk, 1, D), (B, Sk, 1, D), (B, S, H, D)]
+    x = [rng.standard_normal(sh).astype(np.float32).astype(np.float64) for sh in shapes]
+    g = [cp.asarray(a.astype(np.float32)).transpose(0, 2, 1, 3) for a in x]
+    assert not g[0].flags.c_contiguous
+    o, lse = cuflash.attention(*g[:3], causal=causal, return_lse=True)
+    q, k, v, do = (a.transpose(0, 2, 1, 3) for a in x)
+    ref = grad_reference(do, q, k, v, causal=causal, scale=None, dtype="float32")
+    results = {}
+    for det in (False, True):
+        outs = [poisoned(sh, "float32").transpose(0, 2, 1, 3) for sh in shapes[:3]]
+        label = cuflash.backward_dispatch_info(g[3], *g[:3], o, lse, causal=causal,
+                                               deterministic=det, kernel="tensorcore")
+        _f32_tc_label_ok(label, det)
+        res = cuflash.attention_backward(g[3], *g[:3], o, lse, causal=causal, out=tuple(outs),
+                                         deterministic=det, kernel="tensorcore")
+        assert all(r is b for r, b in zip(res, outs))
+        cp.cuda.get_current_stream().synchronize()
+        check_grads_against_reference(outs, do, q, k, v, causal=causal, scale=None,
+                                      dtype="float32", ref=ref, label=f"bshd {label}")
+        results[det] = outs
+    again = cuflash.attention_backward(g[3], *g[:3], o, lse, causal=causal, deterministic=True,
+                                       kernel="tensorcore")
+    one = cuflash.attention_backward(g[3][1:], g[0][1:], g[1][1:], g[2][1:], o[1:], lse[1:],
+                                     causal=causal, deterministic=True, kernel="tensorcore")
+    for name, a, b, c in zip(("dq", "dk", "dv"), results[True], again, one):
+        assert bool(cp.all(a == b)), f"{name} differs between two deterministic calls"
+        assert bool(cp.all(a[1:] == c)), f"{name} of batch entry 1 depends on the batch size"
+
+
+@pytest.mark.parametrize("case", ["peaked", "q-tiny-k-huge", "v-tiny-do-huge"])
+def test_f32_tensorcore_backward_magnitudes(case):
+    """The split's per-tile powers of two far from 1: peaked rows (std-3 q and k, scale 1),
+    q 2^-40 with k 2^40 (the same scores), v 1e-20 with do 1e15; causal, Sq != Sk."""
+    rng = _rng("f32tcmag", case)
+    q, k, v, do = random_backward_inputs(rng, (2,), (2,), 200, 333, 64, 64, "float32")
+    scale = None
+    if case == "peaked":
+        q, k, scale = reference.round_to(3 * q, "float32"), reference.round_to(3 * k, "float32"), 1.0
+    elif case == "q-tiny-k-huge":
+        q, k = q * 2.0 ** -40, k * 2.0 ** 40
+    else:
+        v, do = reference.round_to(v * 1e-20, "float32"), reference.round_to(do * 1e15, "float32")
+    inputs = _gpu_inputs(q, k, v, do, "float32", causal=True, scale=scale)
+    grads, label = _run_bwd(inputs, "float32", causal=True, scale=scale, kernel="tensorcore")
+    _f32_tc_label_ok(label, False)
+    check_grads_against_reference(grads, do, q, k, v, causal=True,
+                                  scale=scale if scale else 1 / 8, dtype="float32", label=label)
+
+
+def test_f32_tensorcore_backward_dispatch(monkeypatch):
+    """kernel="auto" takes the float32 tensor-core backward only with TC_BWD_F32_AUTO and Sq >=
+    TC_BWD_F32_MIN_SQ; kernel="tensorcore" refuses what it does not take (D > 64, D % 8), saying
+    why."""
+    cp = cupy()
+    from cuflash import _dispatch
+
+    rng = _rng("f32tcdisp")
+    y = cp.asarray(rng.standard_normal((2, _dispatch.TC_BWD_F32_MIN_SQ, 64)).astype(np.float32))
+    o, lse = cuflash.attention(y, y, y, return_lse=True)
+    assert cuflash.backward_dispatch_info(o, y, y, y, o, lse).startswith("generic-bwd")
+    monkeypatch.setattr(_dispatch, "TC_BWD_F32_AUTO", True)
+    info = cuflash.backward_dispatch_info(o, y, y, y, o, lse)
+    assert info.startswith("tensorcore-bwd<float32,3xfp16,D64,"), info
+    short = y[:, 1:]  # fewer rows than TC_BWD_F32_MIN_SQ: generic under auto, with the reason
+    o, lse = cuflash.attention(short, y, y, return_lse=True)
+    info = cuflash.backward_dispatch_info(o, short, y, y, o, lse)
+    assert info.startswith("generic-bwd") and "Sq >=" in info, info
+    with pytest.raises(ValueError, match="Sq >="):   # and refused when demanded
+        cuflash.attention_backward(o, short, y, y, o, lse, kernel="tensorcore")
+    for d, why in ((128, "up to 64"), (36, "multiple of 8")):
+        z = cp.asarray(rng.standard_normal((2, 50, d)).astype(np.float32))
+        o, lse = cuflash.attention(z, z, z, return_lse=True)
+        with pytest.raises(ValueError, match=why):
+            cuflash.attention_backward(o, z, z, z, o, lse, kernel="tensorcore")
+        assert cuflash.backward_dispatch_info(o, z, z, z, o, lse).startswith("generic-bwd")

@@ -263,6 +263,34 @@ def _sass(cubin):
                               check=True).stdout
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("causal,det", [(False, False), (True, True)])
+def test_f32_tensorcore_backward_uses_fp16_mma(causal, det, arch):
+    """The float32 tensor-core backward (attn_bwd_mma.cu, T = float, OP = fp16_t) runs fp16
+    products with float32 accumulators only (HMMA.16816.F32), three per k16 step and n8 tile, in
+    the predicted static count: S^T (k-loop not unrolled: 3 BM / 8), dP^T (two halves, each loop
+    not unrolled: 3 BM / 8), dV and dK (unrolled: 3 (BM / 16) (D / 8) each), dQ (unrolled over the
+    block's BN / 16 key steps and the warp's DQ_COLS / 8 n8 tiles); at D = 64, BM = 32, BN = 64:
+    12 + 12 + 48 + 48 + 48 = 168 (per tile and warp executed: 3 x 80 = 240, the S^T and dP^T
+    loops running D / 16 = 4 steps). Its stats pass: S and dP loops, 3 BN / 8 each."""
+    import re
+
+    cc = int(arch[3:])
+    bp = _dispatch.bwd_tensorcore_f32_plan(64, causal, det, cc)
+    assert bp.label.startswith("tensorcore-bwd<float32,3xfp16,"), bp.label
+    (_, stats), (_, kern) = bp.passes[:2]
+    assert kern.spec.name.endswith(", cuflash::fp16_t>"), kern.spec.name
+    bm, bn, nwarps, d = kern.block_m, kern.block_n, kern.threads // 32, 64
+    dq_cols = d // (nwarps // (bm // 16))
+    want = 3 * (bm // 8 + bm // 8 + 2 * (bm // 16) * (d // 8) + (bn // 16) * (dq_cols // 8))
+    hmma = re.findall(r"HMMA\.(\w+)\.F32(\.\w+)?", _sass(_report(kern.spec, arch).cubin))
+    assert hmma and set(hmma) == {("16816", "")}, sorted(set(hmma))
+    assert len(hmma) == want, (len(hmma), want)
+    hmma = re.findall(r"HMMA\.(\w+)\.F32(\.\w+)?", _sass(_report(stats.spec, arch).cubin))
+    assert hmma and set(hmma) == {("16816", "")}, sorted(set(hmma))
+    assert len(hmma) == 2 * 3 * (stats.block_n // 8), len(hmma)
+
+
 @pytest.mark.parametrize("dtype,d", [("float16", 64), ("bfloat16", 128), ("float16", 256),
                                      ("bfloat16", 256)])
 @pytest.mark.parametrize("causal,det", [(False, False), (True, True)])
