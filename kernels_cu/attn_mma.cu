@@ -409,7 +409,8 @@ struct Mma16SplitOps {
             // early: 255 registers and spills at D = 128.
             // From DPAD = 192 on the test differs per group (f's bits are never a small integer:
             // f >= 2^-133, bits >= 2^16): the same test in every group was merged into one (one
-            // branch before the first group) and ptxas hoisted 12 groups' V loads (spills).
+            // branch before the first group) and ptxas issued 12 of the V ldmatrix loads of later
+            // groups at once (spills).
             if (DPAD >= 192 ? __float_as_uint(f) == static_cast<unsigned int>(og) : f == 0.f)
                 asm volatile("trap;");
             float small[MT][OG][4] = {};  // the tile's small products of this group
