@@ -70,8 +70,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         notes/INFERENCE.md); ``"generic"``
         forces the scalar audit kernel (float32/float64 arithmetic, accurate exp);
         ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
-        float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0 and D <= 128 for precision
-        "highest", D <= 256 for "high") and ``"hopper"`` the
+        float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0 and D <= 256; for precision
+        "highest" above D = 128 ``"auto"`` takes it only with ``_dispatch.F32_D256_AUTO``, else
+        the generic kernel) and ``"hopper"`` the
         TMA/wgmma kernel (compute capability 9.0, float16/bfloat16 with 64 <= D <= 256, float32
         with 64 <= D <= 128 and D % 8 == 0 in either precision mode, which ``"auto"`` takes
         there too: ``_dispatch.HOPPER_F32_AUTO``); both need

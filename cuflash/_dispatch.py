@@ -102,8 +102,8 @@ TC_DTYPES = ("float16", "bfloat16", "float32")
 #: per-tile P.V accumulators; at BN = 64 it spilled from D = 96 on (NVRTC 13, sm_90), D = 128
 #: spilled on sm_80 with the staged epilogue, D = 192 spilled at BN = 32 and, once the scalar P.V
 #: of non-finite V on masked tiles came in, at BN = 16 too, and at D = 256, where O alone takes 128
-#: registers, every tile shape spilled. So "highest" stops at D = 128 (larger head dims take the
-#: generic kernel; see tensorcore_reason).
+#: registers, every tile shape spilled. So 3xTF32 "highest" stops at D = 128 (larger head dims: the
+#: 3xfp16 form, TC_F16SPLIT_CONFIGS, or the generic kernel; see tensorcore_reason).
 TC_F32_CONFIGS = {
     (32, "highest"): (64, 4, 1, 2, True),
     (64, "highest"): (64, 4, 1, 2, True),
@@ -134,12 +134,23 @@ TC_F32_ARCH_CONFIGS = {
 #: "3xfp16"; notes/FLOAT32.md, "mma.sync 3xfp16"): each tile scaled by a power of two and split
 #: into fp16 hi + lo in place in shared memory (float32 rows of D + 4 words), three m16n8k16 fp16
 #: products per multiply-add. {padded head dim: tiles}, in the format of TC_CONFIGS.
+#: D = 192 and 256 (head dims 129..256; notes/FLOAT32.md, "mma.sync 3xfp16 at D = 192 and 256"):
+#: O takes 96 / 128 registers a thread, so 32 / 16 keys a tile (ptxas 234-255 registers, no
+#: spills with NVRTC 13.0 and 13.5); 98 KiB of shared memory, two blocks an SM. Under
+#: kernel="auto" only with F32_D256_AUTO.
 TC_F16SPLIT_CONFIGS = {
     32: (64, 4, 1, 2, True),
     64: (64, 4, 1, 2, True),
     96: (32, 4, 1, 2, True),
     128: (32, 4, 1, 2, False),
+    192: (32, 4, 1, 2, True),
+    256: (16, 4, 1, 2, True),
 }
+#: Whether kernel="auto" takes the mma.sync 3xfp16 form at head dims above 128 (the 192 and 256
+#: entries of TC_F16SPLIT_CONFIGS), where float32 "highest" otherwise runs the generic kernel.
+#: Off until the form has run on a GPU (kernel="tensorcore" selects it meanwhile); the lead sets
+#: it after the GPU tests and the bench (tests/test_gpu_float32.py -k wide).
+F32_D256_AUTO = False
 #: The form float32 takes on the mma.sync kernel where it is not F32_TERMS' TF32 one: "highest"
 #: takes 3xfp16; {} gives the 3xTF32 form (TC_F32_CONFIGS) back (benchmarks/bench.py:
 #: cuflash-tc-3xtf32). Replace the dict rather than edit it: the call cache (_callcache) notices
@@ -527,6 +538,12 @@ def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
 HOPPER_F32_AUTO = True
 
 
+def _f32_wide(prob) -> bool:
+    """float32 inputs whose mma.sync form is the 3xfp16 one at a head dim above 128."""
+    return (prob.dtype_name == "float32" and prob.d > 128
+            and tc_f32_form(prob.precision) == "3xfp16")
+
+
 def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     """The plan for a validated `Problem` on a device of the given compute capability (e.g. 90)."""
     if getattr(prob, "variant", None) is not None:   # window, softcap, alibi, bias, mask
@@ -553,6 +570,8 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
         if prob.kernel == "hopper":
             raise ValueError(f"kernel='hopper' cannot run these inputs: {why_not}")
     why_not = tensorcore_reason(prob, compute_capability)
+    if why_not is None and prob.kernel == "auto" and not F32_D256_AUTO and _f32_wide(prob):
+        why_not = "F32_D256_AUTO is off"  # auto keeps the generic kernel above D = 128
     if why_not is None:
         return tensorcore_plan(prob.dtype_name, prob.d, prob.causal, compute_capability,
                                prob.precision)

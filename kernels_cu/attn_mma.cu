@@ -407,7 +407,12 @@ struct Mma16SplitOps {
             // move instructions across a branch, so each group's V loads and products stay in
             // the group. Without it ptxas issued the later groups' loads and from-zero products
             // early: 255 registers and spills at D = 128.
-            if (f == 0.f) asm volatile("trap;");
+            // From DPAD = 192 on the test differs per group (f's bits are never a small integer:
+            // f >= 2^-133, bits >= 2^16): the same test in every group was merged into one (one
+            // branch before the first group) and ptxas issued 12 of the V ldmatrix loads of later
+            // groups at once (spills).
+            if (DPAD >= 192 ? __float_as_uint(f) == static_cast<unsigned int>(og) : f == 0.f)
+                asm volatile("trap;");
             float small[MT][OG][4] = {};  // the tile's small products of this group
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
@@ -541,6 +546,34 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
     const T* q = static_cast<const T*>(p.q) + off.q;
     const T* k = static_cast<const T*>(p.k) + off.k;
     const T* v = static_cast<const T*>(p.v) + off.v;
+    // The fp16-split form from DPAD = 192 on (O alone takes DPAD / 2 registers): the K and V
+    // base pointers are recomputed from the kernel parameters at each tile's loads instead of
+    // held through the loop, where ptxas spilled them (notes/FLOAT32.md, "D = 192 and 256").
+    constexpr bool REMAT_KV = F16S && DPAD >= 192;
+    const auto k_at = [&]() {
+        if constexpr (REMAT_KV)
+            return static_cast<const T*>(p.k) + batch_offsets(p, block_coord_again(p).b).k;
+        else
+            return k;
+    };
+    // The same for the thread index the tile loads' addresses derive from: read afresh (asm
+    // volatile) at each tile, so that ptxas recomputes the per-chunk addresses there instead of
+    // holding them through the loop.
+    const auto tid_at = [&]() {
+        if constexpr (REMAT_KV) {
+            unsigned int t;
+            asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+            return static_cast<int>(t);
+        } else {
+            return tid;
+        }
+    };
+    const auto v_at = [&]() {
+        if constexpr (REMAT_KV)
+            return static_cast<const T*>(p.v) + batch_offsets(p, block_coord_again(p).b).v;
+        else
+            return v;
+    };
     const int sq = static_cast<int>(p.sq), sk = static_cast<int>(p.sk);
     const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
     const int d = static_cast<int>(p.d);
@@ -618,7 +651,8 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
         } else {
             __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
         }
-        load_tile<BN, Cfg::CHUNKS, Cfg::SV, Cfg::THREADS>(v_s, v, p.v_sr, key0, sk, d, tid);
+        load_tile<BN, Cfg::CHUNKS, Cfg::SV, Cfg::THREADS>(v_s, v_at(), p.v_sr, key0, sk, d,
+                                                          tid_at());
         cp_async_commit();
         if constexpr (F16S) __syncthreads();  // K_j's hi and lo rows are written
 
@@ -688,8 +722,8 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
         }
         const auto load_next_k = [&]() {
             if (j + 1 < n_tiles) {
-                load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k, p.k_sr, key0 + BN, sk,
-                                                                   d, tid);
+                load_tile<BN, Cfg::CHUNKS, Cfg::SQK, Cfg::THREADS>(k_s, k_at(), p.k_sr, key0 + BN,
+                                                                   sk, d, tid_at());
                 cp_async_commit();
             }
         };
@@ -701,7 +735,9 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
             // in a region of its own, KC keys at a time.
             using PT = typename Select<Cfg::F32, float, T>::type;  // P as the product takes it
             constexpr int REGION = BN * Cfg::SQK * static_cast<int>(sizeof(T)) / NWARPS;  // bytes
-            constexpr int SP = REGION / 16 / static_cast<int>(sizeof(PT));  // row stride of P
+            // Row stride of P, even: its float2 / 4-byte stores stay aligned (an odd one, as
+            // 3xfp16 at D = 256 with BN = 16 would give, 65 words, faults).
+            constexpr int SP = REGION / 16 / static_cast<int>(sizeof(PT)) / 2 * 2;
             constexpr int KC = (SP >= BN ? BN : SP >= 32 && BN % 32 == 0 ? 32 : 16 <= SP ? 16 : 8);
             static_assert(BN % KC == 0 && KC <= SP, "the scratch passes must tile the key tile");
             PT* ps = reinterpret_cast<PT*>(reinterpret_cast<unsigned char*>(k_s) + warp * REGION);

@@ -216,7 +216,7 @@ def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision, form):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_tensorcore_fp16split_uses_fp16_mma(d, arch):
     """The mma.sync kernel's 3xfp16 form of float32 "highest" (attn_mma.cu, OP = fp16_t) runs fp16
     products with float32 accumulators only (HMMA.16816.F32, no TF32 HMMA), three per k16 step:

@@ -72,6 +72,12 @@ def _tc_mode(precision):
     return _dispatch.tc_f32_form(precision)
 
 
+def _wide(d, precision):
+    """The mma.sync 3xfp16 form at a head dim above 128 (TC_F16SPLIT_CONFIGS' 192 and 256
+    entries), which kernel="auto" takes only with _dispatch.F32_D256_AUTO."""
+    return d > 128 and _tc_mode(precision) == "3xfp16"
+
+
 def _needs_hopper(d=64, precision="highest"):
     cc = _needs_tensorcores()
     if cc != 90:
@@ -134,15 +140,17 @@ def test_matches_reference(sq, sk, causal, precision, kernel):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [4, 12, 36, 64, 100, 128, 160, 192, 256])
 def test_head_dims(d, causal, precision):
-    """Every float32 head-dim bucket (zero-padded head dims between them); "highest" stops at
-    D = 128 on the tensor cores and takes the generic kernel above (the label says which)."""
+    """Every float32 head-dim bucket (zero-padded head dims between them); under kernel="auto"
+    "highest" takes the generic kernel above D = 128 unless _dispatch.F32_D256_AUTO (the label
+    says which; the test_wide_* cases below run the tensor-core form there)."""
     _needs_tensorcores()
     q, k, v = random_inputs(_rng("f32hd", d, causal, precision), (2,), (2,), 113, 200, d, d,
                             "float32")
     o, lse, label = _run(q, k, v, causal=causal, precision=precision)
     if _hopper_f32(d, precision):
         assert label.startswith(_auto_label(d, precision)), label
-    elif d > max(_tc_dims(precision), default=0):
+    elif d > max(_tc_dims(precision), default=0) or (_wide(d, precision)
+                                                     and not _dispatch.F32_D256_AUTO):
         assert label.startswith("generic<float32"), label
     else:
         assert label.startswith("tensorcore<float32"), label
@@ -168,18 +176,23 @@ def test_broadcast_heads_scale_and_tails(precision, kernel):
 def test_strided_bshd_view(precision, kernel):
     """A (B, S, H, D) buffer passed as a (B, H, S, D) view is used in place."""
     _needs_tensorcores()
+    _check_bshd_view(_rng("f32bshd", precision, kernel), (2, 300, 4, 128), True, precision,
+                     kernel)
+
+
+def _check_bshd_view(rng, shape, causal, precision, kernel):
+    """(B, S, H, D) = shape buffers passed as (B, H, S, D) views, NaN-poisoned outputs."""
     cp = cupy()
-    rng = _rng("f32bshd", precision, kernel)
-    B, S, H, D = 2, 300, 4, 128
+    B, S, H, D = shape
     x = [reference.round_to(rng.standard_normal((B, S, H, D)), "float32") for _ in range(3)]
     views = [cp.asarray(a.astype(np.float32)).transpose(0, 2, 1, 3) for a in x]
     assert not views[0].flags.c_contiguous
     out = poisoned((B, H, S, D), "float32")
     lse = poisoned((B, H, S), "float32")
-    cuflash.attention(*views, causal=True, out=(out, lse), return_lse=True, precision=precision,
-                      kernel=kernel)
+    cuflash.attention(*views, causal=causal, out=(out, lse), return_lse=True,
+                      precision=precision, kernel=kernel)
     ref_in = [a.transpose(0, 2, 1, 3) for a in x]
-    _check(out, lse, *ref_in, causal=True, scale=1 / math.sqrt(D), precision=precision)
+    _check(out, lse, *ref_in, causal=causal, scale=1 / math.sqrt(D), precision=precision)
 
 
 @pytest.mark.parametrize("stage_o", [False, True])
@@ -559,3 +572,119 @@ def test_tc_fp16split_nan_inf_and_zero_tiles(d):
     o, lse, _ = _run(q, kz, vz, causal=True, precision="highest", kernel="tensorcore")
     _check(o, lse, q, kz, vz, causal=True, scale=1 / math.sqrt(d), precision="highest")
 
+
+
+
+# ------------------------------------------------------------------------------------------------
+# The mma.sync 3xfp16 form at D = 129..256 (TC_F16SPLIT_CONFIGS' 192 and 256 entries: 32 and 16
+# keys a tile; notes/FLOAT32.md, "mma.sync 3xfp16 at D = 192 and 256"). kernel="tensorcore"
+# selects it; kernel="auto" only with _dispatch.F32_D256_AUTO (off until these pass on a GPU).
+# Run them first: pytest tests/test_gpu_float32.py -k wide.
+# ------------------------------------------------------------------------------------------------
+WIDE_DIMS = [192, 200, 256]
+WIDE_SHAPES = [(1, 1), (7, 7), (113, 113), (1000, 1000), (1, 1000), (1000, 7), (113, 1000),
+               (257, 64), (16, 17)]
+
+
+def _needs_wide(d):
+    _needs_tc_fp16split()
+    if d > max(_tc_dims("highest"), default=0):
+        pytest.skip(f"TC_F16SPLIT_CONFIGS has no entry for D = {d}")
+
+
+def _wide_label(d):
+    return f"tensorcore<float32,3xfp16,D{192 if d <= 192 else 256},"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", WIDE_SHAPES)
+@pytest.mark.parametrize("d", WIDE_DIMS)
+def test_wide_matches_reference(d, sq, sk, causal):
+    """Tails, Sq != Sk, causal on and off, NaN-poisoned outputs; broadcast key/value heads where
+    Sq + Sk is odd."""
+    _needs_wide(d)
+    kv = (2, 1) if (sq + sk) % 2 else (2, 3)
+    batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
+    kvb = (batch[0], 1) if kv[1] == 1 else batch
+    q, k, v = random_inputs(_rng("f32wide", d, sq, sk, causal), batch, kvb, sq, sk, d, d,
+                            "float32")
+    o, lse, label = _run(q, k, v, causal=causal, precision="highest", kernel="tensorcore")
+    assert label.startswith(_wide_label(d)), label
+    _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision="highest")
+
+
+@pytest.mark.parametrize("stage_o", [False, True])
+@pytest.mark.parametrize("d", [192, 256])
+def test_wide_epilogues_scale_and_strided(d, stage_o, monkeypatch):
+    """Both epilogues with a non-default scale, causal with Sq > Sk (blocks with no key tile),
+    and a (B, S, H, D) buffer passed as a (B, H, S, D) view."""
+    _needs_wide(d)
+    cfg16 = {key: val[:4] + (stage_o,) for key, val in _dispatch.TC_F16SPLIT_CONFIGS.items()}
+    monkeypatch.setattr(_dispatch, "TC_F16SPLIT_CONFIGS", cfg16)
+    q, k, v = random_inputs(_rng("f32wideepi", d, stage_o), (2, 4), (2, 1), 300, 131, d, d,
+                            "float32")
+    o, lse, label = _run(q, k, v, causal=True, precision="highest", scale=0.3,
+                         kernel="tensorcore")
+    assert label.startswith(_wide_label(d)) and ("stagedO" in label) == stage_o, label
+    _check(o, lse, q, k, v, causal=True, scale=0.3, precision="highest")
+    _check_bshd_view(_rng("f32widebshd", d, stage_o), (2, 300, 3, d), False, "highest",
+                     "tensorcore")
+
+
+@pytest.mark.parametrize("d,scale", [(192, 1.0), (192, 2.5), (256, 1.0), (256, 2.5), (200, None)])
+def test_wide_large_scores_and_long_keys(d, scale):
+    """Issue 10's accuracy bar at D >= 192: q and k with standard deviation 3 (scores of
+    hundreds, a nearly one-hot softmax), Sk = 4096, scale 1.0 and 2.5, under the float32 rule."""
+    _needs_wide(d)
+    q, k, v = _large_inputs(_rng("f32widelarge", d, scale), d)
+    sc = 1 / math.sqrt(d) if scale is None else scale
+    o, lse, label = _run(q, k, v, causal=False, precision="highest", scale=sc,
+                         kernel="tensorcore")
+    assert label.startswith(_wide_label(d)), label
+    err, naive = _check(o, lse, q, k, v, causal=False, scale=sc, precision="highest")
+    print(f"tensorcore 3xfp16 D={d} scale={sc}: max err {err:.3e}, naive float32 {naive:.3e}")
+
+
+@pytest.mark.parametrize("d", [200, 256])
+@pytest.mark.parametrize("sk", [16, 17, 113])
+def test_wide_short_rows(sk, d):
+    """Single query rows over one to eight key tiles, 4 fresh seeds, broadcast heads on odd
+    seeds, causal on every third."""
+    _needs_wide(d)
+    for seed in range(4):
+        kv = (2, 4) if seed % 2 == 0 else (2, 1)
+        q, k, v = random_inputs(_rng("f32wideshort", sk, d, seed), (2, 4), kv, 1, sk, d, d,
+                                "float32")
+        causal = seed % 3 == 2
+        o, lse, label = _run(q, k, v, causal=causal, precision="highest", kernel="tensorcore")
+        assert label.startswith(_wide_label(d)), label
+        _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision="highest")
+
+
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_magnitudes(d, causal):
+    """Per-tile powers of two at D = 192 / 256 (every case of _magnitudes)."""
+    _needs_wide(d)
+    _check_magnitudes(_rng("f32widemag", d, causal), d, causal, "tensorcore")
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_wide_nan_inf_and_zero_tiles(d):
+    """test_tc_fp16split_nan_inf_and_zero_tiles at D = 192 / 256 (a NaN in V on a causal
+    diagonal tile takes the scalar P.V: pv_visible_keys, its P scratch rows of 64 words)."""
+    test_tc_fp16split_nan_inf_and_zero_tiles(d)
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_wide_auto_follows_the_flag(auto, monkeypatch):
+    """kernel="auto" takes the 3xfp16 form at D = 256 only with _dispatch.F32_D256_AUTO (else
+    the generic kernel); "high" keeps its TF32 form either way."""
+    _needs_wide(256)
+    monkeypatch.setattr(_dispatch, "F32_D256_AUTO", auto)
+    q, k, v = random_inputs(_rng("f32wideauto", auto), (2,), (2,), 300, 200, 256, 256, "float32")
+    o, lse, label = _run(q, k, v, causal=True, precision="highest")
+    assert label.startswith(_wide_label(256) if auto else "generic<float32"), label
+    _check(o, lse, q, k, v, causal=True, scale=1 / 16, precision="highest")
+    _, _, label = _run(q, k, v, causal=True, precision="high")
+    assert label.startswith("tensorcore<float32,tf32,"), label

@@ -127,6 +127,14 @@ def test_hopper_float32_maps_and_plan(launches, D, precision, terms, form, monke
     assert launches["launches"][0][3] == plan.smem_bytes
 
 
+def _f32_prob(d, kernel="auto", precision="highest", B=1, H=2, S=256):
+    """A float32 Problem stand-in of head dim d on (fake) GPU arrays, for plan_for."""
+    x = FakeArray((B, H, S, d), (H * S * d, S * d, d, 1), 1 << 20, itemsize=4)
+    return types.SimpleNamespace(q=x, k=x, v=x, out=None, backend="gpu", kernel=kernel,
+                                 dtype_name="float32", d=d, dv=d, sq=S, sk=S, scale=0.125,
+                                 precision=precision, causal=False, variant=None)
+
+
 @pytest.mark.parametrize("auto_hopper", [False, True])
 def test_float32_dispatch_on_hopper(monkeypatch, auto_hopper):
     """With _dispatch.HOPPER_F32_AUTO, kernel="auto" takes the Hopper float32 form on compute
@@ -136,13 +144,7 @@ def test_float32_dispatch_on_hopper(monkeypatch, auto_hopper):
     the Hopper form."""
     monkeypatch.setattr(_tma, "available", lambda: True)
     monkeypatch.setattr(_dispatch, "HOPPER_F32_AUTO", auto_hopper)
-    B, H, S = 1, 2, 256
-
-    def prob(d, kernel="auto", precision="highest"):
-        x = FakeArray((B, H, S, d), (H * S * d, S * d, d, 1), 1 << 20, itemsize=4)
-        return types.SimpleNamespace(q=x, k=x, v=x, out=None, backend="gpu", kernel=kernel,
-                                     dtype_name="float32", d=d, dv=d, sq=S, sk=S, scale=0.125,
-                                     precision=precision, causal=False, variant=None)
+    prob = _f32_prob
 
     for precision in ("highest", "high"):
         hmode = "3xfp16" if precision == "highest" else "tf32"  # HOPPER_F32_FORM
@@ -163,6 +165,32 @@ def test_float32_dispatch_on_hopper(monkeypatch, auto_hopper):
                 "tensorcore<float32"), d
     with pytest.raises(ValueError, match="kernel='hopper'.*head dims from 64 to 128"):
         _dispatch.plan_for(prob(160, "hopper"), 90)
+
+
+@pytest.mark.parametrize("wide_auto", [False, True])
+@pytest.mark.parametrize("cc", [80, 90])
+def test_float32_wide_dispatch(monkeypatch, wide_auto, cc):
+    """float32 "highest" at D = 129..256: kernel="tensorcore" takes the mma.sync 3xfp16 form
+    (DPAD 192: 32 keys a tile; 256: 16), kernel="auto" only with _dispatch.F32_D256_AUTO (else
+    the generic kernel); "high" keeps its TF32 form under auto either way; above 256 and for D
+    not a multiple of 4 the tensor-core kernel says why not."""
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    monkeypatch.setattr(_dispatch, "F32_D256_AUTO", wide_auto)
+    prob = _f32_prob
+
+    for d, dpad, bn in ((132, 192, 32), (192, 192, 32), (200, 256, 16), (256, 256, 16)):
+        want = f"tensorcore<float32,3xfp16,D{dpad},BM64,BN{bn},"
+        tc = _dispatch.plan_for(prob(d, "tensorcore"), cc)
+        assert tc.label.startswith(want) and tc.spec.name.endswith("cuflash::fp16_t>"), tc.label
+        auto = _dispatch.plan_for(prob(d), cc)
+        assert auto.label.startswith(want if wide_auto else "generic<float32"), auto.label
+        assert _dispatch.plan_for(prob(d, precision="high"), cc).label.startswith(
+            "tensorcore<float32,tf32,")
+    assert _dispatch.plan_for(prob(128), cc).label.startswith(
+        "hopper<float32,3xfp16," if cc == 90 and _dispatch.HOPPER_F32_AUTO
+        else "tensorcore<float32,3xfp16,D128,")
+    with pytest.raises(ValueError, match="kernel='tensorcore'.*multiple of 4"):
+        _dispatch.plan_for(prob(202, "tensorcore"), cc)
 
 
 def test_hopper_narrows_short_query_blocks():

@@ -37,7 +37,7 @@ def _judge(q, k, v, causal=False, scale=None, seed=0, **kw):
 def test_tiles_are_the_kernels():
     """The model's tiles are the dispatched ones: BM = 16 MT NWARPS = 64 for every head dim."""
     for bn, nwarps, mt, _, _ in _dispatch.TC_F16SPLIT_CONFIGS.values():
-        assert 16 * mt * nwarps == BM and bn in (32, 64)
+        assert 16 * mt * nwarps == BM and bn in (16, 32, 64)
     plan = _dispatch.tensorcore_plan("float32", 100, False, 90, "highest")
     assert plan.block_m == BM and plan.block_n == _bn(100)
 
@@ -47,15 +47,21 @@ def test_model_within_the_rule_on_short_rows_and_tails():
     Sq != Sk; causal) pass the rule with room to spare, with the k16 step modelled as one
     truncating step and as two truncating k8 halves (how an m16n8k16 instruction accumulates is
     not documented)."""
+    assert _worst_over(SHAPES, 3, 700) < 0.8
+
+
+def _worst_over(shapes, draws, base):
+    """Max err/threshold of the model over `draws` draws of each (sq, sk, d, causal), the k16
+    step as one truncating step and as two k8 halves; every draw must pass the rule."""
     worst = 0.0
-    for i, (sq, sk, d, causal) in enumerate(SHAPES):
-        for seed in range(3):
-            q, k, v = _draw(np.random.default_rng(700 + 100 * i + seed), 2, sq, sk, d)
+    for i, (sq, sk, d, causal) in enumerate(shapes):
+        for seed in range(draws):
+            q, k, v = _draw(np.random.default_rng(base + 100 * i + seed), 2, sq, sk, d)
             for kstep in (16, 8):
                 vd = _judge(q, k, v, causal, seed=seed, kstep=kstep)
                 assert vd.passed, ((sq, sk, d, causal, seed, kstep), vd.reasons)
                 worst = max(worst, vd.frac_threshold)
-    assert worst < 0.8, worst
+    return worst
 
 
 def test_promoted_pv_is_needed():
@@ -144,3 +150,37 @@ def test_split_floor_of_tiny_values():
     assert ref._split16_floor(q, k, v, 1 / np.sqrt(96), 0.0, 0.0, 0.0, F32, None).max() \
         < 1e-10 * np.abs(v).max()
     assert _judge(q, k, v, causal=True, seed=1).passed
+
+
+# The wide head dims (TC_F16SPLIT_CONFIGS' 192 and 256 entries: 32 and 16 keys a tile; under
+# kernel="auto" only with _dispatch.F32_D256_AUTO). notes/FLOAT32.md, "mma.sync 3xfp16 at D = 192
+# and 256".
+WIDE_SHAPES = [(1, 16, 256, False), (1, 113, 256, False), (1, 128, 200, False),
+               (16, 113, 192, False), (113, 113, 256, True), (1, 1000, 192, True),
+               (7, 200, 256, True), (64, 200, 200, True)]
+
+
+def test_wide_tiles():
+    """D = 129..192 takes 32-key tiles, 193..256 16-key tiles, BM = 64."""
+    assert [_bn(d) for d in (129, 160, 192, 193, 200, 256)] == [32] * 3 + [16] * 3
+    for d in (160, 256):
+        plan = _dispatch.tensorcore_plan("float32", d, False, 90, "highest")
+        assert plan.block_m == BM and plan.block_n == _bn(d)
+        assert plan.label.startswith(f"tensorcore<float32,3xfp16,D{192 if d <= 192 else 256},")
+
+
+def test_wide_model_within_the_rule_on_short_rows_and_tails():
+    """Two draws of each wide shape (short rows, one key tile of 16 keys, tails, Sq != Sk, causal)
+    pass the rule with room to spare, with the k16 step as one and as two truncating steps."""
+    assert _worst_over(WIDE_SHAPES, 2, 900) < 0.8
+
+
+@pytest.mark.parametrize("d,scale", [(192, 1.0), (192, 2.5), (256, 1.0), (256, 2.5), (200, 1.5)])
+def test_wide_model_on_large_scores(d, scale):
+    """Issue 10's large-score inputs at D >= 192 (scale 1.0-2.5, q and k with standard deviation
+    3: scores up to ~10^3, a one-hot softmax), over 300 keys and over 4096."""
+    for sk in (300, 4096):
+        q, k, v = _draw(np.random.default_rng(d + int(10 * scale) + sk), 1, 16, sk, d, 3.0)
+        vd = _judge(q, k, v, scale=scale)
+        assert vd.passed, (sk, vd.reasons)
+        assert vd.frac_threshold < 0.75, (sk, vd.frac_threshold)
