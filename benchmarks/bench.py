@@ -35,7 +35,7 @@ forward's (five matmuls instead of two). ``cuflash-det`` is cuflash with determi
 in both modes, ``cuflash-hopper-ov`` / ``cuflash-hopper-ov-det`` the same with the D = 256 form's
 overlapped schedule (_dispatch.HOPPER_BWD_OVERLAP; other head dims run what cuflash-hopper runs),
 ``cuflash-tensorcore`` the mma.sync one (float32: its split-precision "3xfp16"
-form, which kernel="auto" does not take yet: _dispatch.TC_BWD_F32_AUTO), ``cuflash-tensorcore-det``
+form, which kernel="auto" takes too: _dispatch.TC_BWD_F32_AUTO), ``cuflash-tensorcore-det``
 that one with deterministic=True.
 
 See benchmarks/README.md for the method in prose.

@@ -29,7 +29,6 @@ at 3.1 TB/s that way). GB/s counts the bytes of K and V of every sequence once
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import sys
 import time
@@ -54,11 +53,11 @@ _SPINNER = None
 TIME_CAP_S = 2.0  # most seconds the timed calls of one implementation and point may take
 
 
-def _events(fn, warmup, repeats, n_sets=1):
-    """Median GPU seconds of `fn(i)` (i: the input set, 0 .. n_sets - 1; a function of no
-    argument is called as is) by bench.py's `time_impl`: warm-up calls, then the timed calls
-    between CUDA events enqueued behind a spinning kernel on the current CuPy stream (torch's
-    default stream is the same legacy stream)."""
+def _events(fn, warmup, repeats, n_sets=None):
+    """Median GPU seconds of `fn(i)` (i: the input set, 0 .. n_sets - 1) or, without `n_sets`,
+    of `fn()`, by bench.py's `time_impl`: warm-up calls, then the timed calls between CUDA events
+    enqueued behind a spinning kernel on the current CuPy stream (torch's default stream is the
+    same legacy stream)."""
     import cupy as cp
 
     global _SPINNER
@@ -67,8 +66,8 @@ def _events(fn, warmup, repeats, n_sets=1):
         if _SPINNER.err:
             print(f"spin kernel unavailable ({_SPINNER.err}): host time leaks into the timings",
                   file=sys.stderr)
-    run = fn if inspect.signature(fn).parameters else (lambda i: fn())
-    times, _, _ = time_impl(cp, run, cp.cuda.get_current_stream(), n_sets, warmup, repeats,
+    run = fn if n_sets is not None else (lambda i: fn())
+    times, _, _ = time_impl(cp, run, cp.cuda.get_current_stream(), n_sets or 1, warmup, repeats,
                             TIME_CAP_S, _SPINNER)
     return float(np.median(times)) * 1e-3
 

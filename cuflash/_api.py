@@ -71,8 +71,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         forces the scalar audit kernel (float32/float64 arithmetic, accurate exp);
         ``"tensorcore"`` demands the mma.sync tensor-core kernel (compute capability 8.0+:
         float16/bfloat16 with D % 8 == 0, float32 with D % 4 == 0 and D <= 256; for precision
-        "highest" above D = 128 ``"auto"`` takes it only with ``_dispatch.F32_D256_AUTO``, else
-        the generic kernel) and ``"hopper"`` the
+        "highest" above D = 128 ``"auto"`` takes it while ``_dispatch.F32_D256_AUTO`` is set,
+        as it is by default) and ``"hopper"`` the
         TMA/wgmma kernel (compute capability 9.0, float16/bfloat16 with 64 <= D <= 256, float32
         with 64 <= D <= 128 and D % 8 == 0 in either precision mode, which ``"auto"`` takes
         there too: ``_dispatch.HOPPER_F32_AUTO``); both need
@@ -413,10 +413,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         "auto" takes it first there: `cuflash._dispatch.HOPPER_BWD_AUTO`) in the same way. With a variant
         the generic backward runs. float32 inputs: ``"tensorcore"`` runs the float32 tensor-core
         backward (the split-precision "3xfp16" products, float32-accurate; compute capability
-        8.0+, D == Dv, D % 8 == 0, D <= 128, 16-byte aligned rows, no variant), with a tensor-core
-        pass that recomputes each row's max, sum and delta first; ``"auto"`` takes it only where
-        `cuflash._dispatch.TC_BWD_F32_AUTO` is set (off until its GPU validation), else the
-        generic backward.
+        8.0+, D == Dv, D % 8 == 0, D <= 64, at least `cuflash._dispatch.TC_BWD_F32_MIN_SQ` query
+        rows (else ValueError), 16-byte aligned rows, no variant), with a tensor-core pass that
+        recomputes each row's max, sum and delta first; ``"auto"`` takes it where it applies
+        while `cuflash._dispatch.TC_BWD_F32_AUTO` is set (the default), else the generic
+        backward.
     window, softcap, alibi_slopes, bias, mask : optional
         The forward's variant, as in `attention` (pass the same values). Under softcap the
         gradient of the scaled score is ``dS * (1 - tanh(t / c)^2)``.

@@ -148,9 +148,10 @@ TC_F16SPLIT_CONFIGS = {
 }
 #: Whether kernel="auto" takes the mma.sync 3xfp16 form at head dims above 128 (the 192 and 256
 #: entries of TC_F16SPLIT_CONFIGS), where float32 "highest" otherwise runs the generic kernel.
-#: Off until the form has run on a GPU (kernel="tensorcore" selects it meanwhile); the lead sets
-#: it after the GPU tests and the bench (tests/test_gpu_float32.py -k wide).
-F32_D256_AUTO = False
+#: On since the H200 run of 2026-12-02 (session f): tests/test_gpu_float32.py passed through it
+#: (kernel="tensorcore"), 1.41-1.77x torch EFFICIENT at D = 192/256 against the generic
+#: kernel's 0.13-0.17x, at an error at most EFFICIENT's (benchmarks/RESULTS.md, "session f").
+F32_D256_AUTO = True
 #: The form float32 takes on the mma.sync kernel where it is not F32_TERMS' TF32 one: "highest"
 #: takes 3xfp16; {} gives the 3xTF32 form (TC_F32_CONFIGS) back (benchmarks/bench.py:
 #: cuflash-tc-3xtf32). Replace the dict rather than edit it: the call cache (_callcache) notices
@@ -800,8 +801,10 @@ TC_BWD_STATS_ARCH_CONFIGS = {
     90: {},
 }
 #: Whether kernel="auto" takes the float32 tensor-core backward where it qualifies
-#: (`bwd_tensorcore_f32_reason`); off until its GPU tests pass (kernel="tensorcore" runs it).
-TC_BWD_F32_AUTO = False
+#: (`bwd_tensorcore_f32_reason`, Sq >= TC_BWD_F32_MIN_SQ). On since the H200 run of 2026-12-02
+#: (session f): its GPU tests passed (kernel="tensorcore"), 1.03-1.07x torch EFFICIENT's float32
+#: backward at D = 64 against the generic backward's 0.09x (benchmarks/RESULTS.md, "session f").
+TC_BWD_F32_AUTO = True
 #: The float32 tensor-core backward takes no fewer query rows than this: the split products
 #: carry ~22-bit operands (hi + lo), and short rows exceed the float32 rule (the CPU model,
 #: tests/f32_bwd_tc_model.py: Sq = 1 fails it on 5-9% of draws, Sq = 16 on 1 of 40, Sq = 32 on
@@ -962,8 +965,9 @@ HOPPER_BWD_DTYPES = ("float16", "bfloat16")
 HOPPER_BWD_DS_KMAJOR = True
 #: The D = 256 (SPLIT) form's overlapped schedule (kernel template argument OV, label "ov,"):
 #: the same products in another order, dV under dS^T and the dq atomics under dK
-#: (notes/BACKWARD.md, "D = 256: the overlapped schedule"). Off until the H200 has run it; tests
-#: and benchmarks (cuflash-hopper-ov) turn it on to measure it.
+#: (notes/BACKWARD.md, "D = 256: the overlapped schedule"). Off: on the H200 (2026-12-02, session
+#: f) it ran bitwise the plain schedule's results at 0.98-1.02x its speed (predicted +12-30%);
+#: tests and benchmarks (cuflash-hopper-ov) turn it on to measure it.
 HOPPER_BWD_OVERLAP = False
 #: Whether kernel="auto" takes the Hopper backward on compute capability 9.0 where it qualifies.
 #: On since its GPU tests passed on the H200 (2026-12-01: every kernel="hopper" case of

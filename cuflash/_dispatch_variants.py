@@ -169,11 +169,11 @@ def _column_stride_reason(variant) -> "str | None":
 
 
 #: Whether kernel="auto" takes the Hopper forward (attn_wgmma.cu: cuflash_fwd_wgmma_var) for a
-#: variant on compute capability 9.0 where `hopper_variant_reason` says it qualifies. Off until
-#: its GPU tests (tests/test_variants_gpu.py, the kernel="hopper" cases) have passed on the
-#: H200: until then auto takes the mma.sync kernel for variants, and kernel="hopper" selects the
-#: Hopper one explicitly.
-HOPPER_VARIANTS_AUTO = False
+#: variant on compute capability 9.0 where `hopper_variant_reason` says it qualifies. On since
+#: the H200 run of 2026-12-02 (session f): tests/test_variants_gpu.py and test_mods_gpu.py passed
+#: through it (kernel="hopper"), and at S = 16k it ran softcap, ALiBi, window and bias 1.7-2.2x
+#: faster than the mma.sync kernel auto took before (benchmarks/RESULTS.md, "session f").
+HOPPER_VARIANTS_AUTO = True
 
 #: Tiles of the Hopper forward with a variant (16-bit inputs), {(padded head dim, reads
 #: tensors): HopperTiles fields to replace}, where the plain table's (HOPPER_TABLE) do not fit:

@@ -38,6 +38,7 @@ def test_hopper_takes_a_variant_by_name(tma):
 
 def test_auto_takes_hopper_only_with_the_flag(tma, monkeypatch):
     prob = _prob(Variant(left=8, right=0))
+    monkeypatch.setattr(_dispatch_variants, "HOPPER_VARIANTS_AUTO", False)
     assert variant_plan_for(prob, 90).spec.family == "attn_mma"
     monkeypatch.setattr(_dispatch_variants, "HOPPER_VARIANTS_AUTO", True)
     assert variant_plan_for(prob, 90).spec.family == "attn_wgmma"
