@@ -355,6 +355,24 @@ def _arr_key(x, cp_ndarray, torch_tensor, ptrs, strided=None):
     raise LookupError
 
 
+def outputs_key(out, workspace, nd):
+    """The key parts ``(out's, workspace's)`` of a call's out= (None, a CuPy array, or a tuple /
+    list of them) and workspace= (None or a CuPy array; its alignment modulo WORKSPACE_ALIGN
+    too); LookupError for anything else (that call is not cached). `nd`: cupy.ndarray."""
+    if out is None:
+        ok = None
+    elif type(out) is nd:
+        mo = out.data
+        ok = (out.shape, out.strides, out.dtype, mo.device_id, mo.ptr & 15)
+    elif isinstance(out, (tuple, list)):
+        ok = (type(out), len(out)) + tuple(_arr_key(b, nd, None, []) for b in out)
+    else:
+        raise LookupError
+    if workspace is None:
+        return ok, None
+    return ok, _arr_key(workspace, nd, None, []) + (workspace.data.ptr % _launch.WORKSPACE_ALIGN,)
+
+
 #: What `signature_of` establishes about one call: ``(key, ptrs, torch)``, the key, the data
 #: pointers of q, k, v, and whether any of them is a torch tensor (a tuple: an object with
 #: slots cost 0.38 us to make, a tuple 0.07).
@@ -397,21 +415,7 @@ def signature_of(q, k, v, causal, scale, return_lse, out, kernel, precision, wor
     # out and workspace: CuPy arrays only (the full path returns CuPy views of other
     # types' buffers); their pointers are read again on a hit
     try:
-        if out is None:
-            ok = None
-        elif type(out) is nd:
-            mo = out.data
-            ok = (out.shape, out.strides, out.dtype, mo.device_id, mo.ptr & 15)
-        elif isinstance(out, (tuple, list)):
-            more = []
-            ok = (type(out), len(out)) + tuple(_arr_key(b, nd, None, more) for b in out)
-        else:
-            return None
-        if workspace is None:
-            wk = None
-        else:
-            wk = _arr_key(workspace, nd, None, []) + (
-                workspace.data.ptr % _launch.WORKSPACE_ALIGN,)
+        ok, wk = outputs_key(out, workspace, nd)
     except LookupError:
         return None
     key += (ok, wk, type(causal), causal, type(scale), scale, type(return_lse), return_lse,

@@ -19,8 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _callcache, _checks, _decode, _gqa, _interop
-from ._callcache import _arr_key
-from ._launch import WORKSPACE_ALIGN
+from ._callcache import _arr_key, outputs_key
 
 KVCACHE_KERNELS = ("auto", "decode")
 #: Smallest page of a paged cache: one key tile of the decode kernel (pages are powers of two).
@@ -441,8 +440,8 @@ def _kv_signature(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
     arrays (``ptrs``: q, k_cache, v_cache, cache_seqlens (0 for an int), block_table, k_new,
     v_new; 0 where absent), or None (NumPy, torch or anything else: the full path). The key
     holds each array's shape, strides, dtype, device and ``ptr & 15``, an int cache_seqlens by
-    value (it sets the key count), out's and workspace's layouts (the workspace's alignment
-    modulo `WORKSPACE_ALIGN` too) and the flags with their types."""
+    value (it sets the key count), out's and workspace's layouts (`_callcache.outputs_key`)
+    and the flags with their types."""
     cp = sys.modules.get("cupy")
     if cp is None or type(q) is not cp.ndarray:
         return None
@@ -461,16 +460,7 @@ def _kv_signature(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                 ptrs.append(0)
             else:
                 keys.append(_arr_key(x, nd, None, ptrs))
-        if out is None:
-            ok = None
-        elif type(out) is nd:
-            ok = _arr_key(out, nd, None, [])
-        elif isinstance(out, (tuple, list)):
-            ok = (type(out), len(out)) + tuple(_arr_key(x, nd, None, []) for x in out)
-        else:
-            return None
-        wk = None if workspace is None else (_arr_key(workspace, nd, None, [])
-                                             + (workspace.data.ptr % WORKSPACE_ALIGN,))
+        ok, wk = outputs_key(out, workspace, nd)
     except LookupError:
         return None
     key = (tuple(keys), ok, wk, type(causal), causal, type(scale), scale, type(return_lse),
