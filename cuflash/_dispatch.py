@@ -1025,6 +1025,24 @@ def bwd_hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     return bwd_tensorcore_reason(prob, compute_capability, max_d=max(HOPPER_BWD_CONFIGS))
 
 
+def backward_dq_accum_row_bound(dtype_name: str, d: int) -> int:
+    """An upper bound on `BackwardPlan.dq_accum_row` (the float32 dq accumulator's row length,
+    0 without one) over every plain backward plan `backward_plan_for` can return for this dtype
+    and head dim on any device: the largest tile bucket of the tensor-core, Hopper and float32
+    tensor-core backwards that takes `d`, plus TC_BWD_DQ_PAD. The JAX layer sizes its XLA-owned
+    workspace with it at trace time, before the device's plan is known."""
+    tables = {"float16": (TC_BWD_CONFIGS, HOPPER_BWD_CONFIGS),
+              "bfloat16": (TC_BWD_CONFIGS, HOPPER_BWD_CONFIGS),
+              "float32": (TC_BWD_F16SPLIT_CONFIGS,)}.get(dtype_name, ())
+    row = 0
+    for table in tables:
+        try:
+            row = max(row, head_dim_bucket(d, table) + TC_BWD_DQ_PAD)
+        except ValueError:  # a head dim this backward does not take
+            pass
+    return row
+
+
 def backward_plan_for(prob, compute_capability: Optional[int]) -> BackwardPlan:
     """The backward plan for a validated `BackwardProblem` on a device of this compute capability.
 

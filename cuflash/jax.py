@@ -399,17 +399,13 @@ def _bwd_workspace(q, k, v, do):
     """The backward workspace as one more output of its callback, so that XLA owns it (no
     CuPy pool allocation; nothing a command-buffer replay could find handed on): a bound on
     `cuflash.attention_backward_workspace_size` for every backward plan these shapes can take
-    (the tensor-core plan's float32 dq accumulator for 16-bit inputs, the recomputed row max
-    and sum of the float32/float64 plans: both, where they apply), plus alignment slack. It
+    (the tensor-core plans' float32 dq accumulator, for 16-bit and float32 inputs, the recomputed
+    row max and sum of the float32/float64 plans: both, where they apply), plus alignment slack. It
     is linear in the batch, so under ``vmap`` (which gives it a leading axis) it still bounds."""
     lead = _lead(q, k, v, do)
     nbatch = int(np.prod(lead, dtype=np.int64)) * q.shape[-2]
     dt = np.dtype(q.dtype).name
-    try:
-        row = _dispatch.head_dim_bucket(q.shape[-1], _dispatch.TC_BWD_CONFIGS) \
-            + _dispatch.TC_BWD_DQ_PAD if dt in ("float16", "bfloat16") else 0
-    except ValueError:  # a head dim the tensor-core backward does not take
-        row = 0
+    row = _dispatch.backward_dq_accum_row_bound(dt, q.shape[-1])
     import types
 
     bplan = types.SimpleNamespace(lse_acc=True, dq_accum_row=row)

@@ -831,3 +831,33 @@ def test_tensorcore_model_catches_a_layout_error(monkeypatch):
     with pytest.raises(AssertionError, match="dq: model error"):
         test_tensorcore_kernel_model("float16", (1,), (1,), 40, 40, 64, False, False, 90,
                                      "contiguous", monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_dq_accum_row_bound_covers_every_plan(dtype):
+    """`_dispatch.backward_dq_accum_row_bound` (what cuflash.jax sizes its XLA workspace with at
+    trace time) is at least the dq accumulator row of every plain backward plan the dispatcher
+    can build for the dtype and head dim, on every architecture: the GPU run of 2026-12-02 found
+    the float32 tensor-core plan (and the Hopper plan's D = 256) outside the earlier bound."""
+    plans = 0
+    for d in range(1, 257):
+        bound = _dispatch.backward_dq_accum_row_bound(dtype, d)
+        builders = [lambda c, det: _dispatch.bwd_generic_plan(dtype, d, d, c)]
+        if dtype in ("float16", "bfloat16"):
+            builders += [
+                lambda c, det: _dispatch.bwd_hopper_plan(dtype, d, c, det),
+                *[(lambda c, det, cc=cc: _dispatch.bwd_tensorcore_plan(dtype, d, c, det, cc))
+                  for cc in (80, 86, 89, 90)]]
+        if dtype == "float32":
+            builders += [(lambda c, det, cc=cc: _dispatch.bwd_tensorcore_f32_plan(d, c, det, cc))
+                         for cc in (80, 86, 89, 90)]
+        for build in builders:
+            for causal in (False, True):
+                for det in (False, True):
+                    try:
+                        plan = build(causal, det)
+                    except ValueError:  # a head dim this backward does not take
+                        continue
+                    plans += 1
+                    assert plan.dq_accum_row <= bound, (dtype, d, plan.label, bound)
+    assert plans > 0

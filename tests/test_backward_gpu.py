@@ -479,10 +479,13 @@ def test_tensorcore_backward_fallbacks_say_why():
     hopper = _dispatch.HOPPER_BWD_AUTO and cp.cuda.Device().compute_capability == "90"
     assert cuflash.backward_dispatch_info(o, x, kv, kv, o, lse).startswith(
         "hopper-bwd" if hopper else "tensorcore-bwd")
-    # D = 256 (the Hopper backward takes it; elsewhere generic) and float32: generic, with the
-    # reason
+    # D = 256 (the Hopper backward takes it; elsewhere generic) and float32 with 40 query rows
+    # (the float32 tensor-core backward takes Sq >= TC_BWD_F32_MIN_SQ when TC_BWD_F32_AUTO is on;
+    # else only 16-bit inputs reach a tensor-core backward): generic, with the reason
+    f32_why = (f"Sq >= {_dispatch.TC_BWD_F32_MIN_SQ}" if _dispatch.TC_BWD_F32_AUTO
+               else "float16 and bfloat16")
     for shape, dt, why in (((2, 40, 256), cp.float16, "up to 128"),
-                           ((2, 40, 64), cp.float32, "float16 and bfloat16")):
+                           ((2, 40, 64), cp.float32, f32_why)):
         y = cp.asarray(rng.standard_normal(shape)).astype(dt)
         o, lse = cuflash.attention(y, y, y, return_lse=True)
         info = cuflash.backward_dispatch_info(o, y, y, y, o, lse)
