@@ -1,7 +1,14 @@
 """Every kernel specialisation the dispatcher can pick compiles through NVRTC for sm_80 and sm_90
 with no local-memory spills. Needs CuPy's NVRTC binding and the NVRTC library (the `test` extra
 installs both), not a GPU. The registers and shared memory of each specialisation are printed in
-the session summary."""
+the session summary.
+
+The selected cases compile first on every core (NVRTC runs without the GIL;
+CUFLASH_COMPILE_JOBS sets the thread count, 1 compiles each case in its own test), then each test
+reads its report: on CI's 2 cores that halves the check's wall time.
+"""
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -141,6 +148,34 @@ def _report(spec, arch=None):
     if key not in _REPORTS:
         _REPORTS[key] = _compile.compile_report(spec, key[1])
     return _REPORTS[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_selected_cases_in_parallel(request, nvrtc_present):
+    """Fill `_REPORTS` for the compile cases this session selected, on every core. A case whose
+    compile raises is left out, so that its own test compiles it again and reports the error."""
+    keys = []
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and "spec" in params and "arch" in params:
+            key = (params["spec"], params["spec"].arch or params["arch"])
+            if key not in _REPORTS:
+                keys.append(key)
+    keys = list(dict.fromkeys(keys))
+    jobs = int(os.environ.get("CUFLASH_COMPILE_JOBS") or os.cpu_count() or 1)
+    if jobs <= 1 or len(keys) <= 1:
+        return
+
+    def one(key):
+        try:
+            return key, _compile.compile_report(*key)
+        except Exception:  # the case's own test compiles it again and shows the error
+            return key, None
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for key, rep in pool.map(one, keys):
+            if rep is not None:
+                _REPORTS[key] = rep
 
 
 @pytest.mark.parametrize("spec,arch", CASES,
