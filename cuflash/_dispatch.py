@@ -1182,3 +1182,30 @@ def varlen_backward_kernel_specs(compute_capability: int = 90):
             if spec not in specs:
                 specs.append(spec)
     return specs
+
+
+#: The dense varlen forward's exceptions to the mma.sync tile table (TC_CONFIGS, TC_ARCH_CONFIGS),
+#: {first compute capability: {dpad: config}} as TC_ARCH_CONFIGS: the twin (kernels_cu/attn_mma.cu:
+#: cuflash_fwd_mma_varlen) reads its segment view from shared memory, which on sm_80 at D = 128
+#: under the causal mask took the plain kernel's 254 registers over the edge (8 bytes spilled,
+#: NVRTC 13.0); with direct stores of O instead of the staged epilogue it compiles at 254 with no
+#: spills (same values stored, so the same bits).
+TC_VARLEN_ARCH_CONFIGS = {80: {128: (48, 4, 2, 2, False)}, 90: {}}
+
+
+def varlen_tensorcore_plan(dtype_name: str, d: int, causal: bool,
+                           compute_capability: int) -> Plan:
+    """The dense varlen forward's plan: `tensorcore_plan`'s (16-bit dtypes) with the varlen
+    twin's kernel (`_varlen_kernel`) and its tile exceptions (TC_VARLEN_ARCH_CONFIGS)."""
+    arch = max((a for a in TC_VARLEN_ARCH_CONFIGS if a <= compute_capability), default=None)
+    table = TC_VARLEN_ARCH_CONFIGS.get(arch, {})
+    plan = tensorcore_plan(dtype_name, d, causal, compute_capability,
+                           config=lambda dpad, cfg: table.get(dpad, cfg))
+    return _varlen_kernel(plan)
+
+
+def varlen_forward_kernel_specs(compute_capability: int = 90):
+    """The dense varlen forward's kernels (attention_varlen's "tensorcore" path, cuflash/_varlen.py:
+    varlen_plan_for): float16 and bfloat16, every head-dim bucket, both masks."""
+    return [varlen_tensorcore_plan(dt, dpad, causal, compute_capability).spec
+            for dt in ("float16", "bfloat16") for dpad in TC_CONFIGS for causal in (False, True)]

@@ -3,9 +3,12 @@
 
 q ``(total_q, H, D)``, k ``(total_k, Hkv, D)``, v ``(total_k, Hkv, Dv)``; sequence ``s`` is rows
 ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1`` of q and ``cu_seqlens_k[s] ..`` of k and v. o
-``(total_q, H, Dv)``, lse ``(H, total_q)`` (FlashAttention's softmax_lse layout). The GPU path
-runs the decode kernel family with per-sequence row and key offsets (kernels_cu/attn_decode.cu:
-cu_q, cu_k); the CPU path runs the NumPy recurrence per sequence.
+``(total_q, H, Dv)``, lse ``(H, total_q)`` (FlashAttention's softmax_lse layout). Two GPU paths
+(`varlen_plan_for` picks one): the decode kernel family with per-sequence row and key offsets
+(kernels_cu/attn_decode.cu: cu_q, cu_k), for decode-like calls, and the dense mma.sync forward's
+``_varlen`` twin (kernels_cu/attn_mma.cu: cuflash_fwd_mma_varlen, the plain body on the segment
+view of its block's sequence, common.cuh: fwd_varlen_segment), for prefill. The CPU path runs the
+NumPy recurrence per sequence.
 """
 from __future__ import annotations
 
@@ -18,7 +21,13 @@ import numpy as np
 from . import _checks, _interop
 from ._kvcache import CallOptions, _int32_array, check_call_options, into_out_lse, one_sequence_numpy
 
-VARLEN_KERNELS = ("auto", "decode")
+VARLEN_KERNELS = ("auto", "decode", "tensorcore")
+
+#: Whether ``attention_varlen(kernel="auto")`` takes the dense mma.sync forward
+#: (cuflash_fwd_mma_varlen) for prefill-like calls (`decode_like` false). Off until the GPU tests
+#: (tests/test_inference_gpu.py::test_varlen_dense*) have passed on a GPU; ``kernel="tensorcore"``
+#: selects it regardless.
+VARLEN_DENSE_AUTO = False
 
 
 @dataclass
@@ -114,22 +123,126 @@ def varlen_numpy(prob):
     return o, into_out_lse(prob, lse)
 
 
-def varlen_launch(prob, attrs):
-    """(decode plan, `_decode.DecodeLaunch`, workspace bytes) of a GPU `VarlenProblem`: the grid
-    covers max_seqlen_q query rows and max_seqlen_k keys per sequence; the workspace holds the
-    split partials (`DecodeLaunch.part_bytes`)."""
+def decode_like(prob) -> bool:
+    """Whether a varlen call is decode-like (few query rows a sequence: `attention`'s rule for the
+    decode kernel, `_decode.DECODE_MAX_SQ` rows and at most `_decode.DECODE_MAX_ROWS` packed rows
+    of a head group), which ``kernel="auto"`` keeps on the decode kernel family. Unlike
+    `attention`'s rule it keeps causal calls there too (the documented varlen behaviour)."""
     from . import _decode
 
-    plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False,
+    return (prob.max_q <= _decode.DECODE_MAX_SQ
+            and prob.h // prob.hkv * prob.max_q <= _decode.DECODE_MAX_ROWS)
+
+
+def dense_reason(prob, compute_capability) -> Optional[str]:
+    """Why the dense mma.sync varlen forward cannot run a GPU `VarlenProblem`, or None. Beyond
+    the checks every GPU varlen call passes (`_decode.cache_reason`: sm_80+, float16/bfloat16,
+    D == Dv, D % 8 == 0, positive scale, 16-byte aligned rows): a head dim the kernel has
+    (<= 256), and a total row count whose element offsets fit the kernel's int32 row indices."""
+    from . import _dispatch
+
+    if prob.d > max(_dispatch.TC_CONFIGS):
+        return f"it takes head dims up to {max(_dispatch.TC_CONFIGS)} (got {prob.d})"
+    if max(prob.max_q, prob.max_k) >= 2**31 - 1024:
+        return "max_seqlen_q and max_seqlen_k must be below 2**31 - 1024"
+    return None
+
+
+def varlen_plan_for(prob, compute_capability):
+    """The plan of a GPU `VarlenProblem`: ``kernel="decode"`` the decode family's
+    (`_decode.decode_plan`), ``kernel="tensorcore"`` the dense mma.sync forward's varlen twin
+    (`_dispatch.varlen_tensorcore_plan`; ValueError when `dense_reason`
+    says no), ``kernel="auto"`` the latter for prefill-like calls when `VARLEN_DENSE_AUTO` is on
+    and the kernel can run them, else the decode family's."""
+    from . import _decode, _dispatch
+
+    dense = prob.kernel == "tensorcore" or (
+        prob.kernel == "auto" and VARLEN_DENSE_AUTO and not decode_like(prob))
+    if dense:
+        why = dense_reason(prob, compute_capability)
+        if why is None:
+            return _dispatch.varlen_tensorcore_plan(prob.dtype_name, prob.d, prob.causal,
+                                                    compute_capability)
+        if prob.kernel == "tensorcore":
+            raise ValueError(f"attention_varlen(kernel='tensorcore') cannot run these inputs: "
+                             f"{why}")
+    return _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False,
                                rows=prob.h // prob.hkv * prob.max_q)
+
+
+def dense_params(plan, prob, o, lse):
+    """(AttnParams record, VarlenParams record, grid blocks) of the dense varlen forward for a GPU
+    `VarlenProblem` writing o (total_q, H, Dv) and lse (H, total_q) or None (any objects with
+    ``data.ptr``, ``strides``, ``itemsize``; nothing is launched or allocated).
+
+    Batch (nb0, nb1, nb2) = (B sequences, Hkv, G), G = H / Hkv, batch stride 0 on the sequence
+    axis (the rows come from cu_seqlens through the segment view, common.cuh:
+    fwd_varlen_segment), query head h = (kv head, group member) as in `attention`'s grouped
+    heads (k, v stride 0 on the group axis); sq, sk = max_seqlen_q/k; n_mblocks =
+    ceil(max_seqlen_q / BM); one block per (sequence, head, query block of max_seqlen_q rows)."""
+    from . import _launch
+
+    g = prob.h // prob.hkv
+    qe, ke, ve, oe = ([s // x.itemsize for s in x.strides] for x in (prob.q, prob.k, prob.v, o))
+    p = np.zeros((), dtype=_launch.PARAMS_DTYPE)
+    p["q"], p["k"], p["v"], p["o"] = (x.data.ptr for x in (prob.q, prob.k, prob.v, o))
+    p["lse"] = 0 if lse is None else lse.data.ptr
+    p["sq"], p["sk"], p["d"], p["dv"] = prob.max_q, prob.max_k, prob.d, prob.dv
+    p["nb0"], p["nb1"], p["nb2"] = prob.nseq, prob.hkv, g
+    for name, st in (("q", qe), ("o", oe)):
+        p[f"{name}_s0"], p[f"{name}_s1"], p[f"{name}_s2"], p[f"{name}_sr"] = (
+            0, g * st[1], st[1], st[0])
+    for name, st in (("k", ke), ("v", ve)):
+        p[f"{name}_s0"], p[f"{name}_s1"], p[f"{name}_s2"], p[f"{name}_sr"] = 0, st[1], 0, st[0]
+    n_mblocks = -(-prob.max_q // plan.block_m)
+    p["n_mblocks"] = n_mblocks
+    p["scale_log2"] = prob.scale * _launch._LOG2E
+    p["scale"] = prob.scale
+    vl = np.zeros((), dtype=_launch.VARLEN_PARAMS_DTYPE)
+    vl["cu_q"], vl["cu_k"] = prob.cu_q.data.ptr, prob.cu_k.data.ptr
+    vl["lse_hs"] = 0 if lse is None else lse.strides[0] // 4
+    grid = n_mblocks * prob.nseq * prob.h
+    if grid > _launch.MAX_GRID_X:
+        raise ValueError(f"attention_varlen: too many blocks for one launch: {n_mblocks} query "
+                         f"blocks x {prob.nseq} sequences x {prob.h} heads > {_launch.MAX_GRID_X}")
+    return p[()], vl[()], grid
+
+
+def dense_gpu(prob, plan, attrs, o, lse, stream):
+    """Launch the dense varlen forward (`dense_params`) on `stream`; no allocation, no sync."""
+    from . import _compile
+
+    # The twin's segment view and liveness flag: 256 bytes of static shared memory (ptxas) on
+    # top of the plan's dynamic bytes.
+    if plan.smem_bytes + 256 > attrs["max_smem_optin"]:
+        raise ValueError(f"{plan.label} needs {plan.smem_bytes + 256} bytes of shared memory per "
+                         f"block; this GPU allows {attrs['max_smem_optin']}")
+    params, vl, grid = dense_params(plan, prob, o, lse)
+    if grid == 0:
+        return
+    kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
+    kern((grid,), (plan.threads,), (params, vl), shared_mem=plan.smem_bytes, stream=stream)
+
+
+def varlen_launch(prob, attrs):
+    """(plan, `_decode.DecodeLaunch` or None, workspace bytes) of a GPU `VarlenProblem`. The
+    decode family's grid covers max_seqlen_q query rows and max_seqlen_k keys per sequence and
+    its workspace holds the split partials (`DecodeLaunch.part_bytes`); the dense varlen forward
+    (`varlen_plan_for`) needs no workspace (0 bytes, None)."""
+    from . import _decode
+
+    plan = varlen_plan_for(prob, attrs["compute_capability"])
+    if plan.spec.family != "attn_decode":
+        return plan, None, 0
     cfg = _decode.configure(plan, (1, prob.nseq, prob.hkv), prob.h // prob.hkv, prob.max_q,
                             prob.max_k, prob.d, attrs)
     return plan, cfg, cfg.part_bytes
 
 
 def varlen_gpu(prob):
-    """The GPU path: the decode kernel family with per-sequence offsets, on the launch stream;
-    scratch in ``prob.workspace`` or a pool allocation on that stream. Never synchronises."""
+    """The GPU path (`varlen_plan_for`: the decode kernel family with per-sequence offsets, or
+    the dense mma.sync forward's varlen twin), on the launch stream; scratch in
+    ``prob.workspace`` or a pool allocation on that stream. Never synchronises."""
     import cupy
 
     from . import _decode, _launch
@@ -146,6 +259,9 @@ def varlen_gpu(prob):
             lse = prob.out_lse
             if prob.return_lse and lse is None:
                 lse = cupy.empty((prob.h, total_q), dtype=cupy.float32)
+        if cfg is None:
+            dense_gpu(prob, plan, attrs, o, lse, st)
+            return o, lse
         g = prob.h // prob.hkv
         qe, oe, ke, ve = ([s // x.itemsize for s in x.strides] for x in (prob.q, o, prob.k, prob.v))
         le = [s // 4 for s in lse.strides] if lse is not None else [0, 0]
@@ -195,8 +311,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         rounded up to 64, 128 or 256; with one split it is not touched (size 0). Without it
         that memory comes from CuPy's memory pool (on the launch stream). With ``out=`` and
         ``workspace=`` the call allocates nothing and can be captured in a CUDA graph.
-    kernel : {"auto", "decode"}, optional
-        GPU only; both run the decode kernel family with per-sequence offsets.
+    kernel : {"auto", "decode", "tensorcore"}, optional
+        GPU only. "decode": the decode kernel family with per-sequence offsets (split keys, the
+        query heads of a group packed into one tile; made for few query rows). "tensorcore":
+        the dense mma.sync forward kernel on each sequence (prefill; no workspace; head dims up
+        to 256). "auto": "tensorcore" for prefill-like calls when
+        ``cuflash._varlen.VARLEN_DENSE_AUTO`` is on (off until its GPU tests have passed), else
+        "decode" (always for decode-like calls: ``max_seqlen_q <= 16`` and
+        ``H / Hkv * max_seqlen_q <= 128``). `varlen_dispatch_info` names the kernel.
 
     Returns
     -------
@@ -237,3 +359,20 @@ def attention_varlen_workspace_size(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
 
     attrs = _decode.attrs_or_raise(prob, "attention_varlen", [prob.q, prob.k, prob.v])
     return varlen_launch(prob, attrs)[2]
+
+
+def varlen_dispatch_info(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                         causal=False, kernel="auto"):
+    """The kernel `attention_varlen` would run for these arguments (``"cpu-numpy"`` for NumPy
+    inputs), e.g. ``"decode<float16,D128,BN16,W4,dense,causal>"`` or
+    ``"varlen-tensorcore<float16,D128,BM128,BN48,stagedO,causal>"``. Validates like it (the
+    GPU's checks too); launches nothing."""
+    prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        causal=causal, scale=None, return_lse=False, out=None, stream=None,
+                        kernel=kernel)
+    if prob.backend == "cpu":
+        return "cpu-numpy"
+    from . import _decode
+
+    attrs = _decode.attrs_or_raise(prob, "attention_varlen", [prob.q, prob.k, prob.v])
+    return varlen_plan_for(prob, attrs["compute_capability"]).label

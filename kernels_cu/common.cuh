@@ -225,6 +225,65 @@ __device__ __forceinline__ BlockCoord block_coord_again(const AttnParams& p) {
     return block_coord(p, flat);
 }
 
+// Packed variable-length batches on the dense forward kernels (attention_varlen: the *_varlen
+// twins of cuflash_fwd_mma and cuflash_fwd_wgmma). The host launches the plain grid over a batch
+// (nb0, nb1, nb2) = (B sequences, Hkv, H / Hkv) with sq, sk = max_seqlen_q/k, n_mblocks =
+// ceil(max_seqlen_q / BM), batch stride 0 on axis 0 for every tensor and q, k, v, o, lse at the
+// packed tensors' row 0. fwd_varlen_segment turns the parameter block into the *segment view* of
+// the block's sequence s (batch index b = s * H + h, h the query head): sq, sk its lengths, q and
+// o moved to row cu_q[s], k and v to row cu_k[s], and lse (H, total_q), rows contiguous, head
+// stride lse_hs, moved so that the bodies' lse[b * sq + row] lands on lse[h * lse_hs + cu_q[s] +
+// row]. The body then runs unchanged: its loads zero-fill rows past sq and keys past sk, its
+// stores skip rows past sq, its causal mask is the sequence's bottom-right one. A query block
+// past the sequence's rows leaves at once (false).
+struct VarlenParams {
+    const int* cu_q;   // (B + 1,) int32 row offsets of the sequences into q, o and lse's rows
+    const int* cu_k;   // (B + 1,) into k and v
+    long long lse_hs;  // lse's head stride in elements
+};
+static_assert(sizeof(VarlenParams) == 3 * 8, "VarlenParams must match cuflash/_launch.py");
+
+template <typename T>
+__device__ __forceinline__ bool fwd_varlen_segment(AttnParams& p, const VarlenParams& vl,
+                                                   int bm) {
+    const BlockCoord bc = block_coord(p);
+    const unsigned int heads = static_cast<unsigned int>(p.nb1 * p.nb2);
+    const unsigned int ub = static_cast<unsigned int>(bc.b);
+    const unsigned int s = ub / heads, h = ub % heads;
+    const long long q0 = vl.cu_q[s], k0 = vl.cu_k[s];
+    const long long sq = vl.cu_q[s + 1] - q0;
+    if (bc.mblock * bm >= sq) return false;
+    p.sq = sq;
+    p.sk = vl.cu_k[s + 1] - k0;
+    p.q = static_cast<const T*>(p.q) + q0 * p.q_sr;
+    p.o = static_cast<T*>(p.o) + q0 * p.o_sr;
+    p.k = static_cast<const T*>(p.k) + k0 * p.k_sr;
+    p.v = static_cast<const T*>(p.v) + k0 * p.v_sr;
+    if (p.lse != nullptr)
+        p.lse = p.lse + (static_cast<long long>(h) * vl.lse_hs + q0 -
+                         static_cast<long long>(ub) * sq);
+    return true;
+}
+
+// The segment view in shared memory, built by thread 0 (a barrier follows), so that a body reads
+// its fields as it reads kernel parameters instead of holding the moved pointers and lengths in
+// registers through its loops (as the backward's bwd_varlen_segment_shared). Null: the block's
+// query rows lie past its sequence's (every thread of the block gets the same answer).
+template <typename T>
+__device__ __forceinline__ const AttnParams* fwd_varlen_segment_shared(const AttnParams& p_in,
+                                                                       const VarlenParams& vl,
+                                                                       int bm) {
+    __shared__ AttnParams view;
+    __shared__ int live;
+    if (threadIdx.x == 0) {
+        AttnParams p = p_in;
+        live = fwd_varlen_segment<T>(p, vl, bm) ? 1 : 0;
+        view = p;
+    }
+    __syncthreads();
+    return live ? &view : nullptr;
+}
+
 // Keys a block of query rows [row0, row0 + rows) needs: all of them, or under the causal mask up
 // to the last row's last visible key. Tiles past it are never loaded.
 template <bool CAUSAL>
