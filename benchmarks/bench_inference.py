@@ -220,7 +220,7 @@ def bench_paged(grid, args, rows):
                 cp.get_default_memory_pool().free_all_blocks()
 
 
-VARLEN_IMPLS = ("auto", "decode", "tensorcore", "torch-flash-varlen")
+VARLEN_IMPLS = ("auto", "decode", "tensorcore", "hopper", "torch-flash-varlen")
 
 
 def _torch_flash_varlen():
@@ -242,7 +242,8 @@ def bench_varlen(args, rows):
     """Varlen prefill: random lengths 1..8k up to 64k tokens (8k with --quick), causal, H = 32,
     Hkv = 8, D = 128, float16: cuflash.attention_varlen through each of its kernels
     (--varlen-impl: "auto", whatever kernel="auto" picks; "decode", the decode family with
-    per-sequence offsets; "tensorcore", the dense mma.sync forward's varlen twin) and
+    per-sequence offsets; "tensorcore" and "hopper", the dense mma.sync and Hopper forwards'
+    varlen twins) and
     FlashAttention-2's varlen forward inside torch where it has one, against cuflash.attention
     on dense (B, H, 8192, D) batches of the same token count, in TFLOP/s of the causal work.
     Each result is checked first (query head 0 of the first and the shortest sequence)."""
@@ -298,8 +299,12 @@ def bench_varlen(args, rows):
         else:
             fn = lambda impl=impl: cuflash.attention_varlen(  # noqa: E731
                 q, k, v, cu, cu, max(lens), max(lens), causal=True, kernel=impl)
-            labels.append(f"{impl}: " + cuflash.varlen_dispatch_info(
-                q, k, v, cu, cu, max(lens), max(lens), causal=True, kernel=impl))
+            try:
+                labels.append(f"{impl}: " + cuflash.varlen_dispatch_info(
+                    q, k, v, cu, cu, max(lens), max(lens), causal=True, kernel=impl))
+            except ValueError as exc:  # e.g. kernel="hopper" off sm_90
+                res[name] = f"n/a ({str(exc)[:60]})"
+                continue
             o = fn()
         why = check(o)
         res[name] = why or flops / _events(fn, args.warmup, args.repeats) / 1e12

@@ -1209,3 +1209,31 @@ def varlen_forward_kernel_specs(compute_capability: int = 90):
     varlen_plan_for): float16 and bfloat16, every head-dim bucket, both masks."""
     return [varlen_tensorcore_plan(dt, dpad, causal, compute_capability).spec
             for dt in ("float16", "bfloat16") for dpad in TC_CONFIGS for causal in (False, True)]
+
+
+def varlen_hopper_plan(dtype_name: str, d: int, causal: bool, max_q: int, max_k: int) -> Plan:
+    """The Hopper varlen forward's plan (kernels_cu/attn_wgmma.cu: cuflash_fwd_wgmma_varlen): the
+    dense choice for max_seqlen_q/k (`hopper_plan`: tiles by head dim, mask and key count), one
+    slot per block (not persistent: a block's view is its own sequence's), pairs of query blocks
+    under the causal mask as the dense kernel."""
+    import dataclasses
+
+    plan = hopper_plan(dtype_name, d, causal, max_k, sq=max_q,
+                       choose=lambda dpad, cfg, persistent: (cfg, False))
+    name = plan.spec.name.replace("cuflash_fwd_wgmma<", "cuflash_fwd_wgmma_varlen<")
+    return dataclasses.replace(plan, label="varlen-" + plan.label,
+                               spec=Specialisation(plan.spec.family, name, arch=plan.spec.arch))
+
+
+def varlen_hopper_kernel_specs():
+    """The Hopper varlen twins the dispatcher can pick (sm_90a): float16 and bfloat16, every entry
+    of HOPPER_TABLE, with the narrower block short query counts take."""
+    specs = []
+    for dt in HOPPER_DTYPES:
+        for dpad, causal, long_keys in HOPPER_TABLE:
+            for sq in (HOPPER_LONG_SK, 1):
+                spec = varlen_hopper_plan(dt, dpad, causal, sq,
+                                          HOPPER_LONG_SK + long_keys).spec
+                if spec not in specs:
+                    specs.append(spec)
+    return specs

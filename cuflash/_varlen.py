@@ -21,13 +21,16 @@ import numpy as np
 from . import _checks, _interop
 from ._kvcache import CallOptions, _int32_array, check_call_options, into_out_lse, one_sequence_numpy
 
-VARLEN_KERNELS = ("auto", "decode", "tensorcore")
+VARLEN_KERNELS = ("auto", "decode", "tensorcore", "hopper")
 
-#: Whether ``attention_varlen(kernel="auto")`` takes the dense mma.sync forward
-#: (cuflash_fwd_mma_varlen) for prefill-like calls (`decode_like` false). Off until the GPU tests
-#: (tests/test_inference_gpu.py::test_varlen_dense*) have passed on a GPU; ``kernel="tensorcore"``
-#: selects it regardless.
+#: Whether ``attention_varlen(kernel="auto")`` takes a dense forward's varlen twin for
+#: prefill-like calls (`decode_like` false): the mma.sync one (cuflash_fwd_mma_varlen), or on
+#: sm_90 with VARLEN_HOPPER_AUTO the Hopper one (cuflash_fwd_wgmma_varlen). Off until the GPU
+#: tests (tests/test_inference_gpu.py -k varlen_dense) have passed on a GPU; ``kernel=
+#: "tensorcore"`` / ``"hopper"`` select them regardless.
 VARLEN_DENSE_AUTO = False
+#: Whether auto's dense choice (VARLEN_DENSE_AUTO) prefers the Hopper twin where it can run.
+VARLEN_HOPPER_AUTO = False
 
 
 @dataclass
@@ -138,7 +141,7 @@ def dense_reason(prob, compute_capability) -> Optional[str]:
     """Why the dense mma.sync varlen forward cannot run a GPU `VarlenProblem`, or None. Beyond
     the checks every GPU varlen call passes (`_decode.cache_reason`: sm_80+, float16/bfloat16,
     D == Dv, D % 8 == 0, positive scale, 16-byte aligned rows): a head dim the kernel has
-    (<= 256), and a total row count whose element offsets fit the kernel's int32 row indices."""
+    (<= 256), and max_seqlen below 2^31 - 1024 (the kernels' int row indices)."""
     from . import _dispatch
 
     if prob.d > max(_dispatch.TC_CONFIGS):
@@ -148,17 +151,49 @@ def dense_reason(prob, compute_capability) -> Optional[str]:
     return None
 
 
+def hopper_reason(prob, compute_capability) -> Optional[str]:
+    """Why the Hopper varlen forward cannot run a GPU `VarlenProblem`, or None: `dense_reason`'s
+    checks, compute capability 9.0, head dims from 64, rows that do not overlap, packed row counts
+    below 2^31 (the tensor maps' int32 row coordinates), the driver's tensor-map API."""
+    why = dense_reason(prob, compute_capability)
+    if why is not None:
+        return why
+    if compute_capability != 90:
+        return ("it is built for sm_90a and runs on compute capability 9.0 only "
+                f"(this GPU: {compute_capability})")
+    if prob.d < 64:
+        return f"it takes head dims from 64 to 256 (got {prob.d})"
+    for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
+        if x.shape[0] > 1 and x.strides[0] <= 0:
+            return f"the rows of {name} must not overlap (row stride {x.strides[0]})"
+        if x.shape[0] >= 2**31 - 2**20:
+            return f"{name} has {x.shape[0]} rows; the tensor maps take fewer than 2**31 - 2**20"
+    from . import _tma
+
+    if not _tma.available():
+        return f"the CUDA driver's tensor-map API is unavailable ({_tma.unavailable_reason()})"
+    return None
+
+
 def varlen_plan_for(prob, compute_capability):
     """The plan of a GPU `VarlenProblem`: ``kernel="decode"`` the decode family's
     (`_decode.decode_plan`), ``kernel="tensorcore"`` the dense mma.sync forward's varlen twin
-    (`_dispatch.varlen_tensorcore_plan`; ValueError when `dense_reason`
-    says no), ``kernel="auto"`` the latter for prefill-like calls when `VARLEN_DENSE_AUTO` is on
-    and the kernel can run them, else the decode family's."""
+    (`_dispatch.varlen_tensorcore_plan`), ``kernel="hopper"`` the Hopper forward's
+    (`_dispatch.varlen_hopper_plan`), each a ValueError when its reason (`dense_reason`,
+    `hopper_reason`) says no; ``kernel="auto"`` a dense twin for prefill-like calls when
+    `VARLEN_DENSE_AUTO` is on (the Hopper one first with `VARLEN_HOPPER_AUTO`) and it can run
+    them, else the decode family's."""
     from . import _decode, _dispatch
 
-    dense = prob.kernel == "tensorcore" or (
-        prob.kernel == "auto" and VARLEN_DENSE_AUTO and not decode_like(prob))
-    if dense:
+    auto_dense = prob.kernel == "auto" and VARLEN_DENSE_AUTO and not decode_like(prob)
+    if prob.kernel == "hopper" or (auto_dense and VARLEN_HOPPER_AUTO):
+        why = hopper_reason(prob, compute_capability)
+        if why is None:
+            return _dispatch.varlen_hopper_plan(prob.dtype_name, prob.d, prob.causal, prob.max_q,
+                                                prob.max_k)
+        if prob.kernel == "hopper":
+            raise ValueError(f"attention_varlen(kernel='hopper') cannot run these inputs: {why}")
+    if prob.kernel == "tensorcore" or auto_dense:
         why = dense_reason(prob, compute_capability)
         if why is None:
             return _dispatch.varlen_tensorcore_plan(prob.dtype_name, prob.d, prob.causal,
@@ -201,22 +236,54 @@ def dense_params(plan, prob, o, lse):
     vl = np.zeros((), dtype=_launch.VARLEN_PARAMS_DTYPE)
     vl["cu_q"], vl["cu_k"] = prob.cu_q.data.ptr, prob.cu_k.data.ptr
     vl["lse_hs"] = 0 if lse is None else lse.strides[0] // 4
-    grid = n_mblocks * prob.nseq * prob.h
+    # Hopper (pairs): a block per slot, ceil(nm / 2) pairs of query blocks per entry under the
+    # causal mask (attn_wgmma.cu: cuflash_fwd_wgmma_varlen); mma.sync: a block per query block.
+    per = -(-n_mblocks // 2) if getattr(plan, "pairs", False) else n_mblocks
+    grid = per * prob.nseq * prob.h
     if grid > _launch.MAX_GRID_X:
-        raise ValueError(f"attention_varlen: too many blocks for one launch: {n_mblocks} query "
+        raise ValueError(f"attention_varlen: too many blocks for one launch: {per} query "
                          f"blocks x {prob.nseq} sequences x {prob.h} heads > {_launch.MAX_GRID_X}")
+    if plan.spec.family == "attn_wgmma":
+        p = _hopper_record(plan, prob, p)
     return p[()], vl[()], grid
 
 
+def _hopper_record(plan, prob, p):
+    """The Hopper twin's `HopperParams`: `p`'s AttnParams fields and tensor maps over the packed
+    tensors (`_launch._fill_tensor_maps`: rows = total_q / total_k, batch axes (sequence: size 1,
+    Hkv, G), the group axis size 1 for k and v)."""
+    from types import SimpleNamespace
+
+    from . import _launch
+
+    hp = np.zeros((), dtype=_launch.HOPPER_PARAMS_DTYPE)
+    for name in _launch.PARAMS_DTYPE.names:
+        hp[name] = p[name]
+    g = prob.h // prob.hkv
+    tensors = (prob.q, prob.k, prob.v)
+    el = [[s // x.itemsize for s in x.strides] for x in tensors]
+    bstr = [[0, g * el[0][1], el[0][1]], [0, el[1][1], 0], [0, el[2][1], 0]]
+    rstr = [e[0] for e in el]
+    geo = SimpleNamespace(sq=prob.q.shape[0], sk=prob.k.shape[0], d=prob.d,
+                          dtype_name=prob.dtype_name)
+    _launch._fill_tensor_maps(hp, plan, geo, tensors, [prob.nseq, prob.hkv, g], bstr, rstr)
+    return hp
+
+
+#: Static shared memory of the varlen twins beside the plan's dynamic bytes (ptxas, NVRTC 13.0):
+#: the mma.sync twin's segment view and flag, 256 bytes; the Hopper twin's WgmmaVarlenView, 1024
+#: (placed before the 1024-byte aligned dynamic block).
+VARLEN_STATIC_SMEM = {"attn_mma": 256, "attn_wgmma": 1024}
+
+
 def dense_gpu(prob, plan, attrs, o, lse, stream):
-    """Launch the dense varlen forward (`dense_params`) on `stream`; no allocation, no sync."""
+    """Launch a dense varlen twin (`dense_params`) on `stream`; no allocation, no sync."""
     from . import _compile
 
-    # The twin's segment view and liveness flag: 256 bytes of static shared memory (ptxas) on
-    # top of the plan's dynamic bytes.
-    if plan.smem_bytes + 256 > attrs["max_smem_optin"]:
-        raise ValueError(f"{plan.label} needs {plan.smem_bytes + 256} bytes of shared memory per "
-                         f"block; this GPU allows {attrs['max_smem_optin']}")
+    need = plan.smem_bytes + VARLEN_STATIC_SMEM[plan.spec.family]
+    if need > attrs["max_smem_optin"]:
+        raise ValueError(f"{plan.label} needs {need} bytes of shared memory per block; this GPU "
+                         f"allows {attrs['max_smem_optin']}")
     params, vl, grid = dense_params(plan, prob, o, lse)
     if grid == 0:
         return
@@ -311,13 +378,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         rounded up to 64, 128 or 256; with one split it is not touched (size 0). Without it
         that memory comes from CuPy's memory pool (on the launch stream). With ``out=`` and
         ``workspace=`` the call allocates nothing and can be captured in a CUDA graph.
-    kernel : {"auto", "decode", "tensorcore"}, optional
+    kernel : {"auto", "decode", "tensorcore", "hopper"}, optional
         GPU only. "decode": the decode kernel family with per-sequence offsets (split keys, the
         query heads of a group packed into one tile; made for few query rows). "tensorcore":
         the dense mma.sync forward kernel on each sequence (prefill; no workspace; head dims up
-        to 256). "auto": "tensorcore" for prefill-like calls when
-        ``cuflash._varlen.VARLEN_DENSE_AUTO`` is on (off until its GPU tests have passed), else
-        "decode" (always for decode-like calls: ``max_seqlen_q <= 16`` and
+        to 256). "hopper": the dense Hopper (TMA, wgmma) forward on each sequence (compute
+        capability 9.0, head dims 64 to 256, no workspace). "auto": a dense one for
+        prefill-like calls when ``cuflash._varlen.VARLEN_DENSE_AUTO`` is on ("hopper" first
+        with ``VARLEN_HOPPER_AUTO``; both off until their GPU tests have passed), else "decode"
+        (always for decode-like calls: ``max_seqlen_q <= 16`` and
         ``H / Hkv * max_seqlen_q <= 128``). `varlen_dispatch_info` names the kernel.
 
     Returns
@@ -365,7 +434,8 @@ def varlen_dispatch_info(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                          causal=False, kernel="auto"):
     """The kernel `attention_varlen` would run for these arguments (``"cpu-numpy"`` for NumPy
     inputs), e.g. ``"decode<float16,D128,BN16,W4,dense,causal>"`` or
-    ``"varlen-tensorcore<float16,D128,BM128,BN48,stagedO,causal>"``. Validates like it (the
+    ``"varlen-tensorcore<float16,D128,BM128,BN48,stagedO,causal>"`` or
+    ``"varlen-hopper<float16,D128,BM128,BN128,S2,Q1,overlap,pingpong,causal>"``. Validates like it (the
     GPU's checks too); launches nothing."""
     prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         causal=causal, scale=None, return_lse=False, out=None, stream=None,

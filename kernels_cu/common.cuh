@@ -243,16 +243,16 @@ struct VarlenParams {
 };
 static_assert(sizeof(VarlenParams) == 3 * 8, "VarlenParams must match cuflash/_launch.py");
 
+// The segment view's moves for batch entry b (sequence b / H, head b % H): lengths, pointers, lse.
+// Returns the sequence's first query row and first key (cu_q[s], cu_k[s]).
 template <typename T>
-__device__ __forceinline__ bool fwd_varlen_segment(AttnParams& p, const VarlenParams& vl,
-                                                   int bm) {
-    const BlockCoord bc = block_coord(p);
+__device__ __forceinline__ void fwd_varlen_move(AttnParams& p, const VarlenParams& vl,
+                                                unsigned int ub, long long& q0, long long& k0) {
     const unsigned int heads = static_cast<unsigned int>(p.nb1 * p.nb2);
-    const unsigned int ub = static_cast<unsigned int>(bc.b);
     const unsigned int s = ub / heads, h = ub % heads;
-    const long long q0 = vl.cu_q[s], k0 = vl.cu_k[s];
+    q0 = vl.cu_q[s];
+    k0 = vl.cu_k[s];
     const long long sq = vl.cu_q[s + 1] - q0;
-    if (bc.mblock * bm >= sq) return false;
     p.sq = sq;
     p.sk = vl.cu_k[s + 1] - k0;
     p.q = static_cast<const T*>(p.q) + q0 * p.q_sr;
@@ -262,7 +262,17 @@ __device__ __forceinline__ bool fwd_varlen_segment(AttnParams& p, const VarlenPa
     if (p.lse != nullptr)
         p.lse = p.lse + (static_cast<long long>(h) * vl.lse_hs + q0 -
                          static_cast<long long>(ub) * sq);
-    return true;
+}
+
+// The view of the block's (sequence, head, query block) for a kernel with one query block per
+// block (block_coord); false when the query block lies past the sequence's rows.
+template <typename T>
+__device__ __forceinline__ bool fwd_varlen_segment(AttnParams& p, const VarlenParams& vl,
+                                                   int bm) {
+    const BlockCoord bc = block_coord(p);
+    long long q0, k0;
+    fwd_varlen_move<T>(p, vl, static_cast<unsigned int>(bc.b), q0, k0);
+    return bc.mblock * bm < p.sq;
 }
 
 // The segment view in shared memory, built by thread 0 (a barrier follows), so that a body reads

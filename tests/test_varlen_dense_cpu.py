@@ -78,13 +78,13 @@ def test_kernel_choices_are_checked():
     with pytest.raises(ValueError, match="kernel"):
         cuflash.attention_varlen(q, q, q, cu, cu, 6, 6, kernel="hopper-varlen")
     # NumPy inputs: a GPU kernel name is refused, as "decode" always was
-    for kernel in ("decode", "tensorcore"):
+    for kernel in ("decode", "tensorcore", "hopper"):
         with pytest.raises(ValueError, match="selects a GPU kernel"):
             cuflash.attention_varlen(q, q, q, cu, cu, 6, 6, kernel=kernel)
         with pytest.raises(ValueError, match="selects a GPU kernel"):
             cuflash.varlen_dispatch_info(q, q, q, cu, cu, 6, 6, kernel=kernel)
     assert cuflash.varlen_dispatch_info(q, q, q, cu, cu, 6, 6) == "cpu-numpy"
-    assert _varlen.VARLEN_KERNELS == ("auto", "decode", "tensorcore")
+    assert _varlen.VARLEN_KERNELS == ("auto", "decode", "tensorcore", "hopper")
 
 
 def test_compile_set_holds_the_twins():
@@ -157,24 +157,66 @@ def _place(mem, x, base, item, pad_heads=0, pad_rows=0):
     return buf, _Fake(x.shape, est, base + (h + pad_heads) * d * item, item)
 
 
-def _run_model(p, vl, grid, bm, mem, item):
-    """Every block of the grid through block_coord, the segment view and the body's addressing
-    (a float64 transcription of attn_mma.cu's row/key ranges, masks and stores)."""
+def _blocks_mma(p, grid, bm, cu_q):
+    """(batch entry, query block) of every live block of the mma.sync twin (block_coord, and
+    fwd_varlen_segment's exit), one per block."""
     nm = int(p["n_mblocks"])
+    heads = int(p["nb1"]) * int(p["nb2"])
+    for flat in range(grid):
+        b, mblock = flat // nm, nm - 1 - flat % nm
+        s = b // heads
+        if mblock * bm < cu_q[s + 1] - cu_q[s]:
+            yield b, [mblock]
+
+
+def _blocks_hopper(p, grid, bm, cu_q, causal):
+    """The same for the Hopper twin: cuflash_fwd_wgmma_varlen's slot renumbering, then WorkWalk
+    over the sequence's own query blocks (pairs under the causal mask)."""
+    nm = int(p["n_mblocks"])
+    heads = int(p["nb1"]) * int(p["nb2"])
+    per = (nm + 1) // 2 if causal else nm
+    n_entries = int(p["nb0"]) * heads
+    for blk in range(grid):
+        b, r = blk // per, blk % per
+        s = b // heads
+        nm_s = -(-int(cu_q[s + 1] - cu_q[s]) // bm)
+        per_s = (nm_s + 1) // 2 if causal else nm_s
+        if r >= per_s:
+            continue
+        slot, half, items = b * per_s + r, 0, []
+        while slot < per_s * n_entries:       # WorkWalk::next with gridDim.x = grid
+            rr = slot % per_s
+            bb = slot // per_s
+            assert bb == b
+            items.append(rr if half else nm_s - 1 - rr)
+            if causal and half == 0 and rr != nm_s - 1 - rr:
+                half = 1
+            else:
+                half = 0
+                slot += grid
+        yield b, items
+
+
+def _run_model(p, vl, grid, bm, mem, item, causal, maps=None):
+    """Every block of the grid through its block mapping, the segment view and the body's
+    addressing (a float64 transcription of the kernels' row/key ranges, masks and stores). With
+    `maps` (the Hopper twin: the tensor maps' (address, dims, strides) per tensor), q, k and v
+    rows are read through the tensor-map coordinates (row + the sequence's first row, the batch
+    coordinates where coord_mask has the axis, zeros past the rows), as TMA does."""
     nb1, nb2 = int(p["nb1"]), int(p["nb2"])
     heads = nb1 * nb2
     cu = {}
     for name in ("cu_q", "cu_k"):
         flat, i = mem._at(int(vl[name]))
         cu[name] = flat[i:].astype(np.int64)
+    d = int(p["d"])
+    blocks = (_blocks_mma(p, grid, bm, cu["cu_q"]) if maps is None else
+              _blocks_hopper(p, grid, bm, cu["cu_q"], causal))
     writes = {}
-    for flat in range(grid):
-        b, mblock = flat // nm, nm - 1 - flat % nm
+    for b, mblocks in blocks:
         s, h = b // heads, b % heads
         q0, k0 = cu["cu_q"][s], cu["cu_k"][s]
         sq = cu["cu_q"][s + 1] - q0
-        if mblock * bm >= sq:
-            continue
         sk = cu["cu_k"][s + 1] - k0
         view = {n: int(p[n]) for n in ("q", "k", "v", "o", "lse")}
         view["q"] += q0 * int(p["q_sr"]) * item
@@ -188,42 +230,58 @@ def _run_model(p, vl, grid, bm, mem, item):
         i1, i0 = t % nb1, t // nb1
         off = {n: i0 * int(p[f"{n}_s0"]) + i1 * int(p[f"{n}_s1"]) + i2 * int(p[f"{n}_s2"])
                for n in "qkvo"}
-        d = int(p["d"])
-        keys = np.array([mem.read(view["k"] + (off["k"] + j * int(p["k_sr"])) * item, d)
-                         for j in range(sk)]).reshape(sk, d)
-        vals = np.array([mem.read(view["v"] + (off["v"] + j * int(p["v_sr"])) * item, d)
-                         for j in range(sk)]).reshape(sk, d)
-        for row in range(mblock * bm, min((mblock + 1) * bm, sq)):
-            qr = mem.read(view["q"] + (off["q"] + row * int(p["q_sr"])) * item, d)
-            lim = min(sk, row + sk - sq + 1) if p_causal(p) else sk
-            if lim <= 0:
-                o_row, lse_row = np.zeros(d), -np.inf
-            else:
-                sc = keys[:lim] @ qr * float(p["scale"])
-                m = sc.max()
-                w = np.exp(sc - m)
-                o_row, lse_row = w @ vals[:lim] / w.sum(), m + np.log(w.sum())
-            oa = view["o"] + (off["o"] + row * int(p["o_sr"])) * item
-            assert oa not in writes, "an output row written twice"
-            writes[oa] = True
-            mem.write(oa, o_row)
-            if view["lse"]:
-                mem.write(view["lse"] + (b * sq + row) * 4, [lse_row])
+
+        def row_of(t, j):
+            if maps is None:
+                base = {0: view["q"], 1: view["k"], 2: view["v"]}[t]
+                n = "qkv"[t]
+                return mem.read(base + (off[n] + j * int(p[f"{n}_sr"])) * item, d)
+            addr, dims, strides, mask = maps[t]
+            row = j + (q0 if t == 0 else k0)
+            if row >= dims[1]:
+                return np.zeros(d)
+            c = [i2 if (mask >> (3 * t + 2)) & 1 else 0, i1 if (mask >> (3 * t + 1)) & 1 else 0,
+                 i0 if (mask >> (3 * t)) & 1 else 0]
+            for ci, n in zip(c, dims[2:]):
+                assert ci < n
+            return mem.read(addr + row * strides[0] + sum(ci * st for ci, st in
+                                                          zip(c, strides[1:])), d)
+
+        keys = np.array([row_of(1, j) for j in range(sk)]).reshape(sk, d)
+        vals = np.array([row_of(2, j) for j in range(sk)]).reshape(sk, d)
+        for mblock in mblocks:
+            for row in range(mblock * bm, min((mblock + 1) * bm, sq)):
+                qr = row_of(0, row)
+                lim = min(sk, row + sk - sq + 1) if causal else sk
+                if lim <= 0:
+                    o_row, lse_row = np.zeros(d), -np.inf
+                else:
+                    sc = keys[:lim] @ qr * float(p["scale"])
+                    m = sc.max()
+                    w = np.exp(sc - m)
+                    o_row, lse_row = w @ vals[:lim] / w.sum(), m + np.log(w.sum())
+                oa = view["o"] + (off["o"] + row * int(p["o_sr"])) * item
+                assert oa not in writes, "an output row written twice"
+                writes[oa] = True
+                mem.write(oa, o_row)
+                if view["lse"]:
+                    mem.write(view["lse"] + (b * sq + row) * 4, [lse_row])
 
 
-def p_causal(p):
-    return bool(p["causal_model"])
-
-
+@pytest.mark.parametrize("family", ["attn_mma", "attn_wgmma"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=lambda x: f"H{x[0]}kv{x[1]}")
 @pytest.mark.parametrize("lens", [([5, 1, 0, 40, 3, 17], [6, 3, 4, 1, 0, 33]), ([1], [1]),
-                                  ([33, 2], [2, 33])], ids=lambda x: "q" + "-".join(map(str, x[0])))
-def test_parameter_block_on_the_memory_model(lens, heads, causal):
-    """The AttnParams/VarlenParams `dense_params` builds for strided packed views (extra heads and
-    rows in the buffers), lse (H, total_q) with a padded head stride, through the kernel's
-    addressing: each sequence's rows equal the float64 reference, nothing else is written."""
-    rng = _rng("model", tuple(lens[0]), heads, causal)
+                                  ([33, 2], [2, 33]), ([70, 9, 64], [70, 90, 1])],
+                         ids=lambda x: "q" + "-".join(map(str, x[0])))
+def test_parameter_block_on_the_memory_model(lens, heads, causal, family, monkeypatch):
+    """The parameter blocks `dense_params` builds for strided packed views (extra heads and rows
+    in the buffers), lse (H, total_q) with a padded head stride, through each twin's block
+    mapping and addressing (the Hopper one's through its tensor maps): each sequence's rows equal
+    the float64 reference, every row is written once, nothing else is written."""
+    from cuflash import _tma
+
+    rng = _rng("model", tuple(lens[0]), heads, causal, family)
     h, hkv = heads
     d, item, bm = 8, 2, 16
     q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens[0]), np.array(lens[1]), h, hkv, d,
@@ -244,18 +302,31 @@ def test_parameter_block_on_the_memory_model(lens, heads, causal):
     fcq, fck = (_Fake((len(lens[0]) + 1,), (1,), base, 4) for base in (6 << 24, 7 << 24))
     max_q, max_k = max(1, max(lens[0])), max(1, max(lens[1]))
     prob = SimpleNamespace(q=fq, k=fk, v=fv, cu_q=fcq, cu_k=fck, max_q=max_q, max_k=max_k,
-                           nseq=len(lens[0]), h=h, hkv=hkv, d=d, dv=d, scale=0.3, causal=causal)
-    plan = SimpleNamespace(block_m=bm)
+                           nseq=len(lens[0]), h=h, hkv=hkv, d=d, dv=d, scale=0.3, causal=causal,
+                           dtype_name="float16")
+    hopper = family == "attn_wgmma"
+    plan = SimpleNamespace(block_m=bm, block_n=16, pairs=hopper and causal,
+                           spec=SimpleNamespace(family=family))
+    encoded = []
+
+    def fake_encode(dtype_name, address, dims, strides, box):
+        encoded.append((address, list(dims), list(strides), list(box)))
+        return bytes(128)
+    monkeypatch.setattr(_tma, "encode_tiled", fake_encode)
     p, vl, grid = _varlen.dense_params(plan, prob, fo, flse)
-    assert grid == -(-max_q // bm) * len(lens[0]) * h
+    nm = -(-max_q // bm)
+    assert grid == ((nm + 1) // 2 if hopper and causal else nm) * len(lens[0]) * h
     assert (p["sq"], p["sk"], p["nb0"], p["nb1"], p["nb2"]) == (max_q, max_k, len(lens[0]), hkv,
                                                                 h // hkv)
     assert int(vl["lse_hs"]) == total_q + 5 and int(vl["cu_q"]) == 6 << 24
-    pc = np.zeros((), dtype=p.dtype.descr + [("causal_model", np.int64)])
-    for name in p.dtype.names:
-        pc[name] = p[name]
-    pc["causal_model"] = int(causal)
-    _run_model(pc[()], vl, grid, bm, mem, item)
+    maps = None
+    if hopper:
+        assert p.dtype == _launch.HOPPER_PARAMS_DTYPE and len(encoded) == 3
+        mask = int(p["coord_mask"])
+        maps = [(a, dims, strides, mask) for a, dims, strides, _ in encoded]
+        assert [e[1][1] for e in encoded] == [q.shape[0], k.shape[0], k.shape[0]]
+        assert [e[3][1] for e in encoded] == [bm, 16, 16]
+    _run_model(p, vl, grid, bm, mem, item, causal, maps)
     o_ref, lse_ref = reference.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal,
                                                     scale=0.3)
     o = ob[1:total_q + 1, :h]
@@ -267,3 +338,55 @@ def test_parameter_block_on_the_memory_model(lens, heads, causal):
     assert np.isnan(lse_buf[:, total_q:]).all()
     # the inputs were only read
     assert np.array_equal(qb[1:total_q + 1, :h], q) and np.array_equal(kb[1:k.shape[0] + 1, :hkv], k)
+
+
+def _hopper_prob(kernel="hopper", d=128, causal=True, max_q=1000, max_k=3000, total=5000):
+    prob = _prob(kernel, max_q=max_q, max_k=max_k, d=d, causal=causal)
+    prob.q = _Fake((total, 8, d), (8 * d, d, 1), 1 << 20, 2)
+    prob.k = prob.v = _Fake((total, 2, d), (2 * d, d, 1), 2 << 20, 2)
+    return prob
+
+
+def test_hopper_dispatch(monkeypatch):
+    from cuflash import _tma
+
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    for causal in (False, True):
+        plan = _varlen.varlen_plan_for(_hopper_prob(causal=causal), 90)
+        dense = _dispatch.hopper_plan("float16", 128, causal, 3000, sq=1000)
+        assert plan.label == "varlen-" + dense.label.replace("persistent,", "")
+        assert plan.spec.name == dense.spec.name.replace("cuflash_fwd_wgmma<",
+                                                         "cuflash_fwd_wgmma_varlen<")
+        assert plan.spec.arch == "sm_90a" and not plan.persistent and plan.pairs == causal
+        assert (plan.block_m, plan.block_n, plan.threads, plan.smem_bytes) == \
+            (dense.block_m, dense.block_n, dense.threads, dense.smem_bytes)
+        assert plan.spec in _dispatch.varlen_hopper_kernel_specs()
+        assert plan.spec in precompile.specialisations(90)
+        # with the twin's 1024 bytes of static shared memory it fits the H200's 227 KiB
+        assert plan.smem_bytes + _varlen.VARLEN_STATIC_SMEM["attn_wgmma"] <= 232448
+    for dpad in (64, 128, 256):
+        for causal in (False, True):
+            for mq, mk in ((100, 100), (8192, 8192)):
+                plan = _dispatch.varlen_hopper_plan("bfloat16", dpad, causal, mq, mk)
+                assert plan.smem_bytes + _varlen.VARLEN_STATIC_SMEM["attn_wgmma"] <= 232448
+                assert plan.spec in _dispatch.varlen_hopper_kernel_specs()
+    with pytest.raises(ValueError, match=r"kernel='hopper'\) cannot run.*compute capability 9"):
+        _varlen.varlen_plan_for(_hopper_prob(), 80)
+    with pytest.raises(ValueError, match=r"kernel='hopper'\) cannot run.*from 64"):
+        _varlen.varlen_plan_for(_hopper_prob(d=32), 90)
+    monkeypatch.setattr(_tma, "available", lambda: False)
+    with pytest.raises(ValueError, match="tensor-map API"):
+        _varlen.varlen_plan_for(_hopper_prob(), 90)
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    # auto: the Hopper twin only with both flags, where it can run; else the mma.sync twin
+    monkeypatch.setattr(_varlen, "VARLEN_DENSE_AUTO", True)
+    for hopper_auto in (False, True):
+        monkeypatch.setattr(_varlen, "VARLEN_HOPPER_AUTO", hopper_auto)
+        label90 = _varlen.varlen_plan_for(_hopper_prob("auto"), 90).label
+        assert label90.startswith("varlen-hopper<" if hopper_auto else "varlen-tensorcore<")
+        assert _varlen.varlen_plan_for(_hopper_prob("auto"), 80).label.startswith(
+            "varlen-tensorcore<")
+        assert _varlen.varlen_plan_for(_hopper_prob("auto", d=32), 90).label.startswith(
+            "varlen-tensorcore<")
+        assert _varlen.varlen_plan_for(_hopper_prob("auto", max_q=1), 90).spec.family == \
+            "attn_decode"
