@@ -236,15 +236,19 @@ def dense_params(plan, prob, o, lse):
     vl = np.zeros((), dtype=_launch.VARLEN_PARAMS_DTYPE)
     vl["cu_q"], vl["cu_k"] = prob.cu_q.data.ptr, prob.cu_k.data.ptr
     vl["lse_hs"] = 0 if lse is None else lse.strides[0] // 4
-    # Hopper (pairs): a block per slot, ceil(nm / 2) pairs of query blocks per entry under the
-    # causal mask (attn_wgmma.cu: cuflash_fwd_wgmma_varlen); mma.sync: a block per query block.
-    per = -(-n_mblocks // 2) if getattr(plan, "pairs", False) else n_mblocks
-    grid = per * prob.nseq * prob.h
-    if grid > _launch.MAX_GRID_X:
-        raise ValueError(f"attention_varlen: too many blocks for one launch: {per} query "
-                         f"blocks x {prob.nseq} sequences x {prob.h} heads > {_launch.MAX_GRID_X}")
     if plan.spec.family == "attn_wgmma":
+        # A block per work slot of a compact per-head numbering (common.cuh: varlen_slot):
+        # floor(total_q / U) + B slots of U rows, U = BM or, for pairs of query blocks under
+        # the causal mask (attn_wgmma.cu: cuflash_fwd_wgmma_varlen), 2 BM.
+        rows = plan.block_m * (2 if plan.pairs else 1)
+        vl["slots"] = per = prob.q.shape[0] // rows + prob.nseq
         p = _hopper_record(plan, prob, p)
+    else:  # mma.sync: a block per query block of max_seqlen_q rows, (B, Hkv, G) entries
+        per = n_mblocks * prob.nseq
+    grid = per * prob.h
+    if grid > _launch.MAX_GRID_X or per >= 2**32:
+        raise ValueError(f"attention_varlen: too many blocks for one launch: {per} query blocks "
+                         f"x {prob.h} heads > {_launch.MAX_GRID_X}")
     return p[()], vl[()], grid
 
 

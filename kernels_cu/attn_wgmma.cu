@@ -378,7 +378,8 @@ __device__ __forceinline__ void split16_tile(unsigned int tile, unsigned int red
 // block of an odd nm comes alone): a static round-robin over slots is then balanced, where one
 // over single blocks gave each block of a persistent launch the same query block in every round
 // when gridDim.x % nm == 0 (up to 22% slower on the H200 than one block per item).
-template <bool PAIRS>
+// ONE (the varlen twin): the block's one slot only (its grid is not a multiple of the view's slots).
+template <bool PAIRS, bool ONE = false>
 struct WorkWalk {
     unsigned int nm, per_b, n_slots, slot, half;
     // first: the block's first slot (blockIdx.x; a varlen twin's view renumbers it).
@@ -396,7 +397,8 @@ struct WorkWalk {
             half = 1;
         } else {
             half = 0;
-            slot += gridDim.x;
+            if constexpr (ONE) slot = n_slots;
+            else slot += gridDim.x;
         }
         return true;
     }
@@ -538,7 +540,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         const unsigned int cm = static_cast<unsigned int>(hp.coord_mask);
         unsigned int it = 0;  // K/V tiles loaded so far: stage it % STAGES, its use it / STAGES
         unsigned int wi = 0;  // work items so far
-        WorkWalk<CAUSAL> walk(p, VARLEN ? vv->slot : blockIdx.x);
+        WorkWalk<CAUSAL, VARLEN> walk(p, VARLEN ? vv->slot : blockIdx.x);
         // Tensor-map row offsets: the sequence's first query row (t = 0) and key (t = 1, 2).
         const int q_row0 = VARLEN ? vv->q_row0 : 0, k_row0 = VARLEN ? vv->k_row0 : 0;
         for (BlockCoord bc; walk.next(bc); ++wi) {
@@ -881,7 +883,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         if (last) release(q_empty(wi % QSTAGES));
     };
 
-    WorkWalk<CAUSAL> walk(p, VARLEN ? vv->slot : blockIdx.x);
+    WorkWalk<CAUSAL, VARLEN> walk(p, VARLEN ? vv->slot : blockIdx.x);
     for (BlockCoord bc; walk.next(bc); ++wi) {
         const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
         // This consumer's tiles and those every consumer computes (n_turns).
@@ -1150,10 +1152,11 @@ cuflash_fwd_wgmma_var(const __grid_constant__ HopperParams hp,
 
 // cuflash_fwd_wgmma_varlen: the plain policy on a packed variable-length batch (attention_varlen;
 // WgmmaVarlenView), same template arguments and launch configuration as cuflash_fwd_wgmma but one
-// slot per block (no persistent loop): the grid is (sequences, Hkv, G) x the slots of
-// max_seqlen_q rows (pairs of query blocks under the causal mask); block b * per + r is slot r of
-// batch entry b, renumbered in the sequence's own slots (pairs of its own query blocks), and
-// leaves at once when r is past them.
+// work slot per block (no persistent loop): the grid is H x vl.slots (common.cuh: varlen_slot, a
+// compact numbering of each head's slots over the sequences; a slot is a query block, or under
+// the causal mask a pair of them), block h * slots + u is slot r of its owner's batch entry
+// b = s H + h, renumbered in the view as slot b * per_s + r of the sequence's own per_s slots,
+// and it leaves at once when r is past them.
 template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
           bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP = T>
 __global__ void __launch_bounds__(
@@ -1161,22 +1164,28 @@ __global__ void __launch_bounds__(
 cuflash_fwd_wgmma_varlen(const __grid_constant__ HopperParams hp,
                          const __grid_constant__ VarlenParams vl) {
     constexpr int BM = WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>::BM;
+    constexpr unsigned int ROWS = CAUSAL ? 2 * BM : BM;  // query rows of a slot
     __shared__ WgmmaVarlenView view;
-    if (threadIdx.x == 0) {
-        AttnParams a = hp.a;
-        const unsigned int nm = static_cast<unsigned int>(a.n_mblocks);
-        const unsigned int per = CAUSAL ? (nm + 1) / 2 : nm;
-        const unsigned int b = blockIdx.x / per, r = blockIdx.x % per;
-        long long q0, k0;
-        fwd_varlen_move<T>(a, vl, b, q0, k0);
-        const unsigned int nm_s = static_cast<unsigned int>((a.sq + BM - 1) / BM);
-        const unsigned int per_s = CAUSAL ? (nm_s + 1) / 2 : nm_s;
-        a.n_mblocks = nm_s;
-        view.a = a;
-        view.slot = b * per_s + r;
-        view.live = r < per_s ? 1 : 0;
-        view.q_row0 = static_cast<int>(q0);
-        view.k_row0 = static_cast<int>(k0);
+    if (threadIdx.x < 32) {
+        const unsigned int slots = static_cast<unsigned int>(vl.slots);
+        const unsigned int h = blockIdx.x / slots, u = blockIdx.x % slots;
+        unsigned int r;
+        const unsigned int s = varlen_slot(vl.cu_q, static_cast<unsigned int>(hp.a.nb0), u, ROWS,
+                                           r);
+        if (threadIdx.x == 0) {
+            AttnParams a = hp.a;
+            const unsigned int b = s * static_cast<unsigned int>(a.nb1 * a.nb2) + h;
+            long long q0, k0;
+            fwd_varlen_move<T>(a, vl, b, q0, k0);
+            const unsigned int nm_s = static_cast<unsigned int>((a.sq + BM - 1) / BM);
+            const unsigned int per_s = CAUSAL ? (nm_s + 1) / 2 : nm_s;
+            a.n_mblocks = nm_s;
+            view.a = a;
+            view.slot = b * per_s + r;
+            view.live = r < per_s ? 1 : 0;
+            view.q_row0 = static_cast<int>(q0);
+            view.k_row0 = static_cast<int>(k0);
+        }
     }
     __syncthreads();
     if (!view.live) return;

@@ -240,8 +240,35 @@ struct VarlenParams {
     const int* cu_q;   // (B + 1,) int32 row offsets of the sequences into q, o and lse's rows
     const int* cu_k;   // (B + 1,) into k and v
     long long lse_hs;  // lse's head stride in elements
+    long long slots;   // the Hopper twin's work slots per head (varlen_slot); 0 for mma.sync
 };
-static_assert(sizeof(VarlenParams) == 3 * 8, "VarlenParams must match cuflash/_launch.py");
+static_assert(sizeof(VarlenParams) == 4 * 8, "VarlenParams must match cuflash/_launch.py");
+
+// The Hopper twin's compact grid (cuflash_fwd_wgmma_varlen): per head, `slots` =
+// floor(total_q / U) + B work slots of U query rows each (U = BM, or 2 BM where a slot is a pair
+// of query blocks), sequence s owning the slots from start(s) = floor(cu_q[s] / U) + s on, of
+// which the first ceil(Sq_s / U) are live (ceil((b - a) / U) <= floor(b / U) - floor(a / U) + 1,
+// so sequences' slots never overlap), so at most B slots per head are dead, however the lengths
+// are spread (a grid sized from max_seqlen_q left half of it dead for lengths uniform in
+// 1..max). Warp 0 finds the owner of slot u: start(s) increases with s, so the owner is the
+// number of sequences with start(s) <= u, minus one, counted 32 at a time (one load per lane).
+// Returns the owner s and the slot's rank r within it (r may be past its live slots).
+__device__ __forceinline__ unsigned int varlen_slot(const int* cu_q, unsigned int nseq,
+                                                    unsigned int u, unsigned int rows,
+                                                    unsigned int& r) {
+    const unsigned int lane = threadIdx.x & 31u;
+    unsigned int count = 0;
+    for (unsigned int base = 0; base < nseq; base += 32) {
+        const unsigned int s = base + lane;
+        const bool in = s < nseq && static_cast<unsigned int>(cu_q[s]) / rows + s <= u;
+        const unsigned int bits = __ballot_sync(0xffffffffu, in);
+        count += __popc(bits);
+        if (bits != 0xffffffffu) break;
+    }
+    const unsigned int s = count - 1;  // count >= 1: start(0) = 0 <= u
+    r = u - (static_cast<unsigned int>(cu_q[s]) / rows + s);
+    return s;
+}
 
 // The segment view's moves for batch entry b (sequence b / H, head b % H): lengths, pointers, lse.
 // Returns the sequence's first query row and first key (cu_q[s], cu_k[s]).

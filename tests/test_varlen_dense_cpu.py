@@ -101,7 +101,7 @@ def test_param_structs_mirror_the_kernel():
     body = re.search(r"struct VarlenParams \{(.*?)\};", src, re.S).group(1)
     fields = re.findall(r"\b(\w+);", body)
     assert fields == list(_launch.VARLEN_PARAMS_DTYPE.names)
-    assert _launch.VARLEN_PARAMS_DTYPE.itemsize == 3 * 8
+    assert _launch.VARLEN_PARAMS_DTYPE.itemsize == 4 * 8
     mma = (Path(__file__).resolve().parents[1] / "kernels_cu" / "attn_mma.cu").read_text()
     assert "cuflash_fwd_mma_varlen(const AttnParams p_in, const VarlenParams vl)" in mma
 
@@ -169,31 +169,36 @@ def _blocks_mma(p, grid, bm, cu_q):
             yield b, [mblock]
 
 
-def _blocks_hopper(p, grid, bm, cu_q, causal):
-    """The same for the Hopper twin: cuflash_fwd_wgmma_varlen's slot renumbering, then WorkWalk
-    over the sequence's own query blocks (pairs under the causal mask)."""
-    nm = int(p["n_mblocks"])
+def _blocks_hopper(p, vl, grid, bm, cu_q, causal):
+    """The same for the Hopper twin: cuflash_fwd_wgmma_varlen's compact slot numbering
+    (common.cuh: varlen_slot, the owner by counting starts), the renumbering in the view, then
+    WorkWalk over the sequence's own query blocks (pairs under the causal mask)."""
     heads = int(p["nb1"]) * int(p["nb2"])
-    per = (nm + 1) // 2 if causal else nm
-    n_entries = int(p["nb0"]) * heads
+    nseq = int(p["nb0"])
+    slots = int(vl["slots"])
+    assert grid == heads * slots
+    rows = 2 * bm if causal else bm
+    starts = [int(cu_q[s]) // rows + s for s in range(nseq)]
     for blk in range(grid):
-        b, r = blk // per, blk % per
-        s = b // heads
+        h, u = blk // slots, blk % slots
+        s = sum(st <= u for st in starts) - 1     # the ballot count of varlen_slot
+        r = u - starts[s]
+        b = s * heads + h
         nm_s = -(-int(cu_q[s + 1] - cu_q[s]) // bm)
         per_s = (nm_s + 1) // 2 if causal else nm_s
         if r >= per_s:
             continue
         slot, half, items = b * per_s + r, 0, []
-        while slot < per_s * n_entries:       # WorkWalk::next with gridDim.x = grid
+        n_slots = per_s * nseq * heads
+        while slot < n_slots:       # WorkWalk<PAIRS, ONE = true>::next
             rr = slot % per_s
-            bb = slot // per_s
-            assert bb == b
+            assert slot // per_s == b
             items.append(rr if half else nm_s - 1 - rr)
             if causal and half == 0 and rr != nm_s - 1 - rr:
                 half = 1
             else:
                 half = 0
-                slot += grid
+                slot = n_slots
         yield b, items
 
 
@@ -211,7 +216,7 @@ def _run_model(p, vl, grid, bm, mem, item, causal, maps=None):
         cu[name] = flat[i:].astype(np.int64)
     d = int(p["d"])
     blocks = (_blocks_mma(p, grid, bm, cu["cu_q"]) if maps is None else
-              _blocks_hopper(p, grid, bm, cu["cu_q"], causal))
+              _blocks_hopper(p, vl, grid, bm, cu["cu_q"], causal))
     writes = {}
     for b, mblocks in blocks:
         s, h = b // heads, b % heads
@@ -272,7 +277,8 @@ def _run_model(p, vl, grid, bm, mem, item, causal, maps=None):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=lambda x: f"H{x[0]}kv{x[1]}")
 @pytest.mark.parametrize("lens", [([5, 1, 0, 40, 3, 17], [6, 3, 4, 1, 0, 33]), ([1], [1]),
-                                  ([33, 2], [2, 33]), ([70, 9, 64], [70, 90, 1])],
+                                  ([33, 2], [2, 33]), ([70, 9, 64], [70, 90, 1]),
+                                  ([32, 31, 1, 33, 64, 0, 16, 17], [1, 2, 3, 40, 5, 6, 7, 8])],
                          ids=lambda x: "q" + "-".join(map(str, x[0])))
 def test_parameter_block_on_the_memory_model(lens, heads, causal, family, monkeypatch):
     """The parameter blocks `dense_params` builds for strided packed views (extra heads and rows
@@ -315,7 +321,11 @@ def test_parameter_block_on_the_memory_model(lens, heads, causal, family, monkey
     monkeypatch.setattr(_tma, "encode_tiled", fake_encode)
     p, vl, grid = _varlen.dense_params(plan, prob, fo, flse)
     nm = -(-max_q // bm)
-    assert grid == ((nm + 1) // 2 if hopper and causal else nm) * len(lens[0]) * h
+    if hopper:   # the compact grid: floor(total_q / U) + B slots a head
+        assert grid == (total_q // (2 * bm if causal else bm) + len(lens[0])) * h
+        assert int(vl["slots"]) * h == grid
+    else:
+        assert grid == nm * len(lens[0]) * h and int(vl["slots"]) == 0
     assert (p["sq"], p["sk"], p["nb0"], p["nb1"], p["nb2"]) == (max_q, max_k, len(lens[0]), hkv,
                                                                 h // hkv)
     assert int(vl["lse_hs"]) == total_q + 5 and int(vl["cu_q"]) == 6 << 24
