@@ -1195,8 +1195,12 @@ TC_VARLEN_ARCH_CONFIGS = {80: {128: (48, 4, 2, 2, False)}, 90: {}}
 
 def varlen_tensorcore_plan(dtype_name: str, d: int, causal: bool,
                            compute_capability: int) -> Plan:
-    """The dense varlen forward's plan: `tensorcore_plan`'s (16-bit dtypes) with the varlen
-    twin's kernel (`_varlen_kernel`) and its tile exceptions (TC_VARLEN_ARCH_CONFIGS)."""
+    """The dense varlen forward's plan: `tensorcore_plan`'s with the varlen twin's kernel
+    (`_varlen_kernel`) and its tile exceptions (TC_VARLEN_ARCH_CONFIGS, 16-bit dtypes only).
+    attention_varlen's GPU path takes float16/bfloat16 only: the float32 (3xfp16) twins compile,
+    but sm_80 D = 256 spilled 4 bytes (NVRTC 13.0), so float32 is not offered."""
+    if dtype_name not in ("float16", "bfloat16"):
+        raise ValueError(f"the dense varlen forward takes float16 and bfloat16, not {dtype_name}")
     arch = max((a for a in TC_VARLEN_ARCH_CONFIGS if a <= compute_capability), default=None)
     table = TC_VARLEN_ARCH_CONFIGS.get(arch, {})
     plan = tensorcore_plan(dtype_name, d, causal, compute_capability,

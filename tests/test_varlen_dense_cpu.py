@@ -87,6 +87,11 @@ def test_kernel_choices_are_checked():
     assert _varlen.VARLEN_KERNELS == ("auto", "decode", "tensorcore", "hopper")
 
 
+def test_float32_is_not_offered():
+    with pytest.raises(ValueError, match="float16 and bfloat16, not float32"):
+        _dispatch.varlen_tensorcore_plan("float32", 128, True, 80)
+
+
 def test_compile_set_holds_the_twins():
     for cc in (80, 90):
         specs = precompile.specialisations(cc)
