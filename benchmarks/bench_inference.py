@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Inference benchmark (issue 14): decoding (Sq = 1) in GB/s of K and V read, cuflash against
 PyTorch SDPA's cuDNN and FLASH backends (enable_gqa) in the same run; cuflash's paged cache
-(page 16) against its contiguous one; varlen prefill against the same batch through cuflash's
-dense kernel when cuflash.attention_varlen exists; GQA prefill (B = 1, H = 32, Hkv = 8, S = 8k,
+(page 16) against its contiguous one; varlen prefill through each attention_varlen kernel
+(--varlen-impl) and torch's FlashAttention-2 varlen forward, against the same token count through
+cuflash's dense kernel; GQA prefill (B = 1, H = 32, Hkv = 8, S = 8k,
 causal, bfloat16) against torch's cuDNN and FLASH backends.
 
 Run from the repository root::
@@ -219,10 +220,33 @@ def bench_paged(grid, args, rows):
                 cp.get_default_memory_pool().free_all_blocks()
 
 
+VARLEN_IMPLS = ("auto", "decode", "tensorcore", "hopper", "torch-flash-varlen")
+
+
+def _torch_flash_varlen():
+    """FlashAttention-2's varlen forward as torch ships it (aten::_flash_attention_forward with
+    cumulative sequence lengths), or None where this torch has none."""
+    try:
+        import torch
+
+        op = torch.ops.aten._flash_attention_forward
+    except Exception:
+        return None
+
+    def run(tq, tk, tv, cu, max_len):
+        return op(tq, tk, tv, cu, cu, max_len, max_len, 0.0, True, False)[0]
+    return run
+
+
 def bench_varlen(args, rows):
     """Varlen prefill: random lengths 1..8k up to 64k tokens (8k with --quick), causal, H = 32,
-    Hkv = 8, D = 128, float16: cuflash.attention_varlen against cuflash.attention on dense
-    (B, H, 8192, D) batches of the same token count, in TFLOP/s of the causal work."""
+    Hkv = 8, D = 128, float16: cuflash.attention_varlen through each of its kernels
+    (--varlen-impl: "auto", whatever kernel="auto" picks; "decode", the decode family with
+    per-sequence offsets; "tensorcore" and "hopper", the dense mma.sync and Hopper forwards'
+    varlen twins) and
+    FlashAttention-2's varlen forward inside torch where it has one, against cuflash.attention
+    on dense (B, H, 8192, D) batches of the same token count, in TFLOP/s of the causal work.
+    Each result is checked first (query head 0 of the first and the shortest sequence)."""
     import cupy as cp
 
     rng = np.random.default_rng(1)
@@ -238,37 +262,79 @@ def bench_varlen(args, rows):
     k = cp.random.standard_normal((total, hkv, D), dtype=cp.float32).astype(cp.float16)
     v = cp.random.standard_normal((total, hkv, D), dtype=cp.float32).astype(cp.float16)
     flops = sum(2.0 * 2 * L * (L + 1) / 2 * D * H for L in lens)
-    res = {}
-    o = cuflash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
     s0 = int(np.argmin(lens))  # check the shortest and the first sequences
-    for s in sorted({s0, 0}):
-        # query head 0 and its kv head 0 (groups of H / Hkv): the float64 reference and the
-        # naive counterpart of all 32 heads of an up-to-8k sequence take minutes on the host
-        a, b = int(cu[s]), int(cu[s + 1])
-        qs, ks, vs = (_host(x[a:b, :1]).transpose(1, 0, 2) for x in (q, k, v))
-        rule = reference.pass_threshold(qs, ks, vs, causal=True, dtype="float16")
-        verdict = rule.judge(_host(o[a:b, :1]).transpose(1, 0, 2))
-        if not verdict.passed:
-            res["cuflash-varlen"] = "FAILED " + "; ".join(verdict.reasons)
-    if "cuflash-varlen" not in res:
-        t = _events(lambda: cuflash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens),
-                                                     causal=True), args.warmup, args.repeats)
-        res["cuflash-varlen"] = flops / t / 1e12
+
+    rules = {}   # the float64 rule of each checked sequence, made once for every implementation
+
+    def check(o):
+        for s in sorted({s0, 0}):
+            # query head 0 and its kv head 0 (groups of H / Hkv): the float64 reference and the
+            # naive counterpart of all 32 heads of an up-to-8k sequence take minutes on the host
+            a, b = int(cu[s]), int(cu[s + 1])
+            if s not in rules:
+                qs, ks, vs = (_host(x[a:b, :1]).transpose(1, 0, 2) for x in (q, k, v))
+                rules[s] = reference.pass_threshold(qs, ks, vs, causal=True, dtype="float16")
+            verdict = rules[s].judge(_host(o[a:b, :1]).transpose(1, 0, 2))
+            if not verdict.passed:
+                return "FAILED " + "; ".join(verdict.reasons)
+        return None
+
+    res = {}
+    labels = []
+    impls = [x for x in args.varlen_impl.split(",") if x]
+    for impl in impls:
+        name = "cuflash-varlen" + ("" if impl == "auto" else "-" + impl)
+        if impl == "torch-flash-varlen":
+            run = _torch_flash_varlen()
+            if run is None:
+                res[impl] = "n/a (no aten::_flash_attention_forward)"
+                continue
+            import torch
+
+            tq, tk, tv, tcu = (torch.from_dlpack(x) for x in (q, k, v, cu))
+            fn = lambda: run(tq, tk, tv, tcu, max(lens))  # noqa: E731
+            name = impl
+            try:
+                o = cp.from_dlpack(fn())
+            except Exception as exc:  # this torch's build refuses the call
+                res[name] = f"n/a ({type(exc).__name__}: {str(exc)[:60]})"
+                continue
+        else:
+            fn = lambda impl=impl: cuflash.attention_varlen(  # noqa: E731
+                q, k, v, cu, cu, max(lens), max(lens), causal=True, kernel=impl)
+            try:
+                labels.append(f"{impl}: " + cuflash.varlen_dispatch_info(
+                    q, k, v, cu, cu, max(lens), max(lens), causal=True, kernel=impl))
+            except ValueError as exc:  # e.g. kernel="hopper" off sm_90
+                res[name] = f"n/a ({str(exc)[:60]})"
+                continue
+            o = fn()
+        why = check(o)
+        res[name] = why or flops / _events(fn, args.warmup, args.repeats) / 1e12
+        o = None
     bd = total // 8192
     qd = q.reshape(bd, 8192, H, D).transpose(0, 2, 1, 3)
     kd = k.reshape(bd, 8192, hkv, D).transpose(0, 2, 1, 3)
     vd = v.reshape(bd, 8192, hkv, D).transpose(0, 2, 1, 3)
+    labels.append("dense: " + cuflash.dispatch_info(qd, kd, vd, causal=True))
     od = cuflash.attention(qd, kd, vd, causal=True)
     why = _first_head_check(od, qd, kd, vd)
     if why:
         res["cuflash-dense-8k"] = "FAILED " + why
-        rows.append(("varlen", len(lens), total, hkv, res, ""))
-        _print_row(rows[-1])
-        return
-    t = _events(lambda: cuflash.attention(qd, kd, vd, causal=True), args.warmup, args.repeats)
-    res["cuflash-dense-8k"] = bd * 2.0 * 2 * 8192 * 8193 / 2 * D * H / t / 1e12
-    rows.append(("varlen", len(lens), total, hkv, res, cuflash.dispatch_info(qd, kd, vd,
-                                                                               causal=True)))
+    else:
+        t = _events(lambda: cuflash.attention(qd, kd, vd, causal=True), args.warmup,
+                    args.repeats)
+        res["cuflash-dense-8k"] = bd * 2.0 * 2 * 8192 * 8193 / 2 * D * H / t / 1e12
+    # the dense kernel family the varlen twin runs (mma.sync), same batch, for the 0.9x target
+    # of the family it belongs to
+    if "tensorcore" in impls:
+        od = cuflash.attention(qd, kd, vd, causal=True, kernel="tensorcore")
+        why = _first_head_check(od, qd, kd, vd)
+        res["cuflash-dense-8k-tensorcore"] = ("FAILED " + why) if why else (
+            bd * 2.0 * 2 * 8192 * 8193 / 2 * D * H / _events(
+                lambda: cuflash.attention(qd, kd, vd, causal=True, kernel="tensorcore"),
+                args.warmup, args.repeats) / 1e12)
+    rows.append(("varlen", len(lens), total, hkv, res, "; ".join(labels)))
     _print_row(rows[-1])
 
 
@@ -359,6 +425,9 @@ def main(argv=None):
     ap.add_argument("--only", default="decode,kvcache,varlen,gqa",
                     help="comma-separated parts: decode,kvcache,varlen,gqa")
     ap.add_argument("--markdown", default=None, help="write the tables to this file")
+    ap.add_argument("--varlen-impl", default=",".join(VARLEN_IMPLS),
+                    help="comma-separated implementations of the varlen part: "
+                         + ", ".join(VARLEN_IMPLS))
     for axis in ("b", "sk", "hkv"):
         ap.add_argument(f"--{axis}", default=None,
                         help=f"comma-separated {axis} values of the decode/kvcache grid "

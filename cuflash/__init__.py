@@ -10,7 +10,7 @@ from ._api import (attention, attention_backward, attention_backward_workspace_s
                    attention_workspace_size, backward_dispatch_info, dispatch_info,
                    gpu_available, merge_states)
 from ._kvcache import attention_with_kvcache, attention_with_kvcache_workspace_size
-from ._varlen import attention_varlen, attention_varlen_workspace_size
+from ._varlen import attention_varlen, attention_varlen_workspace_size, varlen_dispatch_info
 from ._varlen_backward import (attention_varlen_backward, attention_varlen_backward_workspace_size,
                                varlen_backward_dispatch_info)
 from .mods import MaskMod, ScoreMod
@@ -22,5 +22,5 @@ __all__ = ["attention", "attention_backward", "attention_backward_workspace_size
            "attention_varlen", "attention_workspace_size",
            "attention_with_kvcache_workspace_size", "attention_varlen_workspace_size",
            "attention_varlen_backward", "attention_varlen_backward_workspace_size",
-           "varlen_backward_dispatch_info",
+           "varlen_backward_dispatch_info", "varlen_dispatch_info",
            "ScoreMod", "MaskMod", "__version__"]

@@ -1200,3 +1200,62 @@ def varlen_backward_kernel_specs(compute_capability: int = 90):
             if spec not in specs:
                 specs.append(spec)
     return specs
+
+
+#: The dense varlen forward's exceptions to the mma.sync tile table (TC_CONFIGS, TC_ARCH_CONFIGS),
+#: {first compute capability: {dpad: config}} as TC_ARCH_CONFIGS: the twin (kernels_cu/attn_mma.cu:
+#: cuflash_fwd_mma_varlen) reads its segment view from shared memory, which on sm_80 at D = 128
+#: under the causal mask took the plain kernel's 254 registers over the edge (8 bytes spilled,
+#: NVRTC 13.0); with direct stores of O instead of the staged epilogue it compiles at 254 with no
+#: spills (same values stored, so the same bits).
+TC_VARLEN_ARCH_CONFIGS = {80: {128: (48, 4, 2, 2, False)}, 90: {}}
+
+
+def varlen_tensorcore_plan(dtype_name: str, d: int, causal: bool,
+                           compute_capability: int) -> Plan:
+    """The dense varlen forward's plan: `tensorcore_plan`'s with the varlen twin's kernel
+    (`_varlen_kernel`) and its tile exceptions (TC_VARLEN_ARCH_CONFIGS, 16-bit dtypes only).
+    attention_varlen's GPU path takes float16/bfloat16 only: the float32 (3xfp16) twins compile,
+    but sm_80 D = 256 spilled 4 bytes (NVRTC 13.0), so float32 is not offered."""
+    if dtype_name not in ("float16", "bfloat16"):
+        raise ValueError(f"the dense varlen forward takes float16 and bfloat16, not {dtype_name}")
+    arch = max((a for a in TC_VARLEN_ARCH_CONFIGS if a <= compute_capability), default=None)
+    table = TC_VARLEN_ARCH_CONFIGS.get(arch, {})
+    plan = tensorcore_plan(dtype_name, d, causal, compute_capability,
+                           config=lambda dpad, cfg: table.get(dpad, cfg))
+    return _varlen_kernel(plan)
+
+
+def varlen_forward_kernel_specs(compute_capability: int = 90):
+    """The dense varlen forward's kernels (attention_varlen's "tensorcore" path, cuflash/_varlen.py:
+    varlen_plan_for): float16 and bfloat16, every head-dim bucket, both masks."""
+    return [varlen_tensorcore_plan(dt, dpad, causal, compute_capability).spec
+            for dt in ("float16", "bfloat16") for dpad in TC_CONFIGS for causal in (False, True)]
+
+
+def varlen_hopper_plan(dtype_name: str, d: int, causal: bool, max_q: int, max_k: int) -> Plan:
+    """The Hopper varlen forward's plan (kernels_cu/attn_wgmma.cu: cuflash_fwd_wgmma_varlen): the
+    dense choice for max_seqlen_q/k (`hopper_plan`: tiles by head dim, mask and key count), one
+    slot per block (not persistent: a block's view is its own sequence's), pairs of query blocks
+    under the causal mask as the dense kernel."""
+    import dataclasses
+
+    plan = hopper_plan(dtype_name, d, causal, max_k, sq=max_q,
+                       choose=lambda dpad, cfg, persistent: (cfg, False))
+    name = plan.spec.name.replace("cuflash_fwd_wgmma<", "cuflash_fwd_wgmma_varlen<")
+    return dataclasses.replace(plan, label="varlen-" + plan.label,
+                               spec=Specialisation(plan.spec.family, name, arch=plan.spec.arch))
+
+
+def varlen_hopper_kernel_specs():
+    """The Hopper varlen twins the dispatcher can pick (sm_90a): float16 and bfloat16, every entry
+    of HOPPER_TABLE, with the narrower block short query counts take."""
+    specs = []
+    for dt in HOPPER_DTYPES:
+        for dpad, causal, long_keys in HOPPER_TABLE:
+            for sq in (HOPPER_LONG_SK, 1):
+                spec = varlen_hopper_plan(dt, dpad, causal, sq,
+                                          HOPPER_LONG_SK + long_keys).spec
+                if spec not in specs:
+                    specs.append(spec)
+    return specs

@@ -3,9 +3,12 @@
 
 q ``(total_q, H, D)``, k ``(total_k, Hkv, D)``, v ``(total_k, Hkv, Dv)``; sequence ``s`` is rows
 ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1`` of q and ``cu_seqlens_k[s] ..`` of k and v. o
-``(total_q, H, Dv)``, lse ``(H, total_q)`` (FlashAttention's softmax_lse layout). The GPU path
-runs the decode kernel family with per-sequence row and key offsets (kernels_cu/attn_decode.cu:
-cu_q, cu_k); the CPU path runs the NumPy recurrence per sequence.
+``(total_q, H, Dv)``, lse ``(H, total_q)`` (FlashAttention's softmax_lse layout). Two GPU paths
+(`varlen_plan_for` picks one): the decode kernel family with per-sequence row and key offsets
+(kernels_cu/attn_decode.cu: cu_q, cu_k), for decode-like calls, and the dense mma.sync forward's
+``_varlen`` twin (kernels_cu/attn_mma.cu: cuflash_fwd_mma_varlen, the plain body on the segment
+view of its block's sequence, common.cuh: fwd_varlen_segment), for prefill. The CPU path runs the
+NumPy recurrence per sequence.
 """
 from __future__ import annotations
 
@@ -18,7 +21,16 @@ import numpy as np
 from . import _checks, _interop
 from ._kvcache import CallOptions, _int32_array, check_call_options, into_out_lse, one_sequence_numpy
 
-VARLEN_KERNELS = ("auto", "decode")
+VARLEN_KERNELS = ("auto", "decode", "tensorcore", "hopper")
+
+#: Whether ``attention_varlen(kernel="auto")`` takes a dense forward's varlen twin for
+#: prefill-like calls (`decode_like` false): the mma.sync one (cuflash_fwd_mma_varlen), or on
+#: sm_90 with VARLEN_HOPPER_AUTO the Hopper one (cuflash_fwd_wgmma_varlen). Off until the GPU
+#: tests (tests/test_inference_gpu.py -k varlen_dense) have passed on a GPU; ``kernel=
+#: "tensorcore"`` / ``"hopper"`` select them regardless.
+VARLEN_DENSE_AUTO = False
+#: Whether auto's dense choice (VARLEN_DENSE_AUTO) prefers the Hopper twin where it can run.
+VARLEN_HOPPER_AUTO = False
 
 
 @dataclass
@@ -114,22 +126,194 @@ def varlen_numpy(prob):
     return o, into_out_lse(prob, lse)
 
 
-def varlen_launch(prob, attrs):
-    """(decode plan, `_decode.DecodeLaunch`, workspace bytes) of a GPU `VarlenProblem`: the grid
-    covers max_seqlen_q query rows and max_seqlen_k keys per sequence; the workspace holds the
-    split partials (`DecodeLaunch.part_bytes`)."""
+def decode_like(prob) -> bool:
+    """Whether a varlen call is decode-like (few query rows a sequence: `attention`'s rule for the
+    decode kernel, `_decode.DECODE_MAX_SQ` rows and at most `_decode.DECODE_MAX_ROWS` packed rows
+    of a head group), which ``kernel="auto"`` keeps on the decode kernel family. Unlike
+    `attention`'s rule it keeps causal calls there too (the documented varlen behaviour)."""
     from . import _decode
 
-    plan = _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False,
+    return (prob.max_q <= _decode.DECODE_MAX_SQ
+            and prob.h // prob.hkv * prob.max_q <= _decode.DECODE_MAX_ROWS)
+
+
+def dense_reason(prob, compute_capability) -> Optional[str]:
+    """Why the dense mma.sync varlen forward cannot run a GPU `VarlenProblem`, or None. Beyond
+    the checks every GPU varlen call passes (`_decode.cache_reason`: sm_80+, float16/bfloat16,
+    D == Dv, D % 8 == 0, positive scale, 16-byte aligned rows): a head dim the kernel has
+    (<= 256), and max_seqlen below 2^31 - 1024 (the kernels' int row indices)."""
+    from . import _dispatch
+
+    if prob.d > max(_dispatch.TC_CONFIGS):
+        return f"it takes head dims up to {max(_dispatch.TC_CONFIGS)} (got {prob.d})"
+    if max(prob.max_q, prob.max_k) >= 2**31 - 1024:
+        return "max_seqlen_q and max_seqlen_k must be below 2**31 - 1024"
+    return None
+
+
+def hopper_reason(prob, compute_capability) -> Optional[str]:
+    """Why the Hopper varlen forward cannot run a GPU `VarlenProblem`, or None: `dense_reason`'s
+    checks, compute capability 9.0, head dims from 64, rows that do not overlap, packed row counts
+    below 2^31 (the tensor maps' int32 row coordinates), the driver's tensor-map API."""
+    why = dense_reason(prob, compute_capability)
+    if why is not None:
+        return why
+    if compute_capability != 90:
+        return ("it is built for sm_90a and runs on compute capability 9.0 only "
+                f"(this GPU: {compute_capability})")
+    if prob.d < 64:
+        return f"it takes head dims from 64 to 256 (got {prob.d})"
+    for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
+        if x.shape[0] > 1 and x.strides[0] <= 0:
+            return f"the rows of {name} must not overlap (row stride {x.strides[0]})"
+        if x.shape[0] >= 2**31 - 2**20:
+            return f"{name} has {x.shape[0]} rows; the tensor maps take fewer than 2**31 - 2**20"
+    from . import _tma
+
+    if not _tma.available():
+        return f"the CUDA driver's tensor-map API is unavailable ({_tma.unavailable_reason()})"
+    return None
+
+
+def varlen_plan_for(prob, compute_capability):
+    """The plan of a GPU `VarlenProblem`: ``kernel="decode"`` the decode family's
+    (`_decode.decode_plan`), ``kernel="tensorcore"`` the dense mma.sync forward's varlen twin
+    (`_dispatch.varlen_tensorcore_plan`), ``kernel="hopper"`` the Hopper forward's
+    (`_dispatch.varlen_hopper_plan`), each a ValueError when its reason (`dense_reason`,
+    `hopper_reason`) says no; ``kernel="auto"`` a dense twin for prefill-like calls when
+    `VARLEN_DENSE_AUTO` is on (the Hopper one first with `VARLEN_HOPPER_AUTO`) and it can run
+    them, else the decode family's."""
+    from . import _decode, _dispatch
+
+    auto_dense = prob.kernel == "auto" and VARLEN_DENSE_AUTO and not decode_like(prob)
+    if prob.kernel == "hopper" or (auto_dense and VARLEN_HOPPER_AUTO):
+        why = hopper_reason(prob, compute_capability)
+        if why is None:
+            return _dispatch.varlen_hopper_plan(prob.dtype_name, prob.d, prob.causal, prob.max_q,
+                                                prob.max_k)
+        if prob.kernel == "hopper":
+            raise ValueError(f"attention_varlen(kernel='hopper') cannot run these inputs: {why}")
+    if prob.kernel == "tensorcore" or auto_dense:
+        why = dense_reason(prob, compute_capability)
+        if why is None:
+            return _dispatch.varlen_tensorcore_plan(prob.dtype_name, prob.d, prob.causal,
+                                                    compute_capability)
+        if prob.kernel == "tensorcore":
+            raise ValueError(f"attention_varlen(kernel='tensorcore') cannot run these inputs: "
+                             f"{why}")
+    return _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False,
                                rows=prob.h // prob.hkv * prob.max_q)
+
+
+def dense_params(plan, prob, o, lse):
+    """(AttnParams record, VarlenParams record, grid blocks) of the dense varlen forward for a GPU
+    `VarlenProblem` writing o (total_q, H, Dv) and lse (H, total_q) or None (any objects with
+    ``data.ptr``, ``strides``, ``itemsize``; nothing is launched or allocated).
+
+    Batch (nb0, nb1, nb2) = (B sequences, Hkv, G), G = H / Hkv, batch stride 0 on the sequence
+    axis (the rows come from cu_seqlens through the segment view, common.cuh:
+    fwd_varlen_segment), query head h = (kv head, group member) as in `attention`'s grouped
+    heads (k, v stride 0 on the group axis); sq, sk = max_seqlen_q/k; n_mblocks =
+    ceil(max_seqlen_q / BM); one block per (sequence, head, query block of max_seqlen_q rows)."""
+    from . import _launch
+
+    g = prob.h // prob.hkv
+    qe, ke, ve, oe = ([s // x.itemsize for s in x.strides] for x in (prob.q, prob.k, prob.v, o))
+    p = np.zeros((), dtype=_launch.PARAMS_DTYPE)
+    p["q"], p["k"], p["v"], p["o"] = (x.data.ptr for x in (prob.q, prob.k, prob.v, o))
+    p["lse"] = 0 if lse is None else lse.data.ptr
+    p["sq"], p["sk"], p["d"], p["dv"] = prob.max_q, prob.max_k, prob.d, prob.dv
+    p["nb0"], p["nb1"], p["nb2"] = prob.nseq, prob.hkv, g
+    for name, st in (("q", qe), ("o", oe)):
+        p[f"{name}_s0"], p[f"{name}_s1"], p[f"{name}_s2"], p[f"{name}_sr"] = (
+            0, g * st[1], st[1], st[0])
+    for name, st in (("k", ke), ("v", ve)):
+        p[f"{name}_s0"], p[f"{name}_s1"], p[f"{name}_s2"], p[f"{name}_sr"] = 0, st[1], 0, st[0]
+    n_mblocks = -(-prob.max_q // plan.block_m)
+    p["n_mblocks"] = n_mblocks
+    p["scale_log2"] = prob.scale * _launch._LOG2E
+    p["scale"] = prob.scale
+    vl = np.zeros((), dtype=_launch.VARLEN_PARAMS_DTYPE)
+    vl["cu_q"], vl["cu_k"] = prob.cu_q.data.ptr, prob.cu_k.data.ptr
+    vl["lse_hs"] = 0 if lse is None else lse.strides[0] // 4
+    if plan.spec.family == "attn_wgmma":
+        # A block per work slot of a compact per-head numbering (common.cuh: varlen_slot):
+        # floor(total_q / U) + B slots of U rows, U = BM or, for pairs of query blocks under
+        # the causal mask (attn_wgmma.cu: cuflash_fwd_wgmma_varlen), 2 BM.
+        rows = plan.block_m * (2 if plan.pairs else 1)
+        vl["slots"] = per = prob.q.shape[0] // rows + prob.nseq
+        p = _hopper_record(plan, prob, p)
+    else:  # mma.sync: a block per query block of max_seqlen_q rows, (B, Hkv, G) entries
+        per = n_mblocks * prob.nseq
+    grid = per * prob.h
+    if grid > _launch.MAX_GRID_X or per >= 2**32:
+        raise ValueError(f"attention_varlen: too many blocks for one launch: {per} query blocks "
+                         f"x {prob.h} heads > {_launch.MAX_GRID_X}")
+    return p[()], vl[()], grid
+
+
+def _hopper_record(plan, prob, p):
+    """The Hopper twin's `HopperParams`: `p`'s AttnParams fields and tensor maps over the packed
+    tensors (`_launch._fill_tensor_maps`: rows = total_q / total_k, batch axes (sequence: size 1,
+    Hkv, G), the group axis size 1 for k and v)."""
+    from types import SimpleNamespace
+
+    from . import _launch
+
+    hp = np.zeros((), dtype=_launch.HOPPER_PARAMS_DTYPE)
+    for name in _launch.PARAMS_DTYPE.names:
+        hp[name] = p[name]
+    g = prob.h // prob.hkv
+    tensors = (prob.q, prob.k, prob.v)
+    el = [[s // x.itemsize for s in x.strides] for x in tensors]
+    bstr = [[0, g * el[0][1], el[0][1]], [0, el[1][1], 0], [0, el[2][1], 0]]
+    rstr = [e[0] for e in el]
+    geo = SimpleNamespace(sq=prob.q.shape[0], sk=prob.k.shape[0], d=prob.d,
+                          dtype_name=prob.dtype_name)
+    _launch._fill_tensor_maps(hp, plan, geo, tensors, [prob.nseq, prob.hkv, g], bstr, rstr)
+    return hp
+
+
+#: Static shared memory of the varlen twins beside the plan's dynamic bytes (ptxas, NVRTC 13.0):
+#: the mma.sync twin's segment view and flag, 256 bytes; the Hopper twin's WgmmaVarlenView, 1024
+#: (placed before the 1024-byte aligned dynamic block).
+VARLEN_STATIC_SMEM = {"attn_mma": 256, "attn_wgmma": 1024}
+
+
+def dense_gpu(prob, plan, attrs, o, lse, stream):
+    """Launch a dense varlen twin (`dense_params`) on `stream`; no allocation, no sync."""
+    from . import _compile
+
+    need = plan.smem_bytes + VARLEN_STATIC_SMEM[plan.spec.family]
+    if need > attrs["max_smem_optin"]:
+        raise ValueError(f"{plan.label} needs {need} bytes of shared memory per block; this GPU "
+                         f"allows {attrs['max_smem_optin']}")
+    params, vl, grid = dense_params(plan, prob, o, lse)
+    if grid == 0:
+        return
+    kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
+    kern((grid,), (plan.threads,), (params, vl), shared_mem=plan.smem_bytes, stream=stream)
+
+
+def varlen_launch(prob, attrs):
+    """(plan, `_decode.DecodeLaunch` or None, workspace bytes) of a GPU `VarlenProblem`. The
+    decode family's grid covers max_seqlen_q query rows and max_seqlen_k keys per sequence and
+    its workspace holds the split partials (`DecodeLaunch.part_bytes`); the dense varlen forward
+    (`varlen_plan_for`) needs no workspace (0 bytes, None)."""
+    from . import _decode
+
+    plan = varlen_plan_for(prob, attrs["compute_capability"])
+    if plan.spec.family != "attn_decode":
+        return plan, None, 0
     cfg = _decode.configure(plan, (1, prob.nseq, prob.hkv), prob.h // prob.hkv, prob.max_q,
                             prob.max_k, prob.d, attrs)
     return plan, cfg, cfg.part_bytes
 
 
 def varlen_gpu(prob):
-    """The GPU path: the decode kernel family with per-sequence offsets, on the launch stream;
-    scratch in ``prob.workspace`` or a pool allocation on that stream. Never synchronises."""
+    """The GPU path (`varlen_plan_for`: the decode kernel family with per-sequence offsets, or
+    the dense mma.sync forward's varlen twin), on the launch stream; scratch in
+    ``prob.workspace`` or a pool allocation on that stream. Never synchronises."""
     import cupy
 
     from . import _decode, _launch
@@ -146,6 +330,9 @@ def varlen_gpu(prob):
             lse = prob.out_lse
             if prob.return_lse and lse is None:
                 lse = cupy.empty((prob.h, total_q), dtype=cupy.float32)
+        if cfg is None:
+            dense_gpu(prob, plan, attrs, o, lse, st)
+            return o, lse
         g = prob.h // prob.hkv
         qe, oe, ke, ve = ([s // x.itemsize for s in x.strides] for x in (prob.q, o, prob.k, prob.v))
         le = [s // 4 for s in lse.strides] if lse is not None else [0, 0]
@@ -195,8 +382,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         rounded up to 64, 128 or 256; with one split it is not touched (size 0). Without it
         that memory comes from CuPy's memory pool (on the launch stream). With ``out=`` and
         ``workspace=`` the call allocates nothing and can be captured in a CUDA graph.
-    kernel : {"auto", "decode"}, optional
-        GPU only; both run the decode kernel family with per-sequence offsets.
+    kernel : {"auto", "decode", "tensorcore", "hopper"}, optional
+        GPU only. "decode": the decode kernel family with per-sequence offsets (split keys, the
+        query heads of a group packed into one tile; made for few query rows). "tensorcore":
+        the dense mma.sync forward kernel on each sequence (prefill; no workspace; head dims up
+        to 256). "hopper": the dense Hopper (TMA, wgmma) forward on each sequence (compute
+        capability 9.0, head dims 64 to 256, no workspace). "auto": a dense one for
+        prefill-like calls when ``cuflash._varlen.VARLEN_DENSE_AUTO`` is on ("hopper" first
+        with ``VARLEN_HOPPER_AUTO``; both off until their GPU tests have passed), else "decode"
+        (always for decode-like calls: ``max_seqlen_q <= 16`` and
+        ``H / Hkv * max_seqlen_q <= 128``). `varlen_dispatch_info` names the kernel.
 
     Returns
     -------
@@ -237,3 +432,21 @@ def attention_varlen_workspace_size(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
 
     attrs = _decode.attrs_or_raise(prob, "attention_varlen", [prob.q, prob.k, prob.v])
     return varlen_launch(prob, attrs)[2]
+
+
+def varlen_dispatch_info(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                         causal=False, kernel="auto"):
+    """The kernel `attention_varlen` would run for these arguments (``"cpu-numpy"`` for NumPy
+    inputs), e.g. ``"decode<float16,D128,BN16,W4,dense,causal>"`` or
+    ``"varlen-tensorcore<float16,D128,BM128,BN48,stagedO,causal>"`` or
+    ``"varlen-hopper<float16,D128,BM128,BN128,S2,Q1,overlap,pingpong,causal>"``. Validates like it (the
+    GPU's checks too); launches nothing."""
+    prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        causal=causal, scale=None, return_lse=False, out=None, stream=None,
+                        kernel=kernel)
+    if prob.backend == "cpu":
+        return "cpu-numpy"
+    from . import _decode
+
+    attrs = _decode.attrs_or_raise(prob, "attention_varlen", [prob.q, prob.k, prob.v])
+    return varlen_plan_for(prob, attrs["compute_capability"]).label

@@ -39,6 +39,9 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
     specs = [plan.spec for plan in _dispatch.all_specialisations(cc)]
     specs += _dispatch.backward_kernel_specs(cc)
     specs += _dispatch.varlen_backward_kernel_specs(cc)  # attention_varlen_backward
+    specs += _dispatch.varlen_forward_kernel_specs(cc)  # attention_varlen's dense path
+    if cc == 90:
+        specs += _dispatch.varlen_hopper_kernel_specs()  # and its Hopper form (sm_90a)
     specs += _decode.all_decode_specialisations()
     if cc == 90:  # the variants' compile set is built for the H200's architecture (VARIANTS.md)
         specs += variant_compile_specs() + variant_backward_compile_specs()

@@ -850,5 +850,18 @@ __global__ void __launch_bounds__(32 * NWARPS, MINB)
 cuflash_fwd_mma_var(const AttnParams p, const VariantParams vp) {
     fwd_mma_body<T, TERMS, DPAD, BN, NWARPS, MT, STAGE_O, CAUSAL, V>(p, vp);
 }
+// cuflash_fwd_mma_varlen: the plain policy on a packed variable-length batch (attention_varlen;
+// common.cuh: fwd_varlen_segment), the body on its block's segment view; same template arguments
+// and launch configuration as cuflash_fwd_mma, the grid over (sequences, Hkv, G) x query blocks
+// of max_seqlen_q rows.
+template <typename T, int TERMS, int DPAD, int BN, int NWARPS, int MT, int MINB, bool STAGE_O,
+          bool CAUSAL, typename OP = T>
+__global__ void __launch_bounds__(32 * NWARPS, MINB)
+cuflash_fwd_mma_varlen(const AttnParams p_in, const VarlenParams vl) {
+    const AttnParams* p = fwd_varlen_segment_shared<T>(p_in, vl, 16 * MT * NWARPS);
+    if (p == nullptr) return;
+    fwd_mma_body<T, TERMS, DPAD, BN, NWARPS, MT, STAGE_O, CAUSAL, PlainVariant, OP>(
+        *p, VariantParams{});
+}
 
 }  // namespace cuflash

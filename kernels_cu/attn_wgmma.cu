@@ -378,14 +378,16 @@ __device__ __forceinline__ void split16_tile(unsigned int tile, unsigned int red
 // block of an odd nm comes alone): a static round-robin over slots is then balanced, where one
 // over single blocks gave each block of a persistent launch the same query block in every round
 // when gridDim.x % nm == 0 (up to 22% slower on the H200 than one block per item).
-template <bool PAIRS>
+// ONE (the varlen twin): the block's one slot only (its grid is not a multiple of the view's slots).
+template <bool PAIRS, bool ONE = false>
 struct WorkWalk {
     unsigned int nm, per_b, n_slots, slot, half;
-    __device__ __forceinline__ explicit WorkWalk(const AttnParams& p)
+    // first: the block's first slot (blockIdx.x; a varlen twin's view renumbers it).
+    __device__ __forceinline__ WorkWalk(const AttnParams& p, unsigned int first)
         : nm(static_cast<unsigned int>(p.n_mblocks)),
           per_b(PAIRS ? (nm + 1) / 2 : nm),
           n_slots(per_b * static_cast<unsigned int>(p.nb0 * p.nb1 * p.nb2)),
-          slot(blockIdx.x), half(0) {}
+          slot(first), half(0) {}
     __device__ __forceinline__ bool next(BlockCoord& c) {
         if (slot >= n_slots) return false;
         const unsigned int r = slot % per_b;
@@ -395,7 +397,8 @@ struct WorkWalk {
             half = 1;
         } else {
             half = 0;
-            slot += gridDim.x;
+            if constexpr (ONE) slot = n_slots;
+            else slot += gridDim.x;
         }
         return true;
     }
@@ -428,15 +431,30 @@ __device__ __forceinline__ void window_tiles(const V& var, int row0, int bm, int
     }
 }
 
+// Packed variable-length batches (cuflash_fwd_wgmma_varlen, attention_varlen): the segment view
+// of the block's (sequence, head) (common.cuh: fwd_varlen_move; n_mblocks the sequence's own
+// query blocks), the block's first work slot in the view's numbering, and the sequence's first
+// query row and key as row offsets of the tensor-map coordinates. Built in shared memory by
+// thread 0 of the twin before the body runs.
+struct WgmmaVarlenView {
+    AttnParams a;
+    unsigned int slot;
+    int live;
+    int q_row0, k_row0;
+};
+
 template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
-          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP, typename V>
-__device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const VariantParams& vp) {
+          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP, typename V, bool VARLEN = false>
+__device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const VariantParams& vp,
+                                               const WgmmaVarlenView* vv = nullptr) {
     using Cfg = WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>;
     using Op = typename Cfg::Op;
     constexpr bool F32 = Cfg::F32;
     constexpr bool F16S = Cfg::F16S, TF32 = Cfg::TF32;
     static_assert(!(OVERLAP && TERMS == 3), "TERMS = 3 computes S with waits inside (scores3)");
-    const AttnParams& p = hp.a;
+    // VARLEN: the segment view (its pointers, lengths and query-block count) in place of the
+    // launch's parameters, and its row offsets on the tensor maps' row coordinates.
+    const AttnParams& p = *(VARLEN ? &vv->a : &hp.a);
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // Q buffers, K stages, V stages (float: V^T), each followed by its lo copies for 3xTF32
     // (Q_LO, KV_LO bytes on; 3xfp16: each hi panel followed by its lo panel, Q_LO, KV_LO bytes
@@ -522,7 +540,9 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         const unsigned int cm = static_cast<unsigned int>(hp.coord_mask);
         unsigned int it = 0;  // K/V tiles loaded so far: stage it % STAGES, its use it / STAGES
         unsigned int wi = 0;  // work items so far
-        WorkWalk<CAUSAL> walk(p);
+        WorkWalk<CAUSAL, VARLEN> walk(p, VARLEN ? vv->slot : blockIdx.x);
+        // Tensor-map row offsets: the sequence's first query row (t = 0) and key (t = 1, 2).
+        const int q_row0 = VARLEN ? vv->q_row0 : 0, k_row0 = VARLEN ? vv->k_row0 : 0;
         for (BlockCoord bc; walk.next(bc); ++wi) {
             const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
             int n_tiles = tiles_needed<CAUSAL, BN>(row0, Cfg::BM, sq, sk);
@@ -548,7 +568,8 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                 mbar_arrive_expect_tx(bar, bytes);
 #pragma unroll
                 for (int pn = 0; pn < Cfg::RAW_PANELS; ++pn)
-                    tma_load_5d(dst + pn * panel_bytes, map, pn * Cfg::RAW_EPP, row, c[t][0],
+                    tma_load_5d(dst + pn * panel_bytes, map, pn * Cfg::RAW_EPP,
+                                row + (t == 0 ? q_row0 : k_row0), c[t][0],
                                 c[t][1], c[t][2], bar);
             };
             // Q goes into its buffer once the consumers have computed the last scores of the item
@@ -862,7 +883,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         if (last) release(q_empty(wi % QSTAGES));
     };
 
-    WorkWalk<CAUSAL> walk(p);
+    WorkWalk<CAUSAL, VARLEN> walk(p, VARLEN ? vv->slot : blockIdx.x);
     for (BlockCoord bc; walk.next(bc); ++wi) {
         const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
         // This consumer's tiles and those every consumer computes (n_turns).
@@ -1021,7 +1042,10 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         // Under a causal mask a row whose O is not finite is written by exact_row_pv instead
         // (common.cuh: a NaN or inf in V at a key the row cannot see must not reach it); with a
         // variant (whose window, mask or -inf bias hides keys), by exact_row_pv_var.
-        constexpr bool REDO = CAUSAL || !V::PLAIN;
+        // VARLEN: the last key tile's rows past the sequence's keys hold the next sequence's
+        // keys and values (TMA loads rows up to the packed tensor's end), masked in the scores
+        // but multiplied by P = 0 in P V, so a NaN or inf there must not reach O either.
+        constexpr bool REDO = CAUSAL || !V::PLAIN || VARLEN;
         const BatchOffsets off = batch_offsets(p, bc.b);
         T* o = static_cast<T*>(p.o) + off.o;
         float inv_h[2];
@@ -1090,7 +1114,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                                 static_cast<float>(p.scale), mc, inv, o + row * p.o_sr);
                             continue;
                         }
-                        const int n_keys = max(0, min(sk, row + diag + 1));
+                        const int n_keys = CAUSAL ? max(0, min(sk, row + diag + 1)) : sk;
                         exact_row_pv<T>(static_cast<const T*>(p.q) + off.q + row * p.q_sr,
                                         static_cast<const T*>(p.k) + off.k, p.k_sr,
                                         static_cast<const T*>(p.v) + off.v, p.v_sr,
@@ -1124,6 +1148,49 @@ cuflash_fwd_wgmma_var(const __grid_constant__ HopperParams hp,
                       const __grid_constant__ VariantParams vp) {
     fwd_wgmma_body<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OVERLAP, PINGPONG, CAUSAL, OP,
                    V>(hp, vp);
+}
+
+// cuflash_fwd_wgmma_varlen: the plain policy on a packed variable-length batch (attention_varlen;
+// WgmmaVarlenView), same template arguments and launch configuration as cuflash_fwd_wgmma but one
+// work slot per block (no persistent loop): the grid is H x vl.slots (common.cuh: varlen_slot, a
+// compact numbering of each head's slots over the sequences; a slot is a query block, or under
+// the causal mask a pair of them), block h * slots + u is slot r of its owner's batch entry
+// b = s H + h, renumbered in the view as slot b * per_s + r of the sequence's own per_s slots,
+// and it leaves at once when r is past them.
+template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
+          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP = T>
+__global__ void __launch_bounds__(
+    WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>::THREADS, 1)
+cuflash_fwd_wgmma_varlen(const __grid_constant__ HopperParams hp,
+                         const __grid_constant__ VarlenParams vl) {
+    constexpr int BM = WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>::BM;
+    constexpr unsigned int ROWS = CAUSAL ? 2 * BM : BM;  // query rows of a slot
+    __shared__ WgmmaVarlenView view;
+    if (threadIdx.x < 32) {
+        const unsigned int slots = static_cast<unsigned int>(vl.slots);
+        const unsigned int h = blockIdx.x / slots, u = blockIdx.x % slots;
+        unsigned int r;
+        const unsigned int s = varlen_slot(vl.cu_q, static_cast<unsigned int>(hp.a.nb0), u, ROWS,
+                                           r);
+        if (threadIdx.x == 0) {
+            AttnParams a = hp.a;
+            const unsigned int b = s * static_cast<unsigned int>(a.nb1 * a.nb2) + h;
+            long long q0, k0;
+            fwd_varlen_move<T>(a, vl, b, q0, k0);
+            const unsigned int nm_s = static_cast<unsigned int>((a.sq + BM - 1) / BM);
+            const unsigned int per_s = CAUSAL ? (nm_s + 1) / 2 : nm_s;
+            a.n_mblocks = nm_s;
+            view.a = a;
+            view.slot = b * per_s + r;
+            view.live = r < per_s ? 1 : 0;
+            view.q_row0 = static_cast<int>(q0);
+            view.k_row0 = static_cast<int>(k0);
+        }
+    }
+    __syncthreads();
+    if (!view.live) return;
+    fwd_wgmma_body<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OVERLAP, PINGPONG, CAUSAL, OP,
+                   PlainVariant, true>(hp, VariantParams{}, &view);
 }
 
 }  // namespace cuflash

@@ -225,6 +225,102 @@ __device__ __forceinline__ BlockCoord block_coord_again(const AttnParams& p) {
     return block_coord(p, flat);
 }
 
+// Packed variable-length batches on the dense forward kernels (attention_varlen: the *_varlen
+// twins of cuflash_fwd_mma and cuflash_fwd_wgmma). The host launches the plain grid over a batch
+// (nb0, nb1, nb2) = (B sequences, Hkv, H / Hkv) with sq, sk = max_seqlen_q/k, n_mblocks =
+// ceil(max_seqlen_q / BM), batch stride 0 on axis 0 for every tensor and q, k, v, o, lse at the
+// packed tensors' row 0. fwd_varlen_segment turns the parameter block into the *segment view* of
+// the block's sequence s (batch index b = s * H + h, h the query head): sq, sk its lengths, q and
+// o moved to row cu_q[s], k and v to row cu_k[s], and lse (H, total_q), rows contiguous, head
+// stride lse_hs, moved so that the bodies' lse[b * sq + row] lands on lse[h * lse_hs + cu_q[s] +
+// row]. The body then runs unchanged: its loads zero-fill rows past sq and keys past sk, its
+// stores skip rows past sq, its causal mask is the sequence's bottom-right one. A query block
+// past the sequence's rows leaves at once (false).
+struct VarlenParams {
+    const int* cu_q;   // (B + 1,) int32 row offsets of the sequences into q, o and lse's rows
+    const int* cu_k;   // (B + 1,) into k and v
+    long long lse_hs;  // lse's head stride in elements
+    long long slots;   // the Hopper twin's work slots per head (varlen_slot); 0 for mma.sync
+};
+static_assert(sizeof(VarlenParams) == 4 * 8, "VarlenParams must match cuflash/_launch.py");
+
+// The Hopper twin's compact grid (cuflash_fwd_wgmma_varlen): per head, `slots` =
+// floor(total_q / U) + B work slots of U query rows each (U = BM, or 2 BM where a slot is a pair
+// of query blocks), sequence s owning the slots from start(s) = floor(cu_q[s] / U) + s on, of
+// which the first ceil(Sq_s / U) are live (ceil((b - a) / U) <= floor(b / U) - floor(a / U) + 1,
+// so sequences' slots never overlap), so at most B slots per head are dead, however the lengths
+// are spread (a grid sized from max_seqlen_q left half of it dead for lengths uniform in
+// 1..max). Warp 0 finds the owner of slot u: start(s) increases with s, so the owner is the
+// number of sequences with start(s) <= u, minus one, counted 32 at a time (one load per lane).
+// Returns the owner s and the slot's rank r within it (r may be past its live slots).
+__device__ __forceinline__ unsigned int varlen_slot(const int* cu_q, unsigned int nseq,
+                                                    unsigned int u, unsigned int rows,
+                                                    unsigned int& r) {
+    const unsigned int lane = threadIdx.x & 31u;
+    unsigned int count = 0;
+    for (unsigned int base = 0; base < nseq; base += 32) {
+        const unsigned int s = base + lane;
+        const bool in = s < nseq && static_cast<unsigned int>(cu_q[s]) / rows + s <= u;
+        const unsigned int bits = __ballot_sync(0xffffffffu, in);
+        count += __popc(bits);
+        if (bits != 0xffffffffu) break;
+    }
+    const unsigned int s = count - 1;  // count >= 1: start(0) = 0 <= u
+    r = u - (static_cast<unsigned int>(cu_q[s]) / rows + s);
+    return s;
+}
+
+// The segment view's moves for batch entry b (sequence b / H, head b % H): lengths, pointers, lse.
+// Returns the sequence's first query row and first key (cu_q[s], cu_k[s]).
+template <typename T>
+__device__ __forceinline__ void fwd_varlen_move(AttnParams& p, const VarlenParams& vl,
+                                                unsigned int ub, long long& q0, long long& k0) {
+    const unsigned int heads = static_cast<unsigned int>(p.nb1 * p.nb2);
+    const unsigned int s = ub / heads, h = ub % heads;
+    q0 = vl.cu_q[s];
+    k0 = vl.cu_k[s];
+    const long long sq = vl.cu_q[s + 1] - q0;
+    p.sq = sq;
+    p.sk = vl.cu_k[s + 1] - k0;
+    p.q = static_cast<const T*>(p.q) + q0 * p.q_sr;
+    p.o = static_cast<T*>(p.o) + q0 * p.o_sr;
+    p.k = static_cast<const T*>(p.k) + k0 * p.k_sr;
+    p.v = static_cast<const T*>(p.v) + k0 * p.v_sr;
+    if (p.lse != nullptr)
+        p.lse = p.lse + (static_cast<long long>(h) * vl.lse_hs + q0 -
+                         static_cast<long long>(ub) * sq);
+}
+
+// The view of the block's (sequence, head, query block) for a kernel with one query block per
+// block (block_coord); false when the query block lies past the sequence's rows.
+template <typename T>
+__device__ __forceinline__ bool fwd_varlen_segment(AttnParams& p, const VarlenParams& vl,
+                                                   int bm) {
+    const BlockCoord bc = block_coord(p);
+    long long q0, k0;
+    fwd_varlen_move<T>(p, vl, static_cast<unsigned int>(bc.b), q0, k0);
+    return bc.mblock * bm < p.sq;
+}
+
+// The segment view in shared memory, built by thread 0 (a barrier follows), so that a body reads
+// its fields as it reads kernel parameters instead of holding the moved pointers and lengths in
+// registers through its loops (as the backward's bwd_varlen_segment_shared). Null: the block's
+// query rows lie past its sequence's (every thread of the block gets the same answer).
+template <typename T>
+__device__ __forceinline__ const AttnParams* fwd_varlen_segment_shared(const AttnParams& p_in,
+                                                                       const VarlenParams& vl,
+                                                                       int bm) {
+    __shared__ AttnParams view;
+    __shared__ int live;
+    if (threadIdx.x == 0) {
+        AttnParams p = p_in;
+        live = fwd_varlen_segment<T>(p, vl, bm) ? 1 : 0;
+        view = p;
+    }
+    __syncthreads();
+    return live ? &view : nullptr;
+}
+
 // Keys a block of query rows [row0, row0 + rows) needs: all of them, or under the causal mask up
 // to the last row's last visible key. Tiles past it are never loaded.
 template <bool CAUSAL>

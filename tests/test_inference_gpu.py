@@ -342,3 +342,184 @@ def test_decode_nonfinite(where, sk, h, hkv):
     assert np.array_equal(np.isnan(oh), np.isnan(rule.o_ref)), "NaN positions differ"
     verdict = rule.judge(oh)
     assert verdict.passed, "; ".join(verdict.reasons)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen on the dense mma.sync forward (kernel="tensorcore": cuflash_fwd_mma_varlen)
+
+def _dense_varlen_skip(dtype, kernel="tensorcore", d=128):
+    _skip(dtype)
+    if _cc() < 80:
+        pytest.skip("the mma.sync kernel needs compute capability 8.0")
+    if kernel == "hopper" and _cc() != 90:
+        pytest.skip("the Hopper kernel runs on compute capability 9.0")
+    if kernel == "hopper" and d < 64:
+        pytest.skip("the Hopper kernel takes head dims from 64")
+
+
+DENSE_VARLEN_KERNELS = ["tensorcore", "hopper"]
+
+
+def _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, causal, kernel="tensorcore",
+                       o=None, lse=None):
+    cp = cupy()
+    h = q.shape[1]
+    gq, gk, gv = (x if isinstance(x, cp.ndarray) else to_gpu(x, dtype) for x in (q, k, v))
+    o = poisoned((gq.shape[0], h, gv.shape[2]), dtype) if o is None else o
+    lse = poisoned((h, gq.shape[0]), "float32") if lse is None else lse
+    args = (gq, gk, gv, cp.asarray(cu_q), cp.asarray(cu_k), max(1, max(lens_q)),
+            max(1, max(lens_k)))
+    label = cuflash.varlen_dispatch_info(*args, causal=causal, kernel=kernel)
+    res = cuflash.attention_varlen(*args, causal=causal, return_lse=True, out=(o, lse),
+                                   kernel=kernel)
+    assert res[0] is o and res[1] is lse
+    cp.cuda.get_current_stream().synchronize()
+    return o, lse, label
+
+
+@pytest.mark.parametrize("kernel", DENSE_VARLEN_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("h,hkv,d,lens_q,lens_k", [
+    (8, 8, 128, (1, 7, 113, 1000), (1, 7, 113, 1000)),        # tails; > 2 tiles of 128 rows
+    (32, 8, 128, (1, 300, 5, 2000), (64, 300, 7, 2000)),      # Sq != Sk; GQA
+    (4, 1, 64, (3, 0, 17, 1), (3, 9, 0, 1)),                  # no queries; no keys; MQA
+    (16, 4, 256, (250, 1), (250, 4096)),
+    (6, 2, 96, (129, 64, 65), (40, 700, 65)),                 # Sq > Sk (rows that see no key)
+    (2, 2, 32, (1000, 1, 33), (1, 1000, 33)),                 # D = 32 in the 64 bucket
+])
+def test_varlen_dense(h, hkv, d, lens_q, lens_k, dtype, causal, kernel):
+    """The dense varlen forwards against the float64 reference per sequence, NaN-poisoned o and
+    lse; the label names the varlen twin."""
+    _dense_varlen_skip(dtype, kernel, d)
+    rng = _rng("varlen-dense", h, hkv, d, lens_q, dtype, causal, kernel)
+    q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens_q), np.array(lens_k), h, hkv, d, dtype)
+    o, lse, label = _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, causal,
+                                       kernel=kernel)
+    assert label.startswith(f"varlen-{kernel}<"), label
+    check_varlen_result(to_host64(o), to_host64(lse), q, k, v, cu_q, cu_k, causal=causal,
+                        dtype=dtype)
+
+
+@pytest.mark.parametrize("kernel", DENSE_VARLEN_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("where", ["v-nan", "v-inf", "k-inf", "q-nan"])
+def test_varlen_dense_neighbours_nonfinite(where, causal, kernel):
+    """NaN / inf in the rows just past a sequence's keys (the next sequence's first key, the rows
+    past cu_seqlens[-1]) reach no other sequence: sequence 1's first key and the trailing rows
+    hold the poison; sequences 0 and 2 must pass, the trailing o rows stay unwritten. (The
+    Hopper twin's tensor maps load those rows into the last tiles: masked in the scores, and
+    O rows made non-finite by P = 0 times a non-finite V are recomputed exactly.)"""
+    dtype = "float16"
+    _dense_varlen_skip(dtype, kernel)
+    rng = _rng("varlen-dense-nonfinite", where, causal, kernel)
+    h, hkv, d = 4, 2, 128
+    lens_q, lens_k = (50, 70, 33), (45, 90, 40)     # short tiles: the poison sits in a tile tail
+    q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens_q), np.array(lens_k), h, hkv, d, dtype)
+    pad = 20   # rows of no sequence after the last one
+    q = np.concatenate([q, _rnd(rng, (pad, h, d), dtype)])
+    k = np.concatenate([k, _rnd(rng, (pad, hkv, d), dtype)])
+    v = np.concatenate([v, _rnd(rng, (pad, hkv, d), dtype)])
+    bad = np.nan if where.endswith("nan") else np.inf
+    x = {"v": v, "k": k, "q": q}[where[0]]
+    first = int((cu_q if where[0] == "q" else cu_k)[1])
+    x[first, :, 3] = bad                 # sequence 1's first row
+    x[-pad:, :, :] = bad                 # every row past cu_seqlens[-1]
+    o, lse, _ = _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, causal,
+                                   kernel=kernel)
+    oh, lh = to_host64(o), to_host64(lse)
+    check_varlen_result(oh, lh, q, k, v, cu_q, cu_k, causal=causal, dtype=dtype, skip=(1,))
+    assert np.isnan(oh[-pad:]).all() and np.isnan(lh[:, -pad:]).all(), \
+        "rows of no sequence were written"
+
+
+@pytest.mark.parametrize("kernel", DENSE_VARLEN_KERNELS)
+def test_varlen_dense_strided_views_and_lse_layout(kernel):
+    """Packed q, k, v as views of wider buffers (a head slice of a fused qkv, padded rows), o and
+    lse with padded strides: every sequence passes and the padding is untouched."""
+    dtype = "bfloat16"
+    _dense_varlen_skip(dtype, kernel)
+    cp = cupy()
+    rng = _rng("varlen-dense-strided")
+    h, hkv, d = 8, 2, 64
+    lens_q, lens_k = (1, 200, 7, 513), (9, 200, 300, 513)
+    q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens_q), np.array(lens_k), h, hkv, d, dtype)
+    tq, tk = q.shape[0], k.shape[0]
+    qkv = to_gpu(np.concatenate([q, _rnd(rng, (tq, 3, d), dtype)], axis=1), dtype)  # (tq, h+3, d)
+    kv = to_gpu(np.concatenate([k, v], axis=1), dtype)                             # (tk, 2hkv, d)
+    gq, gk, gv = qkv[:, :h], kv[:, :hkv], kv[:, hkv:]
+    o_full = poisoned((tq, h + 1, d), dtype)
+    lse_full = poisoned((h, tq + 3), "float32")
+    o, lse, _ = _dense_varlen_call(gq, gk, gv, cu_q, cu_k, lens_q, lens_k, dtype, True,
+                                   kernel=kernel, o=o_full[:, 1:], lse=lse_full[:, :tq])
+    check_varlen_result(to_host64(o), to_host64(lse), q, k, v, cu_q, cu_k, causal=True,
+                        dtype=dtype)
+    assert np.isnan(to_host64(o_full[:, 0])).all() and np.isnan(to_host64(lse_full[:, tq:])).all()
+
+
+@pytest.mark.parametrize("kernel", DENSE_VARLEN_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_dense_bits_equal_dense_attention(causal, kernel):
+    """Each sequence's o and lse bit for bit what `attention(kernel=...)` gives on that sequence
+    alone with the same tiles (the same kernel body on the segment view)."""
+    from cuflash import _dispatch
+
+    dtype = "float16"
+    _dense_varlen_skip(dtype, kernel)
+    cp = cupy()
+    rng = _rng("varlen-dense-bits", causal, kernel)
+    h, hkv, d = 8, 4, 128
+    lens_q, lens_k = (300, 1, 129), (300, 77, 1000)
+    q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens_q), np.array(lens_k), h, hkv, d, dtype)
+    o, lse, label = _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, causal,
+                                       kernel=kernel)
+    for s in range(len(lens_q)):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        qs, ks, vs = (to_gpu(np.ascontiguousarray(x.transpose(1, 0, 2))[None], dtype)
+                      for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        if kernel == "hopper":
+            # the tiles the twin took (chosen for max_seqlen), not those of this sequence alone
+            plan = _dispatch.varlen_hopper_plan(dtype, d, causal, max(lens_q), max(lens_k))
+            assert label == plan.label
+            dense = _dispatch.hopper_plan(dtype, d, causal, max(lens_k), sq=max(lens_q))
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_dispatch, "hopper_plan", lambda *a, **kw: dense)
+                o1, l1 = cuflash.attention(qs, ks, vs, causal=causal, return_lse=True,
+                                           kernel="hopper")
+        else:
+            o1, l1 = cuflash.attention(qs, ks, vs, causal=causal, return_lse=True,
+                                       kernel="tensorcore")
+        assert cp.array_equal(cp.ascontiguousarray(o1[0].transpose(1, 0, 2)).view(cp.uint16),
+                              cp.ascontiguousarray(o[q0:q1]).view(cp.uint16)), \
+            f"sequence {s}: o bits differ"
+        assert cp.array_equal(l1[0], lse[:, q0:q1]), f"sequence {s}: lse differs"
+
+
+@pytest.mark.parametrize("kernel", DENSE_VARLEN_KERNELS)
+def test_varlen_auto_dispatch(monkeypatch, kernel):
+    """kernel="auto": prefill-like calls take the dense twin when VARLEN_DENSE_AUTO is on (the
+    Hopper one with VARLEN_HOPPER_AUTO; the same bits as naming it), decode-like ones stay on
+    the decode family."""
+    from cuflash import _varlen
+
+    dtype = "float16"
+    _dense_varlen_skip(dtype, kernel)
+    cp = cupy()
+    rng = _rng("varlen-auto", kernel)
+    h, hkv, d = 8, 2, 128
+    monkeypatch.setattr(_varlen, "VARLEN_HOPPER_AUTO", kernel == "hopper")
+    for lens_q, lens_k, dense in (((100, 3), (100, 50), True), ((1, 1, 1), (500, 7, 30), False)):
+        q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens_q), np.array(lens_k), h, hkv, d,
+                                          dtype)
+        for flag in (False, True):
+            monkeypatch.setattr(_varlen, "VARLEN_DENSE_AUTO", flag)
+            o, lse, label = _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, True,
+                                               kernel="auto")
+            assert label.startswith(f"varlen-{kernel}<" if flag and dense else "decode<"), label
+            check_varlen_result(to_host64(o), to_host64(lse), q, k, v, cu_q, cu_k, causal=True,
+                                dtype=dtype)
+            if flag and dense:
+                o2, lse2, _ = _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, True,
+                                                 kernel=kernel)
+                assert cp.array_equal(o.view(cp.uint16), o2.view(cp.uint16))
+                assert cp.array_equal(lse, lse2)

@@ -127,11 +127,15 @@ def test_kvcache_workspace_layout(snew, seqlens_int, page):
 
 
 def test_varlen_workspace_layout():
-    prob = types.SimpleNamespace(dtype_name="bfloat16", d=64, causal=True, nseq=2, h=16, hkv=4,
-                                 max_q=3, max_k=60000)
+    prob = types.SimpleNamespace(dtype_name="bfloat16", d=64, dv=64, causal=True, nseq=2, h=16,
+                                 hkv=4, max_q=3, max_k=60000, kernel="auto")
     plan, cfg, need = _varlen.varlen_launch(prob, ATTRS)
     assert cfg == _decode.configure(plan, (1, 2, 4), 4, 3, 60000, 64, ATTRS)
     assert cfg.splits > 1 and need == _formula(8, cfg.splits, 12, 64)
+    # the dense mma.sync twin (kernel="tensorcore") needs no workspace
+    prob.kernel = "tensorcore"
+    plan, cfg, need = _varlen.varlen_launch(prob, ATTRS)
+    assert plan.label.startswith("varlen-tensorcore<") and cfg is None and need == 0
 
 
 # ---------------------------------------------------------------------------------------------

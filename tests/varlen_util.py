@@ -14,19 +14,30 @@ def make_varlen(rng, lens_q, lens_k, h, hkv, d, dtype):
     return q, k, v, cu_q, cu_k
 
 
-def check_varlen_result(o, lse, q, k, v, cu_q, cu_k, *, causal, dtype):
-    """Each sequence of o (total_q, H, Dv) under the pass rule; lse (H, total_q) tightly."""
+def check_varlen_result(o, lse, q, k, v, cu_q, cu_k, *, causal, dtype, skip=()):
+    """Each sequence of o (total_q, H, Dv) under the pass rule; lse (H, total_q) tightly.
+    Sequences in `skip` (indices) are not judged, and rows past cu_q[-1] not looked at."""
+    n = int(cu_q[-1])
+    keep = np.ones(n, bool)
+    for s in skip:
+        keep[int(cu_q[s]):int(cu_q[s + 1])] = False
+    o, lse = o[:n][keep], lse[:, :n][:, keep]
     assert not np.isnan(o).any(), f"{int(np.isnan(o).sum())} output elements NaN (unwritten?)"
     assert not np.isnan(lse).any(), "lse has NaN (unwritten?)"
     o_ref, lse_ref = reference.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal)
+    o_ref, lse_ref = o_ref[:n][keep], lse_ref[:, :n][:, keep]
+    rows = np.cumsum(keep) - 1   # row of the packed batch -> row of the kept arrays
     for s in range(cu_q.size - 1):
         q0, q1, k0, k1 = (int(x) for x in (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]))
-        if q1 == q0:
+        if q1 == q0 or s in skip:
             continue
+        q0, q1 = int(rows[q0]), int(rows[q1 - 1]) + 1
+        k0, k1 = int(cu_k[s]), int(cu_k[s + 1])
         if k1 == k0:
             assert np.all(o[q0:q1] == 0) and np.all(np.isneginf(lse[:, q0:q1]))
             continue
-        qt, kt, vt = (x.transpose(1, 0, 2) for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        qs = q[int(cu_q[s]):int(cu_q[s + 1])]
+        qt, kt, vt = (x.transpose(1, 0, 2) for x in (qs, k[k0:k1], v[k0:k1]))
         rule = reference.pass_threshold(qt, kt, vt, causal=causal, dtype=dtype,
                                         o_ref=o_ref[q0:q1].transpose(1, 0, 2))
         verdict = rule.judge(o[q0:q1].transpose(1, 0, 2))
