@@ -19,16 +19,28 @@ from __future__ import annotations
 from ._dispatch import _CXX_TYPE, Plan, Specialisation
 
 
-def policy_name(variant) -> str:
+#: softcap's reciprocal on the FMA pipe (variants.cuh: rcp_fma, ``SC_FORM = 1``) instead of the
+#: MUFU's rcp.approx in the fast softcap of the tensor-core kernels (the mma.sync and Hopper
+#: forwards, the mma.sync backward: one policy type for all, so the backward recomputes the
+#: forward's logits with the same instructions). Two MUFU operations per softcapped score instead
+#: of three, 7 more FMA-pipe ones (notes/VARIANTS.md, "softcap's MUFU budget"). Off until the
+#: H200 measures it against the MUFU form (benchmarks/bench_variants.py --softcap-forms).
+SOFTCAP_RCP_FMA = False
+
+
+def policy_name(variant, fast: bool = True) -> str:
     """The C++ policy type of a `cuflash.variants.Variant`, e.g.
-    ``cuflash::Variant<true, false, false, cuflash::NoBias, false>``."""
+    ``cuflash::Variant<true, false, false, cuflash::NoBias, false>`` (with softcap under
+    SOFTCAP_RCP_FMA a sixth argument, ``1``: its reciprocal's form; not for the generic kernels,
+    ``fast=False``, whose softcap is tanh in the accumulator type)."""
     b = "true" if variant.has_window else "false"
     s = "true" if variant.softcap else "false"
     a = "true" if variant.alibi_slopes is not None else "false"
     m = "true" if variant.mask is not None else "false"
     bias = ("cuflash::NoBias" if variant.bias is None
             else _CXX_TYPE[_dtype_name(variant.bias.dtype)])
-    base = f"cuflash::Variant<{b}, {s}, {a}, {bias}, {m}>"
+    form = ", 1" if variant.softcap and SOFTCAP_RCP_FMA and fast else ""
+    base = f"cuflash::Variant<{b}, {s}, {a}, {bias}, {m}{form}>"
     if not getattr(variant, "has_mods", False):
         return base
     from .mods import hook_type   # user hooks wrap the built-in policy (variants.cuh)
@@ -51,13 +63,13 @@ def _dtype_name(dt):
     return np.dtype(dt).name
 
 
-def policy_label(variant) -> str:
+def policy_label(variant, fast: bool = True) -> str:
     """The variant's parts for a plan label, e.g. ``window,softcap,bias<float16>``."""
     parts = []
     if variant.has_window:
         parts.append("window")
     if variant.softcap:
-        parts.append("softcap")
+        parts.append("softcap<fma-rcp>" if SOFTCAP_RCP_FMA and fast else "softcap")
     if variant.alibi_slopes is not None:
         parts.append("alibi")
     if variant.bias is not None:
@@ -80,8 +92,9 @@ def generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, variant
 
     base = generic_plan(dtype_name, d, dv, causal)
     name = (base.spec.name.replace("cuflash_fwd_generic<", "cuflash_fwd_generic_var<")[:-1]
-            + f", {policy_name(variant)}>")
-    label = base.label[:-1] + f",{policy_label(variant)}>" + (f" ({reason})" if reason else "")
+            + f", {policy_name(variant, fast=False)}>")
+    label = (base.label[:-1] + f",{policy_label(variant, fast=False)}>"
+             + (f" ({reason})" if reason else ""))
     return dataclasses.replace(base, label=label, spec=Specialisation(
         base.spec.family, name, extra_source=_hook_source(variant)))
 
@@ -399,7 +412,7 @@ def bwd_generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, var
     from ._dispatch import bwd_generic_plan
 
     base = bwd_generic_plan(dtype_name, d, dv, causal)
-    pol, tag = policy_name(variant), policy_label(variant)
+    pol, tag = policy_name(variant, fast=False), policy_label(variant, fast=False)
     passes = []
     for grid, plan in base.passes:
         name = plan.spec.name.replace("_generic<", "_generic_var<")[:-1] + f", {pol}>"
@@ -554,6 +567,46 @@ def tensorcore_variant_backward_compile_specs(compute_capability: int = 90):
         add(dt, 64, True, False, _with_mods(_Spec(window=True, alibi=True), cap, doc))
     add("float16", 64, True, True, _with_mods(_Spec(window=True, softcap=True, alibi=True,
                                                     bias="float32", mask=True), cap, doc))
+    return out
+
+
+def softcap_form_compile_specs(compute_capability: int = 90):
+    """The specialisations of softcap's FMA-pipe reciprocal (SOFTCAP_RCP_FMA, variants.cuh:
+    ``SC_FORM = 1``) the compile check builds (sm_90 / sm_90a), built with the flag on whatever
+    its value: the Hopper forward (float16 D64, D128, D256 softcap alone under causal, D128 the
+    positional parts and all five with and without causal, bfloat16 D128 all five), the mma.sync
+    forward (float16 and bfloat16 D64 and D128: softcap alone and all five, causal) and the
+    mma.sync backward (float16 and bfloat16 D64 and D128: softcap alone, all five with and
+    without deterministic, causal)."""
+    global SOFTCAP_RCP_FMA
+    cc = compute_capability
+    out = []
+    sc = _Spec(softcap=True)
+    positional = _Spec(window=True, softcap=True, alibi=True)
+    every = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
+    was = SOFTCAP_RCP_FMA
+    SOFTCAP_RCP_FMA = True
+    try:
+        def add(spec):
+            if spec not in out:
+                out.append(spec)
+        for d in (64, 128, 256):
+            add(hopper_variant_plan("float16", d, True, 1024, sc).spec)
+        for causal in (False, True):
+            add(hopper_variant_plan("float16", 128, causal, 1024, positional).spec)
+            add(hopper_variant_plan("float16", 128, causal, 1024, every).spec)
+        add(hopper_variant_plan("bfloat16", 128, True, 1024, every).spec)
+        for dt in ("float16", "bfloat16"):
+            for d in (64, 128):
+                for pol in (sc, every):
+                    add(tensorcore_variant_plan(dt, d, True, cc, pol).spec)
+                for pol, det in ((sc, False), (every, False), (every, True)):
+                    for _, plan in bwd_tensorcore_variant_plan(dt, d, True, det, cc,
+                                                               pol).passes:
+                        if "_var<" in plan.spec.name:
+                            add(plan.spec)
+    finally:
+        SOFTCAP_RCP_FMA = was
     return out
 
 

@@ -54,6 +54,18 @@ static_assert(sizeof(VariantParams) == 26 * 8, "VariantParams must match cuflash
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
+// 1 / y on the FMA pipe for y in [1, 2^64] (and NaN: NaN): an integer first guess (relative
+// error < 1/8 over every binade) and three Newton steps r += r (1 - y r), each two FFMA, which
+// square the error (2^-3 -> 2^-6 -> 2^-12 -> 2^-24, then the steps' own roundings): max relative
+// error 1.0007 2^-24 over the range (tests/test_softcap_rcp_cpu.py models it in float32 against
+// float64 over every binade). 7 FMA-pipe instructions and no MUFU (rcp.approx: one MUFU).
+__device__ __forceinline__ float rcp_fma(float y) {
+    float r = __int_as_float(0x7ef311c3 - __float_as_int(y));
+#pragma unroll
+    for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-y, r, 1.f), r);
+    return r;
+}
+
 // c tanh(x / c) for the tensor-core kernels, with k = 2 log2(e) / c: c (1 - 2 / (1 + 2^(k x))),
 // two MUFU operations (ex2, rcp) and three FMA-pipe ones instead of tanhf's branchy sequence.
 // Its error is absolute, a few units of 2^-22 c (ex2.approx and rcp.approx), which is what a
@@ -62,14 +74,34 @@ __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 // softcap_fast_r gives r = 1 / (1 + 2^(k x)), shared by the forward (softcap_fast) and the
 // tensor-core backward (score_grad_tc), which also forms the derivative from it:
 // 1 - tanh^2(x / c) = (1 - tanh)(1 + tanh) = 4 r (1 - r), with no cancellation near saturation.
+//
+// FORM (Variant's SC_FORM; cuflash/_dispatch_variants.py: SOFTCAP_RCP_FMA): 0 = the reciprocal
+// on the MUFU pipe (rcp.approx), 1 = on the FMA pipe (rcp_fma below). With FORM 0 a softcapped
+// score costs three MUFU operations (this ex2 and rcp, and the softmax's ex2) against one for a
+// plain score; the MUFU pipe does 16 per clock per SM on Hopper (8 clocks a warp instruction per
+// SM sub-partition), so the softcap's part of the softmax runs back to back on that pipe (the SASS
+// of the Hopper D = 128 forward: 128 MUFU in a row per thread and tile) with the FMA pipe idle.
+// FORM 1 moves the reciprocal to the FMA pipe: two MUFU per score, 7 more FMA-pipe instructions
+// (notes/VARIANTS.md, "softcap's MUFU budget").
+template <int FORM = 0>
 __device__ __forceinline__ float softcap_fast_r(float x, float k) {
     float e, r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * k));
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+    if constexpr (FORM == 0) {
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * k));
+        asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+    } else {
+        // The exponent clamped at 64 (NaN kept: min.NaN), so that 1 + e <= 2^64 stays finite for
+        // rcp_fma; there r = 2^-64 and c (1 - 2 r) rounds to c, as the unclamped form gives.
+        float z;
+        asm("min.NaN.f32 %0, %1, 64.0;" : "=f"(z) : "f"(x * k));
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z));
+        r = rcp_fma(1.f + e);
+    }
     return r;
 }
+template <int FORM = 0>
 __device__ __forceinline__ float softcap_fast(float x, float c, float k) {
-    return fmaf(-2.f * c, softcap_fast_r(x, k), c);
+    return fmaf(-2.f * c, softcap_fast_r<FORM>(x, k), c);
 }
 
 // One element of a bias or mask tensor for the tensor-core kernels, as a float / a byte, through
@@ -105,7 +137,9 @@ struct NoBias {};   // BiasT of a policy without a bias tensor
 template <typename B> struct IsNoBias { static constexpr bool value = false; };
 template <> struct IsNoBias<NoBias> { static constexpr bool value = true; };
 
-template <bool WINDOW, bool SOFTCAP, bool ALIBI, typename BiasT, bool MASK>
+// SC_FORM: softcap's reciprocal in the fast form (softcap_fast_r: 0 MUFU, 1 FMA pipe); the
+// plain policy and every policy without softcap keep 0 (their names do not carry it).
+template <bool WINDOW, bool SOFTCAP, bool ALIBI, typename BiasT, bool MASK, int SC_FORM = 0>
 struct Variant {
     static constexpr bool HAS_BIAS = !IsNoBias<BiasT>::value;
     static constexpr bool PLAIN = !WINDOW && !SOFTCAP && !ALIBI && !HAS_BIAS && !MASK;
@@ -181,7 +215,7 @@ struct Variant {
     template <bool FAST>
     __device__ __forceinline__ float score_tc(float t, long long i, int j, float dist) const {
         if constexpr (SOFTCAP) {
-            if constexpr (FAST) t = softcap_fast(t, cap_f, k_f);
+            if constexpr (FAST) t = softcap_fast<SC_FORM>(t, cap_f, k_f);
             else t = cap_f * tanhf(t * inv_f);
         }
         if constexpr (ALIBI) t -= slope * fabsf(dist);
@@ -197,7 +231,7 @@ struct Variant {
         ds = 1.f;
         if constexpr (SOFTCAP) {
             if constexpr (FAST) {
-                const float r = softcap_fast_r(t, k_f);
+                const float r = softcap_fast_r<SC_FORM>(t, k_f);
                 t = fmaf(-2.f * cap_f, r, cap_f);
                 ds = 4.f * r * (1.f - r);
             } else {
