@@ -27,21 +27,33 @@ from ._dispatch import _CXX_TYPE, Plan, Specialisation
 #: H200 measures it against the MUFU form (benchmarks/bench_variants.py --softcap-forms).
 SOFTCAP_RCP_FMA = False
 
+#: The softmax scale fused into the variant's transform in the tensor-core kernels (variants.cuh:
+#: score_x, ``FORM`` bit 2): softcap's exponent takes the raw product (one FMUL fewer per score),
+#: ALiBi's and a bias's addition is one FFMA with it (ALiBi under causal without |.|: two FMA-pipe
+#: instructions per score instead of three), and a policy without a transform (window, mask) keeps
+#: raw scores and the plain kernel's softmax units (no FMUL per score). Not for user hooks. Off
+#: until the H200 measures it (benchmarks/bench_variants.py --impl base,fused).
+VARIANT_FUSED_SCALE = False
+
 
 def policy_name(variant, fast: bool = True) -> str:
     """The C++ policy type of a `cuflash.variants.Variant`, e.g.
     ``cuflash::Variant<true, false, false, cuflash::NoBias, false>`` (with softcap under
-    SOFTCAP_RCP_FMA a sixth argument, ``1``: its reciprocal's form; not for the generic kernels,
-    ``fast=False``, whose softcap is tanh in the accumulator type)."""
+    SOFTCAP_RCP_FMA and / or VARIANT_FUSED_SCALE a sixth argument, the FORM bits 1 / 2 of
+    variants.cuh; not for the generic kernels, ``fast=False``, whose softcap is tanh in the
+    accumulator type and whose scores are scaled in it)."""
     b = "true" if variant.has_window else "false"
     s = "true" if variant.softcap else "false"
     a = "true" if variant.alibi_slopes is not None else "false"
     m = "true" if variant.mask is not None else "false"
     bias = ("cuflash::NoBias" if variant.bias is None
             else _CXX_TYPE[_dtype_name(variant.bias.dtype)])
-    form = ", 1" if variant.softcap and SOFTCAP_RCP_FMA and fast else ""
+    hooks = getattr(variant, "has_mods", False)
+    bits = (((1 if variant.softcap and SOFTCAP_RCP_FMA else 0)
+             | (2 if VARIANT_FUSED_SCALE and not hooks else 0)) if fast else 0)
+    form = f", {bits}" if bits else ""
     base = f"cuflash::Variant<{b}, {s}, {a}, {bias}, {m}{form}>"
-    if not getattr(variant, "has_mods", False):
+    if not hooks:
         return base
     from .mods import hook_type   # user hooks wrap the built-in policy (variants.cuh)
     sm = "true" if variant.score_mod is not None else "false"
@@ -79,6 +91,8 @@ def policy_label(variant, fast: bool = True) -> str:
     for name, hook in (("score_mod", variant.score_mod), ("mask_mod", variant.mask_mod)):
         if hook is not None:   # user hooks, named by their code's hash
             parts.append(f"{name}[{hook.digest[:8]}]")
+    if fast and VARIANT_FUSED_SCALE and not getattr(variant, "has_mods", False):
+        parts.append("fused-scale")
     return ",".join(parts)
 
 
@@ -570,43 +584,50 @@ def tensorcore_variant_backward_compile_specs(compute_capability: int = 90):
     return out
 
 
-def softcap_form_compile_specs(compute_capability: int = 90):
-    """The specialisations of softcap's FMA-pipe reciprocal (SOFTCAP_RCP_FMA, variants.cuh:
-    ``SC_FORM = 1``) the compile check builds (sm_90 / sm_90a), built with the flag on whatever
-    its value: the Hopper forward (float16 D64, D128, D256 softcap alone under causal, D128 the
-    positional parts and all five with and without causal, bfloat16 D128 all five), the mma.sync
-    forward (float16 and bfloat16 D64 and D128: softcap alone and all five, causal) and the
-    mma.sync backward (float16 and bfloat16 D64 and D128: softcap alone, all five with and
-    without deterministic, causal)."""
-    global SOFTCAP_RCP_FMA
+def form_compile_specs(compute_capability: int = 90):
+    """The specialisations of the tensor-core kernels' non-default forms the compile check builds
+    (sm_90 / sm_90a), built with their flags on whatever their values: softcap's FMA-pipe
+    reciprocal (SOFTCAP_RCP_FMA, FORM 1) and with it the fused scale (VARIANT_FUSED_SCALE, FORM
+    3) on softcap alone and on all five parts, and the fused scale alone (FORM 2) on softcap,
+    ALiBi, window, bias and all five. The Hopper forward: float16 D64, D128 and D256 each part
+    alone under causal, D128 the positional parts and all five with and without causal, bfloat16
+    D128 all five; the mma.sync forward and backward: float16 and bfloat16 D64 and D128, each part
+    alone and all five under causal (the backward's all five also deterministic)."""
+    global SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE
     cc = compute_capability
     out = []
-    sc = _Spec(softcap=True)
+    sc, al = _Spec(softcap=True), _Spec(alibi=True)
+    wi, bi = _Spec(window=True), _Spec(bias="float16")
     positional = _Spec(window=True, softcap=True, alibi=True)
     every = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
-    was = SOFTCAP_RCP_FMA
-    SOFTCAP_RCP_FMA = True
+    was = SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE
+
+    def add(spec):
+        if spec not in out:
+            out.append(spec)
+
     try:
-        def add(spec):
-            if spec not in out:
-                out.append(spec)
-        for d in (64, 128, 256):
-            add(hopper_variant_plan("float16", d, True, 1024, sc).spec)
-        for causal in (False, True):
-            add(hopper_variant_plan("float16", 128, causal, 1024, positional).spec)
-            add(hopper_variant_plan("float16", 128, causal, 1024, every).spec)
-        add(hopper_variant_plan("bfloat16", 128, True, 1024, every).spec)
-        for dt in ("float16", "bfloat16"):
-            for d in (64, 128):
-                for pol in (sc, every):
-                    add(tensorcore_variant_plan(dt, d, True, cc, pol).spec)
-                for pol, det in ((sc, False), (every, False), (every, True)):
-                    for _, plan in bwd_tensorcore_variant_plan(dt, d, True, det, cc,
-                                                               pol).passes:
-                        if "_var<" in plan.spec.name:
-                            add(plan.spec)
+        for rcp, fused, parts in ((True, False, (sc, every)), (True, True, (sc, every)),
+                                  (False, True, (sc, al, wi, bi, every))):
+            SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE = rcp, fused
+            for pol in parts:
+                for d in (64, 128, 256):
+                    add(hopper_variant_plan("float16", d, True, 1024, pol).spec)
+            for causal in (False, True):
+                add(hopper_variant_plan("float16", 128, causal, 1024, positional).spec)
+                add(hopper_variant_plan("float16", 128, causal, 1024, every).spec)
+            add(hopper_variant_plan("bfloat16", 128, True, 1024, every).spec)
+            for dt in ("float16", "bfloat16"):
+                for d in (64, 128):
+                    for pol in parts:
+                        add(tensorcore_variant_plan(dt, d, True, cc, pol).spec)
+                    for pol, det in [(x, False) for x in parts] + [(every, True)]:
+                        for _, plan in bwd_tensorcore_variant_plan(dt, d, True, det, cc,
+                                                                   pol).passes:
+                            if "_var<" in plan.spec.name:
+                                add(plan.spec)
     finally:
-        SOFTCAP_RCP_FMA = was
+        SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE = was
     return out
 
 

@@ -1,6 +1,8 @@
-"""CPU models of softcap's fast form with the reciprocal on the FMA pipe (kernels_cu/variants.cuh:
-rcp_fma, softcap_fast_r<1>; _dispatch_variants.SOFTCAP_RCP_FMA), against float64 over the whole
-input range, and its dispatch (names, labels, the compile set).
+"""CPU models of the tensor-core kernels' variant forms behind flags, against float64 over the
+whole input range, and their dispatch (names, labels, the compile set): softcap's fast form with
+the reciprocal on the FMA pipe (kernels_cu/variants.cuh: rcp_fma, softcap_fast_r<1>;
+_dispatch_variants.SOFTCAP_RCP_FMA) and the fused scale (score_x, fused_score;
+VARIANT_FUSED_SCALE): ALiBi's causal form, the bias's and softcap's fused products.
 
 The model runs the kernel's instruction sequence in float32 (each fmaf as one rounding of the
 exact float64 product-sum, the integer first guess on the bits). ex2.approx cannot be modelled
@@ -137,16 +139,69 @@ def test_softcap_form_dispatch(monkeypatch):
         DV.hopper_variant_plan("float16", 128, True, 4096, alibi).spec
 
 
-def test_softcap_form_compile_set():
-    """The compile check builds the FMA form whatever the flag (precompile's sm_90 list), and
-    leaves the flag as it was."""
+def test_form_compile_set():
+    """The compile check builds the forms behind flags whatever the flags (precompile's sm_90
+    list), FORM 1, 2 and 3, and leaves the flags as they were."""
     from cuflash import _dispatch_variants as DV
     from cuflash import precompile
-    was = DV.SOFTCAP_RCP_FMA
-    specs = DV.softcap_form_compile_specs(90)
-    assert DV.SOFTCAP_RCP_FMA == was
-    assert specs and all(", 1>" in s.name for s in specs)
+    was = DV.SOFTCAP_RCP_FMA, DV.VARIANT_FUSED_SCALE
+    specs = DV.form_compile_specs(90)
+    assert (DV.SOFTCAP_RCP_FMA, DV.VARIANT_FUSED_SCALE) == was
+    for bits in (1, 2, 3):
+        assert any(f", {bits}>" in s.name for s in specs), bits
+    assert all(any(f", {b}>" in s.name for b in (1, 2, 3)) for s in specs)
     families = {s.family for s in specs}
     assert {"attn_wgmma", "attn_mma", "attn_bwd_mma"} <= families, families
     allspecs = set(precompile.specialisations(90))
     assert all(s in allspecs for s in specs)
+
+
+def test_fused_alibi_causal_form():
+    """variants.cuh: fused_score's ALiBi under causal, fmaf(x, scale, fmaf(slope, ce, -slope
+    dist0)), against float64 t - slope |dist| (dist = dist0 - ce >= 0, every key a causal row
+    sees), over slopes of 2^-8 .. 1, distances to 2^17, raw products to +-2^9 and the forward's
+    constant offsets ce < 128: within 3 roundings of the terms' size, 3 u (|t| + 2 |a|) (what
+    error_bound's 12 u max(|s| + 2 |a|) holds). At dist < 0 (keys a causal row does not see) the
+    form is -slope dist, not -slope |dist|: the test of that difference shows the bar can fail."""
+    rng = np.random.default_rng(2)
+    n = 400000
+    slope = f32(2.0 ** rng.uniform(-8, 0, n))
+    ce = f32(rng.integers(0, 128, n))
+    dist = rng.integers(0, 2 ** 17, n).astype(np.float64)
+    dist0 = f32(dist + ce.astype(np.float64))
+    x = f32(rng.uniform(-512, 512, n))
+    scale = f32(1.0 / np.sqrt(128.0))
+    a = fma32(slope, ce, f32(-slope.astype(np.float64) * dist0.astype(np.float64)))
+    got = fma32(x, scale, a).astype(np.float64)
+    t = x.astype(np.float64) * float(scale)
+    al = slope.astype(np.float64) * dist
+    exact = t - al
+    u = 2.0 ** -24
+    assert np.all(np.abs(got - exact) <= 3 * u * (np.abs(t) + 2 * al) + 1e-30)
+    # keys past the diagonal (dist < 0): the causal form gives -slope dist = +slope |dist|
+    neg = fma32(slope, f32(ce.astype(np.float64) + 5.0), f32(-slope.astype(np.float64) * ce))
+    assert np.all(neg.astype(np.float64) > 0)
+
+
+def test_fused_scale_dispatch(monkeypatch):
+    """VARIANT_FUSED_SCALE puts FORM bit 2 in the tensor-core and Hopper policies (3 with
+    SOFTCAP_RCP_FMA) and "fused-scale" in their labels; not in the generic kernels', not with
+    user hooks (their score is the unfused product's), and the plain plans are untouched."""
+    from cuflash import _dispatch
+    from cuflash import _dispatch_variants as DV
+    from cuflash.mods import example_hooks
+    plain = _dispatch.hopper_plan("float16", 128, True, 4096).spec
+    monkeypatch.setattr(DV, "VARIANT_FUSED_SCALE", True)
+    assert _dispatch.hopper_plan("float16", 128, True, 4096).spec == plain
+    for sp in (DV._Spec(alibi=True), DV._Spec(window=True), DV._Spec(bias="float16")):
+        pl = DV.hopper_variant_plan("float16", 128, True, 4096, sp)
+        assert pl.spec.name.endswith(", 2>>"), pl.spec.name
+        assert pl.label.endswith(",fused-scale>"), pl.label
+        assert DV.tensorcore_variant_plan("float16", 64, True, 90, sp).spec.name.endswith(
+            ", 2>>")
+        gen = DV.generic_variant_plan("float16", 64, 64, True, sp)
+        assert ", 2>" not in gen.spec.name and "fused" not in gen.label
+    monkeypatch.setattr(DV, "SOFTCAP_RCP_FMA", True)
+    assert DV.policy_name(DV._Spec(softcap=True)).endswith(", 3>")
+    hooked = DV._with_mods(DV._Spec(alibi=True), example_hooks()["tanh_cap"], None)
+    assert ", 2>" not in DV.policy_name(hooked) and "fused" not in DV.policy_label(hooked)
