@@ -11,8 +11,19 @@ FlexAttention (compiled; score_mod / block mask) where torch has it, issue 15's 
 --kernels: the cuflash forward kernels timed per variant (default "auto,hopper": the
 dispatcher's choice, and the Hopper forward with the variant's policy by name, attn_wgmma.cu:
 cuflash_fwd_wgmma_var; one that cannot run the inputs is reported, not timed). Each row's "per
-tile" is against plain cuflash under kernel="auto". The backward (and torch's, FlexAttention's)
-runs once per variant, on the first kernel's row: it does not depend on the forward's kernel.
+tile" is against plain cuflash under the same kernel= (plain's row of that kernel; plain runs
+first, keep it in --variants), so every row of every kernel has one. The backward (and torch's,
+FlexAttention's) runs once per variant, on the first kernel's row: it does not depend on the
+forward's kernel.
+
+--impl: forms of the variant kernels to time against each other in the same run (default
+"base"): "base" = the dispatcher's flags as they are, "fma-rcp" = softcap's reciprocal on the FMA
+pipe (_dispatch_variants.SOFTCAP_RCP_FMA), "fused" = the scale fused into the transform, raw
+scores without one (VARIANT_FUSED_SCALE), "fma-rcp+fused" = both; a form's rows only for the
+variants it changes (IMPLS). Each form's row is checked like every other.
+
+    PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels hopper --backward 0 \
+        --flex 0 --quick --impl base,fma-rcp,fused,fma-rcp+fused
 
 Every result is checked first: cuflash's (and torch's) output on a few (batch, head) slices
 against the float64 reference (cuflash.reference.attention_ref with the same variant) under the
@@ -37,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,10 +72,38 @@ def parse_args(argv=None):
     ap.add_argument("--flex", type=int, default=1, help="torch FlexAttention peers (compiled)")
     ap.add_argument("--kernels", default="auto,hopper",
                     help="cuflash forward kernels to time per variant (kernel= values)")
+    ap.add_argument("--impl", default="base",
+                    help="forms of the variant kernels to compare: " + ",".join(IMPLS))
+    ap.add_argument("--check-rows", type=int, default=256,
+                    help="query rows per (batch, head) slice checked against float64")
     args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.repeats = 1, 3
     return args
+
+
+#: --impl forms: {name: (flags of cuflash._dispatch_variants to set, variants they change)}.
+IMPLS = {"base": ({}, None), "fma-rcp": ({"SOFTCAP_RCP_FMA": True}, {"softcap"}),
+         "fused": ({"VARIANT_FUSED_SCALE": True}, {"softcap", "alibi", "window", "bias", "mask"}),
+         "fma-rcp+fused": ({"SOFTCAP_RCP_FMA": True, "VARIANT_FUSED_SCALE": True}, {"softcap"})}
+
+
+class impl_flags:
+    """Context: the dispatcher flags of one --impl form set, restored on exit."""
+
+    def __init__(self, name):
+        self.flags = IMPLS[name][0]
+
+    def __enter__(self):
+        from cuflash import _dispatch_variants as DV
+        self.old = {k: getattr(DV, k) for k in self.flags}
+        for k, v in self.flags.items():
+            setattr(DV, k, v)
+
+    def __exit__(self, *exc):
+        from cuflash import _dispatch_variants as DV
+        for k, v in self.old.items():
+            setattr(DV, k, v)
 
 
 def time_ms(fn, warmup, repeats):
@@ -87,12 +127,14 @@ def variant_kwargs(name, rng, b, h, s, args):
     if name == "bias":   # one float16 (S, S) bias shared by every batch entry and head
         return dict(bias=cupy.random.standard_normal((1, s, s), dtype=cupy.float32)
                     .astype(cupy.float16))
-    if name == "mask":   # a padding-like mask per batch entry, (B, 1, S, S)
-        m = np.ones((b, 1, s, s), bool)
-        for i in range(b):
-            m[i, :, :, s - (i * 97) % (s // 4) - 1:] = False
+    if name == "mask":   # a padding-like mask per batch entry, (B, 1, S, S), built on the device
+        # (a host array is B S^2 bytes: 512 MiB at S = 16k, copied over and back per check)
+        j = cupy.arange(s)
+        last = s - (cupy.arange(b) * 97) % max(1, s // 4) - 1   # keys >= last hidden
+        m = cupy.broadcast_to((j[None, :] < last[:, None])[:, None, None, :], (b, 1, s, s))
+        m = cupy.ascontiguousarray(m)
         m[..., 0] = True
-        return dict(mask=cupy.asarray(m))
+        return dict(mask=m)
     raise ValueError(name)
 
 
@@ -147,13 +189,14 @@ def _sub_kwargs(kw, q, bi, hi, r0):
     sub = {}
     for n, x in kw.items():
         if isinstance(x, cupy.ndarray):
-            x = cupy.asnumpy(x)
             if n == "alibi_slopes":
                 x = x[hi:hi + 1]
-            else:   # broadcast to (B, H, ...) then take the slice, keeping a (1, 1) batch
-                full = np.broadcast_to(x, (q.shape[0], q.shape[1]) + x.shape[-2:])
+            else:   # broadcast to (B, H, ...) then take the slice, keeping a (1, 1) batch; on
+                # the device, so that only the slice is copied to the host
+                full = cupy.broadcast_to(x, (q.shape[0], q.shape[1]) + x.shape[-2:])
                 x = full[bi:bi + 1, hi:hi + 1, r0:] if x.shape[-2] > 1 else \
                     full[bi:bi + 1, hi:hi + 1]
+            x = cupy.asnumpy(x)
         sub[n] = x
     return sub
 
@@ -270,6 +313,7 @@ def main(argv=None):
     import cuflash
 
     args = parse_args(argv)
+    t_start = time.time()
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -291,7 +335,7 @@ def main(argv=None):
                            for _ in range(4))
         causal = bool(args.causal)
         slices = [(0, 0), (b - 1, h - 1)]
-        plain_ms = plain_bwd_ms = None
+        plain_ms, plain_bwd_ms = {}, None   # plain's forward ms per kernel= value
         flex = None
         if torch is not None and args.flex:
             try:
@@ -300,42 +344,59 @@ def main(argv=None):
             except Exception:   # pragma: no cover - torch without FlexAttention
                 flex = None
         kernels = args.kernels.split(",")
-        for name, kern in ((n, kn) for n in args.variants.split(",") for kn in kernels):
-            first = kern == kernels[0]   # the backward and the peers: once per variant
+        impls = args.impl.split(",")
+        for name, kern, impl in ((n, kn, im) for n in args.variants.split(",")
+                                 for kn in kernels for im in impls):
+            changes = IMPLS[impl][1]
+            if impl != impls[0] and (changes is None or name not in changes):
+                continue   # this form does not change this variant's kernels
+            first = kern == kernels[0] and impl == impls[0]   # backward, peers: once a variant
             if first:
                 kw = variant_kwargs(name, rng, b, h, s, args)
-            row = dict(s=s, b=b, h=h, d=d, causal=causal, variant=name, kernel=kern)
-            try:
-                row["label"] = cuflash.dispatch_info(q, k, v, causal=causal, kernel=kern, **kw)
-            except ValueError as exc:   # this kernel cannot run the inputs
-                row["label"] = "-"
-                row["cuflash_error"] = str(exc)[:200]
-            run = lambda: cuflash.attention(q, k, v, causal=causal, kernel=kern,  # noqa: E731
-                                            **kw)
-            bad = row.get("cuflash_error") or check(run(), q, k, v, causal, kw, args.dtype,
-                                                    slices)
+            row = dict(s=s, b=b, h=h, d=d, causal=causal, variant=name, kernel=kern, impl=impl)
+            with impl_flags(impl):
+                try:
+                    row["label"] = cuflash.dispatch_info(q, k, v, causal=causal, kernel=kern,
+                                                         **kw)
+                except ValueError as exc:   # this kernel cannot run the inputs
+                    row["label"] = "-"
+                    row["cuflash_error"] = str(exc)[:200]
+                run = lambda: cuflash.attention(q, k, v, causal=causal,  # noqa: E731
+                                                kernel=kern, **kw)
+                bad = row.get("cuflash_error") or check(run(), q, k, v, causal, kw, args.dtype,
+                                                        slices, rows=args.check_rows)
+                if not bad:
+                    row["ms"] = time_ms(run, args.warmup, args.repeats)
             if bad:
                 row["cuflash_error"] = bad
             else:
-                row["ms"] = time_ms(run, args.warmup, args.repeats)
-                if name == "plain" and kern == "auto":
-                    plain_ms = row["ms"]
+                if name == "plain" and impl == impls[0]:
+                    plain_ms[kern] = row["ms"]
                 pairs = visible_pairs(name, s, causal, args)
-                if plain_ms is not None:
-                    row["per_tile"] = (plain_ms / visible_pairs("plain", s, causal, args)) / (
+                # per visited pair against plain under the same kernel= (else under auto)
+                ref_ms = plain_ms.get(kern, plain_ms.get("auto"))
+                if ref_ms is not None:
+                    row["per_tile"] = (ref_ms / visible_pairs("plain", s, causal, args)) / (
                         row["ms"] / pairs)
-                if args.backward and first:
-                    o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **kw)
-                    row["bwd_label"] = cuflash.backward_dispatch_info(do, q, k, v, o, lse,
-                                                                      causal=causal, **kw)
-                    brun = lambda: cuflash.attention_backward(  # noqa: E731
-                        do, q, k, v, o, lse, causal=causal, **kw)
-                    bad = check_backward(brun()[0], q, k, v, do, causal, kw, args.dtype, slices)
+                if args.backward and kern == kernels[0]:   # (each --impl form: its own)
+                    flags = impl_flags(impl)
+                    with flags:
+                        o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **kw)
+                        row["bwd_label"] = cuflash.backward_dispatch_info(do, q, k, v, o, lse,
+                                                                          causal=causal, **kw)
+
+                    def brun(flags=flags, o=o, lse=lse):
+                        with flags:
+                            return cuflash.attention_backward(do, q, k, v, o, lse,
+                                                              causal=causal, **kw)
+                    with flags:
+                        bad = check_backward(brun()[0], q, k, v, do, causal, kw, args.dtype,
+                                             slices, rows=args.check_rows)
                     if bad:
                         row["cuflash_bwd_error"] = bad
                     else:
                         row["bwd_ms"] = time_ms(brun, args.warmup, args.repeats)
-                        if name == "plain":
+                        if name == "plain" and impl == impls[0]:
                             plain_bwd_ms = row["bwd_ms"]
                         if plain_bwd_ms is not None:
                             row["bwd_per_tile"] = (plain_bwd_ms / visible_pairs(
@@ -413,7 +474,9 @@ def main(argv=None):
                 except Exception as exc:   # pragma: no cover - FlexAttention refused it
                     row["flex_error"] = f"{type(exc).__name__}: {exc}"[:200]
             rows.append(row)
-            print(f"S={s} {name:8s} {kern:7s} {row.get('ms', float('nan')):8.3f} ms  per tile "
+            row["elapsed_s"] = round(time.time() - t_start, 1)
+            print(f"[{row['elapsed_s']:7.1f} s] S={s} {name:8s} {kern:7s} {impl:8s} "
+                  f"{row.get('ms', float('nan')):8.3f} ms  per tile "
                   f"{row.get('per_tile', float('nan')):5.2f}  torch "
                   f"{row.get('torch_backend', '-')} {row.get('torch_ms', float('nan')):8.3f} ms"
                   f"  vs torch {row.get('vs_torch', float('nan')):5.2f}  flex "

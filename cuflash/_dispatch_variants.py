@@ -19,17 +19,41 @@ from __future__ import annotations
 from ._dispatch import _CXX_TYPE, Plan, Specialisation
 
 
-def policy_name(variant) -> str:
+#: softcap's reciprocal on the FMA pipe (variants.cuh: rcp_fma, ``SC_FORM = 1``) instead of the
+#: MUFU's rcp.approx in the fast softcap of the tensor-core kernels (the mma.sync and Hopper
+#: forwards, the mma.sync backward: one policy type for all, so the backward recomputes the
+#: forward's logits with the same instructions). Two MUFU operations per softcapped score instead
+#: of three, 7 more FMA-pipe ones (notes/VARIANTS.md, "softcap's MUFU budget"). Off until the
+#: H200 measures it against the MUFU form (benchmarks/bench_variants.py --softcap-forms).
+SOFTCAP_RCP_FMA = False
+
+#: The softmax scale fused into the variant's transform in the tensor-core kernels (variants.cuh:
+#: score_x, ``FORM`` bit 2): softcap's exponent takes the raw product (one FMUL fewer per score),
+#: ALiBi's and a bias's addition is one FFMA with it (ALiBi under causal without |.|: two FMA-pipe
+#: instructions per score instead of three), and a policy without a transform (window, mask) keeps
+#: raw scores and the plain kernel's softmax units (no FMUL per score). Not for user hooks. Off
+#: until the H200 measures it (benchmarks/bench_variants.py --impl base,fused).
+VARIANT_FUSED_SCALE = False
+
+
+def policy_name(variant, fast: bool = True) -> str:
     """The C++ policy type of a `cuflash.variants.Variant`, e.g.
-    ``cuflash::Variant<true, false, false, cuflash::NoBias, false>``."""
+    ``cuflash::Variant<true, false, false, cuflash::NoBias, false>`` (with softcap under
+    SOFTCAP_RCP_FMA and / or VARIANT_FUSED_SCALE a sixth argument, the FORM bits 1 / 2 of
+    variants.cuh; not for the generic kernels, ``fast=False``, whose softcap is tanh in the
+    accumulator type and whose scores are scaled in it)."""
     b = "true" if variant.has_window else "false"
     s = "true" if variant.softcap else "false"
     a = "true" if variant.alibi_slopes is not None else "false"
     m = "true" if variant.mask is not None else "false"
     bias = ("cuflash::NoBias" if variant.bias is None
             else _CXX_TYPE[_dtype_name(variant.bias.dtype)])
-    base = f"cuflash::Variant<{b}, {s}, {a}, {bias}, {m}>"
-    if not getattr(variant, "has_mods", False):
+    hooks = getattr(variant, "has_mods", False)
+    bits = (((1 if variant.softcap and SOFTCAP_RCP_FMA else 0)
+             | (2 if VARIANT_FUSED_SCALE and not hooks else 0)) if fast else 0)
+    form = f", {bits}" if bits else ""
+    base = f"cuflash::Variant<{b}, {s}, {a}, {bias}, {m}{form}>"
+    if not hooks:
         return base
     from .mods import hook_type   # user hooks wrap the built-in policy (variants.cuh)
     sm = "true" if variant.score_mod is not None else "false"
@@ -51,13 +75,13 @@ def _dtype_name(dt):
     return np.dtype(dt).name
 
 
-def policy_label(variant) -> str:
+def policy_label(variant, fast: bool = True) -> str:
     """The variant's parts for a plan label, e.g. ``window,softcap,bias<float16>``."""
     parts = []
     if variant.has_window:
         parts.append("window")
     if variant.softcap:
-        parts.append("softcap")
+        parts.append("softcap<fma-rcp>" if SOFTCAP_RCP_FMA and fast else "softcap")
     if variant.alibi_slopes is not None:
         parts.append("alibi")
     if variant.bias is not None:
@@ -67,6 +91,8 @@ def policy_label(variant) -> str:
     for name, hook in (("score_mod", variant.score_mod), ("mask_mod", variant.mask_mod)):
         if hook is not None:   # user hooks, named by their code's hash
             parts.append(f"{name}[{hook.digest[:8]}]")
+    if fast and VARIANT_FUSED_SCALE and not getattr(variant, "has_mods", False):
+        parts.append("fused-scale")
     return ",".join(parts)
 
 
@@ -80,8 +106,9 @@ def generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, variant
 
     base = generic_plan(dtype_name, d, dv, causal)
     name = (base.spec.name.replace("cuflash_fwd_generic<", "cuflash_fwd_generic_var<")[:-1]
-            + f", {policy_name(variant)}>")
-    label = base.label[:-1] + f",{policy_label(variant)}>" + (f" ({reason})" if reason else "")
+            + f", {policy_name(variant, fast=False)}>")
+    label = (base.label[:-1] + f",{policy_label(variant, fast=False)}>"
+             + (f" ({reason})" if reason else ""))
     return dataclasses.replace(base, label=label, spec=Specialisation(
         base.spec.family, name, extra_source=_hook_source(variant)))
 
@@ -399,7 +426,7 @@ def bwd_generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, var
     from ._dispatch import bwd_generic_plan
 
     base = bwd_generic_plan(dtype_name, d, dv, causal)
-    pol, tag = policy_name(variant), policy_label(variant)
+    pol, tag = policy_name(variant, fast=False), policy_label(variant, fast=False)
     passes = []
     for grid, plan in base.passes:
         name = plan.spec.name.replace("_generic<", "_generic_var<")[:-1] + f", {pol}>"
@@ -554,6 +581,53 @@ def tensorcore_variant_backward_compile_specs(compute_capability: int = 90):
         add(dt, 64, True, False, _with_mods(_Spec(window=True, alibi=True), cap, doc))
     add("float16", 64, True, True, _with_mods(_Spec(window=True, softcap=True, alibi=True,
                                                     bias="float32", mask=True), cap, doc))
+    return out
+
+
+def form_compile_specs(compute_capability: int = 90):
+    """The specialisations of the tensor-core kernels' non-default forms the compile check builds
+    (sm_90 / sm_90a), built with their flags on whatever their values: softcap's FMA-pipe
+    reciprocal (SOFTCAP_RCP_FMA, FORM 1) and with it the fused scale (VARIANT_FUSED_SCALE, FORM
+    3) on softcap alone and on all five parts, and the fused scale alone (FORM 2) on softcap,
+    ALiBi, window, bias and all five. The Hopper forward: float16 D64, D128 and D256 each part
+    alone under causal, D128 the positional parts and all five with and without causal, bfloat16
+    D128 all five; the mma.sync forward and backward: float16 and bfloat16 D64 and D128, each part
+    alone and all five under causal (the backward's all five also deterministic)."""
+    global SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE
+    cc = compute_capability
+    out = []
+    sc, al = _Spec(softcap=True), _Spec(alibi=True)
+    wi, bi = _Spec(window=True), _Spec(bias="float16")
+    positional = _Spec(window=True, softcap=True, alibi=True)
+    every = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
+    was = SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE
+
+    def add(spec):
+        if spec not in out:
+            out.append(spec)
+
+    try:
+        for rcp, fused, parts in ((True, False, (sc, every)), (True, True, (sc, every)),
+                                  (False, True, (sc, al, wi, bi, every))):
+            SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE = rcp, fused
+            for pol in parts:
+                for d in (64, 128, 256):
+                    add(hopper_variant_plan("float16", d, True, 1024, pol).spec)
+            for causal in (False, True):
+                add(hopper_variant_plan("float16", 128, causal, 1024, positional).spec)
+                add(hopper_variant_plan("float16", 128, causal, 1024, every).spec)
+            add(hopper_variant_plan("bfloat16", 128, True, 1024, every).spec)
+            for dt in ("float16", "bfloat16"):
+                for d in (64, 128):
+                    for pol in parts:
+                        add(tensorcore_variant_plan(dt, d, True, cc, pol).spec)
+                    for pol, det in [(x, False) for x in parts] + [(every, True)]:
+                        for _, plan in bwd_tensorcore_variant_plan(dt, d, True, det, cc,
+                                                                   pol).passes:
+                            if "_var<" in plan.spec.name:
+                                add(plan.spec)
+    finally:
+        SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE = was
     return out
 
 

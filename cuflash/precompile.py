@@ -30,7 +30,7 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
     """Every kernel specialisation cuflash can launch on a device of this compute capability (the
     set the compile check builds; Hopper ones carry their fixed ``sm_90a`` arch)."""
     from . import _decode, _dispatch
-    from ._dispatch_variants import hopper_variant_compile_specs
+    from ._dispatch_variants import hopper_variant_compile_specs, form_compile_specs
     from ._dispatch_variants import (mod_compile_specs, tensorcore_variant_backward_compile_specs,
                                      tensorcore_variant_compile_specs,
                                      variant_backward_compile_specs, variant_compile_specs)
@@ -49,6 +49,7 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
         specs += tensorcore_variant_compile_specs(cc)  # the mma.sync forward's policies
         specs += hopper_variant_compile_specs()  # the Hopper forward's policies (sm_90a)
         specs += tensorcore_variant_backward_compile_specs(cc)  # and the mma.sync backward's
+        specs += form_compile_specs(cc)  # the forms behind flags (off by default)
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))

@@ -348,8 +348,10 @@ constexpr int BWD_OPT_LATE = 2;
 
 // ---- Variants (kernels_cu/variants.cuh, notes/VARIANTS.md): P^T of one warp's 16 keys x BM
 // query columns from the raw scores S^T, for a policy V: the scaled score goes through
-// score_grad_tc, the forward's transform (attn_mma.cu: variant_scores_as; the same instructions,
-// so the same logits and P that matches the forward's lse), and on partial tiles (PARTIAL: the key
+// score_grad_x, the forward's transform (variants.cuh: variant_scores_as calls score_x; unfused
+// (FORM without bit 2) the same instructions, so the same logits and P that matches the forward's
+// lse bit for bit; fused, the same form with ALiBi's distance whole, equal to rounding), and on
+// partial tiles (PARTIAL: the key
 // tail, the causal diagonal, a window edge, a mask) through the per-element visibility; the
 // derivative d score / d t goes to dsc where the policy has one (V::DSCORE: softcap, a score_mod).
 // Rows past Sq and keys past Sk are clamped for the policy's reads (their P is 0: lse2 = +inf,
@@ -373,13 +375,14 @@ __device__ __forceinline__ void bwd_variant_probs(float (&s)[NT][4],
             const int r = V::READS ? min(row, sq - 1) : row;
             const int kc = (V::READS && PARTIAL) ? min(key, sk - 1) : key;
             float ds;
-            const float t = var.template score_grad_tc<true>(
-                __fmul_rn(s[nt][e], scale), r, kc, static_cast<float>(row + diag - key), ds);
+            const float t = var.template score_grad_x<true, CAUSAL>(
+                s[nt][e], scale, r, kc, static_cast<float>(row + diag - key), 0.f, ds);
             float x = fast_exp2(fmaf(t, LOG2E, -lse_t[qc]));
-            if constexpr (PARTIAL) {
+            if constexpr (PARTIAL) {   // `&` without reads: as variant_scores_as
                 bool ok = key < sk;
-                if (CAUSAL) ok = ok && key <= row + diag;
-                if (V::MASKS) ok = ok && var.visible_tc(r, kc);
+                if (CAUSAL) ok = ok & (key <= row + diag);
+                if (V::MASKS)
+                    ok = V::READS ? (ok && var.visible_tc(r, kc)) : (ok & var.visible_tc(r, kc));
                 x = ok ? x : 0.f;
             }
             s[nt][e] = x;

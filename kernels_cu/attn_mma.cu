@@ -634,7 +634,7 @@ __device__ __forceinline__ void fwd_mma_body(const AttnParams& p, const VariantP
     }
     // Units of the scores the softmax sees: raw (the scale folded into exp2) on the plain path,
     // scaled on the variant path (variant_scores).
-    const float scale_log2 = V::PLAIN ? static_cast<float>(p.scale_log2) : 1.4426950408889634f;
+    const float scale_log2 = softmax_units_log2<V>(p.scale_log2);
     using Ops = typename Select<
         F16S, Mma16SplitOps<DPAD, BN, NWARPS, MT>,
         typename Select<Cfg::F32, Mma32Ops<TERMS, DPAD, BN, NWARPS, MT>,

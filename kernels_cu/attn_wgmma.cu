@@ -704,7 +704,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     const int g = lane / 4, t4 = lane % 4;
     // Units of the scores the softmax sees: raw (the scale folded into exp2) for the plain policy,
     // scaled for a variant (variants.cuh: variant_scores scales, transforms and masks them).
-    const float scale_log2 = V::PLAIN ? static_cast<float>(p.scale_log2) : 1.4426950408889634f;
+    const float scale_log2 = softmax_units_log2<V>(p.scale_log2);
     unsigned int q_wg = q_s + 64 * cw * 128;  // this consumer's 64 rows in each Q panel (per item)
     const int d = static_cast<int>(p.d);
 

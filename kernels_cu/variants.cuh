@@ -54,6 +54,18 @@ static_assert(sizeof(VariantParams) == 26 * 8, "VariantParams must match cuflash
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
+// 1 / y on the FMA pipe for y in [1, 2^64] (and NaN: NaN): an integer first guess (relative
+// error < 1/8 over every binade) and three Newton steps r += r (1 - y r), each two FFMA, which
+// square the error (2^-3 -> 2^-6 -> 2^-12 -> 2^-24, then the steps' own roundings): max relative
+// error 1.0007 2^-24 over the range (tests/test_softcap_rcp_cpu.py models it in float32 against
+// float64 over every binade). 7 FMA-pipe instructions and no MUFU (rcp.approx: one MUFU).
+__device__ __forceinline__ float rcp_fma(float y) {
+    float r = __int_as_float(0x7ef311c3 - __float_as_int(y));
+#pragma unroll
+    for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-y, r, 1.f), r);
+    return r;
+}
+
 // c tanh(x / c) for the tensor-core kernels, with k = 2 log2(e) / c: c (1 - 2 / (1 + 2^(k x))),
 // two MUFU operations (ex2, rcp) and three FMA-pipe ones instead of tanhf's branchy sequence.
 // Its error is absolute, a few units of 2^-22 c (ex2.approx and rcp.approx), which is what a
@@ -62,14 +74,34 @@ __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 // softcap_fast_r gives r = 1 / (1 + 2^(k x)), shared by the forward (softcap_fast) and the
 // tensor-core backward (score_grad_tc), which also forms the derivative from it:
 // 1 - tanh^2(x / c) = (1 - tanh)(1 + tanh) = 4 r (1 - r), with no cancellation near saturation.
+//
+// FORM (Variant's SC_FORM; cuflash/_dispatch_variants.py: SOFTCAP_RCP_FMA): 0 = the reciprocal
+// on the MUFU pipe (rcp.approx), 1 = on the FMA pipe (rcp_fma below). With FORM 0 a softcapped
+// score costs three MUFU operations (this ex2 and rcp, and the softmax's ex2) against one for a
+// plain score; the MUFU pipe does 16 per clock per SM on Hopper (8 clocks a warp instruction per
+// SM sub-partition), so the softcap's part of the softmax runs back to back on that pipe (the SASS
+// of the Hopper D = 128 forward: 128 MUFU in a row per thread and tile) with the FMA pipe idle.
+// FORM 1 moves the reciprocal to the FMA pipe: two MUFU per score, 7 more FMA-pipe instructions
+// (notes/VARIANTS.md, "softcap's MUFU budget").
+template <int FORM = 0>
 __device__ __forceinline__ float softcap_fast_r(float x, float k) {
     float e, r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * k));
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+    if constexpr (FORM == 0) {
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * k));
+        asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+    } else {
+        // The exponent clamped at 64 (NaN kept: min.NaN), so that 1 + e <= 2^64 stays finite for
+        // rcp_fma; there r = 2^-64 and c (1 - 2 r) rounds to c, as the unclamped form gives.
+        float z;
+        asm("min.NaN.f32 %0, %1, 64.0;" : "=f"(z) : "f"(x * k));
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z));
+        r = rcp_fma(1.f + e);
+    }
     return r;
 }
+template <int FORM = 0>
 __device__ __forceinline__ float softcap_fast(float x, float c, float k) {
-    return fmaf(-2.f * c, softcap_fast_r(x, k), c);
+    return fmaf(-2.f * c, softcap_fast_r<FORM>(x, k), c);
 }
 
 // One element of a bias or mask tensor for the tensor-core kernels, as a float / a byte, through
@@ -105,9 +137,20 @@ struct NoBias {};   // BiasT of a policy without a bias tensor
 template <typename B> struct IsNoBias { static constexpr bool value = false; };
 template <> struct IsNoBias<NoBias> { static constexpr bool value = true; };
 
-template <bool WINDOW, bool SOFTCAP, bool ALIBI, typename BiasT, bool MASK>
+// FORM: bits of the tensor-core kernels' forms (cuflash/_dispatch_variants.py: policy_name; 0,
+// the default, is omitted from the names): 1 = softcap's reciprocal on the FMA pipe (SC_FORM,
+// softcap_fast_r; SOFTCAP_RCP_FMA), 2 = the softmax scale fused into the transform (FUSED,
+// score_x) or, for a policy without one, not applied (RAW; both VARIANT_FUSED_SCALE).
+template <bool WINDOW, bool SOFTCAP, bool ALIBI, typename BiasT, bool MASK, int FORM = 0>
 struct Variant {
     static constexpr bool HAS_BIAS = !IsNoBias<BiasT>::value;
+    static constexpr int SC_FORM = FORM & 1;
+    static constexpr bool TRANSFORMS = SOFTCAP || ALIBI || HAS_BIAS;   // score_tc is not t
+    // FUSED: score_x folds the scale into the transform's first operation. RAW: no transform, so
+    // the scores stay raw and the softmax takes the plain kernel's scale_log2 (the kernels:
+    // softmax_units_log2); variant_scores only masks, on partial tiles.
+    static constexpr bool FUSED = (FORM & 2) != 0 && TRANSFORMS;
+    static constexpr bool RAW = (FORM & 2) != 0 && !TRANSFORMS;
     static constexpr bool PLAIN = !WINDOW && !SOFTCAP && !ALIBI && !HAS_BIAS && !MASK;
     static constexpr bool MASKS = WINDOW || MASK;          // invisible keys beyond causal
     static constexpr bool READS = ALIBI || HAS_BIAS || MASK;
@@ -181,7 +224,7 @@ struct Variant {
     template <bool FAST>
     __device__ __forceinline__ float score_tc(float t, long long i, int j, float dist) const {
         if constexpr (SOFTCAP) {
-            if constexpr (FAST) t = softcap_fast(t, cap_f, k_f);
+            if constexpr (FAST) t = softcap_fast<SC_FORM>(t, cap_f, k_f);
             else t = cap_f * tanhf(t * inv_f);
         }
         if constexpr (ALIBI) t -= slope * fabsf(dist);
@@ -197,7 +240,7 @@ struct Variant {
         ds = 1.f;
         if constexpr (SOFTCAP) {
             if constexpr (FAST) {
-                const float r = softcap_fast_r(t, k_f);
+                const float r = softcap_fast_r<SC_FORM>(t, k_f);
                 t = fmaf(-2.f * cap_f, r, cap_f);
                 ds = 4.f * r * (1.f - r);
             } else {
@@ -210,6 +253,62 @@ struct Variant {
         if constexpr (HAS_BIAS) t += ldg_tc(bias + i * bias_sr + (j & bias_cm));
         return t;
     }
+    // The policy's score of the raw product x (t = x * scale) of row i, key j, with dist = dist0 -
+    // ce (ALiBi's i + off - j; ce: the element's constant key offset, dist0: the rest, formed once
+    // per row and tile by the forward): score_tc on the unfused product, or under FUSED with the
+    // scale folded into the transform's first operation (softcap's exponent x (scale k); ALiBi's
+    // and a bias's addition one FFMA with x), and ALiBi under CAUSAL as slope ce - slope dist0
+    // (dist >= 0 at every key a causal row sees, so no |.|; the FADD forming dist folds into that
+    // FFMA): per score, softcap one FMUL fewer, ALiBi two FMA-pipe instructions instead of three,
+    // a bias one FFMA instead of FMUL + FADD. The roundings differ from score_tc's (fewer), so the
+    // tensor-core backward (score_grad_x) recomputes the same form.
+    template <bool FAST, bool CAUSAL>
+    __device__ __forceinline__ float score_x(float x, float scale, long long i, int j,
+                                             float dist0, float ce) const {
+        if constexpr (!FUSED) {
+            return score_tc<FAST>(__fmul_rn(x, scale), i, j, dist0 - ce);
+        } else {
+            float ds;
+            return fused_score<FAST, CAUSAL, false>(x, scale, i, j, dist0, ce, ds);
+        }
+    }
+    template <bool FAST, bool CAUSAL>
+    __device__ __forceinline__ float score_grad_x(float x, float scale, long long i, int j,
+                                                  float dist0, float ce, float& ds) const {
+        if constexpr (!FUSED)
+            return score_grad_tc<FAST>(__fmul_rn(x, scale), i, j, dist0 - ce, ds);
+        else
+            return fused_score<FAST, CAUSAL, true>(x, scale, i, j, dist0, ce, ds);
+    }
+    template <bool FAST, bool CAUSAL, bool GRAD>
+    __device__ __forceinline__ float fused_score(float x, float scale, long long i, int j,
+                                                 float dist0, float ce, float& ds) const {
+        constexpr bool ADD = ALIBI || HAS_BIAS;
+        ds = 1.f;
+        float a = 0.f;   // the additive part
+        if constexpr (ALIBI) {
+            if constexpr (CAUSAL) a = fmaf(slope, ce, -slope * dist0);
+            else a = -slope * fabsf(dist0 - ce);
+        }
+        if constexpr (HAS_BIAS) {
+            const float b = ldg_tc(bias + i * bias_sr + (j & bias_cm));
+            a = ALIBI ? a + b : b;
+        }
+        if constexpr (SOFTCAP) {
+            if constexpr (FAST) {
+                const float r = softcap_fast_r<SC_FORM>(x, scale * k_f);
+                if constexpr (GRAD) ds = 4.f * r * (1.f - r);
+                return fmaf(-2.f * cap_f, r, ADD ? cap_f + a : cap_f);
+            } else {
+                const float th = tanhf(x * (scale * inv_f));
+                if constexpr (GRAD) ds = 1.f - th * th;
+                return ADD ? fmaf(cap_f, th, a) : cap_f * th;
+            }
+        } else {
+            return fmaf(x, scale, a);
+        }
+    }
+
     // The window's bounds of row i as 32-bit keys, clamped to [-1, 2^31 - 1) (exact for keys
     // j in [0, Sk)): per row, so that each key's test is two 32-bit comparisons.
     __device__ __forceinline__ int window_lo(long long i) const {
@@ -286,6 +385,8 @@ struct UserVariant : Base {
     static constexpr bool MASKS = Base::MASKS || MASK_MOD;
     static constexpr bool READS = true;   // args, and b / h exist only for real rows and keys
     static constexpr bool DSCORE = Base::DSCORE || SCORE_MOD;
+    static constexpr bool TRANSFORMS = true;   // (a hook's score: always the unfused product)
+    static constexpr bool FUSED = false, RAW = false;
 
     const float* mod_args;
     long long mod_b, mod_h;
@@ -335,6 +436,18 @@ struct UserVariant : Base {
             s = Hook::template score_mod<float>(s, mod_b, mod_h, i, j, mod_args);
         }
         return s;
+    }
+
+    // score_x / score_grad_x (Variant's) on this policy's score_tc / score_grad_tc, unfused.
+    template <bool FAST, bool CAUSAL>
+    __device__ __forceinline__ float score_x(float x, float scale, long long i, int j,
+                                             float dist0, float ce) const {
+        return score_tc<FAST>(__fmul_rn(x, scale), i, j, dist0 - ce);
+    }
+    template <bool FAST, bool CAUSAL>
+    __device__ __forceinline__ float score_grad_x(float x, float scale, long long i, int j,
+                                                  float dist0, float ce, float& ds) const {
+        return score_grad_tc<FAST>(__fmul_rn(x, scale), i, j, dist0 - ce, ds);
     }
 
     __device__ __forceinline__ bool visible_tc(long long i, int j) const {
@@ -388,20 +501,39 @@ __device__ __forceinline__ void variant_scores_as(float (&s)[NT][4], const V& va
             for (int e = 0; e < 2; ++e) {
                 float& x = s[nt][2 * h + e];
                 const int key = key0 + nt * 8 + 2 * t4 + e;
-                const float dist = dist0 - static_cast<float>(nt * 8 + e);
+                const float ce = static_cast<float>(nt * 8 + e);
                 if constexpr (PARTIAL) {
                     const int kc = V::READS ? min(key, sk - 1) : key;
+                    // Without reads `&`, not `&&`: every term evaluated, so that the row's
+                    // window bounds (visible_tc: window_lo / window_hi of r) are formed once per
+                    // row, not under each element's predicate (with `&&` ptxas recomputed them
+                    // per element, 64-bit compares included, and saved predicates with P2R: the
+                    // Hopper D128 window forward 5360 -> 4720 instructions, P2R 111 -> 0). With
+                    // reads (a mask) `&&`: the loads stay under the position's predicate (`&`
+                    // spilled 76 bytes with every part at D128, NVRTC 13.5).
                     bool ok = key < sk;
-                    if (CAUSAL) ok = ok && key <= row + diag;
-                    if (V::MASKS) ok = ok && var.visible_tc(r, kc);
-                    const float t = var.template score_tc<FAST>(__fmul_rn(x, scale), r, kc, dist);
+                    if (CAUSAL) ok = ok & (key <= row + diag);
+                    if (V::MASKS)
+                        ok = V::READS ? (ok && var.visible_tc(r, kc))
+                                      : (ok & var.visible_tc(r, kc));
+                    const float t =
+                        V::RAW ? x
+                               : var.template score_x<FAST, CAUSAL>(x, scale, r, kc, dist0, ce);
                     x = ok ? t : neg_inf<float>();
-                } else {
-                    x = var.template score_tc<FAST>(__fmul_rn(x, scale), r, key, dist);
+                } else if constexpr (!V::RAW) {
+                    x = var.template score_x<FAST, CAUSAL>(x, scale, r, key, dist0, ce);
                 }
             }
     }
 }
+// The units of the scores the tensor-core forwards' softmax sees, as its scale_log2: raw (the
+// scale folded into exp2's FFMA, `plain` = scale * log2 e) for the plain policy and a RAW one
+// (no transform: variant_scores leaves the scores raw), scaled (log2 e) for every other policy.
+template <typename V>
+__device__ __forceinline__ float softmax_units_log2(double plain) {
+    return (V::PLAIN || V::RAW) ? static_cast<float>(plain) : 1.4426950408889634f;
+}
+
 // The two forms as separate loops (one branch per tile): with the choice per element, ptxas
 // if-converted both into one predicated sequence that kept both forms' addresses live (a float32
 // bias at D = 64 went past 128 registers and spilled).
@@ -440,8 +572,8 @@ __device__ __forceinline__ void exact_row_pv_var(const V& var, const T* q_row, c
     for (int j = static_cast<int>(j0); j < j1; ++j) {
         if (V::MASKS && !var.visible_tc(row, j)) continue;
         const float s = exact_row_dot(q_row, k + j * k_sr, d, lane);  // the same in every lane
-        const float t = var.template score_tc<FAST>(__fmul_rn(s, scale), row, j,
-                                                    static_cast<float>(row + (sk - sq) - j));
+        const float t = var.template score_x<FAST, CAUSAL>(
+            s, scale, row, j, static_cast<float>(row + (sk - sq) - j), 0.f);
         if (t == neg_inf<float>()) continue;
         exact_row_axpy(acc, fast_exp2(fmaf(t, 1.4426950408889634f, -m_c)), v + j * v_sr, dv,
                        lane);

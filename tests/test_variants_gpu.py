@@ -249,3 +249,65 @@ def test_variant_hopper_nonfinite_v_at_hidden_keys(kind, causal, value):
     np.testing.assert_array_equal(~np.isfinite(oh), ~np.isfinite(o_ref))
     reached = ~np.isfinite(o_ref[..., col])
     assert reached.any() and not reached.all()   # the case hides the key from some rows
+
+
+# The forms behind flags (notes/VARIANTS.md, "Forms behind flags"): softcap's reciprocal on the
+# FMA pipe (_dispatch_variants.SOFTCAP_RCP_FMA; variants.cuh: rcp_fma, FORM bit 1) and the scale
+# fused into the transform / raw scores without one (VARIANT_FUSED_SCALE, FORM bit 2: score_x,
+# ALiBi under causal without |.|, softmax_units_log2), on the mma.sync and Hopper forwards and the
+# mma.sync backward: large scores (q scaled so that |t| / c passes 4 both ways: both
+# saturations), a small cap, ALiBi with and without causal (the causal form assumes dist >= 0 at
+# visible keys), window edges, a bias, a mask with empty rows, every part combined; tails,
+# Sq != Sk, NaN-poisoned outputs (check_variant_case).
+FORMS = {"fma-rcp": dict(SOFTCAP_RCP_FMA=True), "fused": dict(VARIANT_FUSED_SCALE=True),
+         "fma-rcp+fused": dict(SOFTCAP_RCP_FMA=True, VARIANT_FUSED_SCALE=True)}
+_SOFTCAP_FORM_CASES = (("softcap-large", False, "float16", 64),
+                       ("softcap-large", True, "bfloat16", 64),
+                       ("softcap-large", True, "float16", 128),
+                       ("softcap-small-cap", True, "float16", 64),
+                       ("softcap-window", False, "float16", 64),
+                       ("softcap-window", True, "bfloat16", 128),
+                       ("combined", True, "float16", 64),
+                       ("combined", False, "bfloat16", 128))
+_FUSED_CASES = (("alibi", False, "float16", 64), ("alibi", True, "float16", 64),
+                ("alibi", True, "bfloat16", 128), ("window", False, "float16", 64),
+                ("window", True, "float16", 128), ("window-0-0", True, "bfloat16", 64),
+                ("bias-head", True, "float16", 64), ("bias-f16-shared", False, "float16", 128),
+                ("mask-empty-rows", True, "float16", 64))
+FORM_CASES = [(form, kern) + c for kern in ("tensorcore", "hopper")
+              for form in FORMS for c in _SOFTCAP_FORM_CASES] + \
+             [("fused", kern) + c for kern in ("tensorcore", "hopper") for c in _FUSED_CASES]
+
+
+@pytest.mark.parametrize("sq,sk", SHAPES)
+@pytest.mark.parametrize("form,kern,name,causal,dtype,d", FORM_CASES)
+def test_variant_forms(form, kern, name, causal, dtype, d, sq, sk, monkeypatch):
+    from cuflash import _dispatch_variants as DV
+    if kern == "hopper":
+        _need_hopper()
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes")
+    for flag, value in FORMS[form].items():
+        monkeypatch.setattr(DV, flag, value)
+    rng = _rng("variant-forms", form, kern, name, causal, dtype, d, sq, sk)
+    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, dtype)
+    if name.startswith("softcap"):
+        q = R.round_to(q * 12.0, dtype)   # t = q.k / sqrt(D) ~ N(0, 12^2) at any D
+        kw = dict(softcap=0.25 if name == "softcap-small-cap" else 3.0)
+        if name == "softcap-window":
+            kw["window"] = (17, 3)
+    else:
+        kw = _host_variant(name, rng, sq, sk, dtype)
+    dkw = _to_device(kw)
+    qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
+    label = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel=kern, **dkw)
+    if "SOFTCAP_RCP_FMA" in FORMS[form]:
+        assert "softcap<fma-rcp>" in label, label
+    if "VARIANT_FUSED_SCALE" in FORMS[form]:
+        assert label.endswith(",fused-scale>"), label
+    check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
+                       seed=SEED, kernel=kern, bwd_kernel="tensorcore")
+    if name.startswith("softcap"):   # the case reaches both saturations
+        s = np.einsum("...id,...jd->...ij", q, np.broadcast_to(k, q.shape[:-2] + k.shape[-2:]))
+        s /= np.sqrt(d) * kw["softcap"]
+        assert s.max() > 4 and s.min() < -4
