@@ -17,18 +17,20 @@ from seeds import SEED, case_rng
 MAX = 10**6   # a forced split count past every cap: one key tile per split
 
 
+@pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("splits", [None, 1, MAX])
 @pytest.mark.parametrize("mt", [1, 2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sk", [1, 7, 113, 1000])
 @pytest.mark.parametrize("g,sq", [(1, 1), (4, 1), (8, 1), (32, 1), (8, 3), (4, 16)])
-def test_decode_split_model(g, sq, sk, causal, mt, splits):
-    rng = case_rng(SEED, "decode-model", g, sq, sk, causal, mt, splits)
+def test_decode_split_model(g, sq, sk, causal, mt, splits, version):
+    rng = case_rng(SEED, "decode-model", g, sq, sk, causal, mt, splits, version)
     d = 64
     q = reference.round_to(rng.standard_normal((g, sq, d)), "float16")
     k, v = (reference.round_to(rng.standard_normal((sk, d)), "float16") for _ in range(2))
     scale = 1 / math.sqrt(d)
-    o, lse, used = decode_model(q, k, v, causal=causal, scale=scale, mt=mt, splits=splits)
+    o, lse, used = decode_model(q, k, v, causal=causal, scale=scale, mt=mt, splits=splits,
+                                version=version)
     n_tiles = -(-sk // _decode.DECODE_BN)
     if splits == MAX:
         assert used == n_tiles
@@ -62,7 +64,7 @@ def test_row_tiles_per_block():
                         (256, 32, 1), (96, 24, 2)):
         plan = _decode.decode_plan("float16", d, False, False, rows=rows)
         assert plan.block_m == 16 * mt
-        assert (", 2, false, false>" in plan.spec.name) == (mt == 2)
+        assert (", 2, false, false, 2>" in plan.spec.name) == (mt == 2)
         assert ("R32" in plan.label) == (mt == 2)
         attrs = dict(max_smem_optin=227 * 1024, sm_count=132)
         g = rows
@@ -94,3 +96,30 @@ def test_issue_grid_fills_the_gpu(b, sk, hkv):
     n_tiles = sk // _decode.DECODE_BN
     cap = -(-n_tiles // _decode.DECODE_WARPS)
     assert cfg.grid >= min(slots, b * hkv * cap) * 0.5 or cfg.splits == cap
+
+
+@pytest.mark.parametrize("dpad", _decode.DECODE_DPADS)
+def test_combine_columns(dpad):
+    """Version 2's combine grid (rows, CB): CB a power of two dividing the row's DPAD / 4 float4
+    chunks, the least with which no thread of the 128 loads more than COMBINE_LOADS splits
+    (attn_decode.cu's constant, read from the source), for every split count up to
+    MAX_SPLITS; version 1 and one split: CB = 1."""
+    import re
+
+    from kernels_cu import SOURCE_DIR
+
+    src = (SOURCE_DIR / "attn_decode.cu").read_text()
+    assert int(re.search(r"constexpr int COMBINE_LOADS = (\d+);", src).group(1)) == \
+        _decode.COMBINE_LOADS
+    assert int(re.search(r"constexpr int MAX_SPLITS = (\d+);", src).group(1)) == \
+        _decode.MAX_SPLITS
+    ch = dpad // 4
+    for s in range(1, _decode.MAX_SPLITS + 1):
+        cb = _decode.combine_columns(s, dpad, 2)
+        assert _decode.combine_columns(s, dpad, 1) == 1
+        assert cb & (cb - 1) == 0 and ch % cb == 0
+        ng = _decode.COMBINE_THREADS * cb // ch
+        assert -(-s // ng) <= _decode.COMBINE_LOADS
+        if cb > 1:
+            assert -(-s // (ng // 2)) > _decode.COMBINE_LOADS   # the least such CB
+    assert _decode.combine_columns(1, dpad, 2) == 1
