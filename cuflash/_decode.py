@@ -78,9 +78,13 @@ DECODE_T_COMBINE = 3e-6
 #: default) has the one-pass epilogue (per-row weights once, float4 chunks), the combine with
 #: all of a thread's partial loads in flight over a (rows, DECODE_COMBINE_CB) grid, and
 #: `choose_splits_v2`; 1 is session f's kernels and split rule, kept so that one benchmark run
-#: can time both (benchmarks/bench_inference.py --impl cuflash-v1). Assigning it moves the call
-#: caches' generation on (_callcache._WatchedModule), so records of the other version miss.
+#: can time both (benchmarks/bench_inference.py --impl cuflash-v1); 3 is version 2 with the
+#: L2::256B prefetch hint on the K/V copies (same results; a DRAM-efficiency experiment, --impl
+#: cuflash-v3). Assigning it moves the call caches' generation on (_callcache._WatchedModule),
+#: so records of another version miss.
 DECODE_VERSION = 2
+#: The kernel versions `decode_plan` takes.
+DECODE_VERSIONS = (1, 2, 3)
 #: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's
 #: latency, the warp merge, the stores: version 2's epilogue is ~1/5 of version 1's
 #: instructions) and the combine's (a dependent launch, the lse pass and one round trip to the
@@ -114,10 +118,10 @@ def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 
     """The decode kernel for (dtype, D, causal, paged) and `rows` packed rows per entry
     (G * Sq; the largest sequence's for varlen): `row_tiles_per_block` picks MT, which the
     plan's block_m (16 MT rows) carries to `configure`. `version`: the kernels' version
-    (None: DECODE_VERSION); its label ends in ",v1" for version 1."""
+    (None: DECODE_VERSION); its label ends in ",v1" / ",v3" for versions 1 and 3."""
     version = DECODE_VERSION if version is None else version
-    if version not in (1, 2):
-        raise ValueError(f"decode kernel versions are 1 and 2 (got {version})")
+    if version not in DECODE_VERSIONS:
+        raise ValueError(f"decode kernel versions are {DECODE_VERSIONS} (got {version})")
     dpad = head_dim_bucket(d, DECODE_DPADS)
     mt = row_tiles_per_block(dpad, rows)
     name = (f"cuflash::cuflash_attn_decode<{_CXX_TYPE[dtype_name]}, {dpad}, {DECODE_BN}, "
@@ -126,7 +130,7 @@ def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 
     label = (f"decode<{dtype_name},D{dpad},BN{DECODE_BN},W{DECODE_WARPS},"
              f"{'R32,' if mt == 2 else ''}"
              f"{'paged' if paged else 'dense'},{'causal' if causal else 'full'}"
-             f"{',v1' if version == 1 else ''}>")
+             f"{'' if version == 2 else f',v{version}'}>")
     return Plan(label, _compile.Specialisation("attn_decode", name), 16 * mt, DECODE_BN,
                 32 * DECODE_WARPS, decode_smem_bytes(dpad, mt=mt))
 
@@ -143,8 +147,9 @@ def combine_spec(dtype_name: str, dpad: int, version: int = 2):
 
 
 def combine_spec_for(plan, cfg):
-    """The combine kernel that goes with decode `plan` (same dtype and version) for `cfg`."""
-    return combine_spec(_dtype_of(plan), cfg.dpad, version_of(plan))
+    """The combine kernel that goes with decode `plan` (same dtype; combine version 1 for
+    kernel version 1, else 2: version 3 changes only the main kernel's loads) for `cfg`."""
+    return combine_spec(_dtype_of(plan), cfg.dpad, 1 if version_of(plan) == 1 else 2)
 
 
 def combine_columns(splits: int, dpad: int, version: int = 2) -> int:
@@ -174,7 +179,7 @@ def all_decode_specialisations():
         for dpad in DECODE_DPADS:
             for causal in (False, True):
                 for paged in (False, True):
-                    for ver in (2, 1):
+                    for ver in (2, 1, 3):
                         out.append(decode_plan(dt, dpad, causal, paged, version=ver).spec)
                         if dpad <= DECODE_MT2_MAX_DPAD:
                             out.append(decode_plan(dt, dpad, causal, paged, rows=32,

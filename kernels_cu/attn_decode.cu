@@ -120,8 +120,8 @@ __device__ __forceinline__ SeqRange seq_range(const DecodeParams& p, Entry& off)
 // One warp's copy of key tile `tile` (BN keys from key0 = tile * BN) of K and V into `dst`
 // (K rows then V rows, stride S), zero-filling keys >= sk and columns >= d.
 // Paged: `page` is the tile's page number, read ahead by the caller (page_of) so that the
-// table's latency is not on the path of the copy.
-template <typename T, int DPAD, int BN, bool PAGED>
+// table's latency is not on the path of the copy. PF256: with the L2::256B prefetch hint.
+template <typename T, int DPAD, int BN, bool PAGED, bool PF256 = false>
 __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, const T* k,
                                              const T* v, int kvh, int page, int tile, int sk,
                                              int d, int lane) {
@@ -142,10 +142,17 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, cons
     for (int i = lane; i < BN * CHUNKS; i += 32) {
         const int r = i / CHUNKS, c = i % CHUNKS;
         const bool ok = key0 + r < sk && c * EPC < d;
-        cp_async16(smem_addr(dst + r * Cfg::S + c * EPC), ok ? kb + r * p.k_sr + c * EPC : k,
-                   ok ? 16 : 0);
-        cp_async16(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
-                   ok ? vb + r * p.v_sr + c * EPC : v, ok ? 16 : 0);
+        if constexpr (PF256) {
+            cp_async16_l2pf256(smem_addr(dst + r * Cfg::S + c * EPC),
+                               ok ? kb + r * p.k_sr + c * EPC : k, ok ? 16 : 0);
+            cp_async16_l2pf256(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
+                               ok ? vb + r * p.v_sr + c * EPC : v, ok ? 16 : 0);
+        } else {
+            cp_async16(smem_addr(dst + r * Cfg::S + c * EPC), ok ? kb + r * p.k_sr + c * EPC : k,
+                       ok ? 16 : 0);
+            cp_async16(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
+                       ok ? vb + r * p.v_sr + c * EPC : v, ok ? 16 : 0);
+        }
     }
 }
 
@@ -170,10 +177,12 @@ __device__ __forceinline__ void axpy4(float4& acc, float w, const float4& x) {
 // once, then the block combines the warps' O in float4 chunks (8 passes of ~25 at MT = 2) and
 // stores 8- or 16-byte chunks. Same merge order (warp 0 .. NWARPS - 1), same NaN and empty-row
 // rules; the last bits may differ from V = 1 (a multiply by 1 / l instead of a division).
+// 3: version 2 with the L2::256B prefetch hint on the K/V copies (same results as 2, bitwise).
 template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V>
 __global__ void __launch_bounds__(32 * NWARPS)
 cuflash_attn_decode(const DecodeParams p) {
-    static_assert(V == 1 || V == 2, "decode epilogue versions 1 and 2");
+    static_assert(V >= 1 && V <= 3, "decode kernel versions 1, 2 and 3");
+    constexpr bool PF = V == 3;
     using Cfg = DecodeConfig<DPAD, BN, NWARPS, MT>;
     constexpr int ROWS = Cfg::ROWS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -256,7 +265,7 @@ cuflash_attn_decode(const DecodeParams p) {
     int t = t_begin + warp;
     int page_next = page_of<BN, PAGED>(p, off.seq, t + NWARPS, t_end);  // one tile ahead
     if (t < t_end)
-        load_kv_tile<T, DPAD, BN, PAGED>(my, p, k, v, off.kvh, page_of<BN, PAGED>(p, off.seq, t,
+        load_kv_tile<T, DPAD, BN, PAGED, PF>(my, p, k, v, off.kvh, page_of<BN, PAGED>(p, off.seq, t,
                                          t_end), t, sk, d, lane);
     cp_async_commit();
     cp_async_wait<1>();  // this thread's Q chunks have landed (its first K/V tile may not)
@@ -268,7 +277,7 @@ cuflash_attn_decode(const DecodeParams p) {
         const int page_tn = page_next;
         page_next = page_of<BN, PAGED>(p, off.seq, tn + NWARPS, t_end);  // used next iteration
         if (tn < t_end)
-            load_kv_tile<T, DPAD, BN, PAGED>(my + (stage ^ 1) * Cfg::STAGE, p, k, v, off.kvh,
+            load_kv_tile<T, DPAD, BN, PAGED, PF>(my + (stage ^ 1) * Cfg::STAGE, p, k, v, off.kvh,
                                              page_tn, tn, sk, d, lane);
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed for this lane ...

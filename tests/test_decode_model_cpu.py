@@ -123,3 +123,26 @@ def test_combine_columns(dpad):
         if cb > 1:
             assert -(-s // (ng // 2)) > _decode.COMBINE_LOADS   # the least such CB
     assert _decode.combine_columns(1, dpad, 2) == 1
+
+
+def test_versions_plans_and_specialisations():
+    """Each kernel version has its own instantiation (the name's last template argument) and
+    label suffix; version 1 pairs with combine version 1, versions 2 and 3 with 2; the compile
+    check's list has every version's kernels; an unknown version is refused."""
+    for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>")):
+        plan = _decode.decode_plan("bfloat16", 128, False, True, rows=32, version=v)
+        assert plan.spec.name.endswith(f", {v}>") and plan.label.endswith(suffix)
+        assert _decode.version_of(plan) == v
+        cfg = _decode.configure(plan, (1, 1, 1), 32, 1, 8192, 128,
+                                dict(max_smem_optin=227 * 1024, sm_count=132))
+        comb = _decode.combine_spec_for(plan, cfg).name
+        assert comb.endswith(f", {1 if v == 1 else 2}>")
+        assert cfg.comb_cb == (1 if v == 1 else _decode.combine_columns(cfg.splits, 128))
+    names = {s.name for s in _decode.all_decode_specialisations()}
+    for v in _decode.DECODE_VERSIONS:
+        for rows in (1, 32):
+            for paged in (False, True):
+                assert _decode.decode_plan("float16", 64, True, paged, rows=rows,
+                                           version=v).spec.name in names
+    with pytest.raises(ValueError, match="versions"):
+        _decode.decode_plan("float16", 64, True, False, version=4)
