@@ -12,6 +12,14 @@ Run from the repository root::
     PYTHONPATH=. python benchmarks/bench_inference.py              # the issue's grid
     PYTHONPATH=. python benchmarks/bench_inference.py --markdown /tmp/inference.md
     PYTHONPATH=. python benchmarks/bench_inference.py --only decode --b 1,64 --sk 8192,131072
+    PYTHONPATH=. python benchmarks/bench_inference.py --only decode,kvcache \
+        --impl cuflash,cuflash-v1,torch-cudnn,torch-flash     # the decode kernels' versions
+
+`--impl` picks the decode part's implementations (default cuflash, torch-cudnn, torch-flash):
+`cuflash-v1` is cuflash with `_decode.DECODE_VERSION = 1` (session f's decode kernels and split
+rule; `cuflash` is the default version 2), `cuflash-v3` with version 3 (version 2 plus the
+L2::256B prefetch hint on the K/V copies), so the versions are timed in one run on the same
+inputs; with them, the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`).
 
 Every result is checked before it is timed: two (batch, kv head) slices of the output (the
 first and the last), with their query heads, against the float64 reference under the project's
@@ -130,11 +138,37 @@ def _torch_impls():
     return out
 
 
+class _DecodeVersion:
+    """`with _DecodeVersion(v):` runs cuflash's decode family at kernel version `v` (None: the
+    default), restoring the module's value after (assigning it invalidates the call caches'
+    records, so each version records its own)."""
+
+    def __init__(self, version):
+        self.version = version
+
+    def __enter__(self):
+        from cuflash import _decode
+
+        self.saved = _decode.DECODE_VERSION
+        if self.version is not None:
+            _decode.DECODE_VERSION = self.version
+
+    def __exit__(self, *exc):
+        from cuflash import _decode
+
+        if _decode.DECODE_VERSION != self.saved:
+            _decode.DECODE_VERSION = self.saved
+
+
+#: cuflash's decode implementations -> the decode kernels' version they run.
+CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v3": 3}
+
+
 def bench_decode(grid, args, rows):
     import cupy as cp
     import torch
 
-    torch_impls = _torch_impls()
+    torch_impls = {k: v for k, v in _torch_impls().items() if k in args.impls}
     for b in grid["b"]:
         for sk in grid["sk"]:
             for hkv in grid["hkv"]:
@@ -150,10 +184,18 @@ def bench_decode(grid, args, rows):
                 res = {}
                 o = cp.empty((b, H, 1, D), dtype=cp.float16)
                 fn = lambda i: cuflash.attention(*cps[i], out=o)  # noqa: E731
-                fn(0)
                 check = _Checker(q, k, v, b, hkv)
-                why = check(o)
-                res["cuflash"] = why or kv_bytes / _events(fn, args.warmup, args.repeats, n) / 1e9
+                label = ""
+                for name, version in CUFLASH_IMPLS.items():
+                    if name not in args.impls:
+                        continue
+                    with _DecodeVersion(version):
+                        o.fill(np.nan)
+                        fn(0)
+                        why = check(o)
+                        res[name] = why or kv_bytes / _events(fn, args.warmup, args.repeats,
+                                                              n) / 1e9
+                        label = label or cuflash.dispatch_info(q, k, v)
                 for name, run in torch_impls.items():
                     try:
                         to = run(*sets[0])
@@ -162,7 +204,6 @@ def bench_decode(grid, args, rows):
                             lambda i: run(*sets[i]), args.warmup, args.repeats, n) / 1e9
                     except Exception as exc:  # backend refuses the shape
                         res[name] = f"n/a ({type(exc).__name__})"
-                label = cuflash.dispatch_info(q, k, v)
                 rows.append(("decode", b, sk, hkv, res, label))
                 _print_row(rows[-1])
                 sets = cps = q = k = v = o = to = None
@@ -203,17 +244,22 @@ def bench_paged(grid, args, rows):
                 check = _Checker(q.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
                                  vc.transpose(0, 2, 1, 3), b, hkv)
                 o = cp.empty((b, 1, H, D), dtype=cp.float16)
-                for name, paged in (("contiguous", False), ("paged16", True)):
+                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 3)
+                                           if f"cuflash-v{v}" in args.impls]
+                for (name, paged), (suffix, version) in ((x, y) for y in versions for x in (
+                        ("contiguous", False), ("paged16", True))):
                     def fn(i, paged=paged):
                         q_, kc_, vc_, kp_, vp_, bt_ = sets[i]
                         if paged:
                             return cuflash.attention_with_kvcache(q_, kp_, vp_, lens,
                                                                   block_table=bt_, out=o)
                         return cuflash.attention_with_kvcache(q_, kc_, vc_, lens, out=o)
-                    o.fill(np.nan)
-                    fn(0)
-                    why = check(o.transpose(0, 2, 1, 3))
-                    res[name] = why or kv_bytes / _events(fn, args.warmup, args.repeats, n) / 1e9
+                    with _DecodeVersion(version):
+                        o.fill(np.nan)
+                        fn(0)
+                        why = check(o.transpose(0, 2, 1, 3))
+                        res[name + suffix] = why or kv_bytes / _events(
+                            fn, args.warmup, args.repeats, n) / 1e9
                 rows.append(("kvcache", b, sk, hkv, res, ""))
                 _print_row(rows[-1])
                 sets = q = kc = vc = o = None
@@ -408,12 +454,24 @@ def _markdown(rows):
             out.append(f"| {b} | {sk} | {hkv} | " + " | ".join(cells) + " |")
         if kind == "decode" and "torch-cudnn" in impls:
             ratios = [r[4]["cuflash"] / r[4]["torch-cudnn"] for r in sel
-                      if isinstance(r[4]["cuflash"], float)
+                      if isinstance(r[4].get("cuflash"), float)
                       and isinstance(r[4].get("torch-cudnn"), float)]
             if ratios:
                 gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                 out.append(f"\ncuflash / cuDNN: geometric mean {gm:.2f}x, min {min(ratios):.2f}x "
                            f"over {len(ratios)} points")
+        for other in ("cuflash-v1", "cuflash-v3"):
+            if kind != "decode" or other not in impls:
+                continue
+            for ref in ("torch-cudnn", "cuflash"):
+                ratios = [r[4][other] / r[4][ref] for r in sel
+                          if isinstance(r[4].get(other), float)
+                          and isinstance(r[4].get(ref), float)]
+                if ratios:
+                    gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                    out.append(f"\n{other} / {ref}: geometric mean {gm:.2f}x, min "
+                               f"{min(ratios):.2f}x, max {max(ratios):.2f}x over {len(ratios)} "
+                               "points")
     return "\n".join(out)
 
 
@@ -428,6 +486,10 @@ def main(argv=None):
     ap.add_argument("--varlen-impl", default=",".join(VARLEN_IMPLS),
                     help="comma-separated implementations of the varlen part: "
                          + ", ".join(VARLEN_IMPLS))
+    ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
+                    help="comma-separated decode implementations: cuflash, cuflash-v1 / "
+                         "cuflash-v3 (the decode kernels' versions 1 and 3), torch-cudnn, "
+                         "torch-flash")
     for axis in ("b", "sk", "hkv"):
         ap.add_argument(f"--{axis}", default=None,
                         help=f"comma-separated {axis} values of the decode/kvcache grid "
@@ -437,6 +499,10 @@ def main(argv=None):
         print("no GPU: nothing to benchmark", file=sys.stderr)
         return 1
     args.repeats = args.repeats or (5 if args.quick else 20)
+    args.impls = tuple(args.impl.split(","))
+    unknown = set(args.impls) - set(CUFLASH_IMPLS) - {"torch-cudnn", "torch-flash"}
+    if unknown:
+        ap.error(f"unknown --impl {sorted(unknown)}")
     grid = dict(QUICK if args.quick else FULL)
     for axis in ("b", "sk", "hkv"):
         if getattr(args, axis):

@@ -304,10 +304,9 @@ class _DecodeRecord(_RecordBase):
         self.kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
         self.comb = None
         if cfg.splits > 1:
-            self.comb = _compile.get_kernel(
-                _decode.combine_spec(_decode._dtype_of(plan), cfg.dpad), prob.device_id)
-            self.comb_grid = cfg.entries * cfg.rows
-            self.comb_t = ((self.comb_grid,), (_decode.COMBINE_THREADS,))
+            self.comb = _compile.get_kernel(_decode.combine_spec_for(plan, cfg), prob.device_id)
+            self.comb_grid = cfg.comb_grid
+            self.comb_t = (self.comb_grid, (_decode.COMBINE_THREADS,))
         self.label = plan.label
         self._host_block(params.tobytes())
 

@@ -74,6 +74,25 @@ DECODE_REG_BLOCKS = {(64, 1): 4, (64, 2): 3, (128, 1): 3, (128, 2): 2, (256, 1):
 DECODE_BW = 4.0e12
 DECODE_T_BLOCK = 2e-6
 DECODE_T_COMBINE = 3e-6
+#: The kernels' version (a template argument of both, `decode_plan`, `combine_spec`): 2 (the
+#: default) has the one-pass epilogue (per-row weights once, float4 chunks), the combine with
+#: all of a thread's partial loads in flight over a (rows, DECODE_COMBINE_CB) grid, and
+#: `choose_splits_v2`; 1 is session f's kernels and split rule, kept so that one benchmark run
+#: can time both (benchmarks/bench_inference.py --impl cuflash-v1); 3 is version 2 with the
+#: L2::256B prefetch hint on the K/V copies (same results; a DRAM-efficiency experiment, --impl
+#: cuflash-v3). Assigning it moves the call caches' generation on (_callcache._WatchedModule),
+#: so records of another version miss.
+DECODE_VERSION = 2
+#: The kernel versions `decode_plan` takes.
+DECODE_VERSIONS = (1, 2, 3)
+#: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's
+#: latency, the warp merge, the stores: version 2's epilogue is ~1/5 of version 1's
+#: instructions) and the combine's (a dependent launch, the lse pass and one round trip to the
+#: partials); the partials' traffic (written once, read once) is charged at DECODE_BW.
+DECODE_T_BLOCK_V2 = 1.5e-6
+DECODE_T_COMBINE_V2 = 3e-6
+#: attn_decode.cu: COMBINE_LOADS, the partial rows one combine thread loads at once (version 2).
+COMBINE_LOADS = 8
 
 
 def decode_smem_bytes(dpad: int, bn: int = DECODE_BN, nwarps: int = DECODE_WARPS,
@@ -94,25 +113,57 @@ def row_tiles_per_block(dpad: int, rows: int) -> int:
     return 2 if rows > 16 and dpad <= DECODE_MT2_MAX_DPAD else 1
 
 
-def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 1) -> Plan:
+def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 1,
+                version: Optional[int] = None) -> Plan:
     """The decode kernel for (dtype, D, causal, paged) and `rows` packed rows per entry
     (G * Sq; the largest sequence's for varlen): `row_tiles_per_block` picks MT, which the
-    plan's block_m (16 MT rows) carries to `configure`."""
+    plan's block_m (16 MT rows) carries to `configure`. `version`: the kernels' version
+    (None: DECODE_VERSION); its label ends in ",v1" / ",v3" for versions 1 and 3."""
+    version = DECODE_VERSION if version is None else version
+    if version not in DECODE_VERSIONS:
+        raise ValueError(f"decode kernel versions are {DECODE_VERSIONS} (got {version})")
     dpad = head_dim_bucket(d, DECODE_DPADS)
     mt = row_tiles_per_block(dpad, rows)
     name = (f"cuflash::cuflash_attn_decode<{_CXX_TYPE[dtype_name]}, {dpad}, {DECODE_BN}, "
             f"{DECODE_WARPS}, {mt}, {'true' if causal else 'false'}, "
-            f"{'true' if paged else 'false'}>")
+            f"{'true' if paged else 'false'}, {version}>")
     label = (f"decode<{dtype_name},D{dpad},BN{DECODE_BN},W{DECODE_WARPS},"
              f"{'R32,' if mt == 2 else ''}"
-             f"{'paged' if paged else 'dense'},{'causal' if causal else 'full'}>")
+             f"{'paged' if paged else 'dense'},{'causal' if causal else 'full'}"
+             f"{'' if version == 2 else f',v{version}'}>")
     return Plan(label, _compile.Specialisation("attn_decode", name), 16 * mt, DECODE_BN,
                 32 * DECODE_WARPS, decode_smem_bytes(dpad, mt=mt))
 
 
-def combine_spec(dtype_name: str, dpad: int):
+def version_of(plan) -> int:
+    """The kernels' version of a decode `plan` (its kernel name's last template argument)."""
+    return int(plan.spec.name.rsplit(",", 1)[1].strip(" >"))
+
+
+def combine_spec(dtype_name: str, dpad: int, version: int = 2):
     return _compile.Specialisation(
-        "attn_decode", f"cuflash::cuflash_decode_combine<{_CXX_TYPE[dtype_name]}, {dpad}>")
+        "attn_decode",
+        f"cuflash::cuflash_decode_combine<{_CXX_TYPE[dtype_name]}, {dpad}, {version}>")
+
+
+def combine_spec_for(plan, cfg):
+    """The combine kernel that goes with decode `plan` (same dtype; combine version 1 for
+    kernel version 1, else 2: version 3 changes only the main kernel's loads) for `cfg`."""
+    return combine_spec(_dtype_of(plan), cfg.dpad, 1 if version_of(plan) == 1 else 2)
+
+
+def combine_columns(splits: int, dpad: int, version: int = 2) -> int:
+    """CB, the column blocks per packed row of the combine's grid (rows, CB): version 2 takes
+    the least power of two (at most DPAD / 4, the row's float4 chunks) with which no thread has
+    more than COMBINE_LOADS splits (a block of 128 threads covers DPAD / 4 / CB chunks with
+    128 CB / (DPAD / 4) split groups); version 1: 1."""
+    if version == 1 or splits <= 1:
+        return 1
+    ch = dpad // 4
+    cb = 1
+    while cb < ch and -(-splits // (COMBINE_THREADS * cb // ch)) > COMBINE_LOADS:
+        cb *= 2
+    return cb
 
 
 def append_spec(dtype_name: str, paged: bool):
@@ -128,10 +179,12 @@ def all_decode_specialisations():
         for dpad in DECODE_DPADS:
             for causal in (False, True):
                 for paged in (False, True):
-                    out.append(decode_plan(dt, dpad, causal, paged).spec)
-                    if dpad <= DECODE_MT2_MAX_DPAD:
-                        out.append(decode_plan(dt, dpad, causal, paged, rows=32).spec)
-            out.append(combine_spec(dt, dpad))
+                    for ver in (2, 1, 3):
+                        out.append(decode_plan(dt, dpad, causal, paged, version=ver).spec)
+                        if dpad <= DECODE_MT2_MAX_DPAD:
+                            out.append(decode_plan(dt, dpad, causal, paged, rows=32,
+                                                   version=ver).spec)
+            out.extend(combine_spec(dt, dpad, ver) for ver in (2, 1))
         out.extend(append_spec(dt, paged) for paged in (False, True))
     return out
 
@@ -145,7 +198,7 @@ def blocks_per_sm(plan, dpad: int) -> int:
 
 
 def choose_splits(work: int, n_key_tiles: int, sm_count: int, per_sm: int,
-                  tile_bytes: int) -> int:
+                  tile_bytes: int, part_bytes: int = 0, version: Optional[int] = None) -> int:
     """Key splits per (entry, row block), from the problem and the SM count only (so results are
     reproducible run to run).
 
@@ -162,10 +215,64 @@ def choose_splits(work: int, n_key_tiles: int, sm_count: int, per_sm: int,
     only at full occupancy (a wave of fewer blocks is charged as a full one), which errs
     towards filling the GPU: an idle slot costs bandwidth, an extra split only the small
     partials' traffic. The result is cached per arguments and model constants (the module's
-    values at the call, so a changed constant is seen)."""
+    values at the call, so a changed constant is seen).
+
+    That is version 1's rule (`version`, default DECODE_VERSION); version 2's is
+    `choose_splits_v2`, which also charges `part_bytes`, the partial output one block writes
+    (its packed rows x Dpad x 4 bytes)."""
+    version = DECODE_VERSION if version is None else version
+    if version != 1:
+        return choose_splits_v2(work, n_key_tiles, sm_count, per_sm, tile_bytes, part_bytes)
     return _choose_splits(work, n_key_tiles, sm_count, per_sm, tile_bytes, DECODE_WARPS,
                           MIN_TILES_PER_WARP, MAX_SPLITS, DECODE_BW, DECODE_T_BLOCK,
                           DECODE_T_COMBINE)
+
+
+def choose_splits_v2(work: int, n_key_tiles: int, sm_count: int, per_sm: int, tile_bytes: int,
+                     part_bytes: int) -> int:
+    """Version 2's split count (arguments as `choose_splits`). Version 1's model (a wave of
+    blocks streams as if every slot were busy, which errs towards filling the GPU: without a
+    measurement of how few blocks saturate HBM, an idle slot is the costlier mistake) with
+    version 2's constants (DECODE_T_BLOCK_V2, DECODE_T_COMBINE_V2) and the partials' traffic:
+    s > 1 adds work x s x part_bytes, written and read back, at DECODE_BW. With G = 32 rows a
+    split's partial is 16 KB (D = 128) against 8 KB of K and V per key tile, so at short keys
+    the partials are not small. The smallest s within 3% of the least modelled time wins;
+    caps as version 1's (a tile per warp, <= 8 waves, <= MAX_SPLITS). Cached per arguments and
+    model constants."""
+    return _choose_splits_v2(work, n_key_tiles, sm_count, per_sm, tile_bytes, part_bytes,
+                             DECODE_WARPS, MIN_TILES_PER_WARP, MAX_SPLITS, DECODE_BW,
+                             DECODE_T_BLOCK_V2, DECODE_T_COMBINE_V2)
+
+
+def split_time_v2(work, n_key_tiles, s, slots, tile_bytes, part_bytes, warps=None, bw=None,
+                  t_block=None, t_combine=None):
+    """Version 2's modelled time (seconds) of `s` splits (see `choose_splits_v2`); None
+    arguments take the module's constants. Returns (time, waves)."""
+    warps = DECODE_WARPS if warps is None else warps
+    bw = DECODE_BW if bw is None else bw
+    t_block = DECODE_T_BLOCK_V2 if t_block is None else t_block
+    t_combine = DECODE_T_COMBINE_V2 if t_combine is None else t_combine
+    blocks = max(1, work) * s
+    t_tile = tile_bytes * slots * warps / bw   # one tile at one warp's share of a full wave
+    per_warp = -(-(-(-n_key_tiles // s)) // warps)   # tiles of a split's busiest warp
+    waves = -(-blocks // slots)
+    t = waves * (t_block + per_warp * t_tile)
+    if s > 1:
+        t += t_combine + 2 * blocks * part_bytes / bw
+    return t, waves
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_splits_v2(work, n_key_tiles, sm_count, per_sm, tile_bytes, part_bytes, warps,
+                      min_tiles, max_splits, bw, t_block, t_combine):
+    slots = max(1, sm_count * per_sm)
+    work = max(1, work)
+    cap = max(1, -(-n_key_tiles // (warps * min_tiles)))
+    cap = min(cap, max(1, -(-8 * slots // work)), max_splits)
+    times = [split_time_v2(work, n_key_tiles, s, slots, tile_bytes, part_bytes, warps, bw,
+                           t_block, t_combine)[0] for s in range(1, cap + 1)]
+    best = min(times)
+    return next(s for s, t in enumerate(times, 1) if t <= best * 1.03)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -224,6 +331,12 @@ class DecodeLaunch:
     split_tiles: int
     grid: int
     dpad: int
+    comb_cb: int = 1             # the combine's column blocks per row (`combine_columns`)
+
+    @property
+    def comb_grid(self) -> tuple:
+        """The combine's grid: (packed rows of every entry, column blocks)."""
+        return (self.entries * self.rows, self.comb_cb)
 
     @property
     def o_part_bytes(self) -> int:
@@ -263,14 +376,17 @@ def configure(plan, sizes, g, sq, sk, d, attrs) -> DecodeLaunch:
     if plan.smem_bytes > attrs["max_smem_optin"]:
         raise ValueError(f"{plan.label} needs {plan.smem_bytes} bytes of shared memory per "
                          f"block; this GPU allows {attrs['max_smem_optin']}")
+    version = version_of(plan)
     splits = choose_splits(entries * n_rblocks, n_key_tiles, attrs["sm_count"],
-                           blocks_per_sm(plan, dpad), 2 * DECODE_BN * dpad * 2)
+                           blocks_per_sm(plan, dpad), 2 * DECODE_BN * dpad * 2,
+                           min(rows, 16 * mt) * dpad * 4, version=version)
     split_tiles = max(1, -(-n_key_tiles // splits))
     splits = max(1, -(-n_key_tiles // split_tiles))
     grid = entries * n_rblocks * splits
     if grid > MAX_GRID_X or entries * rows > MAX_GRID_X:
         raise ValueError(f"{plan.label}: {grid} blocks is too many for one launch")
-    return DecodeLaunch(entries, rows, n_rtiles, splits, split_tiles, grid, dpad)
+    return DecodeLaunch(entries, rows, n_rtiles, splits, split_tiles, grid, dpad,
+                        combine_columns(splits, dpad, version))
 
 
 def scratch(nbytes, workspace, stream, query):
@@ -331,8 +447,8 @@ def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, cfg, parts=
     kern = _compile.get_kernel(plan.spec, device_id, plan.smem_bytes)
     kern((cfg.grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=stream)
     if cfg.splits > 1:
-        comb = _compile.get_kernel(combine_spec(_dtype_of(plan), cfg.dpad), device_id)
-        comb((cfg.entries * cfg.rows,), (COMBINE_THREADS,), (params,), stream=stream)
+        comb = _compile.get_kernel(combine_spec_for(plan, cfg), device_id)
+        comb(cfg.comb_grid, (COMBINE_THREADS,), (params,), stream=stream)
     return cfg.splits
 
 

@@ -508,9 +508,8 @@ def _kv_record(call, prob, plan, cfg, geom, o, lse, parts, lens_bytes, need):
     rec.dec_t, rec.dec_smem = ((cfg.grid,), (plan.threads,)), plan.smem_bytes
     rec.comb = rec.comb_t = None
     if cfg.splits > 1:
-        rec.comb = _compile.get_kernel(_decode.combine_spec(_decode._dtype_of(plan), cfg.dpad),
-                                       prob.device_id)
-        rec.comb_t = ((cfg.entries * cfg.rows,), (_decode.COMBINE_THREADS,))
+        rec.comb = _compile.get_kernel(_decode.combine_spec_for(plan, cfg), prob.device_id)
+        rec.comb_t = (cfg.comb_grid, (_decode.COMBINE_THREADS,))
     rec.app = rec.app_t = rec.app_tmpl = None
     if prob.snew:
         block, grid = _append_block(prob, 0)

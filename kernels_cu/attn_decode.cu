@@ -120,8 +120,8 @@ __device__ __forceinline__ SeqRange seq_range(const DecodeParams& p, Entry& off)
 // One warp's copy of key tile `tile` (BN keys from key0 = tile * BN) of K and V into `dst`
 // (K rows then V rows, stride S), zero-filling keys >= sk and columns >= d.
 // Paged: `page` is the tile's page number, read ahead by the caller (page_of) so that the
-// table's latency is not on the path of the copy.
-template <typename T, int DPAD, int BN, bool PAGED>
+// table's latency is not on the path of the copy. PF256: with the L2::256B prefetch hint.
+template <typename T, int DPAD, int BN, bool PAGED, bool PF256 = false>
 __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, const T* k,
                                              const T* v, int kvh, int page, int tile, int sk,
                                              int d, int lane) {
@@ -142,10 +142,17 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, cons
     for (int i = lane; i < BN * CHUNKS; i += 32) {
         const int r = i / CHUNKS, c = i % CHUNKS;
         const bool ok = key0 + r < sk && c * EPC < d;
-        cp_async16(smem_addr(dst + r * Cfg::S + c * EPC), ok ? kb + r * p.k_sr + c * EPC : k,
-                   ok ? 16 : 0);
-        cp_async16(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
-                   ok ? vb + r * p.v_sr + c * EPC : v, ok ? 16 : 0);
+        if constexpr (PF256) {
+            cp_async16_l2pf256(smem_addr(dst + r * Cfg::S + c * EPC),
+                               ok ? kb + r * p.k_sr + c * EPC : k, ok ? 16 : 0);
+            cp_async16_l2pf256(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
+                               ok ? vb + r * p.v_sr + c * EPC : v, ok ? 16 : 0);
+        } else {
+            cp_async16(smem_addr(dst + r * Cfg::S + c * EPC), ok ? kb + r * p.k_sr + c * EPC : k,
+                       ok ? 16 : 0);
+            cp_async16(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
+                       ok ? vb + r * p.v_sr + c * EPC : v, ok ? 16 : 0);
+        }
     }
 }
 
@@ -156,9 +163,26 @@ __device__ __forceinline__ int page_of(const DecodeParams& p, int seq, int tile,
     return tile < t_end ? p.block_table[seq * p.bt_stride + ((tile * BN) >> p.page_log2)] : 0;
 }
 
-template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED>
+// acc += w * x, a float4 at a time (the combine's and the epilogue's sums).
+__device__ __forceinline__ void axpy4(float4& acc, float w, const float4& x) {
+    acc.x += w * x.x;
+    acc.y += w * x.y;
+    acc.z += w * x.z;
+    acc.w += w * x.w;
+}
+
+// V: the epilogue's version. 1: session f's (every thread of the block re-derives its row's
+// warp weights for each of its ROWS * DPAD / THREADS elements: 32 serial passes of ~175
+// instructions at MT = 2); 2: one thread per row derives the row's weights f_w / l and lse
+// once, then the block combines the warps' O in float4 chunks (8 passes of ~25 at MT = 2) and
+// stores 8- or 16-byte chunks. Same merge order (warp 0 .. NWARPS - 1), same NaN and empty-row
+// rules; the last bits may differ from V = 1 (a multiply by 1 / l instead of a division).
+// 3: version 2 with the L2::256B prefetch hint on the K/V copies (same results as 2, bitwise).
+template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V>
 __global__ void __launch_bounds__(32 * NWARPS)
 cuflash_attn_decode(const DecodeParams p) {
+    static_assert(V >= 1 && V <= 3, "decode kernel versions 1, 2 and 3");
+    constexpr bool PF = V == 3;
     using Cfg = DecodeConfig<DPAD, BN, NWARPS, MT>;
     constexpr int ROWS = Cfg::ROWS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -193,7 +217,15 @@ cuflash_attn_decode(const DecodeParams p) {
             const int r = i / CHUNKS, c = i % CHUNKS;
             const int pr = r0 + r;
             const bool ok = pr < rows && c * 8 < d;
-            const T* src = ok ? q + (pr % G) * p.q_sg + (long long)(pr / G) * p.q_sr + c * 8 : q;
+            int qr, hj;  // query row and head of packed row pr
+            if constexpr (V >= 2) {  // one unsigned division (V = 1: two signed ones)
+                qr = static_cast<int>(static_cast<unsigned int>(pr) / static_cast<unsigned int>(G));
+                hj = pr - qr * G;
+            } else {
+                qr = pr / G;
+                hj = pr % G;
+            }
+            const T* src = ok ? q + hj * p.q_sg + (long long)qr * p.q_sr + c * 8 : q;
             cp_async16(smem_addr(q_s + r * Cfg::S + c * 8), src, ok ? 16 : 0);
         }
         cp_async_commit();
@@ -233,7 +265,7 @@ cuflash_attn_decode(const DecodeParams p) {
     int t = t_begin + warp;
     int page_next = page_of<BN, PAGED>(p, off.seq, t + NWARPS, t_end);  // one tile ahead
     if (t < t_end)
-        load_kv_tile<T, DPAD, BN, PAGED>(my, p, k, v, off.kvh, page_of<BN, PAGED>(p, off.seq, t,
+        load_kv_tile<T, DPAD, BN, PAGED, PF>(my, p, k, v, off.kvh, page_of<BN, PAGED>(p, off.seq, t,
                                          t_end), t, sk, d, lane);
     cp_async_commit();
     cp_async_wait<1>();  // this thread's Q chunks have landed (its first K/V tile may not)
@@ -245,7 +277,7 @@ cuflash_attn_decode(const DecodeParams p) {
         const int page_tn = page_next;
         page_next = page_of<BN, PAGED>(p, off.seq, tn + NWARPS, t_end);  // used next iteration
         if (tn < t_end)
-            load_kv_tile<T, DPAD, BN, PAGED>(my + (stage ^ 1) * Cfg::STAGE, p, k, v, off.kvh,
+            load_kv_tile<T, DPAD, BN, PAGED, PF>(my + (stage ^ 1) * Cfg::STAGE, p, k, v, off.kvh,
                                              page_tn, tn, sk, d, lane);
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed for this lane ...
@@ -348,6 +380,73 @@ cuflash_attn_decode(const DecodeParams p) {
     __syncthreads();
 
     const bool one = p.n_splits == 1;
+    if constexpr (V >= 2) {
+        // Thread r < ROWS: row r's warp weights f_w / l (over mb's row r, which only this
+        // thread reads), its lse and its kind (1: normal, 0: no key, NaN: a NaN score) into
+        // lb[r] and lb[ROWS + r] (lb's row-r entries of warps 0 and 1, read here first).
+        if (tid < ROWS) {
+            const int r = tid;
+            float mx = neg_inf<float>();
+            bool nan_row = false;
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) {
+                mx = fmaxf(mx, mb[w * ROWS + r]);
+                nan_row = nan_row || isnan(lb[w * ROWS + r]);
+            }
+            float f[NWARPS], l = 0.f;
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) {
+                const float mw = mb[w * ROWS + r];
+                f[w] = (mx == neg_inf<float>() || mw == neg_inf<float>()) ? 0.f
+                                                                          : fast_exp2(mw - mx);
+                l += f[w] * lb[w * ROWS + r];
+            }
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) mb[w * ROWS + r] = f[w] * inv;
+            float lse = l > 0.f ? (mx + __log2f(l)) * 0.6931471805599453f : neg_inf<float>();
+            float kind = l > 0.f ? 1.f : 0.f;
+            if (nan_row) lse = kind = __int_as_float(0x7fc00000);
+            lb[r] = lse;
+            lb[ROWS + r] = kind;
+        }
+        __syncthreads();
+        constexpr int C4 = DPAD / 4;  // float4 chunks of a row
+        for (int i = tid; i < ROWS * C4; i += Cfg::THREADS) {
+            const int r = i / C4, col = (i % C4) * 4;
+            const int pr = r0 + r;
+            if (pr >= rows || col >= d) continue;  // D % 8 == 0: a chunk is all in or all out
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) {
+                const float fw = mb[w * ROWS + r];
+                const float4 x = *reinterpret_cast<const float4*>(ob + (w * ROWS + r) * Cfg::OS
+                                                                  + col);
+                axpy4(acc, fw, x);
+            }
+            const float kind = lb[ROWS + r];
+            if (kind != 1.f) {  // no key: 0; a NaN score: NaN
+                const float z = kind == 0.f ? 0.f : __int_as_float(0x7fc00000);
+                acc = make_float4(z, z, z, z);
+            }
+            const float lse = lb[r];
+            const unsigned int gu = static_cast<unsigned int>(G);
+            const int qi_r = static_cast<int>(static_cast<unsigned int>(pr) / gu);
+            const int hj = pr - qi_r * G;
+            if (one) {
+                T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi_r * p.o_sr;
+                *reinterpret_cast<uint2*>(o + col) =
+                    make_uint2(pack2<T>(acc.x, acc.y), pack2<T>(acc.z, acc.w));
+                if (col == 0 && p.lse) p.lse[off.l + hj * p.l_sg + (long long)qi_r * p.l_sr] = lse;
+            } else {
+                const long long prow = (static_cast<long long>(entry) * p.n_splits + split)
+                                       * (16 * p.n_rtiles) + pr;
+                *reinterpret_cast<float4*>(p.o_part + prow * DPAD + col) = acc;
+                if (col == 0) p.lse_part[prow] = lse;
+            }
+        }
+        return;
+    }
     for (int i = tid; i < ROWS * DPAD; i += Cfg::THREADS) {
         const int r = i / DPAD, col = i % DPAD;
         const int pr = r0 + r;
@@ -386,30 +485,25 @@ cuflash_attn_decode(const DecodeParams p) {
     }
 }
 
-// Merge the splits' partial (o, lse) of each packed row, in a fixed order (merge.cu's operator):
-// lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. One block of 128 threads per row.
-// The split lse go through shared memory once; warp 0 takes their max and sum with a fixed
-// butterfly (every lane ends with the same bits); the weighted sum of the o_s is spread over
-// NG = 512 / DPAD groups of threads, each reading float4 chunks of the splits g, g + NG, ...
-// (independent loads, unrolled), and the groups' sums add up in group order: bitwise the same
-// from run to run, whatever the timing.
-constexpr int MAX_SPLITS = 256;  // cuflash/_decode.py caps the split count here
-template <typename T, int DPAD>
-__global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams p) {
-    constexpr int CH = DPAD / 4;  // float4 chunks of one partial row
-    constexpr int NG = 128 / CH;  // split groups
-    static_assert(128 % CH == 0 && NG >= 1, "the combine's 128 threads cover a row in chunks");
-    __shared__ float w_s[MAX_SPLITS];
-    __shared__ float4 red[NG][CH];
-    __shared__ float stat[3];
+// The combine block's entry, packed row and entry offsets (blockIdx.x = entry * G * Sq + row);
+// false for a row past its sequence's (packed varlen batches), whose block leaves.
+__device__ __forceinline__ bool combine_row(const DecodeParams& p, unsigned int& entry,
+                                            unsigned int& pr, Entry& off) {
     const unsigned int rows = static_cast<unsigned int>(p.g * p.sq);
-    const unsigned int entry = blockIdx.x / rows, pr = blockIdx.x % rows;
-    Entry off = entry_offsets(p, entry);
-    if (pr >= static_cast<unsigned int>(p.g * seq_range(p, off).sq)) return;
-    const int tid = threadIdx.x, lane = tid % 32;
-    const int ns = static_cast<int>(p.n_splits);
-    const long long rpad = 16 * p.n_rtiles;
-    const long long base = static_cast<long long>(entry) * ns * rpad + pr;
+    entry = blockIdx.x / rows;
+    pr = blockIdx.x % rows;
+    off = entry_offsets(p, entry);
+    return pr < static_cast<unsigned int>(p.g * seq_range(p, off).sq);
+}
+
+// The split lse of row `base` (ns of them, rpad apart) -> the row's max, sum of weights and
+// NaN flag (warp 0's fixed butterfly: every lane ends with the same bits), and each split's
+// weight exp(lse_s - max) / sum in w_s (DIVIDE: as a division, version 1; else times 1 / sum).
+// Ends with a barrier.
+template <bool DIVIDE>
+__device__ __forceinline__ void combine_weights(const DecodeParams& p, float* w_s, float* stat,
+                                                long long base, long long rpad, int ns, int tid) {
+    const int lane = tid % 32;
     for (int s = tid; s < ns; s += 128) w_s[s] = p.lse_part[base + s * rpad];
     __syncthreads();
     if (tid < 32) {
@@ -435,10 +529,79 @@ __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams
     }
     __syncthreads();
     const float mx = stat[0], sum = stat[1];
-    const bool nan_row = stat[2] != 0.f;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
     for (int s = tid; s < ns; s += 128)
-        w_s[s] = (sum > 0.f && w_s[s] != neg_inf<float>()) ? expf(w_s[s] - mx) / sum : 0.f;
+        w_s[s] = (sum > 0.f && w_s[s] != neg_inf<float>())
+                     ? (DIVIDE ? expf(w_s[s] - mx) / sum : expf(w_s[s] - mx) * inv) : 0.f;
     __syncthreads();
+}
+
+// Store float4 chunk c4 of packed row pr's merged o (NaN for a NaN row) and, from chunk 0, its
+// lse (mx + log sum; -inf for a row with no key).
+template <typename T>
+__device__ __forceinline__ void combine_store(const DecodeParams& p, const Entry& off,
+                                              unsigned int pr, int c4, float4 acc, bool nan_row,
+                                              float mx, float sum) {
+    const unsigned int gu = static_cast<unsigned int>(p.g);
+    const int qi = pr / gu, hj = pr % gu;
+    T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi * p.o_sr;
+    const int col = 4 * c4;
+    if (col < p.d) {  // D % 8 == 0: a chunk is all in or all out
+        if (nan_row) {
+            const float qn = __int_as_float(0x7fc00000);
+            acc = make_float4(qn, qn, qn, qn);
+        }
+        *reinterpret_cast<uint2*>(o + col) =
+            make_uint2(pack2<T>(acc.x, acc.y), pack2<T>(acc.z, acc.w));
+    }
+    if (c4 == 0 && p.lse)
+        p.lse[off.l + hj * p.l_sg + (long long)qi * p.l_sr] =
+            nan_row ? __int_as_float(0x7fc00000) : sum > 0.f ? mx + logf(sum) : neg_inf<float>();
+}
+
+template <typename T, int DPAD>
+__device__ __forceinline__ void decode_combine_v2(const DecodeParams& p);
+
+// Merge the splits' partial (o, lse) of each packed row, in a fixed order (merge.cu's operator):
+// lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. One block of 128 threads per row.
+// The split lse go through shared memory once; warp 0 takes their max and sum with a fixed
+// butterfly (every lane ends with the same bits); the weighted sum of the o_s is spread over
+// NG = 512 / DPAD groups of threads, each reading float4 chunks of the splits g, g + NG, ...
+// (independent loads, unrolled), and the groups' sums add up in group order: bitwise the same
+// from run to run, whatever the timing.
+//
+// V = 2 (the launch is a grid (rows, CB), CB a power of two dividing DPAD / 4, chosen by the host
+// so that a thread has at most COMBINE_LOADS splits): block (row, y) covers the row's float4
+// chunks y * CHB .. (y + 1) * CHB - 1, CHB = DPAD / 4 / CB, with NG = 128 / CHB split groups;
+// a thread issues the loads of all its splits first (independent, in flight together, before
+// the weights are known), then the lse pass runs, then the weighted sums in split order and
+// the groups in group order: one round trip to the partials instead of ns / (4 NG) (V = 1:
+// 4 loads a thread in flight, 32 rows x 256 splits took 16 dependent rounds on 32 SMs).
+constexpr int MAX_SPLITS = 256;  // cuflash/_decode.py caps the split count here
+constexpr int COMBINE_LOADS = 8;  // V = 2: partial rows a thread loads at once (_decode.py)
+template <typename T, int DPAD, int V>
+__global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams p) {
+    static_assert(V == 1 || V == 2, "combine versions 1 and 2");
+    if constexpr (V == 2) {
+        decode_combine_v2<T, DPAD>(p);
+        return;
+    }
+    constexpr int CH = DPAD / 4;  // float4 chunks of one partial row
+    constexpr int NG = 128 / CH;  // split groups
+    static_assert(128 % CH == 0 && NG >= 1, "the combine's 128 threads cover a row in chunks");
+    __shared__ float w_s[MAX_SPLITS];
+    __shared__ float4 red[NG][CH];
+    __shared__ float stat[3];
+    unsigned int entry, pr;
+    Entry off;
+    if (!combine_row(p, entry, pr, off)) return;
+    const int tid = threadIdx.x;
+    const int ns = static_cast<int>(p.n_splits);
+    const long long rpad = 16 * p.n_rtiles;
+    const long long base = static_cast<long long>(entry) * ns * rpad + pr;
+    combine_weights<true>(p, w_s, stat, base, rpad, ns, tid);
+    const float mx = stat[0], sum = stat[1];
+    const bool nan_row = stat[2] != 0.f;
     const int c4 = tid % CH, gi = tid / CH;
     const float4* op = reinterpret_cast<const float4*>(p.o_part + base * DPAD) + c4;
     const long long sstride = rpad * CH;  // float4s from one split's row to the next's
@@ -447,10 +610,7 @@ __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams
     for (int s = gi; s < ns; s += NG) {
         const float w = w_s[s];
         const float4 x = op[s * sstride];
-        acc.x += w * x.x;
-        acc.y += w * x.y;
-        acc.z += w * x.z;
-        acc.w += w * x.w;
+        axpy4(acc, w, x);
     }
     if (NG > 1) {
         red[gi][c4] = acc;
@@ -460,26 +620,63 @@ __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams
 #pragma unroll
         for (int g = 1; g < NG; ++g) {
             const float4 y = red[g][c4];
-            acc.x += y.x;
-            acc.y += y.y;
-            acc.z += y.z;
-            acc.w += y.w;
+            axpy4(acc, 1.f, y);
         }
-        const unsigned int gu = static_cast<unsigned int>(p.g);
-        const int qi = pr / gu, hj = pr % gu;
-        T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi * p.o_sr;
-        const int col = 4 * c4;
-        if (col < p.d) {  // D % 8 == 0: a chunk is all in or all out
-            const float qnan = __int_as_float(0x7fc00000);
-            o[col] = from_acc<T>(nan_row ? qnan : acc.x);
-            o[col + 1] = from_acc<T>(nan_row ? qnan : acc.y);
-            o[col + 2] = from_acc<T>(nan_row ? qnan : acc.z);
-            o[col + 3] = from_acc<T>(nan_row ? qnan : acc.w);
+        combine_store<T>(p, off, pr, c4, acc, nan_row, mx, sum);
+    }
+}
+
+template <typename T, int DPAD>
+__device__ __forceinline__ void decode_combine_v2(const DecodeParams& p) {
+    constexpr int CH = DPAD / 4;  // float4 chunks of one partial row
+    __shared__ float w_s[MAX_SPLITS];
+    __shared__ float4 red[128];
+    __shared__ float stat[3];
+    unsigned int entry, pr;
+    Entry off;
+    if (!combine_row(p, entry, pr, off)) return;
+    const int tid = threadIdx.x;
+    const int chb = CH / static_cast<int>(gridDim.y);  // chunks of this block (a power of two)
+    const int ng = 128 / chb;                           // split groups
+    const int c4 = static_cast<int>(blockIdx.y) * chb + tid % chb, gi = tid / chb;
+    const int ns = static_cast<int>(p.n_splits);
+    const long long rpad = 16 * p.n_rtiles;
+    const long long base = static_cast<long long>(entry) * ns * rpad + pr;
+    const float4* op = reinterpret_cast<const float4*>(p.o_part + base * DPAD) + c4;
+    const long long sstride = rpad * CH;  // float4s from one split's row to the next's
+    float4 x[COMBINE_LOADS];
+#pragma unroll
+    for (int j = 0; j < COMBINE_LOADS; ++j) {  // splits gi + j ng, in flight together
+        const int s = gi + j * ng;
+        x[j] = s < ns ? op[s * sstride] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    combine_weights<false>(p, w_s, stat, base, rpad, ns, tid);
+    const float mx = stat[0], sum = stat[1];
+    const bool nan_row = stat[2] != 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < COMBINE_LOADS; ++j) {
+        const int s = gi + j * ng;
+        if (s < ns) {
+            const float w = w_s[s];
+            axpy4(acc, w, x[j]);
         }
-        if (tid == 0 && p.lse)
-            p.lse[off.l + hj * p.l_sg + (long long)qi * p.l_sr] =
-                nan_row ? __int_as_float(0x7fc00000)
-                        : sum > 0.f ? mx + logf(sum) : neg_inf<float>();
+    }
+    for (int s = gi + COMBINE_LOADS * ng; s < ns; s += ng) {  // more splits than the host plans
+        const float w = w_s[s];
+        const float4 y = op[s * sstride];
+        axpy4(acc, w, y);
+    }
+    if (ng > 1) {
+        red[tid] = acc;
+        __syncthreads();
+    }
+    if (gi == 0) {
+        for (int g = 1; g < ng; ++g) {  // the groups in group order
+            const float4 y = red[g * chb + tid];
+            axpy4(acc, 1.f, y);
+        }
+        combine_store<T>(p, off, pr, c4, acc, nan_row, mx, sum);
     }
 }
 

@@ -361,6 +361,13 @@ __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, in
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+// As cp_async16, with the L2 told to fetch the whole 256-byte block around the address (the
+// decode kernel's version 3 streams K/V rows with it).
+__device__ __forceinline__ void cp_async16_l2pf256(unsigned int dst, const void* src,
+                                                   int src_bytes) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));

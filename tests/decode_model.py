@@ -11,11 +11,14 @@ from cuflash import _decode, reference
 
 
 def decode_model(q, k, v, *, causal, scale, mt, splits=None, sm_count=132,
-                 dtype="float16", nwarps=_decode.DECODE_WARPS, bn=_decode.DECODE_BN):
+                 dtype="float16", nwarps=_decode.DECODE_WARPS, bn=_decode.DECODE_BN,
+                 version=None):
     """o (G, Sq, D) and lse (G, Sq) of one (batch, kv head) entry: q (G, Sq, D) (query head j
     of the group, query i), k and v (Sk, D). `splits`: None for `configure`'s choice, or a
-    forced count (capped as `configure` caps it: at most one split per key tile).
+    forced count (capped as `configure` caps it: at most one split per key tile). `version`:
+    the kernels' (None: _decode.DECODE_VERSION): the split rule and the combine's split groups.
     Returns (o, lse, splits used)."""
+    version = _decode.DECODE_VERSION if version is None else version
     g, sq, d = q.shape
     sk = k.shape[0]
     rows = g * sq
@@ -25,9 +28,11 @@ def decode_model(q, k, v, *, causal, scale, mt, splits=None, sm_count=132,
     n_key_tiles = -(-sk // bn)
     if splits is None:
         dpad = _decode.head_dim_bucket(d, _decode.DECODE_DPADS)
-        plan = _decode.decode_plan(dtype, d, causal, False, rows=32 if mt == 2 else 1)
+        plan = _decode.decode_plan(dtype, d, causal, False, rows=32 if mt == 2 else 1,
+                                   version=version)
         splits = _decode.choose_splits(n_rblocks, n_key_tiles, sm_count,
-                                       _decode.blocks_per_sm(plan, dpad), 2 * bn * dpad * 2)
+                                       _decode.blocks_per_sm(plan, dpad), 2 * bn * dpad * 2,
+                                       min(rows, rb_rows) * dpad * 4, version=version)
     split_tiles = max(1, -(-n_key_tiles // splits))
     splits = max(1, -(-n_key_tiles // split_tiles))
     rpad = 16 * n_rtiles
@@ -98,7 +103,9 @@ def decode_model(q, k, v, *, causal, scale, mt, splits=None, sm_count=132,
     if splits == 1:
         o_rows, lse_rows = o_part[0], lse_part[0]
     else:   # the combine: weights from the split lse, groups of splits summed in group order
-        ng = 128 // (_decode.head_dim_bucket(d, _decode.DECODE_DPADS) // 4)
+        # split groups: 128 threads over the row's (version 2: the column block's) chunks
+        dpad = _decode.head_dim_bucket(d, _decode.DECODE_DPADS)
+        ng = 128 * _decode.combine_columns(splits, dpad, version) // (dpad // 4)
         o_rows = np.zeros((rpad, d), np.float32)
         lse_rows = np.zeros(rpad, np.float32)
         for r in range(rows):

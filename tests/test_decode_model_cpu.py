@@ -17,18 +17,20 @@ from seeds import SEED, case_rng
 MAX = 10**6   # a forced split count past every cap: one key tile per split
 
 
+@pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("splits", [None, 1, MAX])
 @pytest.mark.parametrize("mt", [1, 2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sk", [1, 7, 113, 1000])
 @pytest.mark.parametrize("g,sq", [(1, 1), (4, 1), (8, 1), (32, 1), (8, 3), (4, 16)])
-def test_decode_split_model(g, sq, sk, causal, mt, splits):
-    rng = case_rng(SEED, "decode-model", g, sq, sk, causal, mt, splits)
+def test_decode_split_model(g, sq, sk, causal, mt, splits, version):
+    rng = case_rng(SEED, "decode-model", g, sq, sk, causal, mt, splits, version)
     d = 64
     q = reference.round_to(rng.standard_normal((g, sq, d)), "float16")
     k, v = (reference.round_to(rng.standard_normal((sk, d)), "float16") for _ in range(2))
     scale = 1 / math.sqrt(d)
-    o, lse, used = decode_model(q, k, v, causal=causal, scale=scale, mt=mt, splits=splits)
+    o, lse, used = decode_model(q, k, v, causal=causal, scale=scale, mt=mt, splits=splits,
+                                version=version)
     n_tiles = -(-sk // _decode.DECODE_BN)
     if splits == MAX:
         assert used == n_tiles
@@ -62,7 +64,7 @@ def test_row_tiles_per_block():
                         (256, 32, 1), (96, 24, 2)):
         plan = _decode.decode_plan("float16", d, False, False, rows=rows)
         assert plan.block_m == 16 * mt
-        assert (", 2, false, false>" in plan.spec.name) == (mt == 2)
+        assert (", 2, false, false, 2>" in plan.spec.name) == (mt == 2)
         assert ("R32" in plan.label) == (mt == 2)
         attrs = dict(max_smem_optin=227 * 1024, sm_count=132)
         g = rows
@@ -94,3 +96,53 @@ def test_issue_grid_fills_the_gpu(b, sk, hkv):
     n_tiles = sk // _decode.DECODE_BN
     cap = -(-n_tiles // _decode.DECODE_WARPS)
     assert cfg.grid >= min(slots, b * hkv * cap) * 0.5 or cfg.splits == cap
+
+
+@pytest.mark.parametrize("dpad", _decode.DECODE_DPADS)
+def test_combine_columns(dpad):
+    """Version 2's combine grid (rows, CB): CB a power of two dividing the row's DPAD / 4 float4
+    chunks, the least with which no thread of the 128 loads more than COMBINE_LOADS splits
+    (attn_decode.cu's constant, read from the source), for every split count up to
+    MAX_SPLITS; version 1 and one split: CB = 1."""
+    import re
+
+    from kernels_cu import SOURCE_DIR
+
+    src = (SOURCE_DIR / "attn_decode.cu").read_text()
+    assert int(re.search(r"constexpr int COMBINE_LOADS = (\d+);", src).group(1)) == \
+        _decode.COMBINE_LOADS
+    assert int(re.search(r"constexpr int MAX_SPLITS = (\d+);", src).group(1)) == \
+        _decode.MAX_SPLITS
+    ch = dpad // 4
+    for s in range(1, _decode.MAX_SPLITS + 1):
+        cb = _decode.combine_columns(s, dpad, 2)
+        assert _decode.combine_columns(s, dpad, 1) == 1
+        assert cb & (cb - 1) == 0 and ch % cb == 0
+        ng = _decode.COMBINE_THREADS * cb // ch
+        assert -(-s // ng) <= _decode.COMBINE_LOADS
+        if cb > 1:
+            assert -(-s // (ng // 2)) > _decode.COMBINE_LOADS   # the least such CB
+    assert _decode.combine_columns(1, dpad, 2) == 1
+
+
+def test_versions_plans_and_specialisations():
+    """Each kernel version has its own instantiation (the name's last template argument) and
+    label suffix; version 1 pairs with combine version 1, versions 2 and 3 with 2; the compile
+    check's list has every version's kernels; an unknown version is refused."""
+    for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>")):
+        plan = _decode.decode_plan("bfloat16", 128, False, True, rows=32, version=v)
+        assert plan.spec.name.endswith(f", {v}>") and plan.label.endswith(suffix)
+        assert _decode.version_of(plan) == v
+        cfg = _decode.configure(plan, (1, 1, 1), 32, 1, 8192, 128,
+                                dict(max_smem_optin=227 * 1024, sm_count=132))
+        comb = _decode.combine_spec_for(plan, cfg).name
+        assert comb.endswith(f", {1 if v == 1 else 2}>")
+        assert cfg.comb_cb == (1 if v == 1 else _decode.combine_columns(cfg.splits, 128))
+    names = {s.name for s in _decode.all_decode_specialisations()}
+    for v in _decode.DECODE_VERSIONS:
+        for rows in (1, 32):
+            for paged in (False, True):
+                assert _decode.decode_plan("float16", 64, True, paged, rows=rows,
+                                           version=v).spec.name in names
+    with pytest.raises(ValueError, match="versions"):
+        _decode.decode_plan("float16", 64, True, False, version=4)

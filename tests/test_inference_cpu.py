@@ -291,4 +291,7 @@ def test_choose_splits_sees_changed_constants(monkeypatch):
     assert _decode.choose_splits(1, 8192, 132, 3, 8192) == 2
     monkeypatch.setattr(_decode, "MAX_SPLITS", 256)
     monkeypatch.setattr(_decode, "DECODE_T_COMBINE", 1.0)   # a combine costlier than any split
-    assert _decode.choose_splits(1, 8192, 132, 3, 8192) == 1
+    assert _decode.choose_splits(1, 8192, 132, 3, 8192, version=1) == 1
+    assert _decode.choose_splits(1, 8192, 132, 3, 8192, version=2) > 2   # not version 2's
+    monkeypatch.setattr(_decode, "DECODE_T_COMBINE_V2", 1.0)
+    assert _decode.choose_splits(1, 8192, 132, 3, 8192, version=2) == 1

@@ -105,20 +105,31 @@ DECODE_CASES = [  # (B, H, Hkv, Sq, Sk, D)
 ]
 
 
+def _decode_version(monkeypatch, version):
+    """Run the decode family at kernel `version` (1: session f's kernels and split rule, kept
+    selectable for timing; 2: the default; 3: 2 with the L2::256B prefetch hint)."""
+    from cuflash import _decode
+
+    monkeypatch.setattr(_decode, "DECODE_VERSION", version)
+
+
+@pytest.mark.parametrize("version", [2, 1, 3])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("b,h,hkv,sq,sk,d", DECODE_CASES)
-def test_decode_kernel(b, h, hkv, sq, sk, d, dtype, causal):
+def test_decode_kernel(b, h, hkv, sq, sk, d, dtype, causal, version, monkeypatch):
     _skip(dtype)
     if _cc() < 80:
         pytest.skip("the decode kernel needs compute capability 8.0")
-    rng = _rng("decode", b, h, hkv, sq, sk, d, dtype, causal)
+    _decode_version(monkeypatch, version)
+    rng = _rng("decode", b, h, hkv, sq, sk, d, dtype, causal, version)
     q, k, v = (_rnd(rng, s, dtype) for s in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d)))
     # K and V as (B, Sk, Hkv, D) cache-like buffers seen through transposed views
     qg = to_gpu(q, dtype)
     kg = to_gpu(np.ascontiguousarray(k.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
     vg = to_gpu(np.ascontiguousarray(v.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
-    assert cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel="decode").startswith("decode")
+    info = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel="decode")
+    assert info.startswith("decode") and info.endswith("l>" if version == 2 else f",v{version}>")
     o, lse = poisoned((b, h, sq, d), dtype), poisoned((b, h, sq), "float32")
     cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), kernel="decode")
     o2 = cuflash.attention(qg, kg, vg, causal=causal, kernel="decode")
@@ -143,21 +154,25 @@ FORCED_CASES = [  # (H, Hkv, Sq): groups 1, 4, 8, 32; Sq = 1 and > 1; MT = 1 and
     (32, 32, 1), (32, 8, 1), (32, 4, 1), (32, 1, 1), (32, 4, 3), (32, 1, 2)]
 
 
-@pytest.mark.parametrize("splits", [1, "max"])
+@pytest.mark.parametrize("version", [2, 1, 3])
+@pytest.mark.parametrize("splits", [1, 100, "max"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sk", [1, 7, 113, 1000, 20000])
 @pytest.mark.parametrize("h,hkv,sq", FORCED_CASES)
-def test_decode_forced_splits(h, hkv, sq, sk, causal, splits, monkeypatch):
+def test_decode_forced_splits(h, hkv, sq, sk, causal, splits, version, monkeypatch):
     """The split count forced to its extremes (one split: no combine; "max": one key tile per
-    split, so most warps of a split have no tile and, causal, trailing splits no key), against
-    float64, NaN-poisoned outputs, bitwise equal run to run."""
+    split, so most warps of a split have no tile and, causal, trailing splits no key) and to
+    100 (version 2's combine on 4 column blocks a row at D = 128; "max" at Sk = 20000: 250
+    splits on 8; Sk = 1000: 63 splits on 2), against float64, NaN-poisoned outputs, bitwise
+    equal run to run."""
     if _cc() < 80:
         pytest.skip("the decode kernel needs compute capability 8.0")
     from cuflash import _decode
 
+    _decode_version(monkeypatch, version)
     monkeypatch.setattr(_decode, "choose_splits",
-                        lambda *a: 1 if splits == 1 else _decode.MAX_SPLITS)
-    rng = _rng("decode-forced", h, hkv, sq, sk, causal, splits)
+                        lambda *a, **kw: _decode.MAX_SPLITS if splits == "max" else splits)
+    rng = _rng("decode-forced", h, hkv, sq, sk, causal, splits, version)
     d, b = 128, 2
     q, k, v = (_rnd(rng, s, "float16") for s in ((b, h, sq, d), (b, hkv, sk, d),
                                                   (b, hkv, sk, d)))
@@ -264,6 +279,33 @@ def test_kvcache_hits_match_the_reference(page, group, sq, snew, lens, seqlens_i
     assert len(checks) == 1, "the second and third calls must be call-cache hits"
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("hkv", [8, 1])   # MT = 1; MT = 2
+def test_decode_v3_matches_v2_bitwise(hkv, paged, monkeypatch):
+    """Version 3 changes only the K/V copies' L2 hint: its o and lse equal version 2's bit for
+    bit (through attention_with_kvcache, contiguous and paged page 16, lengths with tails),
+    and version 2's pass the float64 reference (test_kvcache_gpu covers the rest)."""
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    cp = cupy()
+    rng = _rng("decode-v3", hkv, paged)
+    lens = np.array([1, 113, 4000], np.int32)
+    q, k, v, bt, kn, vn = random_kv_problem(rng, b=3, hkv=hkv, group=32 // hkv, sq=1, d=128,
+                                            lens=lens, snew=0, page=16 if paged else None,
+                                            dtype="float16")
+    args = (to_gpu(q, "float16"), to_gpu(k, "float16"), to_gpu(v, "float16"), cp.asarray(lens))
+    kw = dict(block_table=None if bt is None else cp.asarray(bt), return_lse=True)
+    res = {}
+    for version in (2, 3):
+        _decode_version(monkeypatch, version)
+        res[version] = cuflash.attention_with_kvcache(*args, **kw)
+    cp.cuda.get_current_stream().synchronize()
+    assert cp.array_equal(res[2][0].view(cp.uint16), res[3][0].view(cp.uint16))
+    assert cp.array_equal(res[2][1].view(cp.uint32), res[3][1].view(cp.uint32))
+    check_kvcache_result(to_host64(res[2][0]), to_host64(res[2][1]), q, k, v, lens,
+                         block_table=bt, k_new=None, v_new=None, causal=False, dtype="float16")
+
+
 def test_kvcache_paged_matches_contiguous_bitwise():
     """The same keys in a contiguous and in a paged (page 16) cache give identical results."""
     if _cc() < 80:
@@ -317,14 +359,16 @@ def test_varlen_gpu(h, hkv, d, lens_q, lens_k, dtype, causal):
                         dtype=dtype)
 
 
+@pytest.mark.parametrize("version", [2, 1, 3])
 @pytest.mark.parametrize("h,hkv", [(8, 2), (32, 1)])   # MT = 1; MT = 2 (32 rows a block)
 @pytest.mark.parametrize("sk", [64, 8192])       # one split; many splits (the combine)
 @pytest.mark.parametrize("where", ["q-head3", "k-key200-inf", "v-key100-nan", "v-key100-inf"])
-def test_decode_nonfinite(where, sk, h, hkv):
+def test_decode_nonfinite(where, sk, h, hkv, version, monkeypatch):
     """NaN and inf reach exactly the rows (and columns) the float64 reference puts them in."""
     if _cc() < 80:
         pytest.skip("the decode kernel needs compute capability 8.0")
-    rng = _rng("decode-nonfinite", where, sk, h, hkv)
+    _decode_version(monkeypatch, version)
+    rng = _rng("decode-nonfinite", where, sk, h, hkv, version)
     b, d = 1, 128
     q, k, v = (_rnd(rng, s, "float16") for s in ((b, h, 1, d), (b, hkv, sk, d), (b, hkv, sk, d)))
     if where == "q-head3":
