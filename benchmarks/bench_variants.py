@@ -19,11 +19,12 @@ forward's kernel.
 --impl: forms of the variant kernels to time against each other in the same run (default
 "base"): "base" = the dispatcher's flags as they are, "fma-rcp" = softcap's reciprocal on the FMA
 pipe (_dispatch_variants.SOFTCAP_RCP_FMA), "fused" = the scale fused into the transform, raw
-scores without one (VARIANT_FUSED_SCALE), "fma-rcp+fused" = both; a form's rows only for the
-variants it changes (IMPLS). Each form's row is checked like every other.
+scores without one (VARIANT_FUSED_SCALE), "fma-rcp+fused" = both, "affine" = ALiBi in the
+softmax's affine units on the Hopper forward (ALIBI_AFFINE; causal), "affine+fused"; a form's
+rows only for the variants it changes (IMPLS). Each form's row is checked like every other.
 
     PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels hopper --backward 0 \
-        --flex 0 --quick --impl base,fma-rcp,fused,fma-rcp+fused
+        --flex 0 --quick --impl base,fma-rcp,fused,fma-rcp+fused,affine,affine+fused
 
 Every result is checked first: cuflash's (and torch's) output on a few (batch, head) slices
 against the float64 reference (cuflash.reference.attention_ref with the same variant) under the
@@ -85,7 +86,9 @@ def parse_args(argv=None):
 #: --impl forms: {name: (flags of cuflash._dispatch_variants to set, variants they change)}.
 IMPLS = {"base": ({}, None), "fma-rcp": ({"SOFTCAP_RCP_FMA": True}, {"softcap"}),
          "fused": ({"VARIANT_FUSED_SCALE": True}, {"softcap", "alibi", "window", "bias", "mask"}),
-         "fma-rcp+fused": ({"SOFTCAP_RCP_FMA": True, "VARIANT_FUSED_SCALE": True}, {"softcap"})}
+         "fma-rcp+fused": ({"SOFTCAP_RCP_FMA": True, "VARIANT_FUSED_SCALE": True}, {"softcap"}),
+         "affine": ({"ALIBI_AFFINE": True}, {"alibi"}),
+         "affine+fused": ({"ALIBI_AFFINE": True, "VARIANT_FUSED_SCALE": True}, {"alibi"})}
 
 
 class impl_flags:

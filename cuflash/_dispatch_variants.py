@@ -35,8 +35,26 @@ SOFTCAP_RCP_FMA = False
 #: until the H200 measures it (benchmarks/bench_variants.py --impl base,fused).
 VARIANT_FUSED_SCALE = False
 
+#: ALiBi in the softmax's affine units on the Hopper forward (variants.cuh: Variant::affine,
+#: affine_scores_as; common.cuh: softmax_step_affine; FORM bit 4): under causal the score is
+#: slope y + (a term of the row and tile), y = x (scale / slope) + the key's constant offset, one
+#: FFMA per score (the fused form: two, the default: three); the softmax runs in log2 units with
+#: a = slope log2 e. For ALiBi without softcap, bias or window (registers; a mask may join),
+#: 16-bit inputs, causal, where 0 < slope <= 1 (else the kernel takes the policy's other form,
+#: per batch entry).
+#: Off until the H200 measures it (benchmarks/bench_variants.py --impl affine).
+ALIBI_AFFINE = False
 
-def policy_name(variant, fast: bool = True) -> str:
+
+def _affine(variant, fast, hopper) -> bool:
+    """Whether the policy takes ALIBI_AFFINE's form (FORM bit 4): `hopper` = the Hopper forward
+    with causal and 16-bit inputs, where its kernel uses it (attn_wgmma.cu: AFF)."""
+    return (fast and hopper and ALIBI_AFFINE and variant.alibi_slopes is not None
+            and not variant.softcap and variant.bias is None and not variant.has_window
+            and not getattr(variant, "has_mods", False))
+
+
+def policy_name(variant, fast: bool = True, hopper: bool = False) -> str:
     """The C++ policy type of a `cuflash.variants.Variant`, e.g.
     ``cuflash::Variant<true, false, false, cuflash::NoBias, false>`` (with softcap under
     SOFTCAP_RCP_FMA and / or VARIANT_FUSED_SCALE a sixth argument, the FORM bits 1 / 2 of
@@ -51,6 +69,7 @@ def policy_name(variant, fast: bool = True) -> str:
     hooks = getattr(variant, "has_mods", False)
     bits = (((1 if variant.softcap and SOFTCAP_RCP_FMA else 0)
              | (2 if VARIANT_FUSED_SCALE and not hooks else 0)) if fast else 0)
+    bits |= 4 if _affine(variant, fast, hopper) else 0
     form = f", {bits}" if bits else ""
     base = f"cuflash::Variant<{b}, {s}, {a}, {bias}, {m}{form}>"
     if not hooks:
@@ -75,7 +94,7 @@ def _dtype_name(dt):
     return np.dtype(dt).name
 
 
-def policy_label(variant, fast: bool = True) -> str:
+def policy_label(variant, fast: bool = True, hopper: bool = False) -> str:
     """The variant's parts for a plan label, e.g. ``window,softcap,bias<float16>``."""
     parts = []
     if variant.has_window:
@@ -93,6 +112,8 @@ def policy_label(variant, fast: bool = True) -> str:
             parts.append(f"{name}[{hook.digest[:8]}]")
     if fast and VARIANT_FUSED_SCALE and not getattr(variant, "has_mods", False):
         parts.append("fused-scale")
+    if _affine(variant, fast, hopper):
+        parts.append("alibi-affine")
     return ",".join(parts)
 
 
@@ -258,9 +279,10 @@ def hopper_variant_plan(dtype_name: str, d: int, causal: bool, sk: int, variant,
     base = hopper_plan(dtype_name, d, causal, sk, precision, sq=sq, choose=choose)
     name = base.spec.name.replace("cuflash_fwd_wgmma<", "cuflash_fwd_wgmma_var<")
     op = ", cuflash::fp16_t>"
-    pol = policy_name(variant)
+    aff = causal and dtype_name != "float32"   # where ALIBI_AFFINE's form applies (attn_wgmma.cu)
+    pol = policy_name(variant, hopper=aff)
     name = (name[:-len(op)] + f", {pol}{op}" if name.endswith(op) else name[:-1] + f", {pol}>")
-    label = base.label[:-1] + f",{policy_label(variant)}>"
+    label = base.label[:-1] + f",{policy_label(variant, hopper=aff)}>"
     return dataclasses.replace(base, label=label, spec=Specialisation(
         base.spec.family, name, arch=base.spec.arch, extra_source=_hook_source(variant)))
 
@@ -592,15 +614,17 @@ def form_compile_specs(compute_capability: int = 90):
     ALiBi, window, bias and all five. The Hopper forward: float16 D64, D128 and D256 each part
     alone under causal, D128 the positional parts and all five with and without causal, bfloat16
     D128 all five; the mma.sync forward and backward: float16 and bfloat16 D64 and D128, each part
-    alone and all five under causal (the backward's all five also deterministic)."""
-    global SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE
+    alone and all five under causal (the backward's all five also deterministic); ALIBI_AFFINE
+    (FORM 4, with the fused scale 6) on the Hopper forward under causal: ALiBi alone and with a
+    mask at float16 D64, D128, D256 and bfloat16 D128."""
+    global SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE, ALIBI_AFFINE
     cc = compute_capability
     out = []
     sc, al = _Spec(softcap=True), _Spec(alibi=True)
     wi, bi = _Spec(window=True), _Spec(bias="float16")
     positional = _Spec(window=True, softcap=True, alibi=True)
     every = _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)
-    was = SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE
+    was = SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE, ALIBI_AFFINE
 
     def add(spec):
         if spec not in out:
@@ -626,8 +650,17 @@ def form_compile_specs(compute_capability: int = 90):
                                                                    pol).passes:
                             if "_var<" in plan.spec.name:
                                 add(plan.spec)
+        # ALIBI_AFFINE (FORM 4, with the fused scale 6): the Hopper forward under causal, ALiBi
+        # alone and with a mask; float16 D64 / D128 / D256, bfloat16 D128
+        SOFTCAP_RCP_FMA, ALIBI_AFFINE = False, True
+        for fused in (False, True):
+            VARIANT_FUSED_SCALE = fused
+            for pol in (al, _Spec(alibi=True, mask=True)):
+                for dt, d in (("float16", 64), ("float16", 128), ("float16", 256),
+                              ("bfloat16", 128)):
+                    add(hopper_variant_plan(dt, d, True, 1024, pol).spec)
     finally:
-        SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE = was
+        SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE, ALIBI_AFFINE = was
     return out
 
 

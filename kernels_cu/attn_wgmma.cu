@@ -704,7 +704,10 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     const int g = lane / 4, t4 = lane % 4;
     // Units of the scores the softmax sees: raw (the scale folded into exp2) for the plain policy,
     // scaled for a variant (variants.cuh: variant_scores scales, transforms and masks them).
-    const float scale_log2 = softmax_units_log2<V>(p.scale_log2);
+    // AFF: ALiBi's affine form (variants.cuh: Variant::affine, affine_scores_as; 16-bit, causal):
+    // the softmax in log2 units (softmax_step_affine), so the lse and the exact path take 1.
+    constexpr bool AFF = V::AFFINE && CAUSAL && !F32;
+    const float scale_log2 = AFF ? 1.f : softmax_units_log2<V>(p.scale_log2);
     unsigned int q_wg = q_s + 64 * cw * 128;  // this consumer's 64 rows in each Q panel (per item)
     const int d = static_cast<int>(p.d);
 
@@ -927,6 +930,41 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         float m_run[2] = {neg_inf<float>(), neg_inf<float>()};
         float l_run[2] = {0.f, 0.f};
         float alpha[2];
+        // AFF: tile jt's scores and softmax step in the affine form where the item's slope allows
+        // it (aff, uniform), else the policy's scores (variant_scores, scaled) with a = log2 e.
+        // (The three call sites below stay explicit: one lambda for both forms flipped a branch
+        // in the plain kernel's SASS.)
+        [[maybe_unused]] bool aff = false;
+        [[maybe_unused]] float aff_rho = 0.f, aff_a = 1.4426950408889634f;
+        if constexpr (AFF) {
+            aff = var.affine(static_cast<float>(p.scale), aff_rho, aff_a);
+            if (!aff) aff_a = 1.4426950408889634f;
+        }
+        const auto aff_softmax = [&](int jt) {
+            if constexpr (AFF) {
+                const int key0 = jt * BN, r0 = row0 + 64 * cw;
+                const bool partial = jt >= masked_from ||
+                                     var.tile_kind(r0, min(r0 + 64, sq), key0, key0 + BN) !=
+                                         TILE_FULL;
+                float b[2] = {0.f, 0.f};
+                if (aff) {
+                    const int d0 = row_lo + diag - key0 - 2 * t4;   // dist0 of row +0
+                    b[0] = -aff_a * static_cast<float>(d0);
+                    b[1] = -aff_a * static_cast<float>(d0 + 8);
+                    if (partial)
+                        affine_scores_as<Cfg::NT_S, true>(s, var, key0, t4, sq, sk, row_lo, diag,
+                                                          aff_rho);
+                    else
+                        affine_scores_as<Cfg::NT_S, false>(s, var, key0, t4, sq, sk, row_lo,
+                                                           diag, aff_rho);
+                } else {
+                    variant_scores<Cfg::NT_S, CAUSAL, TERMS == 1>(
+                        s, var, partial, key0, t4, sq, sk, row_lo, diag,
+                        static_cast<float>(p.scale));
+                }
+                softmax_step_affine<Cfg::NT_S, Cfg::LAZY>(s, m_run, l_run, alpha, aff_a, b);
+            }
+        };
 #pragma unroll
         for (int i = 0; i < Cfg::NT_O; ++i)
 #pragma unroll
@@ -953,10 +991,14 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                     scores_in();
                 }
                 scores_done(stage(j), j == n_tiles - 1);
-                variant_step(jt0 + j);
-                softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
-                    s, m_run, l_run, alpha, V::PLAIN && jt0 + j >= masked_from, (jt0 + j) * BN,
-                    t4, sk, row_lo, diag, scale_log2);
+                if constexpr (AFF) {
+                    aff_softmax(jt0 + j);
+                } else {
+                    variant_step(jt0 + j);
+                    softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
+                        s, m_run, l_run, alpha, V::PLAIN && jt0 + j >= masked_from,
+                        (jt0 + j) * BN, t4, sk, row_lo, diag, scale_log2);
+                }
                 rescale_rows<Cfg::NT_O>(acc_o, alpha);
                 pack();
                 mbar_wait(v_full(stage(j)), parity(j));
@@ -985,10 +1027,14 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
             wgmma_wait<0>();
             scores_in();
             scores_done(stage(0), n_tiles == 1);
-            variant_step(jt0);
-            softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
-                s, m_run, l_run, alpha, V::PLAIN && jt0 >= masked_from, jt0 * BN, t4, sk,
-                row_lo, diag, scale_log2);  // O is 0: no rescale
+            if constexpr (AFF) {
+                aff_softmax(jt0);
+            } else {
+                variant_step(jt0);
+                softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
+                    s, m_run, l_run, alpha, V::PLAIN && jt0 >= masked_from, jt0 * BN, t4, sk,
+                    row_lo, diag, scale_log2);  // O is 0: no rescale
+            }
             pack();
             for (int j = 1; j < n_tiles; ++j) {
                 mbar_wait(k_full(stage(j)), parity(j));
@@ -1003,10 +1049,14 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                 wgmma_wait<1>();  // S_j is in
                 scores_in();
                 scores_done(stage(j), j == n_tiles - 1);
-                variant_step(jt0 + j);
-                softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
-                    s, m_run, l_run, alpha, V::PLAIN && jt0 + j >= masked_from, (jt0 + j) * BN,
-                    t4, sk, row_lo, diag, scale_log2);
+                if constexpr (AFF) {
+                    aff_softmax(jt0 + j);
+                } else {
+                    variant_step(jt0 + j);
+                    softmax_step<Cfg::NT_S, CAUSAL, Cfg::LAZY>(
+                        s, m_run, l_run, alpha, V::PLAIN && jt0 + j >= masked_from,
+                        (jt0 + j) * BN, t4, sk, row_lo, diag, scale_log2);
+                }
                 wgmma_wait<0>();  // P_{j-1} V_{j-1} is in O
                 pv_in();
                 release(v_empty(stage(j - 1)));

@@ -568,6 +568,20 @@ __device__ __forceinline__ void tree_reduce(float (&part)[N], Op op) {
     }
 }
 
+// Row h of the thread's scores to p = exp2(a s + c) in place; returns their sum (a tree).
+template <int NT>
+__device__ __forceinline__ float exp2_row_sum(float (&s)[NT][4], int h, float a, float c) {
+    float part[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], a, c));
+        s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], a, c));
+        part[nt] = s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+    tree_reduce<NT>(part, [](float x, float y) { return x + y; });
+    return part[0];
+}
+
 // Masks (when need_mask), turns s into p in place, updates m_run and l_run (the thread's partial
 // row sums), and returns the factors O must be multiplied by (1 when m did not move).
 template <int NT, bool CAUSAL, bool LAZY = true>
@@ -601,14 +615,34 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m_run)[2
         alpha[h] = grow ? fast_exp2((m_run[h] - mx) * scale_log2) : 1.f;
         if (grow) m_run[h] = mx;
         const float m_c = (m_run[h] == neg_inf<float>()) ? 0.f : m_run[h] * scale_log2;
+        l_run[h] = l_run[h] * alpha[h] + exp2_row_sum(s, h, scale_log2, -m_c);
+    }
+}
+
+// softmax_step for scores whose value in log2 units is a s + b[h] (a > 0, the same for every
+// element; b per thread and row, e.g. ALiBi's row term of the tile: variants.cuh,
+// affine_scores): m_run in log2 units (0 while -inf for the exponent; row_lse and the exact path
+// take scale_log2 = 1). Masked elements hold s = -inf. The thread's own maximum goes to log2
+// units with its own b before the quad's reduction (b differs across the quad); then as
+// softmax_step: lazy rescales, p = exp2(a s + b - m) in one FFMA per element.
+template <int NT, bool LAZY = true>
+__device__ __forceinline__ void softmax_step_affine(float (&s)[NT][4], float (&m_run)[2],
+                                                    float (&l_run)[2], float (&alpha)[2],
+                                                    float a, const float (&b)[2]) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_c));
-            s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_c));
-            part[nt] = s[nt][2 * h] + s[nt][2 * h + 1];
-        }
-        tree_reduce<NT>(part, [](float x, float y) { return x + y; });
-        l_run[h] = l_run[h] * alpha[h] + part[0];
+    for (int h = 0; h < 2; ++h) {
+        float part[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) part[nt] = fmaxf(s[nt][2 * h], s[nt][2 * h + 1]);
+        tree_reduce<NT>(part, [](float x, float y) { return fmaxf(x, y); });
+        float mx = fmaxf(m_run[h], fmaf(part[0], a, b[h]));   // -inf stays -inf (a > 0)
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const bool grow = (mx - m_run[h]) > (LAZY ? RESCALE_LOG2 : 0.f);
+        alpha[h] = grow ? fast_exp2(m_run[h] - mx) : 1.f;
+        if (grow) m_run[h] = mx;
+        const float c = b[h] - ((m_run[h] == neg_inf<float>()) ? 0.f : m_run[h]);
+        l_run[h] = l_run[h] * alpha[h] + exp2_row_sum(s, h, a, c);
     }
 }
 

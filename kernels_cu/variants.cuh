@@ -151,6 +151,12 @@ struct Variant {
     // softmax_units_log2); variant_scores only masks, on partial tiles.
     static constexpr bool FUSED = (FORM & 2) != 0 && TRANSFORMS;
     static constexpr bool RAW = (FORM & 2) != 0 && !TRANSFORMS;
+    // AFFINE (FORM bit 4, ALIBI_AFFINE; ALiBi without softcap, bias or window; the Hopper
+    // forward under causal, 16-bit): affine_scores' one FFMA per score, the softmax in log2
+    // units of slope y + row term (softmax_step_affine).
+    // (Not with a window: ALiBi + window spilled 54 bytes at D128 with both forms in the loop,
+    // NVRTC 13.5.)
+    static constexpr bool AFFINE = (FORM & 4) != 0 && ALIBI && !SOFTCAP && !HAS_BIAS && !WINDOW;
     static constexpr bool PLAIN = !WINDOW && !SOFTCAP && !ALIBI && !HAS_BIAS && !MASK;
     static constexpr bool MASKS = WINDOW || MASK;          // invisible keys beyond causal
     static constexpr bool READS = ALIBI || HAS_BIAS || MASK;
@@ -309,6 +315,20 @@ struct Variant {
         }
     }
 
+    // ALiBi in the softmax's affine units (AFFINE): under causal every visible key has dist =
+    // dist0 - ce >= 0, so score = t - slope dist = slope y + R with y = x (scale / slope) + ce (one
+    // FFMA, ce the element's constant key offset, an immediate) and R = -slope dist0 a term of the
+    // row and tile; in log2 units a y + b, a = slope log2 e, b = -a dist0. Taken where 0 < slope
+    // <= 1 and scale / slope is finite (`rho`, `a` returned; false: the caller's other form): y's
+    // and b's roundings then cost at most a few 2^-24 (|t| + slope (BN + |dist|)) in the exponent,
+    // for BN <= 128 under 2^-15 beyond what error_bound's 12 u max(|s| + 2|a|) holds, inside its
+    // 16-bit u term (2^-11: float16 margin 16; notes/VARIANTS.md).
+    __device__ __forceinline__ bool affine(float scale, float& rho, float& a) const {
+        rho = scale / slope;
+        a = slope * 1.4426950408889634f;
+        return slope > 0.f && slope <= 1.f && fabsf(rho) <= 3.0e38f;
+    }
+
     // The window's bounds of row i as 32-bit keys, clamped to [-1, 2^31 - 1) (exact for keys
     // j in [0, Sk)): per row, so that each key's test is two 32-bit comparisons.
     __device__ __forceinline__ int window_lo(long long i) const {
@@ -386,7 +406,7 @@ struct UserVariant : Base {
     static constexpr bool READS = true;   // args, and b / h exist only for real rows and keys
     static constexpr bool DSCORE = Base::DSCORE || SCORE_MOD;
     static constexpr bool TRANSFORMS = true;   // (a hook's score: always the unfused product)
-    static constexpr bool FUSED = false, RAW = false;
+    static constexpr bool FUSED = false, RAW = false, AFFINE = false;
 
     const float* mod_args;
     long long mod_b, mod_h;
@@ -526,6 +546,36 @@ __device__ __forceinline__ void variant_scores_as(float (&s)[NT][4], const V& va
             }
     }
 }
+// AFFINE's scores (Variant::affine) of one 16-row slab in place, the m16n8 layout of
+// variant_scores_as: y = x rho + ce, masked per element on partial tiles (the key tail, the
+// causal diagonal, a window edge, a mask). Causal only (the form assumes dist >= 0 where visible).
+template <int NT, bool PARTIAL, typename V>
+__device__ __forceinline__ void affine_scores_as(float (&s)[NT][4], const V& var, int key0,
+                                                 int t4, int sq, int sk, int row_lo, int diag,
+                                                 float rho) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row_lo + 8 * h;
+        const int r = V::READS ? min(row, sq - 1) : row;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float& x = s[nt][2 * h + e];
+                const float y = fmaf(x, rho, static_cast<float>(nt * 8 + e));
+                if constexpr (PARTIAL) {
+                    const int key = key0 + nt * 8 + 2 * t4 + e;
+                    const int kc = V::READS ? min(key, sk - 1) : key;
+                    bool ok = (key < sk) & (key <= row + diag);
+                    if (V::MASKS) ok = ok && var.visible_tc(r, kc);
+                    x = ok ? y : neg_inf<float>();
+                } else {
+                    x = y;
+                }
+            }
+    }
+}
+
 // The units of the scores the tensor-core forwards' softmax sees, as its scale_log2: raw (the
 // scale folded into exp2's FFMA, `plain` = scale * log2 e) for the plain policy and a RAW one
 // (no transform: variant_scores leaves the scores raw), scaled (log2 e) for every other policy.

@@ -147,9 +147,9 @@ def test_form_compile_set():
     was = DV.SOFTCAP_RCP_FMA, DV.VARIANT_FUSED_SCALE
     specs = DV.form_compile_specs(90)
     assert (DV.SOFTCAP_RCP_FMA, DV.VARIANT_FUSED_SCALE) == was
-    for bits in (1, 2, 3):
+    for bits in (1, 2, 3, 4, 6):
         assert any(f", {bits}>" in s.name for s in specs), bits
-    assert all(any(f", {b}>" in s.name for b in (1, 2, 3)) for s in specs)
+    assert all(any(f", {b}>" in s.name for b in (1, 2, 3, 4, 6)) for s in specs)
     families = {s.family for s in specs}
     assert {"attn_wgmma", "attn_mma", "attn_bwd_mma"} <= families, families
     allspecs = set(precompile.specialisations(90))
@@ -205,3 +205,61 @@ def test_fused_scale_dispatch(monkeypatch):
     assert DV.policy_name(DV._Spec(softcap=True)).endswith(", 3>")
     hooked = DV._with_mods(DV._Spec(alibi=True), example_hooks()["tanh_cap"], None)
     assert ", 2>" not in DV.policy_name(hooked) and "fused" not in DV.policy_label(hooked)
+
+
+def test_alibi_affine_exponent():
+    """The affine ALiBi form (variants.cuh: Variant::affine, affine_scores_as; common.cuh:
+    softmax_step_affine) in float32: the exponent fmaf(y, a, b - m) with y = fmaf(x, scale /
+    slope, ce), a = slope log2 e, b = -a dist0, against float64 log2 e (t - slope dist - m)
+    (dist = dist0 - ce >= 0), slopes in (2^-12, 1], distances to 2^16, ce < 128 (BN <= 128):
+    within 2^-24 (8 |t| + 12 slope (BN + dist)) + 4 ulp(m) in log2 units, which is under
+    error_bound's 12 u max(|s| + 2|a|) plus 2^-15 (the margin to the 16-bit u = 2^-11 quoted in
+    notes/VARIANTS.md). A slope above 1 is refused by affine() (the fallback form runs); the bar
+    fails for the unfused mistake of leaving ce out (the test can fail)."""
+    rng = np.random.default_rng(3)
+    n = 400000
+    slope = f32(2.0 ** rng.uniform(-12, 0, n))
+    scale = f32(1.0 / np.sqrt(64.0))
+    ce = f32(rng.integers(0, 128, n))
+    dist = rng.integers(0, 2 ** 16, n).astype(np.float64)
+    dist0 = f32(dist + ce.astype(np.float64))
+    x = f32(rng.uniform(-400, 400, n))
+    t = x.astype(np.float64) * float(scale)
+    m = f32((t - slope.astype(np.float64) * dist) * LOG2E + rng.uniform(0, 30, n))
+    rho = f32(np.float64(scale) / slope.astype(np.float64))
+    a = f32(slope.astype(np.float64) * np.float32(LOG2E))
+    y = fma32(x, rho, ce)
+    b = f32(-a.astype(np.float64) * dist0.astype(np.float64))
+    c = f32(b.astype(np.float64) - m.astype(np.float64))
+    got = fma32(y, a, c).astype(np.float64)
+    exact = LOG2E * (t - slope.astype(np.float64) * dist) - m.astype(np.float64)
+    u = 2.0 ** -24
+    bar = u * (8 * np.abs(t) + 12 * slope.astype(np.float64) * (128 + dist)) \
+        + 4 * u * np.abs(m.astype(np.float64))
+    assert np.all(np.abs(got - exact) <= bar)
+    # in natural units, beyond 12 u (|s| + 2 |a|) with |s| >= |t| - |a|: at most 2^-15 here
+    extra = np.maximum(np.abs(got - exact) / LOG2E
+                       - 12 * u * (np.abs(t) + 2 * slope.astype(np.float64) * dist), 0)
+    assert extra.max() <= 2.0 ** -15
+    wrong = fma32(fma32(x, rho, np.float32(0)), a, c).astype(np.float64)   # ce left out
+    assert np.any(np.abs(wrong - exact) > bar)
+
+
+def test_alibi_affine_dispatch(monkeypatch):
+    """ALIBI_AFFINE: FORM bit 4 and "alibi-affine" on the Hopper forward's ALiBi policies under
+    causal with 16-bit inputs (alone, with a mask; 6 with the fused scale), nowhere else: not
+    without causal, not float32, not with softcap, bias or window, not on the mma.sync kernels."""
+    from cuflash import _dispatch_variants as DV
+    monkeypatch.setattr(DV, "ALIBI_AFFINE", True)
+    al, am = DV._Spec(alibi=True), DV._Spec(alibi=True, mask=True)
+    for sp in (al, am):
+        pl = DV.hopper_variant_plan("float16", 128, True, 4096, sp)
+        assert pl.spec.name.endswith(", 4>>") and pl.label.endswith(",alibi-affine>"), pl.label
+    assert "affine" not in DV.hopper_variant_plan("float16", 128, False, 4096, al).label
+    assert "affine" not in DV.hopper_variant_plan("float32", 64, True, 4096, al).label
+    for sp in (DV._Spec(alibi=True, softcap=True), DV._Spec(alibi=True, window=True),
+               DV._Spec(alibi=True, bias="float16")):
+        assert "affine" not in DV.hopper_variant_plan("float16", 64, True, 4096, sp).label
+    assert DV.tensorcore_variant_plan("float16", 64, True, 90, al).spec.name.endswith("false>>")
+    monkeypatch.setattr(DV, "VARIANT_FUSED_SCALE", True)
+    assert DV.hopper_variant_plan("float16", 128, True, 4096, al).spec.name.endswith(", 6>>")

@@ -260,7 +260,9 @@ def test_variant_hopper_nonfinite_v_at_hidden_keys(kind, causal, value):
 # visible keys), window edges, a bias, a mask with empty rows, every part combined; tails,
 # Sq != Sk, NaN-poisoned outputs (check_variant_case).
 FORMS = {"fma-rcp": dict(SOFTCAP_RCP_FMA=True), "fused": dict(VARIANT_FUSED_SCALE=True),
-         "fma-rcp+fused": dict(SOFTCAP_RCP_FMA=True, VARIANT_FUSED_SCALE=True)}
+         "fma-rcp+fused": dict(SOFTCAP_RCP_FMA=True, VARIANT_FUSED_SCALE=True),
+         "affine": dict(ALIBI_AFFINE=True),
+         "affine+fused": dict(ALIBI_AFFINE=True, VARIANT_FUSED_SCALE=True)}
 _SOFTCAP_FORM_CASES = (("softcap-large", False, "float16", 64),
                        ("softcap-large", True, "bfloat16", 64),
                        ("softcap-large", True, "float16", 128),
@@ -274,9 +276,16 @@ _FUSED_CASES = (("alibi", False, "float16", 64), ("alibi", True, "float16", 64),
                 ("window", True, "float16", 128), ("window-0-0", True, "bfloat16", 64),
                 ("bias-head", True, "float16", 64), ("bias-f16-shared", False, "float16", 128),
                 ("mask-empty-rows", True, "float16", 64))
+# ALIBI_AFFINE (Hopper, causal, 16-bit): slopes in (0, 1] (the affine form), slopes per
+# (batch, head) mixing both sides of 1 and 0 (each batch entry's form: the affine one or the
+# fallback), a mask with empty rows with it.
+_AFFINE_CASES = (("alibi", True, "float16", 64), ("alibi", True, "bfloat16", 128),
+                 ("alibi", True, "float16", 256), ("alibi-mixed-slopes", True, "float16", 64),
+                 ("alibi-mixed-slopes", True, "float16", 128), ("alibi-mask", True, "float16", 64))
 FORM_CASES = [(form, kern) + c for kern in ("tensorcore", "hopper")
-              for form in FORMS for c in _SOFTCAP_FORM_CASES] + \
-             [("fused", kern) + c for kern in ("tensorcore", "hopper") for c in _FUSED_CASES]
+              for form in ("fma-rcp", "fused", "fma-rcp+fused") for c in _SOFTCAP_FORM_CASES] + \
+             [("fused", kern) + c for kern in ("tensorcore", "hopper") for c in _FUSED_CASES] + \
+             [(form, "hopper") + c for form in ("affine", "affine+fused") for c in _AFFINE_CASES]
 
 
 @pytest.mark.parametrize("sq,sk", SHAPES)
@@ -296,6 +305,11 @@ def test_variant_forms(form, kern, name, causal, dtype, d, sq, sk, monkeypatch):
         kw = dict(softcap=0.25 if name == "softcap-small-cap" else 3.0)
         if name == "softcap-window":
             kw["window"] = (17, 3)
+    elif name == "alibi-mixed-slopes":
+        kw = dict(alibi_slopes=np.array([[0.5, 1.0, 3.0], [0.0, 0.03, -0.2]], np.float32))
+    elif name == "alibi-mask":
+        kw = dict(alibi_slopes=rng.uniform(0.01, 0.3, BATCH_Q).astype(np.float32),
+                  mask=_host_variant("mask-empty-rows", rng, sq, sk, dtype)["mask"])
     else:
         kw = _host_variant(name, rng, sq, sk, dtype)
     dkw = _to_device(kw)
@@ -304,7 +318,9 @@ def test_variant_forms(form, kern, name, causal, dtype, d, sq, sk, monkeypatch):
     if "SOFTCAP_RCP_FMA" in FORMS[form]:
         assert "softcap<fma-rcp>" in label, label
     if "VARIANT_FUSED_SCALE" in FORMS[form]:
-        assert label.endswith(",fused-scale>"), label
+        assert ",fused-scale" in label, label
+    if "ALIBI_AFFINE" in FORMS[form]:
+        assert label.endswith(",alibi-affine>"), label
     check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
                        seed=SEED, kernel=kern, bwd_kernel="tensorcore")
     if name.startswith("softcap"):   # the case reaches both saturations
