@@ -207,7 +207,7 @@ class _Record(_RecordBase):
     the kernel object."""
 
     __slots__ = ("prob", "attrs", "template", "grid", "hopper", "layouts", "last", "kern",
-                 "host_qkv", "maps", "encodes")
+                 "host_qkv", "maps", "encodes", "smem")
 
     def __init__(self, prob, plan, attrs, template, grid, arrays, pub_o, pub_lse):
         self._base(prob, plan, pub_o, pub_lse)
@@ -216,7 +216,7 @@ class _Record(_RecordBase):
         # the block's bytes after the pointers (Hopper: the whole block, for the last pointers)
         self.template = template.tobytes()[_PTRS.size:]
         assert self.hopper or template.dtype == _launch.PARAMS_DTYPE
-        self.grid = grid
+        self.grid, self.smem = grid, plan.smem_bytes
         self.grid_t, self.block_t = (grid,), (plan.threads,)
         self.layouts = tuple(None if x is None else _Layout(x) for x in arrays)
         # Hopper: the q, k, v pointers the last block's tensor maps were made from, its bytes
@@ -244,12 +244,17 @@ class _Record(_RecordBase):
         CuPy stream object, or None: CuPy's current stream, resolved by the kernel call). The
         caller has made the record's device current. `parts` is unused (the dense kernels need
         no workspace)."""
+        if self.host_args is not None and _get_ident() == self.owner:   # (the common case)
+            if not self.hopper:
+                _PTRS.pack_into(self.host_mv, 0, *ptrs)
+                self.kern(self.grid_t, self.block_t, self.host_args, self.smem, stream)
+                return
+            if (ptrs[0], ptrs[1], ptrs[2]) == self.host_qkv:
+                # Hopper, the inputs whose tensor maps the host block holds: o and lse only
+                _PTRS.pack_into(self.host_mv, _HOPPER_PTRS_AT, *ptrs)
+                self.kern(self.grid_t, self.block_t, self.host_args, self.smem, stream)
+                return
         plan = self.plan
-        if not self.hopper and self.host_args is not None and _get_ident() == self.owner:
-            _PTRS.pack_into(self.host_mv, 0, *ptrs)   # (the common case, first)
-            self.kern(self.grid_t, self.block_t, self.host_args, shared_mem=plan.smem_bytes,
-                      stream=stream)
-            return
         if self.hopper:
             last = self.last   # (one read: another thread may replace it meanwhile)
             qkv = tuple(ptrs[:3])
@@ -328,9 +333,10 @@ class _DecodeRecord(_RecordBase):
         else:
             args = (np.frombuffer(_DPTRS.pack(*ptrs, o_part, lse_part) + self.template,
                                   _DECODE_V)[0],)
-        self.kern(self.grid_t, self.block_t, args, shared_mem=self.smem, stream=stream)
+        # (positional shared_mem and stream: CuPy's Function.__call__ parses keywords slower)
+        self.kern(self.grid_t, self.block_t, args, self.smem, stream)
         if self.comb is not None:   # both kernels read one block (copied at each launch)
-            self.comb(*self.comb_t, args, stream=stream)
+            self.comb(*self.comb_t, args, 0, stream)
 
 
 def _arr_key(x, cp_ndarray, torch_tensor, ptrs, strided=None):
