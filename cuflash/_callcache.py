@@ -160,6 +160,19 @@ def _cpointer(cp):
         return None
 
 
+def _single_device():
+    """Whether CuPy sees exactly one device (fixed per process: CUDA reads CUDA_VISIBLE_DEVICES
+    once). Then the current device is always the record's and a hit skips the
+    ``runtime.getDevice()`` check; False where the count cannot be read."""
+    count = getattr(sys.modules["cupy"].cuda.runtime, "getDeviceCount", None)
+    if count is None:
+        return False
+    try:
+        return count() == 1
+    except Exception:   # (no device: the record is never launched anyway)
+        return False
+
+
 class _RecordBase:
     """What both kinds of record share: the outputs a hit allocates (the caller's shapes, also
     for grouped-query heads), the tables' generation they were made under, the device; and the
@@ -175,7 +188,8 @@ class _RecordBase:
     build a block per call (a plain void NumPy scalar, as before)."""
 
     __slots__ = ("plan", "device_id", "o_shape", "lse_shape", "dtype", "return_lse", "tables",
-                 "part_bytes", "host", "host_mv", "host_args", "owner", "grid_t", "block_t")
+                 "part_bytes", "host", "host_mv", "host_args", "owner", "grid_t", "block_t",
+                 "single")
 
     def _base(self, prob, plan, pub_o, pub_lse):
         self.plan, self.device_id = plan, prob.device_id
@@ -186,6 +200,7 @@ class _RecordBase:
         self.tables = _tables()
         self.part_bytes = 0   # workspace bytes a launch needs (decode kernel, split keys)
         self.host_args = None
+        self.single = _single_device()
 
     def _host_block(self, block):
         """Keep `block` (bytes) as the owner thread's host block, where CuPy has `CPointer`."""
@@ -552,7 +567,7 @@ def run(call, out, workspace, stream):
         return None
     cp = sys.modules["cupy"]
     dev = rec.device_id
-    if cp.cuda.runtime.getDevice() == dev:  # a Device context costs more than the check
+    if rec.single or cp.cuda.runtime.getDevice() == dev:   # (a Device context costs more)
         return _hit(cp, rec, call, out, workspace, stream)
     with cp.cuda.Device(dev):
         return _hit(cp, rec, call, out, workspace, stream)

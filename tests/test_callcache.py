@@ -786,3 +786,36 @@ def test_jax_callback_hit_launches_the_full_paths_block(fake, monkeypatch, with_
     cj._fwd_callback(cfg, with_lse)(ctx, out, *qkv)   # a fresh callback: the full path
     assert fake["checks"] == n + 1
     assert fake["launches"][m:] == hit
+
+
+def test_one_visible_device_skips_the_device_check_and_two_keep_it(fake, monkeypatch):
+    """With one device visible the current device is the record's: a hit reads no current
+    device. With two it reads it on every hit (and a hit from the other device switches)."""
+    import cupy as cp
+
+    calls = []
+
+    def get_device():
+        calls.append(1)
+        return fake["device"]
+
+    monkeypatch.setattr(cp.cuda, "runtime", types.SimpleNamespace(
+        getDevice=get_device, getDeviceCount=lambda: 1))
+    q, k, v = _qkv()
+    cuflash.attention(q, k, v)
+    n = len(calls)
+    for _ in range(3):
+        cuflash.attention(q, k, v)
+    assert fake["checks"] == 1 and len(calls) == n, "one device: no getDevice per hit"
+    _callcache.clear()
+    monkeypatch.setattr(cp.cuda, "runtime", types.SimpleNamespace(
+        getDevice=get_device, getDeviceCount=lambda: 2))
+    cuflash.attention(q, k, v)
+    n = len(calls)
+    for _ in range(3):
+        cuflash.attention(q, k, v)
+    assert fake["checks"] == 2 and len(calls) == n + 3, "two devices: getDevice per hit"
+    enters = fake["device_enters"]
+    fake["device"] = 1   # another device current: the hit switches to the record's
+    cuflash.attention(q, k, v)
+    assert fake["checks"] == 2 and fake["device_enters"] == enters + 1
