@@ -148,6 +148,13 @@ class _Layout:
 HOST_BLOCK = os.environ.get("CUFLASH_HOST_BLOCK", "1") != "0"
 
 
+#: ``CUFLASH_DIRECT_LAUNCH=1`` (read at import; off by default, an A/B for the GPU machine): the
+#: owner thread's host-block launches go to ``cupy.cuda.driver.launchKernel`` with a pre-packed
+#: ``void*[1]`` instead of through CuPy's ``Function.__call__`` (its tuple work and argument
+#: conversion), when a context is current (else through CuPy, which makes one current).
+DIRECT_LAUNCH = os.environ.get("CUFLASH_DIRECT_LAUNCH", "0") == "1"
+
+
 def _cpointer(cp):
     """CuPy's by-address kernel argument (`cupy.cuda.function.CPointer`: `Function.__call__`
     passes its address on as it is), or None where the CuPy module has none (or
@@ -189,7 +196,7 @@ class _RecordBase:
 
     __slots__ = ("plan", "device_id", "o_shape", "lse_shape", "dtype", "return_lse", "tables",
                  "part_bytes", "host", "host_mv", "host_args", "owner", "grid_t", "block_t",
-                 "single")
+                 "single", "direct", "kparams")
 
     def _base(self, prob, plan, pub_o, pub_lse):
         self.plan, self.device_id = plan, prob.device_id
@@ -200,6 +207,7 @@ class _RecordBase:
         self.tables = _tables()
         self.part_bytes = 0   # workspace bytes a launch needs (decode kernel, split keys)
         self.host_args = None
+        self.direct = None
         self.single = _single_device()
 
     def _host_block(self, block):
@@ -211,6 +219,21 @@ class _RecordBase:
         self.host_mv = memoryview(self.host)
         self.host_args = (cpointer(self.host.ctypes.data),)
         self.owner = threading.get_ident()
+        drv = getattr(sys.modules["cupy"].cuda, "driver", None)
+        if DIRECT_LAUNCH and hasattr(drv, "launchKernel") and hasattr(drv, "ctxGetCurrent"):
+            self.kparams = np.array([self.host.ctypes.data], np.uint64)   # the void*[1]
+            self.direct = (drv.launchKernel, drv.ctxGetCurrent, self.kparams.ctypes.data)
+
+    def _direct(self, kern, grid_t, block_t, smem, stream):
+        """Launch `kern` with the host block through ``driver.launchKernel`` (`DIRECT_LAUNCH`;
+        the owner thread, the block written); through CuPy's call where no context is current
+        (CuPy makes the device's primary context current first)."""
+        launch, ctx, params = self.direct
+        if not ctx():
+            kern(grid_t, block_t, self.host_args, smem, stream)
+            return
+        st = sys.modules["cupy"].cuda.get_current_stream() if stream is None else stream
+        launch(kern.ptr, grid_t[0], 1, 1, block_t[0], 1, 1, smem, st.ptr, params, 0)
 
     def valid(self):
         return self.tables == _GEN[0]
@@ -262,12 +285,18 @@ class _Record(_RecordBase):
         if self.host_args is not None and _get_ident() == self.owner:   # (the common case)
             if not self.hopper:
                 _PTRS.pack_into(self.host_mv, 0, *ptrs)
-                self.kern(self.grid_t, self.block_t, self.host_args, self.smem, stream)
+                if self.direct is None:
+                    self.kern(self.grid_t, self.block_t, self.host_args, self.smem, stream)
+                else:
+                    self._direct(self.kern, self.grid_t, self.block_t, self.smem, stream)
                 return
             if (ptrs[0], ptrs[1], ptrs[2]) == self.host_qkv:
                 # Hopper, the inputs whose tensor maps the host block holds: o and lse only
                 _PTRS.pack_into(self.host_mv, _HOPPER_PTRS_AT, *ptrs)
-                self.kern(self.grid_t, self.block_t, self.host_args, self.smem, stream)
+                if self.direct is None:
+                    self.kern(self.grid_t, self.block_t, self.host_args, self.smem, stream)
+                else:
+                    self._direct(self.kern, self.grid_t, self.block_t, self.smem, stream)
                 return
         plan = self.plan
         if self.hopper:
@@ -344,6 +373,11 @@ class _DecodeRecord(_RecordBase):
             o_part, lse_part = parts, parts + self.o_part_bytes
         if self.host_args is not None and _get_ident() == self.owner:
             _DPTRS.pack_into(self.host_mv, 0, *ptrs, o_part, lse_part)
+            if self.direct is not None:
+                self._direct(self.kern, self.grid_t, self.block_t, self.smem, stream)
+                if self.comb is not None:
+                    self._direct(self.comb, *self.comb_t, 0, stream)
+                return
             args = self.host_args
         else:
             args = (np.frombuffer(_DPTRS.pack(*ptrs, o_part, lse_part) + self.template,
