@@ -32,6 +32,7 @@ Peers that are not installed are skipped (and say why). Targets (issue 13): <= 1
 with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty buffer_callback.
 
     python benchmarks/host_time.py [--calls 2000] [--s 16,128] [--d 64] [--dtype float16]
+                                   [--repeats 5] [--impl cupy-call|driver] [--no-floor]
 """
 import argparse
 import json
@@ -322,18 +323,25 @@ def main():
                     help="timed runs of --calls calls per row; the median is shown")
     ap.add_argument("--warmup-s", type=float, default=0.5,
                     help="seconds of busy host before the first row (the CPU clock's ramp)")
+    ap.add_argument("--impl", default="cupy-call", choices=["cupy-call", "driver"],
+                    help="how a record hit launches: CuPy's Function.__call__ (the default) or "
+                         "driver.launchKernel on a pre-packed block (CUFLASH_DIRECT_LAUNCH=1)")
     ap.add_argument("--no-floor", action="store_true",
                     help="skip the floor rows (allocation, no-op launches)")
     ap.add_argument("--jax-cmdbuf-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     REPEATS[0] = max(1, args.repeats)
+    if args.impl == "driver":   # (read when cuflash is imported: every import here is later)
+        os.environ["CUFLASH_DIRECT_LAUNCH"] = "1"
+    elif "cuflash" not in sys.modules:
+        os.environ.pop("CUFLASH_DIRECT_LAUNCH", None)
     lengths = [int(x) for x in str(args.s).split(",") if x]
     if args.jax_cmdbuf_child:
         args.s = lengths[0]
         print(json.dumps(_jax_callback_rows(args, True)))
         return
     print(f"host time per call, {args.calls} calls, (1, 1, S, {args.d}) {args.dtype}, "
-          f"one sync at the end; median of {REPEATS[0]} runs")
+          f"one sync at the end; median of {REPEATS[0]} runs; hits launch via {args.impl}")
     _spin(args.warmup_s)
     rows = []
     for s in lengths:
