@@ -22,10 +22,17 @@ decode kernel with ``kernel="auto"``, the second a dense kernel), and says which
 rows) and, for the cuflash rows outside jit, whether the call's signature is recorded in the
 call cache (``hit``: repeated calls skip the checks and the dispatcher, cuflash/_callcache.py).
 
+Each row is the median of ``--repeats`` runs of ``--calls`` calls (the fastest in brackets),
+after ``--warmup-s`` seconds of busy host (the first rows used to pay for the CPU clock's ramp).
+The ``floor`` rows time, alone, what a record hit cannot avoid: CuPy's ``empty`` for o (and lse)
+and a no-op kernel launch through ``Function.__call__`` (what a hit does) and through
+``cupy.cuda.driver.launchKernel``.
+
 Peers that are not installed are skipped (and say why). Targets (issue 13): <= 10 us for CuPy
 with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty buffer_callback.
 
     python benchmarks/host_time.py [--calls 2000] [--s 16,128] [--d 64] [--dtype float16]
+                                   [--repeats 5] [--impl cupy-call|driver] [--no-floor]
 """
 import argparse
 import json
@@ -44,6 +51,13 @@ class Timing(float):
     larger the GPU was (the launch queue filled, or the last kernels were still running)."""
 
     enqueue = None
+    best = None
+
+
+#: Timed runs per row (`--repeats`): a row's figure is the median run, so that the first
+#: rows of the process (S = 16's CuPy rows come first) are not charged for the CPU's clock
+#: ramp or the pool's first growth; ``best`` is the fastest run.
+REPEATS = [5]
 
 
 def _time(fn, sync, calls, warmed=None):
@@ -54,14 +68,76 @@ def _time(fn, sync, calls, warmed=None):
     sync()
     if warmed is not None:
         warmed()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    sync()
-    t = Timing((time.perf_counter() - t0) / calls * 1e6)
-    t.enqueue = (t1 - t0) / calls * 1e6
+    runs = []
+    for _ in range(REPEATS[0]):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        runs.append(((time.perf_counter() - t0) / calls * 1e6, (t1 - t0) / calls * 1e6))
+    runs.sort()
+    total, enqueue = runs[len(runs) // 2]
+    t = Timing(total)
+    t.enqueue = enqueue
+    t.best = runs[0][0]
     return t
+
+
+def _spin(seconds):
+    """Keep the host busy for `seconds` (the CPU's clock up before the first timed row)."""
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        x += 1
+    return x
+
+
+#: A kernel that does nothing with a parameter block of DecodeParams' size (392 bytes), for
+#: the launch floor rows.
+_NOOP_SRC = r"""
+struct Block { unsigned long long w[49]; };
+extern "C" __global__ void cuflash_noop(Block b) {}
+"""
+
+
+def floor_rows(args):
+    """What a hit cannot avoid, measured alone with the same timing: CuPy's allocation of o
+    (and of lse), a launch of a no-op kernel with a 392-byte block passed by address through
+    `Function.__call__` (what a record hit does) and through `cupy.cuda.driver.launchKernel`
+    on a pre-packed ``void*[1]`` (the cheapest launch from Python), and the current-stream and
+    device lookups. A hit costs about its Python (benchmarks/host_time_standin.py) plus the
+    allocation rows plus the launch row."""
+    import cupy as cp
+    import numpy as np
+
+    o_shape, lse_shape = (1, 1, args.s, args.d), (1, 1, args.s)
+    sync = cp.cuda.Stream.null.synchronize
+    rows = [("floor: cupy.empty(o)", _time(lambda: cp.empty(o_shape, dtype=args.dtype), sync,
+                                           args.calls)),
+            ("floor: cupy.empty(o) + cupy.empty(lse)",
+             _time(lambda: (cp.empty(o_shape, dtype=args.dtype),
+                            cp.empty(lse_shape, dtype=cp.float32)), sync, args.calls))]
+    try:
+        # (RawKernel.kernel: the cupy.cuda.function.Function a cuflash record calls)
+        fn = cp.RawKernel(_NOOP_SRC, "cuflash_noop").kernel
+        block = np.zeros(49, np.uint64)
+        arg = (cp.cuda.function.CPointer(block.ctypes.data),)
+        grid, threads = (1,), (128,)
+        rows.append(("floor: no-op launch, Function.__call__ (CPointer block)",
+                     _time(lambda: fn(grid, threads, arg, 0, None), sync, args.calls)))
+        params = np.array([block.ctypes.data], np.uint64)
+        launch, f, pp = cp.cuda.driver.launchKernel, fn.ptr, params.ctypes.data
+        rows.append(("floor: no-op launch, driver.launchKernel (pre-packed)",
+                     _time(lambda: launch(f, 1, 1, 1, 128, 1, 1, 0, 0, pp, 0), sync,
+                           args.calls)))
+    except Exception as exc:  # another CuPy layout
+        rows.append(("floor: no-op launches", f"skipped: {type(exc).__name__}: {exc}"[:120]))
+    rows.append(("floor: cupy.cuda.get_current_stream()",
+                 _time(cp.cuda.get_current_stream, sync, args.calls)))
+    rows.append(("floor: cupy.cuda.runtime.getDevice()",
+                 _time(cp.cuda.runtime.getDevice, sync, args.calls)))
+    return rows
 
 
 def _path(label):
@@ -243,15 +319,30 @@ def main():
                     help="sequence lengths (Sq = Sk), comma-separated: each gets every row")
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed runs of --calls calls per row; the median is shown")
+    ap.add_argument("--warmup-s", type=float, default=0.5,
+                    help="seconds of busy host before the first row (the CPU clock's ramp)")
+    ap.add_argument("--impl", default="cupy-call", choices=["cupy-call", "driver"],
+                    help="how a record hit launches: CuPy's Function.__call__ (the default) or "
+                         "driver.launchKernel on a pre-packed block (CUFLASH_DIRECT_LAUNCH=1)")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the floor rows (allocation, no-op launches)")
     ap.add_argument("--jax-cmdbuf-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    REPEATS[0] = max(1, args.repeats)
+    if args.impl == "driver":   # (read when cuflash is imported: every import here is later)
+        os.environ["CUFLASH_DIRECT_LAUNCH"] = "1"
+    elif "cuflash" not in sys.modules:
+        os.environ.pop("CUFLASH_DIRECT_LAUNCH", None)
     lengths = [int(x) for x in str(args.s).split(",") if x]
     if args.jax_cmdbuf_child:
         args.s = lengths[0]
         print(json.dumps(_jax_callback_rows(args, True)))
         return
     print(f"host time per call, {args.calls} calls, (1, 1, S, {args.d}) {args.dtype}, "
-          "one sync at the end")
+          f"one sync at the end; median of {REPEATS[0]} runs; hits launch via {args.impl}")
+    _spin(args.warmup_s)
     rows = []
     for s in lengths:
         args.s = s
@@ -265,20 +356,24 @@ def main():
         except Exception as exc:  # no GPU here
             label = f"unknown ({type(exc).__name__}: {exc})"[:100]
         rows.append((f"-- S = {s}: kernel='auto' takes {label}", None))
-        for name, fn in (("CuPy", cupy_rows), ("torch", torch_rows), ("JAX", jax_rows),
-                         ("JAX command-buffer", jax_cmdbuf_rows)):
+        parts = [("CuPy", cupy_rows)] + ([] if args.no_floor else [("CuPy floor", floor_rows)])
+        parts += [("torch", torch_rows), ("JAX", jax_rows),
+                  ("JAX command-buffer", jax_cmdbuf_rows)]
+        for name, fn in parts:
             try:
                 rows += fn(args)
             except Exception as exc:  # a peer that is missing or has no GPU here
                 rows.append((f"{name} rows", f"skipped: {type(exc).__name__}: {exc}"[:120]))
     width = max(len(r[0]) for r in rows if r[1] is not None)
-    print(f"{'':{width}s}   us/call  (enqueue: before the final sync)")
+    print(f"{'':{width}s}   us/call  (enqueue: before the final sync)  [fastest run]")
     for name, t in rows:
         if t is None:
             print(name)
         elif isinstance(t, float):
             enq = getattr(t, "enqueue", None)
-            print(f"{name:{width}s}  {t:8.1f}" + ("" if enq is None else f"  ({enq:.1f})"))
+            best = getattr(t, "best", None)
+            print(f"{name:{width}s}  {t:8.1f}" + ("" if enq is None else f"  ({enq:.1f})")
+                  + ("" if best is None else f"  [{best:.1f}]"))
         else:
             print(f"{name:{width}s}  {t}")
 

@@ -3,7 +3,11 @@ carry shape, strides, dtype and a pointer; `empty` hands out addresses; kernels 
 what is left is cuflash's own Python per call. Prints the whole call (full path and hit) and the
 hit's parts (signature, lookup, allocation, packing the block, the kernel call, the stream).
 
-    python benchmarks/host_time_standin.py [--calls 20000] [--s 16,128] [--repeats 5]
+    python benchmarks/host_time_standin.py [--calls 20000] [--s 16,128,1:4096] [--repeats 5]
+
+``--s`` items are ``S`` (Sq = Sk) or ``S:SK``; the default's ``1:4096`` takes the decode kernel
+with split keys (two launches, the split kernel's and the combine's, and the partials'
+allocation from the pool).
 
 The numbers are this process's CPU time per call on this machine, best of --repeats runs
 (notes/JAX.md "Host time" has the development machine's);
@@ -128,7 +132,7 @@ def _per_call(fn, calls):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000)
-    ap.add_argument("--s", default="16,128")
+    ap.add_argument("--s", default="16,128,1:4096")
     ap.add_argument("--sk", type=int, default=0, help="keys (default: Sk = S)")
     ap.add_argument("--repeats", type=int, default=5, help="runs per figure (the best is shown)")
     args = ap.parse_args()
@@ -142,8 +146,10 @@ def main():
     from cuflash import _callcache, _decode, _launch
 
     n = args.calls
-    for s in (int(x) for x in args.s.split(",")):
-        sk = args.sk or s
+    for item in args.s.split(","):
+        s, _, sk = item.partition(":")
+        s = int(s)
+        sk = int(sk) if sk else (args.sk or s)
         q = _Array((1, 1, s, 64), ptr=1 << 40)
         k, v = _Array((1, 1, sk, 64), ptr=2 << 40), _Array((1, 1, sk, 64), ptr=3 << 40)
         out = _Array((1, 1, s, 64), ptr=4 << 40)
@@ -158,6 +164,9 @@ def main():
         cuflash.attention(q, k, v, out=out)
         rows.append(("hit", _per_call(lambda: cuflash.attention(q, k, v), n)))
         rows.append(("hit, out=", _per_call(lambda: cuflash.attention(q, k, v, out=out), n)))
+        cuflash.attention(q, k, v, return_lse=True)
+        rows.append(("hit, return_lse=True (o and lse allocated)",
+                     _per_call(lambda: cuflash.attention(q, k, v, return_lse=True), n)))
         sig = _callcache.signature_of
         rows.append(("  signature", _per_call(
             lambda: sig(q, k, v, False, None, False, None, "auto", None, None), n)))
@@ -174,6 +183,9 @@ def main():
         rows.append(("  allocation of o (stand-in empty)",
                      _per_call(lambda: cp.empty(rec.o_shape, dtype=rec.dtype), n)))
         decode = isinstance(rec, _callcache._DecodeRecord)
+        if rec.part_bytes:
+            rows.append((f"  allocation of the split partials ({rec.part_bytes} bytes)",
+                         _per_call(lambda: cp.empty(rec.part_bytes, dtype=cp.uint8), n)))
         fmt, dt, full_dt = ((_callcache._DPTRS, _callcache._DECODE_V,
                              _decode.DECODE_PARAMS_DTYPE) if decode
                             else (_callcache._PTRS, _callcache._PARAMS_V, _launch.PARAMS_DTYPE))

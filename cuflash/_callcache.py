@@ -148,6 +148,13 @@ class _Layout:
 HOST_BLOCK = os.environ.get("CUFLASH_HOST_BLOCK", "1") != "0"
 
 
+#: ``CUFLASH_DIRECT_LAUNCH=1`` (read at import; off by default, an A/B for the GPU machine): the
+#: owner thread's host-block launches go to ``cupy.cuda.driver.launchKernel`` with a pre-packed
+#: ``void*[1]`` instead of through CuPy's ``Function.__call__`` (its tuple work and argument
+#: conversion), when a context is current (else through CuPy, which makes one current).
+DIRECT_LAUNCH = os.environ.get("CUFLASH_DIRECT_LAUNCH", "0") == "1"
+
+
 def _cpointer(cp):
     """CuPy's by-address kernel argument (`cupy.cuda.function.CPointer`: `Function.__call__`
     passes its address on as it is), or None where the CuPy module has none (or
@@ -158,6 +165,19 @@ def _cpointer(cp):
         return cp.cuda.function.CPointer
     except AttributeError:
         return None
+
+
+def _single_device():
+    """Whether CuPy sees exactly one device (fixed per process: CUDA reads CUDA_VISIBLE_DEVICES
+    once). Then the current device is always the record's and a hit skips the
+    ``runtime.getDevice()`` check; False where the count cannot be read."""
+    count = getattr(sys.modules["cupy"].cuda.runtime, "getDeviceCount", None)
+    if count is None:
+        return False
+    try:
+        return count() == 1
+    except Exception:   # (no device: the record is never launched anyway)
+        return False
 
 
 class _RecordBase:
@@ -175,7 +195,8 @@ class _RecordBase:
     build a block per call (a plain void NumPy scalar, as before)."""
 
     __slots__ = ("plan", "device_id", "o_shape", "lse_shape", "dtype", "return_lse", "tables",
-                 "part_bytes", "host", "host_mv", "host_args", "owner", "grid_t", "block_t")
+                 "part_bytes", "host", "host_mv", "host_args", "owner", "grid_t", "block_t",
+                 "single", "direct", "kparams")
 
     def _base(self, prob, plan, pub_o, pub_lse):
         self.plan, self.device_id = plan, prob.device_id
@@ -186,6 +207,8 @@ class _RecordBase:
         self.tables = _tables()
         self.part_bytes = 0   # workspace bytes a launch needs (decode kernel, split keys)
         self.host_args = None
+        self.direct = None
+        self.single = _single_device()
 
     def _host_block(self, block):
         """Keep `block` (bytes) as the owner thread's host block, where CuPy has `CPointer`."""
@@ -196,6 +219,21 @@ class _RecordBase:
         self.host_mv = memoryview(self.host)
         self.host_args = (cpointer(self.host.ctypes.data),)
         self.owner = threading.get_ident()
+        drv = getattr(sys.modules["cupy"].cuda, "driver", None)
+        if DIRECT_LAUNCH and hasattr(drv, "launchKernel") and hasattr(drv, "ctxGetCurrent"):
+            self.kparams = np.array([self.host.ctypes.data], np.uint64)   # the void*[1]
+            self.direct = (drv.launchKernel, drv.ctxGetCurrent, self.kparams.ctypes.data)
+
+    def _direct(self, kern, grid_t, block_t, smem, stream):
+        """Launch `kern` with the host block through ``driver.launchKernel`` (`DIRECT_LAUNCH`;
+        the owner thread, the block written); through CuPy's call where no context is current
+        (CuPy makes the device's primary context current first)."""
+        launch, ctx, params = self.direct
+        if not ctx():
+            kern(grid_t, block_t, self.host_args, smem, stream)
+            return
+        st = sys.modules["cupy"].cuda.get_current_stream() if stream is None else stream
+        launch(kern.ptr, grid_t[0], 1, 1, block_t[0], 1, 1, smem, st.ptr, params, 0)
 
     def valid(self):
         return self.tables == _GEN[0]
@@ -207,7 +245,7 @@ class _Record(_RecordBase):
     the kernel object."""
 
     __slots__ = ("prob", "attrs", "template", "grid", "hopper", "layouts", "last", "kern",
-                 "host_qkv", "maps", "encodes")
+                 "host_qkv", "maps", "encodes", "smem")
 
     def __init__(self, prob, plan, attrs, template, grid, arrays, pub_o, pub_lse):
         self._base(prob, plan, pub_o, pub_lse)
@@ -216,7 +254,7 @@ class _Record(_RecordBase):
         # the block's bytes after the pointers (Hopper: the whole block, for the last pointers)
         self.template = template.tobytes()[_PTRS.size:]
         assert self.hopper or template.dtype == _launch.PARAMS_DTYPE
-        self.grid = grid
+        self.grid, self.smem = grid, plan.smem_bytes
         self.grid_t, self.block_t = (grid,), (plan.threads,)
         self.layouts = tuple(None if x is None else _Layout(x) for x in arrays)
         # Hopper: the q, k, v pointers the last block's tensor maps were made from, its bytes
@@ -244,12 +282,23 @@ class _Record(_RecordBase):
         CuPy stream object, or None: CuPy's current stream, resolved by the kernel call). The
         caller has made the record's device current. `parts` is unused (the dense kernels need
         no workspace)."""
+        if self.host_args is not None and _get_ident() == self.owner:   # (the common case)
+            if not self.hopper:
+                _PTRS.pack_into(self.host_mv, 0, *ptrs)
+                if self.direct is None:
+                    self.kern(self.grid_t, self.block_t, self.host_args, self.smem, stream)
+                else:
+                    self._direct(self.kern, self.grid_t, self.block_t, self.smem, stream)
+                return
+            if (ptrs[0], ptrs[1], ptrs[2]) == self.host_qkv:
+                # Hopper, the inputs whose tensor maps the host block holds: o and lse only
+                _PTRS.pack_into(self.host_mv, _HOPPER_PTRS_AT, *ptrs)
+                if self.direct is None:
+                    self.kern(self.grid_t, self.block_t, self.host_args, self.smem, stream)
+                else:
+                    self._direct(self.kern, self.grid_t, self.block_t, self.smem, stream)
+                return
         plan = self.plan
-        if not self.hopper and self.host_args is not None and _get_ident() == self.owner:
-            _PTRS.pack_into(self.host_mv, 0, *ptrs)   # (the common case, first)
-            self.kern(self.grid_t, self.block_t, self.host_args, shared_mem=plan.smem_bytes,
-                      stream=stream)
-            return
         if self.hopper:
             last = self.last   # (one read: another thread may replace it meanwhile)
             qkv = tuple(ptrs[:3])
@@ -323,13 +372,19 @@ class _DecodeRecord(_RecordBase):
             o_part, lse_part = parts, parts + self.o_part_bytes
         if self.host_args is not None and _get_ident() == self.owner:
             _DPTRS.pack_into(self.host_mv, 0, *ptrs, o_part, lse_part)
+            if self.direct is not None:
+                self._direct(self.kern, self.grid_t, self.block_t, self.smem, stream)
+                if self.comb is not None:
+                    self._direct(self.comb, *self.comb_t, 0, stream)
+                return
             args = self.host_args
         else:
             args = (np.frombuffer(_DPTRS.pack(*ptrs, o_part, lse_part) + self.template,
                                   _DECODE_V)[0],)
-        self.kern(self.grid_t, self.block_t, args, shared_mem=self.smem, stream=stream)
+        # (positional shared_mem and stream: CuPy's Function.__call__ parses keywords slower)
+        self.kern(self.grid_t, self.block_t, args, self.smem, stream)
         if self.comb is not None:   # both kernels read one block (copied at each launch)
-            self.comb(*self.comb_t, args, stream=stream)
+            self.comb(*self.comb_t, args, 0, stream)
 
 
 def _arr_key(x, cp_ndarray, torch_tensor, ptrs, strided=None):
@@ -545,7 +600,7 @@ def run(call, out, workspace, stream):
         return None
     cp = sys.modules["cupy"]
     dev = rec.device_id
-    if cp.cuda.runtime.getDevice() == dev:  # a Device context costs more than the check
+    if rec.single or cp.cuda.runtime.getDevice() == dev:   # (a Device context costs more)
         return _hit(cp, rec, call, out, workspace, stream)
     with cp.cuda.Device(dev):
         return _hit(cp, rec, call, out, workspace, stream)

@@ -371,7 +371,7 @@ def _launch_record(rec, device_id, ptrs, stream, workspace):
     `_gpu_call` does), which the pool hands on only in that stream's order."""
     cupy = sys.modules.get("cupy") or _cupy()   # (an import statement per call costs more)
     st = _callcache.external_stream(stream, device_id)   # (cached: constructing one, 2.5 us)
-    if cupy.cuda.runtime.getDevice() == device_id:
+    if rec.single or cupy.cuda.runtime.getDevice() == device_id:   # (one device: it is)
         _callcache.launch(rec, ptrs, st, workspace)
         return
     with cupy.cuda.Device(device_id):

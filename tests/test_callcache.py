@@ -786,3 +786,104 @@ def test_jax_callback_hit_launches_the_full_paths_block(fake, monkeypatch, with_
     cj._fwd_callback(cfg, with_lse)(ctx, out, *qkv)   # a fresh callback: the full path
     assert fake["checks"] == n + 1
     assert fake["launches"][m:] == hit
+
+
+def test_one_visible_device_skips_the_device_check_and_two_keep_it(fake, monkeypatch):
+    """With one device visible the current device is the record's: a hit reads no current
+    device. With two it reads it on every hit (and a hit from the other device switches)."""
+    import cupy as cp
+
+    calls = []
+
+    def get_device():
+        calls.append(1)
+        return fake["device"]
+
+    monkeypatch.setattr(cp.cuda, "runtime", types.SimpleNamespace(
+        getDevice=get_device, getDeviceCount=lambda: 1))
+    q, k, v = _qkv()
+    cuflash.attention(q, k, v)
+    n = len(calls)
+    for _ in range(3):
+        cuflash.attention(q, k, v)
+    assert fake["checks"] == 1 and len(calls) == n, "one device: no getDevice per hit"
+    _callcache.clear()
+    monkeypatch.setattr(cp.cuda, "runtime", types.SimpleNamespace(
+        getDevice=get_device, getDeviceCount=lambda: 2))
+    cuflash.attention(q, k, v)
+    n = len(calls)
+    for _ in range(3):
+        cuflash.attention(q, k, v)
+    assert fake["checks"] == 2 and len(calls) == n + 3, "two devices: getDevice per hit"
+    enters = fake["device_enters"]
+    fake["device"] = 1   # another device current: the hit switches to the record's
+    cuflash.attention(q, k, v)
+    assert fake["checks"] == 2 and fake["device_enters"] == enters + 1
+
+
+@pytest.mark.parametrize("case", ["dense", "hopper", "decode", "decode split"])
+def test_direct_launch_sends_what_cupys_call_sends(fake, monkeypatch, case):
+    """`CUFLASH_DIRECT_LAUNCH`: the owner thread's launches through ``driver.launchKernel`` (a
+    pre-packed ``void*[1]`` to the host block) send each kernel the bytes, grid, block, shared
+    memory and stream that CuPy's ``Function.__call__`` sends; with no context current they go
+    through CuPy's call."""
+    import cupy as cp
+
+    if case == "hopper":
+        _fake_hopper(monkeypatch)
+    monkeypatch.setattr(_callcache, "DIRECT_LAUNCH", True)
+    real_get, kernels = _compile.get_kernel, {}
+
+    def get_kernel(spec, dev, smem=0):
+        inner = real_get(spec, dev, smem)
+
+        def kern(*a, **kw):
+            return inner(*a, **kw)
+        kern.ptr = 1000 + len(kernels)
+        kernels[kern.ptr] = inner
+        return kern
+
+    direct, ctx = [], [1]
+
+    def launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        assert (gy, gz, by, bz, extra) == (1, 1, 1, 1, 0)
+        direct.append(f)
+        addr = ctypes.c_uint64.from_address(params).value   # the void*[1]'s one pointer
+        kernels[f]((gx,), (bx,), (CPointer(addr),), smem, types.SimpleNamespace(ptr=stream))
+
+    monkeypatch.setattr(_compile, "get_kernel", get_kernel)
+    monkeypatch.setattr(cp.cuda, "driver", types.SimpleNamespace(
+        launchKernel=launch_kernel, ctxGetCurrent=lambda: ctx[0]), raising=False)
+    if case in ("dense", "hopper"):
+        qs, ks, causal, ws = (2, 4, 100, 64), (2, 4, 100, 64), True, None
+    else:
+        qs, ks, causal = ((1, 1, 16, 64), (1, 1, 16, 64), False) if case == "decode" else \
+            ((2, 4, 1, 64), (2, 4, 4096, 64), True)
+        size = cuflash.attention_workspace_size(_new(qs), _new(ks), _new(ks))
+        ws = _new((size,), "uint8", ptr=5 << 40) if size else None
+    label = cuflash.dispatch_info(_new(qs), _new(ks), _new(ks), causal=causal)
+    assert label.startswith({"dense": "tensorcore", "hopper": "hopper"}.get(case, "decode")), \
+        label
+    kw = dict(causal=causal, workspace=ws)
+    cuflash.attention(_new(qs), _new(ks), _new(ks), out=_new(qs), **kw)   # recorded
+    rec, checks = _callcache._last[1], fake["checks"]
+    assert rec.direct is not None
+    q, k, v, o = _new(qs), _new(ks), _new(ks), _new(qs)
+    cuflash.attention(q, k, v, out=o, **kw)   # (Hopper: the host block takes these maps)
+    logs = {}
+    for stream in (None, cp.cuda.ExternalStream(77)):
+        n, nd = len(fake["launches"]), len(direct)
+        cuflash.attention(q, k, v, out=o, stream=stream, **kw)
+        logs[stream] = via_driver = fake["launches"][n:]
+        assert len(direct) - nd == len(via_driver) == (2 if case == "decode split" else 1)
+        rec.direct, saved = None, rec.direct   # the same call through CuPy's Function.__call__
+        n = len(fake["launches"])
+        cuflash.attention(q, k, v, out=o, stream=stream, **kw)
+        assert fake["launches"][n:] == via_driver
+        rec.direct = saved
+    assert logs[None] != logs[next(s for s in logs if s is not None)], "the streams differ"
+    ctx[0] = 0   # no context current: CuPy's call (which makes one current)
+    n, nd = len(fake["launches"]), len(direct)
+    cuflash.attention(q, k, v, out=o, **kw)
+    assert len(direct) == nd and fake["launches"][n:] == logs[None]
+    assert fake["checks"] == checks, "every call after the first is a hit"
