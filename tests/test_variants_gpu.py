@@ -322,7 +322,8 @@ def test_variant_forms(form, kern, name, causal, dtype, d, sq, sk, monkeypatch):
     if "ALIBI_AFFINE" in FORMS[form]:
         assert label.endswith(",alibi-affine>"), label
     check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
-                       seed=SEED, kernel=kern, bwd_kernel="tensorcore")
+                       seed=SEED, kernel=kern,
+                       bwd_kernel="tensorcore" if d <= 128 else "generic")
     if name.startswith("softcap"):   # the case reaches both saturations
         s = np.einsum("...id,...jd->...ij", q, np.broadcast_to(k, q.shape[:-2] + k.shape[-2:]))
         s /= np.sqrt(d) * kw["softcap"]
