@@ -71,6 +71,8 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="plain,softcap,alibi,window,bias,mask")
     ap.add_argument("--backward", type=int, default=1, help="also time the backward")
     ap.add_argument("--flex", type=int, default=1, help="torch FlexAttention peers (compiled)")
+    ap.add_argument("--torch", type=int, default=1,
+                    help="torch SDPA peers (0: cuflash rows only, e.g. comparing --impl forms)")
     ap.add_argument("--kernels", default="auto,hopper",
                     help="cuflash forward kernels to time per variant (kernel= values)")
     ap.add_argument("--impl", default="base",
@@ -404,7 +406,7 @@ def main(argv=None):
                         if plain_bwd_ms is not None:
                             row["bwd_per_tile"] = (plain_bwd_ms / visible_pairs(
                                 "plain", s, causal, args)) / (row["bwd_ms"] / pairs)
-            if torch is not None and name != "softcap" and first:
+            if torch is not None and args.torch and name != "softcap" and first:
                 tm = torch_mask(name, kw, b, h, s, causal, args.dtype, args.window)
                 for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
                     try:

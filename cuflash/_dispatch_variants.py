@@ -40,8 +40,9 @@ VARIANT_FUSED_SCALE = False
 #: slope y + (a term of the row and tile), y = x (scale / slope) + the key's constant offset, one
 #: FFMA per score (the fused form: two, the default: three); the softmax runs in log2 units with
 #: a = slope log2 e. For ALiBi without softcap, bias or window (registers; a mask may join),
-#: 16-bit inputs, causal, where 0 < slope <= 1 (else the kernel takes the policy's other form,
-#: per batch entry).
+#: 16-bit inputs, causal, where 2^-10 <= slope <= 1 (else the kernel takes the policy's other
+#: form, per batch entry). Its y = x scale / slope overflows for |q.k| over ~5e36 at D = 256
+#: (bfloat16 only), where the other forms stay finite to 3e38.
 #: Off until the H200 measures it (benchmarks/bench_variants.py --impl affine).
 ALIBI_AFFINE = False
 

@@ -318,15 +318,17 @@ struct Variant {
     // ALiBi in the softmax's affine units (AFFINE): under causal every visible key has dist =
     // dist0 - ce >= 0, so score = t - slope dist = slope y + R with y = x (scale / slope) + ce (one
     // FFMA, ce the element's constant key offset, an immediate) and R = -slope dist0 a term of the
-    // row and tile; in log2 units a y + b, a = slope log2 e, b = -a dist0. Taken where 0 < slope
-    // <= 1 and scale / slope is finite (`rho`, `a` returned; false: the caller's other form): y's
+    // row and tile; in log2 units a y + b, a = slope log2 e, b = -a dist0. Taken where 2^-10 <=
+    // slope <= 1 (`rho`, `a` returned; false: the caller's other form; the lower end keeps
+    // y = x rho finite wherever x is below 2^118 / (scale 2^10): every float16 q.k, bfloat16 ones
+    // up to ~5e36 at D = 256, where the other forms stay finite up to 3e38): y's
     // and b's roundings then cost at most a few 2^-24 (|t| + slope (BN + |dist|)) in the exponent,
     // for BN <= 128 under 2^-15 beyond what error_bound's 12 u max(|s| + 2|a|) holds, inside its
     // 16-bit u term (2^-11: float16 margin 16; notes/VARIANTS.md).
     __device__ __forceinline__ bool affine(float scale, float& rho, float& a) const {
         rho = scale / slope;
         a = slope * 1.4426950408889634f;
-        return slope > 0.f && slope <= 1.f && fabsf(rho) <= 3.0e38f;
+        return slope >= 0x1p-10f && slope <= 1.f && fabsf(rho) <= 3.0e38f;
     }
 
     // The window's bounds of row i as 32-bit keys, clamped to [-1, 2^31 - 1) (exact for keys

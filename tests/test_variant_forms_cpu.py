@@ -211,14 +211,14 @@ def test_alibi_affine_exponent():
     """The affine ALiBi form (variants.cuh: Variant::affine, affine_scores_as; common.cuh:
     softmax_step_affine) in float32: the exponent fmaf(y, a, b - m) with y = fmaf(x, scale /
     slope, ce), a = slope log2 e, b = -a dist0, against float64 log2 e (t - slope dist - m)
-    (dist = dist0 - ce >= 0), slopes in (2^-12, 1], distances to 2^16, ce < 128 (BN <= 128):
+    (dist = dist0 - ce >= 0), slopes in [2^-10, 1], distances to 2^16, ce < 128 (BN <= 128):
     within 2^-24 (8 |t| + 12 slope (BN + dist)) + 4 ulp(m) in log2 units, which is under
     error_bound's 12 u max(|s| + 2|a|) plus 2^-15 (the margin to the 16-bit u = 2^-11 quoted in
     notes/VARIANTS.md). A slope above 1 is refused by affine() (the fallback form runs); the bar
     fails for the unfused mistake of leaving ce out (the test can fail)."""
     rng = np.random.default_rng(3)
     n = 400000
-    slope = f32(2.0 ** rng.uniform(-12, 0, n))
+    slope = f32(2.0 ** rng.uniform(-10, 0, n))
     scale = f32(1.0 / np.sqrt(64.0))
     ce = f32(rng.integers(0, 128, n))
     dist = rng.integers(0, 2 ** 16, n).astype(np.float64)
