@@ -53,7 +53,7 @@ import types
 
 import numpy as np
 
-from . import _compile, _decode, _dispatch, _launch
+from . import _compile, _decode, _dispatch, _dispatch_variants, _launch
 
 #: AttnParams begins with the five pointers q, k, v, o, lse (8 bytes each): a hit writes them in
 #: front of the recorded block's remaining bytes (a structured-scalar copy and field stores cost
@@ -95,7 +95,7 @@ _last = (None, None)
 class _WatchedModule(types.ModuleType):
     """The class of `_dispatch` and `_decode` once this module is imported: a module whose every
     attribute assignment or deletion (``monkeypatch.setattr``, ``_dispatch.HOPPER_TABLE = ...``,
-    a tuning script swapping a table) moves `_GEN` on, so that every record made before misses.
+    ``_dispatch_variants.ALIBI_AFFINE = True``, a tuning script swapping a table) moves `_GEN` on, so that every record made before misses.
     Plain module behaviour otherwise (``module.__class__`` assignment, Python >= 3.5)."""
 
     def __setattr__(self, name, value):
@@ -110,11 +110,11 @@ class _WatchedModule(types.ModuleType):
 #: The generation of the dispatcher's tables (and the decode thresholds and split rule): a
 #: record is used only under the generation it was made under. Replaces comparing a tuple of
 #: 17 table attributes per call (1.15 us) with one integer compare; it is also wider: any
-#: attribute of `_dispatch` or `_decode` that is reassigned, not only the listed tables.
+#: attribute of `_dispatch`, `_decode` or `_dispatch_variants` that is reassigned, not only the listed tables.
 #: (In-place mutation of a table object is not seen, as the identity-first tuple comparison
 #: did not see it either: `clear` after editing a table in place.)
 _GEN = [0]
-for _m in (_dispatch, _decode):
+for _m in (_dispatch, _decode, _dispatch_variants):  # _dispatch_variants: the variant forms' flags
     if type(_m) is types.ModuleType:
         _m.__class__ = _WatchedModule
 del _m
@@ -233,7 +233,9 @@ class _RecordBase:
             kern(grid_t, block_t, self.host_args, smem, stream)
             return
         st = sys.modules["cupy"].cuda.get_current_stream() if stream is None else stream
-        launch(kern.ptr, grid_t[0], 1, 1, block_t[0], 1, 1, smem, st.ptr, params, 0)
+        g = tuple(grid_t) + (1, 1)   # 1-, 2- (the version-2 combine) or 3-D grids
+        b = tuple(block_t) + (1, 1)
+        launch(kern.ptr, g[0], g[1], g[2], b[0], b[1], b[2], smem, st.ptr, params, 0)
 
     def valid(self):
         return self.tables == _GEN[0]
