@@ -17,8 +17,9 @@ Run from the repository root::
 `--impl` picks the decode part's implementations (default cuflash, torch-cudnn, torch-flash):
 `cuflash-v1` is cuflash with `_decode.DECODE_VERSION = 1` (session f's decode kernels and split
 rule; `cuflash` is the default version 2), `cuflash-v3` with version 3 (version 2 plus the
-L2::256B prefetch hint on the K/V copies), so the versions are timed in one run on the same
-inputs; with them, the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`).
+L2::256B prefetch hint on the K/V copies), `cuflash-v4` with version 4 (sm_90: version 2 with
+one bulk copy per K/V row), so the versions are timed in one run on the same inputs; with them,
+the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`, `-v4`).
 
 Every result is checked before it is timed: two (batch, kv head) slices of the output (the
 first and the last), with their query heads, against the float64 reference under the project's
@@ -160,7 +161,7 @@ class _DecodeVersion:
 
 
 #: cuflash's decode implementations -> the decode kernels' version they run.
-CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v3": 3}
+CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v3": 3, "cuflash-v4": 4}
 
 
 def bench_decode(grid, args, rows):
@@ -243,7 +244,7 @@ def bench_paged(grid, args, rows):
                 check = _Checker(q.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
                                  vc.transpose(0, 2, 1, 3), b, hkv)
                 o = cp.empty((b, 1, H, D), dtype=cp.float16)
-                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 3)
+                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 3, 4)
                                            if f"cuflash-v{v}" in args.impls]
                 for (name, paged), (suffix, version) in ((x, y) for y in versions for x in (
                         ("contiguous", False), ("paged16", True))):
@@ -394,7 +395,7 @@ def _markdown(rows):
                 gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                 out.append(f"\ncuflash / cuDNN: geometric mean {gm:.2f}x, min {min(ratios):.2f}x "
                            f"over {len(ratios)} points")
-        for other in ("cuflash-v1", "cuflash-v3"):
+        for other in ("cuflash-v1", "cuflash-v3", "cuflash-v4"):
             if kind != "decode" or other not in impls:
                 continue
             for ref in ("torch-cudnn", "cuflash"):
@@ -419,8 +420,8 @@ def main(argv=None):
     ap.add_argument("--markdown", default=None, help="write the tables to this file")
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
                     help="comma-separated decode implementations: cuflash, cuflash-v1 / "
-                         "cuflash-v3 (the decode kernels' versions 1 and 3), torch-cudnn, "
-                         "torch-flash")
+                         "-v3 / -v4 (the decode kernels' versions 1, 3, 4: sm_90), "
+                         "torch-cudnn, torch-flash")
     for axis in ("b", "sk", "hkv"):
         ap.add_argument(f"--{axis}", default=None,
                         help=f"comma-separated {axis} values of the decode/kvcache grid "
