@@ -195,7 +195,8 @@ __device__ __forceinline__ void load_kv_tile_bulk(T* dst, unsigned int bar, cons
                      :: "r"(smem_addr(row)), "l"(src), "r"(2 * d), "r"(bar) : "memory");
     } else {
 #pragma unroll
-        for (int c = 0; c < DPAD; c += 8) *reinterpret_cast<uint4*>(row + c) = make_uint4(0, 0, 0, 0);
+        for (int c = 0; c < DPAD; c += 8)
+            *reinterpret_cast<uint4*>(row + c) = make_uint4(0, 0, 0, 0);
     }
 #endif
 }
