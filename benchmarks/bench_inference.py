@@ -15,6 +15,8 @@ Run from the repository root::
         --impl cuflash,cuflash-v1,torch-cudnn,torch-flash     # the decode kernels' versions
 
 `--impl` picks the decode part's implementations (default cuflash, torch-cudnn, torch-flash):
+`--force-splits 1,2,4` adds `cuflash-s1`, `cuflash-s2`, ... (the default version with the split
+count forced; configure caps it at one split per key tile), to measure the split rule's choice.
 `cuflash-v1` is cuflash with `_decode.DECODE_VERSION = 1` (session f's decode kernels and split
 rule; `cuflash` is the default version 2), `cuflash-v3` with version 3 (version 2 plus the
 L2::256B prefetch hint on the K/V copies), `cuflash-v4` with version 4 (sm_90: version 2 with
@@ -160,6 +162,27 @@ class _DecodeVersion:
             _decode.DECODE_VERSION = self.saved
 
 
+class _ForcedSplits:
+    """`with _ForcedSplits(n):` makes cuflash's decode split choice return `n` (None: its own
+    rule; `configure` still caps it at one split per key tile), restoring the rule after."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        from cuflash import _decode
+
+        self.saved = _decode.choose_splits
+        if self.n is not None:
+            _decode.choose_splits = lambda *a, **kw: self.n
+
+    def __exit__(self, *exc):
+        from cuflash import _decode
+
+        if _decode.choose_splits is not self.saved:
+            _decode.choose_splits = self.saved
+
+
 #: cuflash's decode implementations -> the decode kernels' version they run.
 CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v3": 3, "cuflash-v4": 4}
 
@@ -186,10 +209,11 @@ def bench_decode(grid, args, rows):
                 fn = lambda i: cuflash.attention(*cps[i], out=o)  # noqa: E731
                 check = _Checker(q, k, v, b, hkv)
                 label = ""
-                for name, version in CUFLASH_IMPLS.items():
-                    if name not in args.impls:
-                        continue
-                    with _DecodeVersion(version):
+                impls = [(nm, ver, None) for nm, ver in CUFLASH_IMPLS.items()
+                         if nm in args.impls]
+                impls += [(f"cuflash-s{ns}", None, ns) for ns in args.force_splits]
+                for name, version, nsplit in impls:
+                    with _DecodeVersion(version), _ForcedSplits(nsplit):
                         o.fill(np.nan)
                         fn(0)
                         why = check(o)
@@ -418,6 +442,10 @@ def main(argv=None):
     ap.add_argument("--only", default="decode,kvcache,varlen,gqa",
                     help="comma-separated parts: decode,kvcache,varlen,gqa")
     ap.add_argument("--markdown", default=None, help="write the tables to this file")
+    ap.add_argument("--force-splits", default="",
+                    help="comma-separated split counts: adds decode impls cuflash-sN (the "
+                         "default version with its split count forced to N, capped at one "
+                         "split per key tile), to measure the split rule's choice")
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
                     help="comma-separated decode implementations: cuflash, cuflash-v1 / "
                          "-v3 / -v4 (the decode kernels' versions 1, 3, 4: sm_90), "
@@ -432,6 +460,7 @@ def main(argv=None):
         return 1
     args.repeats = args.repeats or (5 if args.quick else 20)
     args.impls = tuple(args.impl.split(","))
+    args.force_splits = tuple(int(x) for x in args.force_splits.split(",") if x)
     unknown = set(args.impls) - set(CUFLASH_IMPLS) - {"torch-cudnn", "torch-flash"}
     if unknown:
         ap.error(f"unknown --impl {sorted(unknown)}")
