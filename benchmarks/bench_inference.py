@@ -16,10 +16,13 @@ Run from the repository root::
         --impl cuflash,cuflash-v1,torch-cudnn,torch-flash     # the decode kernels' versions
 
 `--impl` picks the decode part's implementations (default cuflash, torch-cudnn, torch-flash):
+`--force-splits 1,2,4` adds `cuflash-s1`, `cuflash-s2`, ... (the default version with the split
+count forced; configure caps it at one split per key tile), to measure the split rule's choice.
 `cuflash-v1` is cuflash with `_decode.DECODE_VERSION = 1` (session f's decode kernels and split
 rule; `cuflash` is the default version 2), `cuflash-v3` with version 3 (version 2 plus the
-L2::256B prefetch hint on the K/V copies), so the versions are timed in one run on the same
-inputs; with them, the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`).
+L2::256B prefetch hint on the K/V copies), `cuflash-v4` with version 4 (sm_90: version 2 with
+one bulk copy per K/V row), so the versions are timed in one run on the same inputs; with them,
+the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`, `-v4`).
 
 Every result is checked before it is timed: two (batch, kv head) slices of the output (the
 first and the last), with their query heads, against the float64 reference under the project's
@@ -160,8 +163,29 @@ class _DecodeVersion:
             _decode.DECODE_VERSION = self.saved
 
 
+class _ForcedSplits:
+    """`with _ForcedSplits(n):` makes cuflash's decode split choice return `n` (None: its own
+    rule; `configure` still caps it at one split per key tile), restoring the rule after."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        from cuflash import _decode
+
+        self.saved = _decode.choose_splits
+        if self.n is not None:
+            _decode.choose_splits = lambda *a, **kw: self.n
+
+    def __exit__(self, *exc):
+        from cuflash import _decode
+
+        if _decode.choose_splits is not self.saved:
+            _decode.choose_splits = self.saved
+
+
 #: cuflash's decode implementations -> the decode kernels' version they run.
-CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v3": 3}
+CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v3": 3, "cuflash-v4": 4}
 
 
 def bench_decode(grid, args, rows):
@@ -186,10 +210,11 @@ def bench_decode(grid, args, rows):
                 fn = lambda i: cuflash.attention(*cps[i], out=o)  # noqa: E731
                 check = _Checker(q, k, v, b, hkv)
                 label = ""
-                for name, version in CUFLASH_IMPLS.items():
-                    if name not in args.impls:
-                        continue
-                    with _DecodeVersion(version):
+                impls = [(nm, ver, None) for nm, ver in CUFLASH_IMPLS.items()
+                         if nm in args.impls]
+                impls += [(f"cuflash-s{ns}", None, ns) for ns in args.force_splits]
+                for name, version, nsplit in impls:
+                    with _DecodeVersion(version), _ForcedSplits(nsplit):
                         o.fill(np.nan)
                         fn(0)
                         why = check(o)
@@ -244,7 +269,7 @@ def bench_paged(grid, args, rows):
                 check = _Checker(q.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
                                  vc.transpose(0, 2, 1, 3), b, hkv)
                 o = cp.empty((b, 1, H, D), dtype=cp.float16)
-                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 3)
+                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 3, 4)
                                            if f"cuflash-v{v}" in args.impls]
                 for (name, paged), (suffix, version) in ((x, y) for y in versions for x in (
                         ("contiguous", False), ("paged16", True))):
@@ -460,7 +485,7 @@ def _markdown(rows):
                 gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                 out.append(f"\ncuflash / cuDNN: geometric mean {gm:.2f}x, min {min(ratios):.2f}x "
                            f"over {len(ratios)} points")
-        for other in ("cuflash-v1", "cuflash-v3"):
+        for other in ("cuflash-v1", "cuflash-v3", "cuflash-v4"):
             if kind != "decode" or other not in impls:
                 continue
             for ref in ("torch-cudnn", "cuflash"):
@@ -486,10 +511,14 @@ def main(argv=None):
     ap.add_argument("--varlen-impl", default=",".join(VARLEN_IMPLS),
                     help="comma-separated implementations of the varlen part: "
                          + ", ".join(VARLEN_IMPLS))
+    ap.add_argument("--force-splits", default="",
+                    help="comma-separated split counts: adds decode impls cuflash-sN (the "
+                         "default version with its split count forced to N, capped at one "
+                         "split per key tile), to measure the split rule's choice")
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
                     help="comma-separated decode implementations: cuflash, cuflash-v1 / "
-                         "cuflash-v3 (the decode kernels' versions 1 and 3), torch-cudnn, "
-                         "torch-flash")
+                         "-v3 / -v4 (the decode kernels' versions 1, 3, 4: sm_90), "
+                         "torch-cudnn, torch-flash")
     for axis in ("b", "sk", "hkv"):
         ap.add_argument(f"--{axis}", default=None,
                         help=f"comma-separated {axis} values of the decode/kvcache grid "
@@ -500,6 +529,7 @@ def main(argv=None):
         return 1
     args.repeats = args.repeats or (5 if args.quick else 20)
     args.impls = tuple(args.impl.split(","))
+    args.force_splits = tuple(int(x) for x in args.force_splits.split(",") if x)
     unknown = set(args.impls) - set(CUFLASH_IMPLS) - {"torch-cudnn", "torch-flash"}
     if unknown:
         ap.error(f"unknown --impl {sorted(unknown)}")

@@ -80,11 +80,13 @@ DECODE_T_COMBINE = 3e-6
 #: `choose_splits_v2`; 1 is session f's kernels and split rule, kept so that one benchmark run
 #: can time both (benchmarks/bench_inference.py --impl cuflash-v1); 3 is version 2 with the
 #: L2::256B prefetch hint on the K/V copies (same results; a DRAM-efficiency experiment, --impl
-#: cuflash-v3). Assigning it moves the call caches' generation on (_callcache._WatchedModule),
-#: so records of another version miss.
+#: cuflash-v3); 4 (sm_90 only: `configure` refuses it elsewhere) is version 2 with one bulk
+#: copy (cp.async.bulk on an mbarrier) per K/V row instead of 16 lanes' 16-byte cp.async (same
+#: results; --impl cuflash-v4). Assigning it moves the call caches' generation on
+#: (_callcache._WatchedModule), so records of another version miss.
 DECODE_VERSION = 2
 #: The kernel versions `decode_plan` takes.
-DECODE_VERSIONS = (1, 2, 3)
+DECODE_VERSIONS = (1, 2, 3, 4)
 #: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's
 #: latency, the warp merge, the stores: version 2's epilogue is ~1/5 of version 1's
 #: instructions) and the combine's (a dependent launch, the lse pass and one round trip to the
@@ -131,8 +133,8 @@ def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 
              f"{'R32,' if mt == 2 else ''}"
              f"{'paged' if paged else 'dense'},{'causal' if causal else 'full'}"
              f"{'' if version == 2 else f',v{version}'}>")
-    return Plan(label, _compile.Specialisation("attn_decode", name), 16 * mt, DECODE_BN,
-                32 * DECODE_WARPS, decode_smem_bytes(dpad, mt=mt))
+    spec = _compile.Specialisation("attn_decode", name, arch="sm_90" if version == 4 else None)
+    return Plan(label, spec, 16 * mt, DECODE_BN, 32 * DECODE_WARPS, decode_smem_bytes(dpad, mt=mt))
 
 
 def version_of(plan) -> int:
@@ -179,7 +181,7 @@ def all_decode_specialisations():
         for dpad in DECODE_DPADS:
             for causal in (False, True):
                 for paged in (False, True):
-                    for ver in (2, 1, 3):
+                    for ver in (2, 1, 3, 4):
                         out.append(decode_plan(dt, dpad, causal, paged, version=ver).spec)
                         if dpad <= DECODE_MT2_MAX_DPAD:
                             out.append(decode_plan(dt, dpad, causal, paged, rows=32,
@@ -377,6 +379,10 @@ def configure(plan, sizes, g, sq, sk, d, attrs) -> DecodeLaunch:
         raise ValueError(f"{plan.label} needs {plan.smem_bytes} bytes of shared memory per "
                          f"block; this GPU allows {attrs['max_smem_optin']}")
     version = version_of(plan)
+    if version == 4 and attrs.get("compute_capability", 90) != 90:
+        raise ValueError(f"{plan.label}: decode kernel version 4 (bulk copies) runs on sm_90 "
+                         f"only (this GPU: {attrs['compute_capability']}); set "
+                         "cuflash._decode.DECODE_VERSION to 2")
     splits = choose_splits(entries * n_rblocks, n_key_tiles, attrs["sm_count"],
                            blocks_per_sm(plan, dpad), 2 * DECODE_BN * dpad * 2,
                            min(rows, 16 * mt) * dpad * 4, version=version)

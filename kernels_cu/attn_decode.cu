@@ -117,6 +117,20 @@ __device__ __forceinline__ SeqRange seq_range(const DecodeParams& p, Entry& off)
     return r;
 }
 
+// The first K and V rows of the key tile starting at key0 (through page `page` when paged).
+template <typename T, bool PAGED>
+__device__ __forceinline__ void tile_rows(const DecodeParams& p, const T* k, const T* v, int kvh,
+                                          int page, int key0, const T*& kb, const T*& vb) {
+    if constexpr (PAGED) {
+        const long long in_page = key0 & ((1 << p.page_log2) - 1);
+        kb = static_cast<const T*>(p.k) + page * p.k_page + kvh * p.k_s2 + in_page * p.k_sr;
+        vb = static_cast<const T*>(p.v) + page * p.v_page + kvh * p.v_s2 + in_page * p.v_sr;
+    } else {
+        kb = k + key0 * p.k_sr;
+        vb = v + key0 * p.v_sr;
+    }
+}
+
 // One warp's copy of key tile `tile` (BN keys from key0 = tile * BN) of K and V into `dst`
 // (K rows then V rows, stride S), zero-filling keys >= sk and columns >= d.
 // Paged: `page` is the tile's page number, read ahead by the caller (page_of) so that the
@@ -130,14 +144,7 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, cons
     const int key0 = tile * BN;
     const T* kb;
     const T* vb;
-    if constexpr (PAGED) {
-        const long long in_page = key0 & ((1 << p.page_log2) - 1);
-        kb = static_cast<const T*>(p.k) + page * p.k_page + kvh * p.k_s2 + in_page * p.k_sr;
-        vb = static_cast<const T*>(p.v) + page * p.v_page + kvh * p.v_s2 + in_page * p.v_sr;
-    } else {
-        kb = k + key0 * p.k_sr;
-        vb = v + key0 * p.v_sr;
-    }
+    tile_rows<T, PAGED>(p, k, v, kvh, page, key0, kb, vb);
 #pragma unroll
     for (int i = lane; i < BN * CHUNKS; i += 32) {
         const int r = i / CHUNKS, c = i % CHUNKS;
@@ -154,6 +161,44 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, cons
                        ok ? vb + r * p.v_sr + c * EPC : v, ok ? 16 : 0);
         }
     }
+}
+
+// Version 4 (sm_90): the same tile by one bulk copy (cp.async.bulk, the TMA unit) per row, lane
+// r < BN copying K row r and lane BN + r V row r (d * 2 bytes each), completing on the stage's
+// mbarrier `bar`, which lane 0 arms with the tile's bytes first. Rows past sk are zeroed with
+// ordinary stores (the pad columns d .. DPAD - 1 were zeroed once, and no copy writes them).
+// Every lane fences its earlier generic accesses of the stage (reads of the last tile, zero
+// rows) against the async proxy before the warp's copies are issued. Needs key tile < the
+// block's last tile (so at least one key of it is < sk).
+template <typename T, int DPAD, int BN, bool PAGED>
+__device__ __forceinline__ void load_kv_tile_bulk(T* dst, unsigned int bar, const DecodeParams& p,
+                                                  const T* k, const T* v, int kvh, int page,
+                                                  int tile, int sk, int d, int lane) {
+#if __CUDA_ARCH__ >= 900
+    static_assert(2 * BN == 32, "one lane per K or V row of a tile");
+    using Cfg = DecodeConfig<DPAD, BN, 1>;
+    const int key0 = tile * BN;
+    const int nvalid = min(BN, sk - key0);
+    const T* kb;
+    const T* vb;
+    tile_rows<T, PAGED>(p, k, v, kvh, page, key0, kb, vb);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    if (lane == 0) mbar_arrive_expect_tx(bar, static_cast<unsigned int>(4 * nvalid * d));
+    __syncwarp();
+    const int r = lane % BN;
+    const bool is_v = lane >= BN;
+    T* row = dst + (is_v ? BN + r : r) * Cfg::S;
+    if (r < nvalid) {
+        const T* src = is_v ? vb + r * p.v_sr : kb + r * p.k_sr;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%0], [%1], %2, [%3];\n"
+                     :: "r"(smem_addr(row)), "l"(src), "r"(2 * d), "r"(bar) : "memory");
+    } else {
+#pragma unroll
+        for (int c = 0; c < DPAD; c += 8)
+            *reinterpret_cast<uint4*>(row + c) = make_uint4(0, 0, 0, 0);
+    }
+#endif
 }
 
 // The page holding key tile `tile` of sequence `seq` (0 when not paged or past the tiles).
@@ -178,11 +223,15 @@ __device__ __forceinline__ void axpy4(float4& acc, float w, const float4& x) {
 // stores 8- or 16-byte chunks. Same merge order (warp 0 .. NWARPS - 1), same NaN and empty-row
 // rules; the last bits may differ from V = 1 (a multiply by 1 / l instead of a division).
 // 3: version 2 with the L2::256B prefetch hint on the K/V copies (same results as 2, bitwise).
+// 4 (sm_90 only): version 2 with one bulk copy per K/V row on a per-stage mbarrier
+// (load_kv_tile_bulk) instead of 16 lanes' 16-byte cp.async (same results as 2, bitwise).
 template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V>
 __global__ void __launch_bounds__(32 * NWARPS)
 cuflash_attn_decode(const DecodeParams p) {
-    static_assert(V >= 1 && V <= 3, "decode kernel versions 1, 2 and 3");
+    static_assert(V >= 1 && V <= 4, "decode kernel versions 1 to 4");
     constexpr bool PF = V == 3;
+    constexpr bool BULK = V == 4;
+    __shared__ __align__(8) unsigned long long kv_bars[BULK ? 2 * NWARPS : 1];
     using Cfg = DecodeConfig<DPAD, BN, NWARPS, MT>;
     constexpr int ROWS = Cfg::ROWS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -264,9 +313,29 @@ cuflash_attn_decode(const DecodeParams p) {
 
     int t = t_begin + warp;
     int page_next = page_of<BN, PAGED>(p, off.seq, t + NWARPS, t_end);  // one tile ahead
-    if (t < t_end)
-        load_kv_tile<T, DPAD, BN, PAGED, PF>(my, p, k, v, off.kvh, page_of<BN, PAGED>(p, off.seq, t,
-                                         t_end), t, sk, d, lane);
+    // BULK: the warp's two stage barriers and their phase bits; the pad columns zeroed once.
+    const unsigned int bar0 = smem_addr(&kv_bars[BULK ? 2 * warp : 0]);
+    unsigned int phases = 0;
+    if constexpr (BULK) {
+        if (lane == 0) {
+            mbar_init(bar0, 1);
+            mbar_init(bar0 + 8, 1);
+            mbar_fence_init();
+        }
+        for (int i = lane; i < 2 * 2 * BN * (DPAD / 8); i += 32) {
+            const int r = i / (DPAD / 8), c = (i % (DPAD / 8)) * 8;
+            if (c >= d) *reinterpret_cast<uint4*>(my + r * Cfg::S + c) = make_uint4(0, 0, 0, 0);
+        }
+        __syncwarp();
+    }
+    if (t < t_end) {
+        const int page_t = page_of<BN, PAGED>(p, off.seq, t, t_end);
+        if constexpr (BULK)
+            load_kv_tile_bulk<T, DPAD, BN, PAGED>(my, bar0, p, k, v, off.kvh, page_t, t, sk, d,
+                                                  lane);
+        else
+            load_kv_tile<T, DPAD, BN, PAGED, PF>(my, p, k, v, off.kvh, page_t, t, sk, d, lane);
+    }
     cp_async_commit();
     cp_async_wait<1>();  // this thread's Q chunks have landed (its first K/V tile may not)
     __syncthreads();     // and everyone's: the whole Q tile is visible
@@ -276,11 +345,21 @@ cuflash_attn_decode(const DecodeParams p) {
         const int tn = t + NWARPS;
         const int page_tn = page_next;
         page_next = page_of<BN, PAGED>(p, off.seq, tn + NWARPS, t_end);  // used next iteration
-        if (tn < t_end)
-            load_kv_tile<T, DPAD, BN, PAGED, PF>(my + (stage ^ 1) * Cfg::STAGE, p, k, v, off.kvh,
-                                             page_tn, tn, sk, d, lane);
+        if (tn < t_end) {
+            if constexpr (BULK)
+                load_kv_tile_bulk<T, DPAD, BN, PAGED>(my + (stage ^ 1) * Cfg::STAGE,
+                                                      bar0 + 8 * (stage ^ 1), p, k, v, off.kvh,
+                                                      page_tn, tn, sk, d, lane);
+            else
+                load_kv_tile<T, DPAD, BN, PAGED, PF>(my + (stage ^ 1) * Cfg::STAGE, p, k, v,
+                                                     off.kvh, page_tn, tn, sk, d, lane);
+        }
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed for this lane ...
+        if constexpr (BULK) {  // (BULK: tile t's bulk copies have completed its stage's phase)
+            mbar_wait(bar0 + 8 * stage, (phases >> stage) & 1u);
+            phases ^= 1u << stage;
+        }
         __syncwarp();        // ... and for the whole warp, which alone reads it
         const unsigned int kv_base = smem_addr(my + stage * Cfg::STAGE);
         // S = Q K^T for every row tile: each K fragment is loaded once and feeds the MT tiles.
