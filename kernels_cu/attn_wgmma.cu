@@ -649,15 +649,22 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                 } else if constexpr (F16S) {
                     // Two stages: tile j is requested at the top of its iteration, after tile
                     // j - 1 is prepared (what the lookahead above would do with STAGES - 1 = 1).
-                    if (issuer) {
-                        if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
-                        load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, (jt0 + j) * BN,
-                             v_land_st(st), Cfg::KV_BYTES);
-                    }
+                    // One stage (HSPLIT): V_j can only be requested once P V_{j-1} is done, so it
+                    // is requested after K_j is prepared: K_j's split runs under the softmax and
+                    // P V of tile j - 1, V_j's under the scores of tile j.
+                    const auto load_v = [&]() {
+                        if (issuer) {
+                            if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
+                            load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL,
+                                 (jt0 + j) * BN, v_land_st(st), Cfg::KV_BYTES);
+                        }
+                    };
+                    if constexpr (STAGES > 1) load_v();
                     if (j == 0) prep_q();
                     mbar_wait(k_land(st), use & 1u);
                     split16_tile<BN, DPAD>(k_s + st * Cfg::KV_BYTES, red, k_exp(st), tid, PREP);
                     prepared(k_full(st));
+                    if constexpr (STAGES == 1) load_v();
                     mbar_wait(v_land_st(st), use & 1u);
                     split16_tile<BN, DPAD>(v_s + st * Cfg::KV_BYTES, red, v_exp(st), tid, PREP);
                     prepared(v_full(st));
