@@ -230,6 +230,10 @@ def test_float32_d256_hopper_follows_its_flag(launches, monkeypatch, flag):
                                   "false, false, cuflash::fp16_t>"), plan.spec.name
         assert (plan.block_m, plan.block_n, plan.threads, plan.smem_bytes) == (64, 64, 384, 230512)
         assert plan.smem_bytes <= ATTRS["max_smem_optin"]
+    from cuflash._dispatch_variants import hopper_variant_reason
+    why = hopper_variant_reason(_f32_prob(256, "hopper"), 90)  # variants: not on this form
+    assert why is not None and ("variant policies" in why) == flag, why
+    assert hopper_variant_reason(_f32_prob(128, "hopper"), 90) is None
     auto = _dispatch.plan_for(_f32_prob(256), 90).label
     assert auto.startswith("hopper<float32,3xfp16,D256," if flag and _dispatch.HOPPER_F32_AUTO
                            else "tensorcore<float32,3xfp16,D256,"), auto
