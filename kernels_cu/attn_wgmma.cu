@@ -40,13 +40,19 @@
 //       so loads land during the splits before; each tile used to be requested and then waited
 //       for in its own iteration, a serial load-split chain (notes/FLOAT32.md, "Hopper 3xfp16 at
 //       D = 64": predicted 87 -> 105-120 TFLOP/s at D = 64; D = 128, two stages, is unchanged).
+//   6   3xfp16 float32 at DPAD = 256 (WgmmaConfig::HSPLIT; _dispatch.HOPPER_F32_D256, off): the
+//       two consumers share one block of 64 rows, each owning 128 head-dim columns of Q, K, V and
+//       O; their partial scores are added through shared memory (add_partner_scores), so O takes
+//       64 registers a thread (notes/FLOAT32.md, "Hopper 3xfp16 at D = 256": predicted 55-95
+//       TFLOP/s against the mma.sync form's measured 54-70). Not yet run on a GPU.
 //
 // Block = 1 + CONSUMERS warpgroups (384 or 512 threads), BM = 64 * CONSUMERS query rows:
 //   - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
 //     issues TMA copies: Q into one of QSTAGES buffers per work item, then K_j and V_j into a ring
 //     of STAGES buffers, each with its own "full" mbarrier (TMA completes it by byte count) and
 //     an "empty" mbarrier that the consumers' warps arrive on when they are done with the stage;
-//   - warpgroups 1.., the consumers, own 64 query rows each. Per K/V tile:
+//   - warpgroups 1.., the consumers, own 64 query rows each (HSPLIT: the same 64 rows, half the
+//     head dim each). Per K/V tile:
 //     S = Q K_j^T with wgmma m64nBNk16 (A = Q and B = K_j, both K-major in shared memory),
 //     the online softmax in registers (common.cuh: softmax_step, shared with attn_mma.cu),
 //     P converted to 16 bits in registers, O += P V_j with wgmma m64nDk16 (A = P from
