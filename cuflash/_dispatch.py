@@ -299,10 +299,14 @@ class HopperTiles(NamedTuple):
     consumers: int   # consumer warpgroups of 64 query rows each: BM = 64 * consumers
     overlap: bool    # the softmax of tile j runs under P_{j-1} V_{j-1} inside a warpgroup
     pingpong: bool   # the consumers take turns to issue their products (named barriers)
+    # the two consumers share 64 query rows, each owning half the head dim (attn_wgmma.cu:
+    # WgmmaConfig::HSPLIT, which the kernel derives from 3xfp16 at DPAD = 256: this field only
+    # tells the host, it is not a template argument)
+    hsplit: bool = False
 
     @property
     def bm(self) -> int:
-        return 64 * self.consumers
+        return 64 if self.hsplit else 64 * self.consumers
 
     def smem_bytes(self, dpad: int, itemsize: int = 2, terms: int = 1,
                    f16split: bool = False) -> int:
@@ -313,8 +317,9 @@ class HopperTiles(NamedTuple):
         if f16split:
             bars = 8 * (3 * self.q_stages + 6 * self.stages)
             exps = (4 * (self.q_stages + 2 * self.stages + 4) + 7) // 8 * 8
+            xch = 8 + 2 * 64 * self.bn * 4 if self.hsplit else 0  # WgmmaConfig::XCH_BYTES
             return (1024 + 4 * dpad * (self.q_stages * self.bm + 2 * self.stages * self.bn)
-                    + bars + exps)
+                    + bars + exps + xch)
         split = 2 if terms == 3 else 1
         f32 = itemsize == 4
         return (1024 + split * (self.q_stages * self.bm * dpad * itemsize
@@ -395,6 +400,21 @@ HOPPER_F16SPLIT_TABLE = {
     64: _F32_C2._replace(stages=3, overlap=False),
     128: _F32_C2._replace(overlap=False),
 }
+#: The 3xfp16 form at D = 129..256 (DPAD = 256; notes/FLOAT32.md, "Hopper 3xfp16 at D = 256"):
+#: two consumers on the same 64 rows, each owning 128 head-dim columns, their partial scores added
+#: through shared memory; one stage of BN = 64 (230504 B of shared memory). Taken (by
+#: kernel="hopper", and by "auto" where HOPPER_F32_AUTO takes the Hopper float32 form) only while
+#: HOPPER_F32_D256 is on: not yet run on a GPU (off until the lead's H200 run passes).
+HOPPER_F16SPLIT_D256 = {256: _F32_C2._replace(stages=1, overlap=False, pingpong=False, hsplit=True)}
+HOPPER_F32_D256 = False
+
+
+def hopper_f16split_table() -> dict:
+    """{padded head dim: HopperTiles} of the Hopper 3xfp16 form: HOPPER_F16SPLIT_TABLE, and
+    HOPPER_F16SPLIT_D256 while HOPPER_F32_D256 is on."""
+    if HOPPER_F32_D256:
+        return {**HOPPER_F16SPLIT_TABLE, **HOPPER_F16SPLIT_D256}
+    return HOPPER_F16SPLIT_TABLE
 #: The float32 form each precision takes on Hopper where it is not F32_TERMS' TF32 one: "highest"
 #: takes 3xfp16; {"highest": "3xtf32"} (or {}) selects the 3xTF32 form (HOPPER_F32_TABLE) again
 #: (benchmarks/bench.py: cuflash-hopper-3xtf32). Replace the dict rather than edit it: the call
@@ -412,7 +432,7 @@ def hopper_f32_head_dims(precision: str, form: Optional[str] = None):
     HOPPER_F32_FORM chooses)."""
     form = form or (hopper_f32_form(precision) if precision in F32_TERMS else None)
     if form == "3xfp16":
-        return set(HOPPER_F16SPLIT_TABLE)
+        return set(hopper_f16split_table())
     return {dp for dp, mode in HOPPER_F32_TABLE if mode == precision}
 
 
@@ -444,22 +464,25 @@ def hopper_choice(dpad: int, causal: bool, sk: int, sq: Optional[int] = None):
 
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
                 precision: str = "highest", form: Optional[str] = None,
-                sq: Optional[int] = None, choose=None) -> Plan:
+                sq: Optional[int] = None, choose=None, f16split_table=None) -> Plan:
     """The Hopper kernel for these inputs; float32 takes the form HOPPER_F32_FORM gives
     `precision` ("3xfp16": HOPPER_F16SPLIT_TABLE; else the TF32 form with the products of
     F32_TERMS, HOPPER_F32_TABLE), or `form` ("3xfp16", or F32_TERMS' mode of `precision`: "3xtf32"
     / "tf32") where given; 16-bit dtypes ignore both. `sq` (None: not known) lets short query
     counts take narrower query blocks (hopper_choice). `choose(dpad, tiles, persistent)`, if
     given, returns the (tiles, persistent) to use instead (the variants' registers:
-    _dispatch_variants.hopper_variant_plan)."""
+    _dispatch_variants.hopper_variant_plan). `f16split_table` (None: hopper_f16split_table()) is
+    the 3xfp16 form's table to take the tiles from (the compile set builds D = 256 with the flag
+    off)."""
     f32 = dtype_name == "float32"
     form = form or (hopper_f32_form(precision) if f32 else None)
     f16split = f32 and form == "3xfp16"
     if f16split:
         if precision != "highest":
             raise ValueError(f"the 3xfp16 form is precision='highest' only (got {precision!r})")
-        dpad = head_dim_bucket(d, hopper_f32_head_dims(precision, form))
-        cfg, persistent = HOPPER_F16SPLIT_TABLE[dpad], True
+        table = hopper_f16split_table() if f16split_table is None else f16split_table
+        dpad = head_dim_bucket(d, set(table))
+        cfg, persistent = table[dpad], True
         terms, mode = 3, "3xfp16"
     elif f32:
         if form != F32_TERMS[precision][1]:
@@ -479,7 +502,7 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
             f"{cxx_bool[bool(cfg.pingpong)]}, {cxx_bool[bool(causal)]}"
             f"{', cuflash::fp16_t' if f16split else ''}>")
     label = (f"hopper<{dtype_name},{mode + ',' if mode else ''}D{dpad},BM{cfg.bm},BN{cfg.bn},"
-             f"S{cfg.stages},Q{cfg.q_stages},"
+             f"S{cfg.stages},Q{cfg.q_stages},{'hsplit,' if cfg.hsplit else ''}"
              f"{'overlap,' if cfg.overlap else ''}{'pingpong,' if cfg.pingpong else ''}"
              f"{'persistent,' if persistent else ''}{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_wgmma", name, arch="sm_90a"),
@@ -612,10 +635,11 @@ def all_specialisations(compute_capability: int = 90):
             for causal in (False, True):
                 plans.append(hopper_plan("float32", dpad, causal, 1024, precision,
                                          form=F32_TERMS[precision][1]))
-        for dpad in HOPPER_F16SPLIT_TABLE:
+        f16split = {**HOPPER_F16SPLIT_TABLE, **HOPPER_F16SPLIT_D256}  # D = 256 with the flag off too
+        for dpad in f16split:
             for causal in (False, True):
-                plans.append(hopper_plan("float32", dpad, causal, 1024, "highest",
-                                         form="3xfp16"))
+                plans.append(hopper_plan("float32", dpad, causal, 1024, "highest", form="3xfp16",
+                                         f16split_table=f16split))
     return plans
 
 

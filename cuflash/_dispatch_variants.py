@@ -296,6 +296,9 @@ def hopper_variant_reason(prob, compute_capability) -> "str | None":
     why = hopper_reason(prob, compute_capability)
     if why is not None:
         return why
+    if prob.dtype_name == "float32" and prob.d > 128:  # _dispatch.HOPPER_F32_D256 on
+        return ("its float32 form above D = 128 (two consumers sharing the head dim) has no "
+                "variant policies yet")
     return _column_stride_reason(prob.variant)
 
 

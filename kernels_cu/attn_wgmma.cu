@@ -40,13 +40,19 @@
 //       so loads land during the splits before; each tile used to be requested and then waited
 //       for in its own iteration, a serial load-split chain (notes/FLOAT32.md, "Hopper 3xfp16 at
 //       D = 64": predicted 87 -> 105-120 TFLOP/s at D = 64; D = 128, two stages, is unchanged).
+//   6   3xfp16 float32 at DPAD = 256 (WgmmaConfig::HSPLIT; _dispatch.HOPPER_F32_D256, off): the
+//       two consumers share one block of 64 rows, each owning 128 head-dim columns of Q, K, V and
+//       O; their partial scores are added through shared memory (add_partner_scores), so O takes
+//       64 registers a thread (notes/FLOAT32.md, "Hopper 3xfp16 at D = 256": predicted 55-95
+//       TFLOP/s against the mma.sync form's measured 54-70). Not yet run on a GPU.
 //
 // Block = 1 + CONSUMERS warpgroups (384 or 512 threads), BM = 64 * CONSUMERS query rows:
 //   - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
 //     issues TMA copies: Q into one of QSTAGES buffers per work item, then K_j and V_j into a ring
 //     of STAGES buffers, each with its own "full" mbarrier (TMA completes it by byte count) and
 //     an "empty" mbarrier that the consumers' warps arrive on when they are done with the stage;
-//   - warpgroups 1.., the consumers, own 64 query rows each. Per K/V tile:
+//   - warpgroups 1.., the consumers, own 64 query rows each (HSPLIT: the same 64 rows, half the
+//     head dim each). Per K/V tile:
 //     S = Q K_j^T with wgmma m64nBNk16 (A = Q and B = K_j, both K-major in shared memory),
 //     the online softmax in registers (common.cuh: softmax_step, shared with attn_mma.cu),
 //     P converted to 16 bits in registers, O += P V_j with wgmma m64nDk16 (A = P from
@@ -113,7 +119,12 @@ struct WgmmaConfig {
     static constexpr int SPLIT = TF32 && TERMS == 3 ? 2 : 1;  // hi (and lo) copies of each tile
     static constexpr int PITCH = F16S ? 2 : 1;          // operand panels per 64 columns (hi, lo)
     static constexpr int CONSUMERS = CONSUMERS_;        // consumer warpgroups, 64 rows each
-    static constexpr int BM = 64 * CONSUMERS;           // query rows per block
+    // HSPLIT (3xfp16 at DPAD = 256; notes/FLOAT32.md, "Hopper 3xfp16 at D = 256"): the two
+    // consumers share the same 64 rows, consumer c owning head-dim columns [128 c, 128 c + 128)
+    // of S's operands and of O; their partial scores are added through shared memory (XCH).
+    static constexpr bool HSPLIT = F16S && DPAD > 128;
+    static constexpr int BM = HSPLIT ? 64 : 64 * CONSUMERS;  // query rows per block
+    static constexpr int DCOLS = HSPLIT ? DPAD / 2 : DPAD;     // head-dim columns a consumer owns
     static constexpr int THREADS = 128 * (CONSUMERS + 1);
     static constexpr int EPP = 128 / static_cast<int>(sizeof(OP));  // operand elements per panel row
     static constexpr int KSTEP = 32 / static_cast<int>(sizeof(OP));  // k of one wgmma: 16 or 8
@@ -132,11 +143,13 @@ struct WgmmaConfig {
     // F16S: the tiles' exponents (Q buffers, K stages, V stages) and 4 words for the producer's
     // max reduction.
     static constexpr int EXP_BYTES = F16S ? (4 * (QSTAGES + 2 * STAGES + 4) + 7) / 8 * 8 : 0;
+    // HSPLIT: one 64 x BN float32 buffer of partial scores per consumer (+ 8: 16-byte alignment).
+    static constexpr int XCH_BYTES = HSPLIT ? 8 + 2 * 64 * BN * 4 : 0;
     // + 1024: the dynamic shared memory base is only 16-byte aligned; we round it up.
     static constexpr int SMEM = 1024 + SPLIT * (QSTAGES * Q_BYTES + 2 * STAGES * KV_BYTES) +
-                                VRAW_BYTES + BAR_BYTES + EXP_BYTES;
+                                VRAW_BYTES + BAR_BYTES + EXP_BYTES + XCH_BYTES;
     static constexpr int NT_S = BN / 8;                 // n8 tiles of scores per 16-row slab
-    static constexpr int NT_O = DPAD / 8;
+    static constexpr int NT_O = DCOLS / 8;              // n8 tiles of O per consumer
     // setmaxnreg: the producer keeps 24 registers (56 for float, whose producer threads prepare
     // tiles; 72 for the 3xfp16 form with three stages, whose producer keeps two tiles' loads in
     // flight: NVRTC 13.0 spilled 12-32 bytes there with 56 or 64), the consumers share the rest
@@ -154,6 +167,7 @@ struct WgmmaConfig {
     static constexpr int CONSUMER_REGS =
         (CONSUMER_REGS_RAW > 240 ? 240 : CONSUMER_REGS_RAW) / 8 * 8;
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
+    static_assert(!HSPLIT || (CONSUMERS == 2 && DPAD == 256), "HSPLIT: two halves of 128");
     static_assert(QSTAGES == 1 || QSTAGES == 2, "one or two Q buffers");
     static_assert(DPAD % 64 == 0 && DPAD <= 256, "DPAD must be 64, 128, 192 or 256");
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16, <= 256");
@@ -452,6 +466,8 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     constexpr bool F32 = Cfg::F32;
     constexpr bool F16S = Cfg::F16S, TF32 = Cfg::TF32;
     static_assert(!(OVERLAP && TERMS == 3), "TERMS = 3 computes S with waits inside (scores3)");
+    static_assert(!Cfg::HSPLIT || !PINGPONG, "HSPLIT: the consumers meet at every tile");
+    static_assert(!Cfg::HSPLIT || !VARLEN, "HSPLIT (float32 D = 256) has no varlen twin");
     // VARLEN: the segment view (its pointers, lengths and query-block count) in place of the
     // launch's parameters, and its row offsets on the tensor maps' row coordinates.
     const AttnParams& p = *(VARLEN ? &vv->a : &hp.a);
@@ -475,6 +491,8 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     const auto k_exp = [exps](int st) { return exps + 4u * (QSTAGES + st); };
     const auto v_exp = [exps](int st) { return exps + 4u * (QSTAGES + STAGES + st); };
     const unsigned int red = exps + 4u * (QSTAGES + 2 * STAGES);  // the producer's max reduction
+    // HSPLIT: the consumers' partial-score buffers (16-byte aligned; exps is 8-byte aligned).
+    const unsigned int xch = (exps + Cfg::EXP_BYTES + 15u) & ~15u;
     // Q buffer qb holds the Q of work items wi with wi % QSTAGES == qb.
     const auto q_full = [bars](unsigned int qb) { return bars + 8u * qb; };
     const auto q_empty = [bars](unsigned int qb) { return bars + 8u * (QSTAGES + qb); };
@@ -659,15 +677,22 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                 } else if constexpr (F16S) {
                     // Two stages: tile j is requested at the top of its iteration, after tile
                     // j - 1 is prepared (what the lookahead above would do with STAGES - 1 = 1).
-                    if (issuer) {
-                        if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
-                        load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL, (jt0 + j) * BN,
-                             v_land_st(st), Cfg::KV_BYTES);
-                    }
+                    // One stage (HSPLIT): V_j can only be requested once P V_{j-1} is done, so it
+                    // is requested after K_j is prepared: K_j's split runs under the softmax and
+                    // P V of tile j - 1, V_j's under the scores of tile j.
+                    const auto load_v = [&]() {
+                        if (issuer) {
+                            if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
+                            load(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, Cfg::KV_PANEL,
+                                 (jt0 + j) * BN, v_land_st(st), Cfg::KV_BYTES);
+                        }
+                    };
+                    if constexpr (STAGES > 1) load_v();
                     if (j == 0) prep_q();
                     mbar_wait(k_land(st), use & 1u);
                     split16_tile<BN, DPAD>(k_s + st * Cfg::KV_BYTES, red, k_exp(st), tid, PREP);
                     prepared(k_full(st));
+                    if constexpr (STAGES == 1) load_v();
                     mbar_wait(v_land_st(st), use & 1u);
                     split16_tile<BN, DPAD>(v_s + st * Cfg::KV_BYTES, red, v_exp(st), tid, PREP);
                     prepared(v_full(st));
@@ -708,7 +733,15 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     // the softmax in log2 units (softmax_step_affine), so the lse and the exact path take 1.
     constexpr bool AFF = V::AFFINE && CAUSAL && !F32;
     const float scale_log2 = AFF ? 1.f : softmax_units_log2<V>(p.scale_log2);
-    unsigned int q_wg = q_s + 64 * cw * 128;  // this consumer's 64 rows in each Q panel (per item)
+    // HSPLIT: both consumers take rows row0 ..., consumer cw the head-dim columns from
+    // DCOLS cw (panel pairs DCOLS / 64 cw ...); else consumer cw rows row0 + 64 cw, all columns.
+    constexpr bool HSPLIT = Cfg::HSPLIT;
+    constexpr int DCOLS = Cfg::DCOLS;
+    const int rw = HSPLIT ? 0 : 64 * cw;  // this consumer's first row within the block
+    const int cc = HSPLIT ? cw : 0;       // this consumer's head-dim half
+    const unsigned int q_col = static_cast<unsigned int>(cc * (DCOLS / 64)) * Q_PSTEP;
+    const unsigned int kv_col = static_cast<unsigned int>(cc * (DCOLS / 64)) * KV_PSTEP;
+    unsigned int q_wg = q_s + rw * 128 + q_col;  // this consumer's rows and columns in Q (per item)
     const int d = static_cast<int>(p.d);
 
     // PINGPONG: the consumers take turns to issue their matrix products, in the order 0, 1, ...,
@@ -730,7 +763,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     float acc_o[Cfg::NT_O][4];
     // wgmma's accumulator fragment of m64nN is the m16n8 layout of each warp's 16 rows, n8 tile
     // after n8 tile: the same registers viewed as [N / 8][4] or flat [N / 2].
-    float(&o_flat)[DPAD / 2] = reinterpret_cast<float(&)[DPAD / 2]>(acc_o);
+    float(&o_flat)[DCOLS / 2] = reinterpret_cast<float(&)[DCOLS / 2]>(acc_o);
     float s[Cfg::NT_S][4];
     float(&s_flat)[BN / 2] = reinterpret_cast<float(&)[BN / 2]>(s);
     // TERMS = 3: the small products of S (hi lo + lo hi) and one tile's P V apart from the large
@@ -740,7 +773,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     float s2[SM ? Cfg::NT_S : 1][4];
     float(&s2_flat)[SM ? BN / 2 : 4] = reinterpret_cast<float(&)[SM ? BN / 2 : 4]>(s2);
     float ot[SM ? Cfg::NT_O : 1][4];
-    float(&ot_flat)[SM ? DPAD / 2 : 4] = reinterpret_cast<float(&)[SM ? DPAD / 2 : 4]>(ot);
+    float(&ot_flat)[SM ? DCOLS / 2 : 4] = reinterpret_cast<float(&)[SM ? DCOLS / 2 : 4]>(ot);
     // P as the A operand of P V: 16-bit pairs (k16 steps; 3xfp16: hi and lo pairs), or TF32 hi
     // (and lo) values (k8 steps).
     constexpr int NPK = TF32 ? BN / 8 : BN / 16;
@@ -769,14 +802,46 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     // step); the small products chain in s2 (2^-11 of the large ones) and join S at the end.
     // Chaining the large products through the accumulator cost the mma.sync kernel up to 5.8x
     // the naive error on short rows (notes/FLOAT32.md). The turn passes after the last issue.
+    // HSPLIT: S' = S'_cw + S'_(1 - cw), this consumer's partial over its 128 columns (the
+    // scaled operands' products, before scale_pow2) and the other's. Each thread writes its BN / 2
+    // floats to its consumer's buffer in fragment order (float4 i at (128 i + thread) x 16 bytes:
+    // conflict-free), both consumers meet (named barrier XB, 256 threads), and each adds the
+    // same-thread values of the other's buffer: float addition commutes, so both hold the same S'
+    // bit for bit and run the same softmax. The first meeting keeps a buffer from being rewritten
+    // before the other consumer has read it at the previous tile; both consumers exchange at
+    // every tile of an item (the same rows: the same tiles), so the counts match.
+    constexpr int XB = CONSUMERS + 2;  // named barriers: 0 block, 1..CONSUMERS turns, PREP
+    const auto add_partner_scores = [&](float (&sf)[BN / 2]) {
+        if constexpr (HSPLIT) {
+            const unsigned int me = static_cast<unsigned int>(tid % 128) * 16u;
+            const unsigned int mine = xch + static_cast<unsigned int>(cw) * (64u * BN * 4u) + me;
+            const unsigned int theirs =
+                xch + static_cast<unsigned int>(1 - cw) * (64u * BN * 4u) + me;
+            named_bar_sync(XB, 256);
+#pragma unroll
+            for (int i = 0; i < BN / 8; ++i)
+                sts_v4(mine + i * 2048u,
+                       make_float4(sf[4 * i], sf[4 * i + 1], sf[4 * i + 2], sf[4 * i + 3]));
+            named_bar_sync(XB, 256);
+#pragma unroll
+            for (int i = 0; i < BN / 8; ++i) {
+                const float4 x = lds_v4(theirs + i * 2048u);
+                sf[4 * i] += x.x;
+                sf[4 * i + 1] += x.y;
+                sf[4 * i + 2] += x.z;
+                sf[4 * i + 3] += x.w;
+            }
+        }
+    };
     float t[TERMS == 3 ? 2 : 1][BN / 2];
     const auto scores3 = [&](int st, bool turn) {
         if constexpr (TERMS == 3) {
-            constexpr int KS = DPAD / Cfg::KSTEP;
+            constexpr int KS = DCOLS / Cfg::KSTEP;
             const auto step = [&](int kk, float (&tt)[BN / 2]) {
                 const unsigned int koff = (kk % 4) * 32;
                 const unsigned int qa = q_wg + (kk / 4) * Q_PSTEP + koff;
-                const unsigned int ka = k_s + st * Cfg::KV_BYTES + (kk / 4) * KV_PSTEP + koff;
+                const unsigned int ka =
+                    k_s + st * Cfg::KV_BYTES + kv_col + (kk / 4) * KV_PSTEP + koff;
                 const unsigned long long da = wgmma_desc(qa, 16, 1024);
                 const unsigned long long db = wgmma_desc(ka, 16, 1024);
                 wgmma_fence();
@@ -791,6 +856,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
             };
             steps_in_flight<KS>(t, step, take, [&]() { turn_pass(turn); });
             products_in<TERMS>(s_flat, s2_flat);
+            if constexpr (HSPLIT) add_partner_scores(s_flat);
             if constexpr (F16S) scale_pow2(s_flat, -(eq + ek));  // exact: S of x, not x * 2^e
         }
     };
@@ -810,12 +876,12 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                 const unsigned int va =
                     v_s + st * Cfg::KV_BYTES + (kk / 4) * Cfg::VT_PANEL + (kk % 4) * 32;
                 const unsigned long long db = wgmma_desc(va, 16, 1024);
-                if constexpr (TERMS == 1) {
-                    Wgmma<T, DPAD>::rs(o_flat, pk[kk], db, 1);
+                if constexpr (TERMS == 1) {  // (DCOLS: DPAD, the TF32 forms are never HSPLIT)
+                    Wgmma<T, DCOLS>::rs(o_flat, pk[kk], db, 1);
                 } else {  // one tile's products from zero in ot, added to O after the wait
-                    Wgmma<T, DPAD>::rs(ot_flat, pk[kk], db, kk > 0 ? 1 : 0);
-                    Wgmma<T, DPAD>::rs(ot_flat, pk[kk], wgmma_desc(va + KV_LO, 16, 1024), 1);
-                    Wgmma<T, DPAD>::rs(ot_flat, pl[kk], db, 1);
+                    Wgmma<T, DCOLS>::rs(ot_flat, pk[kk], db, kk > 0 ? 1 : 0);
+                    Wgmma<T, DCOLS>::rs(ot_flat, pk[kk], wgmma_desc(va + KV_LO, 16, 1024), 1);
+                    Wgmma<T, DCOLS>::rs(ot_flat, pl[kk], db, 1);
                 }
             }
         }
@@ -840,12 +906,13 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     const auto pv16 = [&](int st) {
         if constexpr (F16S) {
             constexpr int KS = BN / 16;
-            static_assert(DPAD % PVC == 0, "whole passes");
+            static_assert(DCOLS % PVC == 0, "whole passes");
             const float f = pow2f(-(P16_LOG2 + ev));
 #pragma unroll
-            for (int ch = 0; ch < DPAD / PVC; ++ch) {
+            for (int ch = 0; ch < DCOLS / PVC; ++ch) {
                 const auto step = [&](int kk, float (&tt)[PVC / 2]) {
-                    const unsigned int va = v_s + st * Cfg::KV_BYTES + ch * KV_PSTEP + kk * 16 * 128;
+                    const unsigned int va =
+                        v_s + st * Cfg::KV_BYTES + kv_col + ch * KV_PSTEP + kk * 16 * 128;
                     const unsigned long long db = wgmma_desc(va, KV_PSTEP, 1024);
                     wgmma_fence();
                     Wgmma<Op, PVC>::rs(tt, pk[kk], db, 0);
@@ -890,13 +957,13 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     for (BlockCoord bc; walk.next(bc); ++wi) {
         const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
         // This consumer's tiles and those every consumer computes (n_turns).
-        int n_tiles = tiles_needed<CAUSAL, BN>(row0 + 64 * cw, 64, sq, sk);
+        int n_tiles = tiles_needed<CAUSAL, BN>(row0 + rw, 64, sq, sk);
         int n_turns = n_tiles;
 #pragma unroll
         for (int c = 0; c < CONSUMERS; ++c)
             n_turns = min(n_turns, tiles_needed<CAUSAL, BN>(row0 + 64 * c, 64, sq, sk));
-        const int row_lo = row0 + 64 * cw + 16 * warp + g;  // the thread's rows: +0 and +8
-        const int masked_from = first_masked_tile<CAUSAL>(row0 + 64 * cw, BN, sq, sk);
+        const int row_lo = row0 + rw + 16 * warp + g;  // the thread's rows: +0 and +8
+        const int masked_from = first_masked_tile<CAUSAL>(row0 + rw, BN, sq, sk);
         // A variant: its policy bound to the item's batch entry; a window's tiles are the
         // block's [jt0, ...) (window_tiles, as the producer loads them), local index j = tile
         // jt0 + j, the counts cut to the block's window.
@@ -915,7 +982,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         // from masked_from on, a window edge, a mask; tile_kind over this consumer's rows).
         const auto variant_step = [&](int jt) {
             if constexpr (!V::PLAIN) {
-                const int key0 = jt * BN, r0 = row0 + 64 * cw;
+                const int key0 = jt * BN, r0 = row0 + rw;
                 const bool partial = jt >= masked_from ||
                                      var.tile_kind(r0, min(r0 + 64, sq), key0, key0 + BN) !=
                                          TILE_FULL;
@@ -942,7 +1009,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         }
         const auto aff_softmax = [&](int jt) {
             if constexpr (AFF) {
-                const int key0 = jt * BN, r0 = row0 + 64 * cw;
+                const int key0 = jt * BN, r0 = row0 + rw;
                 const bool partial = jt >= masked_from ||
                                      var.tile_kind(r0, min(r0 + 64, sq), key0, key0 + BN) !=
                                          TILE_FULL;
@@ -970,7 +1037,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[i][e] = 0.f;
 
-        q_wg = q_s + (wi % QSTAGES) * Cfg::Q_BYTES + 64 * cw * 128;
+        q_wg = q_s + (wi % QSTAGES) * Cfg::Q_BYTES + rw * 128 + q_col;
         mbar_wait(q_full(wi % QSTAGES), (wi / QSTAGES) & 1u);
         if constexpr (F16S) eq = ld_shared_s32(q_exp(wi % QSTAGES));
         if constexpr (!OVERLAP) {
@@ -1117,13 +1184,13 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                 bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
                 redo |= bad << h;
             }
-            if (p.lse != nullptr && t4 == 0 && row < sq)
+            if (p.lse != nullptr && t4 == 0 && row < sq && cc == 0)
                 p.lse[bc.b * p.sq + row] = row_lse(m_run[h], l, scale_log2);
             T* dst = o + static_cast<long long>(row) * p.o_sr;
             if constexpr (F32) {  // 8-byte stores: columns 8 i + 2 t4 (+1); D % 8 == 0
 #pragma unroll
                 for (int i = 0; i < Cfg::NT_O; ++i) {
-                    const int col = 8 * i + 2 * t4;
+                    const int col = DCOLS * cc + 8 * i + 2 * t4;
                     if (row < sq && col < d && !((redo >> h) & 1))
                         *reinterpret_cast<float2*>(dst + col) =
                             make_float2(acc_o[i][2 * h] * inv, acc_o[i][2 * h + 1] * inv);
@@ -1153,23 +1220,29 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                         const int bits = __shfl_sync(0xffffffffu, redo, src);
                         const float mc = __shfl_sync(0xffffffffu, m_c[h], src);
                         const float inv = __shfl_sync(0xffffffffu, inv_h[h], src);
-                        const int row = row0 + 64 * cw + 16 * warp + src / 4 + 8 * h;
+                        const int row = row0 + rw + 16 * warp + src / 4 + 8 * h;
                         if (!((bits >> h) & 1) || row >= sq) continue;
+                        // HSPLIT: this consumer's columns only (c0 = its first; its redo bits
+                        // come from its own columns of O)
+                        const int c0 = DCOLS * cc;
+                        const int dv_own = HSPLIT ? min(DCOLS, static_cast<int>(p.dv) - c0)
+                                                  : static_cast<int>(p.dv);
+                        if (HSPLIT && dv_own <= 0) continue;
                         if constexpr (!V::PLAIN) {  // the policy's keys and scores
                             exact_row_pv_var<T, CAUSAL, TERMS == 1>(
                                 var, static_cast<const T*>(p.q) + off.q + row * p.q_sr,
                                 static_cast<const T*>(p.k) + off.k, p.k_sr,
-                                static_cast<const T*>(p.v) + off.v, p.v_sr,
-                                static_cast<int>(p.d), static_cast<int>(p.dv), row, sq, sk,
-                                static_cast<float>(p.scale), mc, inv, o + row * p.o_sr);
+                                static_cast<const T*>(p.v) + off.v + c0, p.v_sr,
+                                static_cast<int>(p.d), dv_own, row, sq, sk,
+                                static_cast<float>(p.scale), mc, inv, o + row * p.o_sr + c0);
                             continue;
                         }
                         const int n_keys = CAUSAL ? max(0, min(sk, row + diag + 1)) : sk;
                         exact_row_pv<T>(static_cast<const T*>(p.q) + off.q + row * p.q_sr,
                                         static_cast<const T*>(p.k) + off.k, p.k_sr,
-                                        static_cast<const T*>(p.v) + off.v, p.v_sr,
-                                        static_cast<int>(p.d), static_cast<int>(p.dv), n_keys,
-                                        scale_log2, mc, inv, o + row * p.o_sr);
+                                        static_cast<const T*>(p.v) + off.v + c0, p.v_sr,
+                                        static_cast<int>(p.d), dv_own, n_keys,
+                                        scale_log2, mc, inv, o + row * p.o_sr + c0);
                     }
                 }
             }

@@ -14,6 +14,10 @@ float32), its small products (hi lo, lo hi) chained over the tile's steps and ad
 each key tile's P V from zero over its steps (hi hi, hi lo, lo hi, one chain), added to O in
 IEEE float32. The softmax is kernel_model's (lazy rescale, p <= 2^8, one FMA before exp2).
 Tiles: Q per block of `bm` query rows, K and V per `bn` keys, within each batch entry.
+With `dsplit` (the D = 256 form sketched in notes/FLOAT32.md, "Hopper 3xfp16 at D = 256":
+two consumers on the same rows, each owning `dsplit` head-dim columns) each consumer forms its
+partial S over its columns in the chains above, (S + s2) of its own, and the partials are added in
+IEEE float32 (in shared memory) before the exact scale_pow2; P V is per output column, unchanged.
 """
 import math
 
@@ -117,7 +121,7 @@ def _pv(ph, pl, vh, vl, ksteps, extra_bits, o=None, f=1.0, fused=False):
 
 def hopper_f32_model(q, k, v, *, causal=False, scale=None, form="3xfp16", bm=128, bn=64,
                      rng=None, extra_bits=0, kstep=None, promote_pv=None, fused=False,
-                     p16_log2=P16_LOG2, lazy=True):
+                     p16_log2=P16_LOG2, lazy=True, dsplit=None):
     """float64 output of the modelled Hopper float32 "highest" kernel on float32-representable
     inputs q (..., Sq, D), k, v (..., Sk, D), equal batch shapes.
 
@@ -127,7 +131,9 @@ def hopper_f32_model(q, k, v, *, causal=False, scale=None, form="3xfp16", bm=128
     promote_pv: P V's large products promoted per step into O (as attn_mma.cu does on sm_90, and
     attn_wgmma.cu's 3xfp16 form: the default for it) instead of the tile's chain from zero
     (attn_wgmma.cu's 3xTF32 form: the default for it). fused: each step's three products in one chain from
-    zero, promoted into S (and, with promote_pv, into O)."""
+    zero, promoted into S (and, with promote_pv, into O). dsplit: head-dim columns per consumer
+    of S (None: one consumer takes all D); each consumer's partial S in its own chains, the
+    partials added in float32 in consumer order (two partials: the order does not matter)."""
     if form not in ("3xfp16", "3xtf32"):
         raise ValueError(f"form: '3xfp16' or '3xtf32', got {form!r}")
     f16 = form == "3xfp16"
@@ -146,7 +152,12 @@ def hopper_f32_model(q, k, v, *, causal=False, scale=None, form="3xfp16", bm=128
     if f16:
         ek = [split16_exponent(mx) for mx in _tile_max(k32, ktiles)]
         ev = [split16_exponent(mx) for mx in _tile_max(v32, ktiles)]
-    dsteps = _steps(d, kstep)
+    if dsplit is not None and (dsplit <= 0 or dsplit % kstep):
+        raise ValueError(f"dsplit must be a positive multiple of the step ({kstep}), got {dsplit}")
+    dsplit = d if dsplit is None else dsplit
+    # per consumer: its columns' steps (columns past D are the zero padding: they add nothing)
+    dparts = [[idx + c0 for idx in _steps(min(d, c0 + dsplit) - c0, kstep)]
+              for c0 in range(0, d, dsplit)]
 
     with np.errstate(invalid="ignore", over="ignore"):
         for i0 in range(0, sq, bm):
@@ -168,7 +179,10 @@ def hopper_f32_model(q, k, v, *, causal=False, scale=None, form="3xfp16", bm=128
                 else:
                     kh, kl = split_tf32(k32[..., kt, :])
                     vh, vl = split_tf32(v32[..., kt, :])
-                s = _scores(qh, ql, kh, kl, dsteps, extra_bits, fused)
+                s = None
+                for steps in dparts:  # one partial S a consumer, summed in float32
+                    part = _scores(qh, ql, kh, kl, steps, extra_bits, fused)
+                    s = part if s is None else (s + part).astype(f32)
                 if f16:  # exact (scale_pow2): S of the inputs
                     s = (s.astype(np.float64)
                          * np.ldexp(1.0, -(eq + ek[j]))[..., None, None]).astype(f32)

@@ -218,8 +218,8 @@ def test_missing_family_is_a_clear_error():
 @pytest.mark.parametrize("dtype,d,precision,form", [
     ("float16", 128, "highest", None), ("float32", 64, "high", None),
     ("float32", 128, "highest", "3xtf32"), ("float32", 64, "highest", "3xfp16"),
-    ("float32", 128, "highest", "3xfp16")])
-def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision, form):
+    ("float32", 128, "highest", "3xfp16"), ("float32", 256, "highest", "3xfp16")])
+def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision, form, monkeypatch):
     """The sm_90a cubin really holds the Hopper instructions (HGMMA: warpgroup MMA, UTMALDG: TMA
     loads) and no mma.sync (HMMA), checked on the disassembly when nvdisasm is available. The
     float32 TF32 forms' warpgroup MMAs are all TF32 (HGMMA.64xNx8.F32.TF32), three per
@@ -227,8 +227,10 @@ def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision, form):
     k16 step of each product."""
     import re
 
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", True)  # D = 256: the head-dim split form
     plan = _dispatch.hopper_plan(dtype, d, True, 1024, precision, form=form)
     assert (form or "") in plan.label
+    assert ("hsplit" in plan.label) == (d == 256)
     sass = _sass(_report(plan.spec).cubin)
     assert "HGMMA" in sass and "UTMALDG" in sass
     assert "HMMA" not in sass.replace("HGMMA", "")
@@ -244,8 +246,9 @@ def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision, form):
         assert all(k == "16" and t in ("F16", "") for _, _, k, t in hgmma), sorted(set(hgmma))
         if form == "3xfp16":
             # S: D / 16 k16 steps of m64nBN; P V: BN / 16 steps of m64n64 per 64 columns of O;
-            # three products each
-            per_tile = 3 * (d // 16 + plan.block_n // 16 * (d // 64))
+            # three products each (hsplit: each consumer's half of the head dim, D / 2)
+            dc = d // 2 if "hsplit" in plan.label else d
+            per_tile = 3 * (dc // 16 + plan.block_n // 16 * (dc // 64))
             assert len(hgmma) % per_tile == 0, (len(hgmma), per_tile)
             assert {(m, n) for m, n, _, _ in hgmma} == {("64", str(plan.block_n)), ("64", "64")}
 

@@ -194,3 +194,57 @@ def test_model_nonfinite_inputs():
     kz[:, 64:] = 0.0  # the second key tile all zeros
     vd = _judge(q, kz, v, causal=True)["3xfp16"]
     assert vd.passed, vd.reasons
+
+
+# The D = 256 Hopper form (notes/FLOAT32.md, "Hopper 3xfp16 at D = 256: two consumers
+# sharing the head dim"): BM = 64, BN = 64, each consumer's partial S over 128 head-dim columns,
+# the partials added in float32; D = 192 zero-padded to 256 (the second consumer's 64 columns).
+SPLIT_SHAPES = [(1, 16, 256, False), (1, 113, 256, False), (16, 113, 192, False),
+                (113, 113, 256, True), (1, 1000, 192, True), (7, 200, 256, True)]
+
+
+def _split_model(q, k, v, causal=False, scale=None, seed=0):
+    return hopper_f32_model(q, k, v, causal=causal, scale=scale, bm=64, bn=64, dsplit=128,
+                            rng=np.random.default_rng(seed + 1000))
+
+
+@pytest.mark.parametrize("sq,sk,d,causal", SPLIT_SHAPES)
+def test_split_head_dim_model_within_the_rule(sq, sk, d, causal):
+    """Two draws a shape: the split form passes the rule with room, and its scores differ from
+    the one-consumer chains' (the partials' addition is a real change of arithmetic order: the
+    test would not notice a model that ignored dsplit otherwise)."""
+    for seed in range(2):
+        q, k, v = _draw(np.random.default_rng(700 + 10 * d + sq + seed), 2, sq, sk, d)
+        rule = ref.pass_threshold(q, k, v, causal=causal, dtype=F32)
+        vd = rule.judge(_split_model(q, k, v, causal, seed=seed))
+        assert vd.passed, ((sq, sk, d, causal, seed), vd.reasons)
+        assert vd.frac_threshold < 0.75, vd.frac_threshold
+
+
+def test_split_head_dim_changes_the_arithmetic():
+    q, k, v = _draw(np.random.default_rng(9), 1, 16, 113, 256)
+    one = hopper_f32_model(q, k, v, bm=64, bn=64, rng=None)
+    two = hopper_f32_model(q, k, v, bm=64, bn=64, rng=None, dsplit=128)
+    assert not np.array_equal(one, two)
+    with pytest.raises(ValueError):
+        hopper_f32_model(q, k, v, dsplit=100)
+
+
+@pytest.mark.parametrize("d,scale", [(192, 1.0), (192, 2.5), (256, 1.0), (256, 2.5)])
+def test_split_head_dim_model_on_large_scores(d, scale):
+    """Issue 10's large scores (q, k std 3) at D = 192 / 256 through the split form."""
+    q, k, v = _draw(np.random.default_rng(d + int(10 * scale)), 1, 16, 300, d, 3.0)
+    vd = ref.pass_threshold(q, k, v, scale=scale, dtype=F32).judge(
+        _split_model(q, k, v, scale=scale))
+    assert vd.passed, vd.reasons
+    assert vd.frac_threshold < 0.75, vd.frac_threshold
+
+
+def test_split_head_dim_model_on_long_keys():
+    """Sk = 16k at D = 256, scale 2.5 / sqrt(D) with q, k std 3."""
+    q, k, v = _draw(np.random.default_rng(256), 1, 4, 16384, 256, 3.0)
+    scale = 2.5 / np.sqrt(256)
+    vd = ref.pass_threshold(q, k, v, scale=scale, dtype=F32).judge(
+        _split_model(q, k, v, scale=scale))
+    assert vd.passed, vd.reasons
+    assert vd.frac_threshold < 0.75, vd.frac_threshold

@@ -546,18 +546,29 @@ def test_tc_fp16split_nan_inf_and_zero_tiles(d):
     tiles (exponent 126, no NaN scale) give correct rows."""
     _needs_tc_fp16split()
     q, k, v = random_inputs(_rng("f32t16nan", d), (2,), (2,), 200, 200, d, d, "float32")
+
+    def run(q, k, v):
+        o, lse, label = _run(q, k, v, causal=True, precision="highest", kernel="tensorcore")
+        assert label.startswith("tensorcore<float32,3xfp16,"), label
+        return o, lse
+
+    _nan_inf_and_zero_tiles(q, k, v, d, 3, run)
+
+
+def _nan_inf_and_zero_tiles(q, k, v, d, col, run):
+    """The checks of test_tc_fp16split_nan_inf_and_zero_tiles on (o, lse) = run(q, k, v) (causal,
+    "highest"), the bad value in column `col` of key 100 (batch entry 1: Sq = Sk = 200)."""
     for name, kb, vb in (("k nan", np.nan, None), ("k inf", np.inf, None), ("v nan", None, np.nan)):
         kk, vv = k.copy(), v.copy()
         if kb is not None:
-            kk[1, 100, 3] = kb  # key 100, seen by rows 100.. (causal)
+            kk[1, 100, col] = kb  # key 100, seen by rows 100.. (causal)
         if vb is not None:
-            vv[1, 100, 3] = vb
-        o, _, label = _run(q, kk, vv, causal=True, precision="highest", kernel="tensorcore")
-        assert label.startswith("tensorcore<float32,3xfp16,"), label
+            vv[1, 100, col] = vb
+        o, _ = run(q, kk, vv)
         oh = to_host64(o)
         if vb is not None:
-            assert np.isnan(oh[1, 100:, 3]).all(), name
-            assert np.isfinite(np.delete(oh[1, 100:], 3, axis=-1)).all(), name
+            assert np.isnan(oh[1, 100:, col]).all(), name
+            assert np.isfinite(np.delete(oh[1, 100:], col, axis=-1)).all(), name
         else:
             assert (np.isnan(oh[1, 100:]) if kb != np.inf else ~np.isfinite(oh[1, 100:])).all(), \
                 name
@@ -569,7 +580,7 @@ def test_tc_fp16split_nan_inf_and_zero_tiles(d):
     kz, vz = k.copy(), v.copy()
     kz[:, 64:128] = 0.0
     vz[:, 128:192] = 0.0
-    o, lse, _ = _run(q, kz, vz, causal=True, precision="highest", kernel="tensorcore")
+    o, lse = run(q, kz, vz)
     _check(o, lse, q, kz, vz, causal=True, scale=1 / math.sqrt(d), precision="highest")
 
 
@@ -688,3 +699,131 @@ def test_wide_auto_follows_the_flag(auto, monkeypatch):
     _check(o, lse, q, k, v, causal=True, scale=1 / 16, precision="highest")
     _, _, label = _run(q, k, v, causal=True, precision="high")
     assert label.startswith("tensorcore<float32,tf32,"), label
+
+
+# The Hopper 3xfp16 form at D = 129..256 (attn_wgmma.cu: WgmmaConfig::HSPLIT; notes/FLOAT32.md,
+# "Hopper 3xfp16 at D = 256"): two consumers on the same 64 rows, each owning 128 head-dim
+# columns, their partial scores added through shared memory. Behind _dispatch.HOPPER_F32_D256
+# (off until these pass on the H200); the fixture turns it on, kernel="hopper" forces the form.
+
+
+@pytest.fixture
+def hsplit(monkeypatch):
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", True)
+
+
+def _needs_hsplit(d):
+    _needs_fp16split(d)
+    if not _dispatch.HOPPER_F32_D256:
+        pytest.skip("_dispatch.HOPPER_F32_D256 is off")
+
+
+def _hsplit_run(q, k, v, *, causal, scale=None):
+    o, lse, label = _run(q, k, v, causal=causal, precision="highest", scale=scale,
+                         kernel="hopper")
+    assert label.startswith("hopper<float32,3xfp16,D256,BM64,") and "hsplit" in label, label
+    return o, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [256, 192, 200])
+@pytest.mark.parametrize("sq,sk", HOPPER_SHAPES)
+def test_hopper_hsplit(sq, sk, d, causal, hsplit):
+    """Tails (1, 7, 113, 1000), Sq != Sk both ways, both masks; D = 192 and 200 zero-padded to
+    256 (the second consumer's columns partly or mostly padding)."""
+    _needs_hsplit(d)
+    batch = (2, 3) if max(sq, sk) < 1000 else (1, 2)
+    q, k, v = random_inputs(_rng("f32hsplit", sq, sk, d, causal), batch, batch, sq, sk, d, d,
+                            "float32")
+    o, lse = _hsplit_run(q, k, v, causal=causal)
+    _check(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), precision="highest")
+
+
+def test_hopper_hsplit_persistent_broadcast(hsplit):
+    """More work items than SMs (the persistent loop, causal pairs), broadcast key/value heads,
+    scale 0.3."""
+    _needs_hsplit(256)
+    q, k, v = random_inputs(_rng("f32hsplitpers"), (4, 8), (4, 1), 1000, 777, 256, 256,
+                            "float32")
+    for causal in (False, True):
+        o, lse = _hsplit_run(q, k, v, causal=causal, scale=0.3)
+        _check(o, lse, q, k, v, causal=causal, scale=0.3, precision="highest")
+
+
+def test_hopper_hsplit_strided_view(hsplit):
+    """A (B, S, H, D) buffer passed as a (B, H, S, D) view, kernel="hopper"."""
+    _needs_hsplit(256)
+    cp = cupy()
+    rng = _rng("f32hsplitbshd")
+    B, S, H, D = 2, 300, 4, 256
+    x = [reference.round_to(rng.standard_normal((B, S, H, D)), "float32") for _ in range(3)]
+    views = [cp.asarray(a.astype(np.float32)).transpose(0, 2, 1, 3) for a in x]
+    out = poisoned((B, H, S, D), "float32")
+    lse = poisoned((B, H, S), "float32")
+    label = cuflash.dispatch_info(*views, causal=True, kernel="hopper")
+    assert "hsplit" in label, label
+    cuflash.attention(*views, causal=True, out=(out, lse), return_lse=True, kernel="hopper")
+    ref_in = [a.transpose(0, 2, 1, 3) for a in x]
+    _check(out, lse, *ref_in, causal=True, scale=1 / math.sqrt(D), precision="highest")
+
+
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("sk", [16, 113, 128])
+def test_short_rows_hopper_hsplit(sk, d, hsplit):
+    """Single query rows over one to two key tiles, 6 fresh seeds each."""
+    _needs_hsplit(d)
+    for seed in range(6):
+        kv = (2, 4) if seed % 2 == 0 else (2, 1)
+        q, k, v = random_inputs(_rng("f32hsplitshort", sk, d, seed), (2, 4), kv, 1, sk, d, d,
+                                "float32")
+        o, lse = _hsplit_run(q, k, v, causal=seed % 3 == 2)
+        _check(o, lse, q, k, v, causal=seed % 3 == 2, scale=1 / math.sqrt(d),
+               precision="highest")
+
+
+@pytest.mark.parametrize("d,scale,sk", [(256, 1.0, 4096), (256, 2.5, 4096), (192, 1.0, 4096),
+                                        (192, 2.5, 4096), (256, None, 16384)])
+def test_hopper_hsplit_large_scores_and_long_keys(d, scale, sk, hsplit):
+    """Issue 10's accuracy bar: q and k with standard deviation 3, scale 1.0 / 2.5, and
+    Sk = 16k, under the float32 rule."""
+    _needs_hsplit(d)
+    rng = _rng("f32hsplitlarge", d, scale, sk)
+    q = reference.round_to(3 * rng.standard_normal((1, 2, 64, d)), "float32")
+    k = reference.round_to(3 * rng.standard_normal((1, 2, sk, d)), "float32")
+    v = reference.round_to(rng.standard_normal((1, 2, sk, d)), "float32")
+    sc = 1 / math.sqrt(d) if scale is None else scale
+    o, lse = _hsplit_run(q, k, v, causal=False, scale=sc)
+    err, naive = _check(o, lse, q, k, v, causal=False, scale=sc, precision="highest")
+    print(f"3xfp16 hsplit D={d} scale={sc} Sk={sk}: max err {err:.3e}, naive {naive:.3e}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_hsplit_magnitudes(causal, hsplit):
+    """Every case of _magnitudes at D = 256 (per-tile powers of two)."""
+    _needs_hsplit(256)
+    _check_magnitudes(_rng("f32hsplitmag", causal), 256, causal, "hopper")
+
+
+@pytest.mark.parametrize("col", [3, 200])
+def test_hopper_hsplit_nan_inf_and_zero_tiles(col, hsplit):
+    """A NaN or infinity in K (column 3 or 200: either consumer's half) reaches exactly the rows
+    that see its key; a NaN in V at a key that rows of its tile cannot see (causal) reaches only
+    its column of the rows that see it (the exact row path of the consumer owning the column,
+    the other consumer's columns stay the fast path's); all-zero K and V tiles."""
+    _needs_hsplit(256)
+    q, k, v = random_inputs(_rng("f32hsplitnan", col), (2,), (2,), 200, 200, 256, 256,
+                            "float32")
+    _nan_inf_and_zero_tiles(q, k, v, 256, col, lambda q, k, v: _hsplit_run(q, k, v, causal=True))
+
+
+def test_hopper_d256_follows_the_flag(monkeypatch):
+    """With HOPPER_F32_D256 off, kernel="hopper" refuses float32 D = 256 (the mma.sync form is
+    what "auto" takes there); on, it runs the head-dim split form."""
+    _needs_fp16split(128)
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", False)
+    q, k, v = random_inputs(_rng("f32hsplitflag"), (2,), (2,), 100, 100, 256, 256, "float32")
+    with pytest.raises(ValueError, match="head dims from 64 to 128"):
+        _run(q, k, v, causal=False, precision="highest", kernel="hopper")
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", True)
+    o, lse = _hsplit_run(q, k, v, causal=False)
+    _check(o, lse, q, k, v, causal=False, scale=1 / 16, precision="highest")

@@ -206,3 +206,49 @@ def test_hopper_narrows_short_query_blocks():
     assert bm(None) == 192 and bm(197, sk=197) == 128
     assert bm(197, sk=8192, causal=True) == 128 and bm(8192, sk=8192, causal=True) == 192
     assert _dispatch.hopper_plan("float16", 128, False, 4096, sq=197).block_m == 128
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_float32_d256_hopper_follows_its_flag(launches, monkeypatch, flag):
+    """float32 "highest" at D = 129..256 on Hopper: with _dispatch.HOPPER_F32_D256 off,
+    kernel="hopper" refuses it and auto keeps the mma.sync form; on, kernel="hopper" (and auto,
+    where HOPPER_F32_AUTO takes the Hopper form) runs the head-dim split form: BM = 64, two
+    consumers (384 threads), one stage of BN = 64, Q boxes of 64 rows, shared memory within one
+    block's (WgmmaConfig::SMEM: 230512 B). The compile set has its two specialisations either way."""
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", flag)
+    monkeypatch.setattr(_dispatch, "F32_D256_AUTO", True)
+    for d in (136, 192, 256):
+        if not flag:
+            with pytest.raises(ValueError, match="kernel='hopper'.*head dims from 64 to 128"):
+                _dispatch.plan_for(_f32_prob(d, "hopper"), 90)
+            continue
+        plan = _dispatch.plan_for(_f32_prob(d, "hopper"), 90)
+        assert plan.label.startswith("hopper<float32,3xfp16,D256,BM64,BN64,S1,Q1,hsplit,"), \
+            plan.label
+        assert plan.spec.name == ("cuflash::cuflash_fwd_wgmma<float, 3, 256, 64, 1, 1, 2, false, "
+                                  "false, false, cuflash::fp16_t>"), plan.spec.name
+        assert (plan.block_m, plan.block_n, plan.threads, plan.smem_bytes) == (64, 64, 384, 230512)
+        assert plan.smem_bytes <= ATTRS["max_smem_optin"]
+    from cuflash._dispatch_variants import hopper_variant_reason
+    why = hopper_variant_reason(_f32_prob(256, "hopper"), 90)  # variants: not on this form
+    assert why is not None and ("variant policies" in why) == flag, why
+    assert hopper_variant_reason(_f32_prob(128, "hopper"), 90) is None
+    auto = _dispatch.plan_for(_f32_prob(256), 90).label
+    assert auto.startswith("hopper<float32,3xfp16,D256," if flag and _dispatch.HOPPER_F32_AUTO
+                           else "tensorcore<float32,3xfp16,D256,"), auto
+    names = {s.name for s in (p.spec for p in _dispatch.all_specialisations(90))}
+    for causal in ("false", "true"):
+        assert ("cuflash::cuflash_fwd_wgmma<float, 3, 256, 64, 1, 1, 2, false, false, "
+                f"{causal}, cuflash::fp16_t>") in names
+    if flag:  # the launch: boxes of 32 columns x 64 query rows, the plan's shared memory
+        B, H, S, D = 2, 4, 300, 256
+        st = (H * S * D, S * D, D, 1)
+        q, k, v, o = (FakeArray((B, H, S, D), st, (i + 1) << 20, itemsize=4) for i in range(4))
+        plan = _dispatch.hopper_plan("float32", D, True, S)
+        prob = _problem(q, k, v, (B, H), S, S, D)
+        prob.dtype_name = "float32"
+        _launch.launch_forward(plan, prob, o, None, ATTRS)
+        qm, km, vm = launches["maps"]
+        assert qm[3] == [32, 64, 1, 1, 1] and km[3] == vm[3] == [32, 64, 1, 1, 1]
+        assert launches["launches"][0][3] == plan.smem_bytes == 230512
