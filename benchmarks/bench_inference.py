@@ -291,7 +291,17 @@ def bench_paged(grid, args, rows):
                 cp.get_default_memory_pool().free_all_blocks()
 
 
-VARLEN_IMPLS = ("auto", "decode", "tensorcore", "hopper", "torch-flash-varlen")
+VARLEN_IMPLS = ("auto", "decode", "tensorcore", "hopper", "hopper-g2", "hopper-g4",
+                "torch-flash-varlen")
+
+
+def _varlen_impl(impl):
+    """(attention_varlen kernel, _varlen.VARLEN_HOPPER_GROUP) of a --varlen-impl name:
+    "hopper-gN" is the Hopper twin with blocks walking N slots of their sequence (persistent
+    within a sequence), every other name the kernel of that name with one slot a block."""
+    if impl.startswith("hopper-g"):
+        return "hopper", int(impl[len("hopper-g"):])
+    return impl, 1
 
 
 def _torch_flash_varlen():
@@ -314,7 +324,7 @@ def bench_varlen(args, rows):
     Hkv = 8, D = 128, float16: cuflash.attention_varlen through each of its kernels
     (--varlen-impl: "auto", whatever kernel="auto" picks; "decode", the decode family with
     per-sequence offsets; "tensorcore" and "hopper", the dense mma.sync and Hopper forwards'
-    varlen twins) and
+    varlen twins; "hopper-gN", the Hopper twin with N slots a block, _varlen.VARLEN_HOPPER_GROUP) and
     FlashAttention-2's varlen forward inside torch where it has one, against cuflash.attention
     on dense (B, H, 8192, D) batches of the same token count, in TFLOP/s of the causal work.
     Each result is checked first (query head 0 of the first and the shortest sequence)."""
@@ -353,8 +363,12 @@ def bench_varlen(args, rows):
     res = {}
     labels = []
     impls = [x for x in args.varlen_impl.split(",") if x]
+    from cuflash import _varlen
+
+    group0 = _varlen.VARLEN_HOPPER_GROUP
     for impl in impls:
         name = "cuflash-varlen" + ("" if impl == "auto" else "-" + impl)
+        impl, _varlen.VARLEN_HOPPER_GROUP = _varlen_impl(impl)
         if impl == "torch-flash-varlen":
             run = _torch_flash_varlen()
             if run is None:
@@ -383,6 +397,7 @@ def bench_varlen(args, rows):
         why = check(o)
         res[name] = why or flops / _events(fn, args.warmup, args.repeats) / 1e12
         o = None
+    _varlen.VARLEN_HOPPER_GROUP = group0
     bd = total // 8192
     qd = q.reshape(bd, 8192, H, D).transpose(0, 2, 1, 3)
     kd = k.reshape(bd, 8192, hkv, D).transpose(0, 2, 1, 3)

@@ -22,7 +22,7 @@ _PARAMS_FIELDS = ([(f, np.uint64) for f in _PTR_FIELDS] + [(f, np.int64) for f i
 PARAMS_DTYPE = np.dtype(_PARAMS_FIELDS)
 #: `VarlenParams` (kernels_cu/common.cuh): the dense forward's varlen twins' second argument.
 VARLEN_PARAMS_DTYPE = np.dtype([("cu_q", np.uint64), ("cu_k", np.uint64), ("lse_hs", np.int64),
-                                ("slots", np.int64)])
+                                ("slots", np.int64), ("group", np.int64)])
 #: The Hopper kernel's `HopperParams` (kernels_cu/attn_wgmma.cu): three 128-byte tensor maps
 #: (64-byte aligned, so the struct's size rounds up to a multiple of 64), `AttnParams`, and the
 #: batch-coordinate mask.

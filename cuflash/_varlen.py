@@ -31,6 +31,13 @@ VARLEN_KERNELS = ("auto", "decode", "tensorcore", "hopper")
 VARLEN_DENSE_AUTO = False
 #: Whether auto's dense choice (VARLEN_DENSE_AUTO) prefers the Hopper twin where it can run.
 VARLEN_HOPPER_AUTO = False
+#: Work slots (query blocks, or causal pairs of them) that a block of the Hopper twin walks within
+#: one sequence and head (attn_wgmma.cu: cuflash_fwd_wgmma_varlen, vl.group): 1 is one slot a
+#: block (session g's measured twin); 2 or more make the block persistent over consecutive slots of
+#: its sequence, so the next slot's Q and first K/V tiles load while the current one finishes, and
+#: the per-block start (barriers, finding the slot's owner, the first loads) is paid once a group.
+#: 1 until the GPU tests and the bench (``--varlen-impl hopper-g2``, ...) have run with more.
+VARLEN_HOPPER_GROUP = 1
 
 
 @dataclass
@@ -240,11 +247,18 @@ def dense_params(plan, prob, o, lse):
         # A block per work slot of a compact per-head numbering (common.cuh: varlen_slot):
         # floor(total_q / U) + B slots of U rows, U = BM or, for pairs of query blocks under
         # the causal mask (attn_wgmma.cu: cuflash_fwd_wgmma_varlen), 2 BM.
-        rows = plan.block_m * (2 if plan.pairs else 1)
+        # A block walks `group` consecutive slots of its sequence (VARLEN_HOPPER_GROUP): the
+        # numbering counts groups of group U rows.
+        group = int(VARLEN_HOPPER_GROUP)
+        if group < 1:
+            raise ValueError(f"_varlen.VARLEN_HOPPER_GROUP must be >= 1, got {group}")
+        rows = plan.block_m * (2 if plan.pairs else 1) * group
         vl["slots"] = per = prob.q.shape[0] // rows + prob.nseq
+        vl["group"] = group
         p = _hopper_record(plan, prob, p)
     else:  # mma.sync: a block per query block of max_seqlen_q rows, (B, Hkv, G) entries
         per = n_mblocks * prob.nseq
+        vl["group"] = 1
     grid = per * prob.h
     if grid > _launch.MAX_GRID_X or per >= 2**32:
         raise ValueError(f"attention_varlen: too many blocks for one launch: {per} query blocks "

@@ -392,15 +392,18 @@ __device__ __forceinline__ void split16_tile(unsigned int tile, unsigned int red
 // block of an odd nm comes alone): a static round-robin over slots is then balanced, where one
 // over single blocks gave each block of a persistent launch the same query block in every round
 // when gridDim.x % nm == 0 (up to 22% slower on the H200 than one block per item).
-// ONE (the varlen twin): the block's one slot only (its grid is not a multiple of the view's slots).
+// ONE (the varlen twin): the consecutive slots [first, end) of one batch entry (its grid is not a
+// multiple of the view's slots; end - first = the launch's group, or fewer at the entry's end).
 template <bool PAIRS, bool ONE = false>
 struct WorkWalk {
     unsigned int nm, per_b, n_slots, slot, half;
-    // first: the block's first slot (blockIdx.x; a varlen twin's view renumbers it).
-    __device__ __forceinline__ WorkWalk(const AttnParams& p, unsigned int first)
+    // first: the block's first slot (blockIdx.x; a varlen twin's view renumbers it); end: ONE's
+    // bound (unused otherwise).
+    __device__ __forceinline__ WorkWalk(const AttnParams& p, unsigned int first,
+                                        unsigned int end = 0)
         : nm(static_cast<unsigned int>(p.n_mblocks)),
           per_b(PAIRS ? (nm + 1) / 2 : nm),
-          n_slots(per_b * static_cast<unsigned int>(p.nb0 * p.nb1 * p.nb2)),
+          n_slots(ONE ? end : per_b * static_cast<unsigned int>(p.nb0 * p.nb1 * p.nb2)),
           slot(first), half(0) {}
     __device__ __forceinline__ bool next(BlockCoord& c) {
         if (slot >= n_slots) return false;
@@ -411,7 +414,7 @@ struct WorkWalk {
             half = 1;
         } else {
             half = 0;
-            if constexpr (ONE) slot = n_slots;
+            if constexpr (ONE) slot += 1;
             else slot += gridDim.x;
         }
         return true;
@@ -452,7 +455,7 @@ __device__ __forceinline__ void window_tiles(const V& var, int row0, int bm, int
 // thread 0 of the twin before the body runs.
 struct WgmmaVarlenView {
     AttnParams a;
-    unsigned int slot;
+    unsigned int slot, end;  // the block's slots [slot, end) in the view's numbering
     int live;
     int q_row0, k_row0;
 };
@@ -558,7 +561,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         const unsigned int cm = static_cast<unsigned int>(hp.coord_mask);
         unsigned int it = 0;  // K/V tiles loaded so far: stage it % STAGES, its use it / STAGES
         unsigned int wi = 0;  // work items so far
-        WorkWalk<CAUSAL, VARLEN> walk(p, VARLEN ? vv->slot : blockIdx.x);
+        WorkWalk<CAUSAL, VARLEN> walk(p, VARLEN ? vv->slot : blockIdx.x, VARLEN ? vv->end : 0u);
         // Tensor-map row offsets: the sequence's first query row (t = 0) and key (t = 1, 2).
         const int q_row0 = VARLEN ? vv->q_row0 : 0, k_row0 = VARLEN ? vv->k_row0 : 0;
         for (BlockCoord bc; walk.next(bc); ++wi) {
@@ -953,7 +956,7 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         if (last) release(q_empty(wi % QSTAGES));
     };
 
-    WorkWalk<CAUSAL, VARLEN> walk(p, VARLEN ? vv->slot : blockIdx.x);
+    WorkWalk<CAUSAL, VARLEN> walk(p, VARLEN ? vv->slot : blockIdx.x, VARLEN ? vv->end : 0u);
     for (BlockCoord bc; walk.next(bc); ++wi) {
         const int row0 = static_cast<int>(bc.mblock) * Cfg::BM;
         // This consumer's tiles and those every consumer computes (n_turns).
@@ -1274,12 +1277,15 @@ cuflash_fwd_wgmma_var(const __grid_constant__ HopperParams hp,
 }
 
 // cuflash_fwd_wgmma_varlen: the plain policy on a packed variable-length batch (attention_varlen;
-// WgmmaVarlenView), same template arguments and launch configuration as cuflash_fwd_wgmma but one
-// work slot per block (no persistent loop): the grid is H x vl.slots (common.cuh: varlen_slot, a
-// compact numbering of each head's slots over the sequences; a slot is a query block, or under
-// the causal mask a pair of them), block h * slots + u is slot r of its owner's batch entry
-// b = s H + h, renumbered in the view as slot b * per_s + r of the sequence's own per_s slots,
-// and it leaves at once when r is past them.
+// WgmmaVarlenView), same template arguments and launch configuration as cuflash_fwd_wgmma but a
+// block walks vl.group consecutive work slots of one sequence and head (the view is the same for
+// all of them, so the body's persistent loop overlaps the next slot's Q and first K/V loads with
+// the current one's end; group = 1: one slot a block): the grid is H x vl.slots (common.cuh:
+// varlen_slot, a compact numbering of each head's groups of slots over the sequences; a slot is a
+// query block, or under the causal mask a pair of them), block h * slots + u is group r of its
+// owner's batch entry b = s H + h, renumbered in the view as slots [b per_s + r group, b per_s +
+// min(per_s, (r + 1) group)) of the sequence's own per_s slots, and it leaves at once when r
+// group is past them.
 template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
           bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP = T>
 __global__ void __launch_bounds__(
@@ -1293,8 +1299,9 @@ cuflash_fwd_wgmma_varlen(const __grid_constant__ HopperParams hp,
         const unsigned int slots = static_cast<unsigned int>(vl.slots);
         const unsigned int h = blockIdx.x / slots, u = blockIdx.x % slots;
         unsigned int r;
-        const unsigned int s = varlen_slot(vl.cu_q, static_cast<unsigned int>(hp.a.nb0), u, ROWS,
-                                           r);
+        const unsigned int grp = static_cast<unsigned int>(vl.group);
+        const unsigned int s = varlen_slot(vl.cu_q, static_cast<unsigned int>(hp.a.nb0), u,
+                                           ROWS * grp, r);
         if (threadIdx.x == 0) {
             AttnParams a = hp.a;
             const unsigned int b = s * static_cast<unsigned int>(a.nb1 * a.nb2) + h;
@@ -1304,8 +1311,9 @@ cuflash_fwd_wgmma_varlen(const __grid_constant__ HopperParams hp,
             const unsigned int per_s = CAUSAL ? (nm_s + 1) / 2 : nm_s;
             a.n_mblocks = nm_s;
             view.a = a;
-            view.slot = b * per_s + r;
-            view.live = r < per_s ? 1 : 0;
+            view.slot = b * per_s + r * grp;
+            view.end = b * per_s + min(per_s, (r + 1) * grp);
+            view.live = r * grp < per_s ? 1 : 0;
             view.q_row0 = static_cast<int>(q0);
             view.k_row0 = static_cast<int>(k0);
         }

@@ -241,8 +241,9 @@ struct VarlenParams {
     const int* cu_k;   // (B + 1,) into k and v
     long long lse_hs;  // lse's head stride in elements
     long long slots;   // the Hopper twin's work slots per head (varlen_slot); 0 for mma.sync
+    long long group;   // the Hopper twin's slots a block walks (persistent within a sequence); 1
 };
-static_assert(sizeof(VarlenParams) == 4 * 8, "VarlenParams must match cuflash/_launch.py");
+static_assert(sizeof(VarlenParams) == 5 * 8, "VarlenParams must match cuflash/_launch.py");
 
 // The Hopper twin's compact grid (cuflash_fwd_wgmma_varlen): per head, `slots` =
 // floor(total_q / U) + B work slots of U query rows each (U = BM, or 2 BM where a slot is a pair

@@ -396,7 +396,16 @@ def test_decode_nonfinite(where, sk, h, hkv, version, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # attention_varlen on the dense mma.sync forward (kernel="tensorcore": cuflash_fwd_mma_varlen)
 
+def _varlen_kernel(kernel):
+    """(attention_varlen kernel, _varlen.VARLEN_HOPPER_GROUP) of a test's kernel name:
+    "hopper-gN" is the Hopper twin with blocks walking N slots of their sequence."""
+    if kernel.startswith("hopper-g"):
+        return "hopper", int(kernel[len("hopper-g"):])
+    return kernel, 1
+
+
 def _dense_varlen_skip(dtype, kernel="tensorcore", d=128):
+    kernel = _varlen_kernel(kernel)[0]
     _skip(dtype)
     if _cc() < 80:
         pytest.skip("the mma.sync kernel needs compute capability 8.0")
@@ -406,12 +415,17 @@ def _dense_varlen_skip(dtype, kernel="tensorcore", d=128):
         pytest.skip("the Hopper kernel takes head dims from 64")
 
 
-DENSE_VARLEN_KERNELS = ["tensorcore", "hopper"]
+# hopper-g2, -g3: the Hopper twin persistent over 2, 3 consecutive slots of a sequence
+# (VARLEN_HOPPER_GROUP; -g3 leaves partial groups at the sequences' ends).
+DENSE_VARLEN_KERNELS = ["tensorcore", "hopper", "hopper-g2", "hopper-g3"]
 
 
 def _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, causal, kernel="tensorcore",
                        o=None, lse=None):
+    from cuflash import _varlen
+
     cp = cupy()
+    kernel, group = _varlen_kernel(kernel)
     h = q.shape[1]
     gq, gk, gv = (x if isinstance(x, cp.ndarray) else to_gpu(x, dtype) for x in (q, k, v))
     o = poisoned((gq.shape[0], h, gv.shape[2]), dtype) if o is None else o
@@ -419,8 +433,10 @@ def _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, causal, kerne
     args = (gq, gk, gv, cp.asarray(cu_q), cp.asarray(cu_k), max(1, max(lens_q)),
             max(1, max(lens_k)))
     label = cuflash.varlen_dispatch_info(*args, causal=causal, kernel=kernel)
-    res = cuflash.attention_varlen(*args, causal=causal, return_lse=True, out=(o, lse),
-                                   kernel=kernel)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_varlen, "VARLEN_HOPPER_GROUP", group)
+        res = cuflash.attention_varlen(*args, causal=causal, return_lse=True, out=(o, lse),
+                                       kernel=kernel)
     assert res[0] is o and res[1] is lse
     cp.cuda.get_current_stream().synchronize()
     return o, lse, label
@@ -445,7 +461,7 @@ def test_varlen_dense(h, hkv, d, lens_q, lens_k, dtype, causal, kernel):
     q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens_q), np.array(lens_k), h, hkv, d, dtype)
     o, lse, label = _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, causal,
                                        kernel=kernel)
-    assert label.startswith(f"varlen-{kernel}<"), label
+    assert label.startswith(f"varlen-{_varlen_kernel(kernel)[0]}<"), label
     check_varlen_result(to_host64(o), to_host64(lse), q, k, v, cu_q, cu_k, causal=causal,
                         dtype=dtype)
 
@@ -522,6 +538,7 @@ def test_varlen_dense_bits_equal_dense_attention(causal, kernel):
     q, k, v, cu_q, cu_k = make_varlen(rng, np.array(lens_q), np.array(lens_k), h, hkv, d, dtype)
     o, lse, label = _dense_varlen_call(q, k, v, cu_q, cu_k, lens_q, lens_k, dtype, causal,
                                        kernel=kernel)
+    kernel = _varlen_kernel(kernel)[0]
     for s in range(len(lens_q)):
         q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
         qs, ks, vs = (to_gpu(np.ascontiguousarray(x.transpose(1, 0, 2))[None], dtype)
@@ -544,7 +561,7 @@ def test_varlen_dense_bits_equal_dense_attention(causal, kernel):
         assert cp.array_equal(l1[0], lse[:, q0:q1]), f"sequence {s}: lse differs"
 
 
-@pytest.mark.parametrize("kernel", DENSE_VARLEN_KERNELS)
+@pytest.mark.parametrize("kernel", ["tensorcore", "hopper"])
 def test_varlen_auto_dispatch(monkeypatch, kernel):
     """kernel="auto": prefill-like calls take the dense twin when VARLEN_DENSE_AUTO is on (the
     Hopper one with VARLEN_HOPPER_AUTO; the same bits as naming it), decode-like ones stay on

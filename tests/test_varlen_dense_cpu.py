@@ -106,7 +106,7 @@ def test_param_structs_mirror_the_kernel():
     body = re.search(r"struct VarlenParams \{(.*?)\};", src, re.S).group(1)
     fields = re.findall(r"\b(\w+);", body)
     assert fields == list(_launch.VARLEN_PARAMS_DTYPE.names)
-    assert _launch.VARLEN_PARAMS_DTYPE.itemsize == 4 * 8
+    assert _launch.VARLEN_PARAMS_DTYPE.itemsize == 5 * 8
     mma = (Path(__file__).resolve().parents[1] / "kernels_cu" / "attn_mma.cu").read_text()
     assert "cuflash_fwd_mma_varlen(const AttnParams p_in, const VarlenParams vl)" in mma
 
@@ -181,8 +181,9 @@ def _blocks_hopper(p, vl, grid, bm, cu_q, causal):
     heads = int(p["nb1"]) * int(p["nb2"])
     nseq = int(p["nb0"])
     slots = int(vl["slots"])
-    assert grid == heads * slots
-    rows = 2 * bm if causal else bm
+    group = int(vl["group"])
+    assert grid == heads * slots and group >= 1
+    rows = (2 * bm if causal else bm) * group
     starts = [int(cu_q[s]) // rows + s for s in range(nseq)]
     for blk in range(grid):
         h, u = blk // slots, blk % slots
@@ -191,10 +192,10 @@ def _blocks_hopper(p, vl, grid, bm, cu_q, causal):
         b = s * heads + h
         nm_s = -(-int(cu_q[s + 1] - cu_q[s]) // bm)
         per_s = (nm_s + 1) // 2 if causal else nm_s
-        if r >= per_s:
+        if r * group >= per_s:
             continue
-        slot, half, items = b * per_s + r, 0, []
-        n_slots = per_s * nseq * heads
+        slot, half, items = b * per_s + r * group, 0, []
+        n_slots = b * per_s + min(per_s, (r + 1) * group)   # the view's end
         while slot < n_slots:       # WorkWalk<PAIRS, ONE = true>::next
             rr = slot % per_s
             assert slot // per_s == b
@@ -203,7 +204,7 @@ def _blocks_hopper(p, vl, grid, bm, cu_q, causal):
                 half = 1
             else:
                 half = 0
-                slot = n_slots
+                slot += 1
         yield b, items
 
 
@@ -278,20 +279,23 @@ def _run_model(p, vl, grid, bm, mem, item, causal, maps=None):
                     mem.write(view["lse"] + (b * sq + row) * 4, [lse_row])
 
 
-@pytest.mark.parametrize("family", ["attn_mma", "attn_wgmma"])
+@pytest.mark.parametrize("family,group", [("attn_mma", 1), ("attn_wgmma", 1), ("attn_wgmma", 2),
+                                          ("attn_wgmma", 3)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=lambda x: f"H{x[0]}kv{x[1]}")
 @pytest.mark.parametrize("lens", [([5, 1, 0, 40, 3, 17], [6, 3, 4, 1, 0, 33]), ([1], [1]),
                                   ([33, 2], [2, 33]), ([70, 9, 64], [70, 90, 1]),
                                   ([32, 31, 1, 33, 64, 0, 16, 17], [1, 2, 3, 40, 5, 6, 7, 8])],
                          ids=lambda x: "q" + "-".join(map(str, x[0])))
-def test_parameter_block_on_the_memory_model(lens, heads, causal, family, monkeypatch):
+def test_parameter_block_on_the_memory_model(lens, heads, causal, family, group, monkeypatch):
     """The parameter blocks `dense_params` builds for strided packed views (extra heads and rows
     in the buffers), lse (H, total_q) with a padded head stride, through each twin's block
-    mapping and addressing (the Hopper one's through its tensor maps): each sequence's rows equal
-    the float64 reference, every row is written once, nothing else is written."""
+    mapping and addressing (the Hopper one's through its tensor maps; group: the slots a Hopper
+    block walks, VARLEN_HOPPER_GROUP): each sequence's rows equal the float64 reference, every row
+    is written once, nothing else is written."""
     from cuflash import _tma
 
+    monkeypatch.setattr(_varlen, "VARLEN_HOPPER_GROUP", group)
     rng = _rng("model", tuple(lens[0]), heads, causal, family)
     h, hkv = heads
     d, item, bm = 8, 2, 16
@@ -327,7 +331,8 @@ def test_parameter_block_on_the_memory_model(lens, heads, causal, family, monkey
     p, vl, grid = _varlen.dense_params(plan, prob, fo, flse)
     nm = -(-max_q // bm)
     if hopper:   # the compact grid: floor(total_q / U) + B slots a head
-        assert grid == (total_q // (2 * bm if causal else bm) + len(lens[0])) * h
+        assert grid == (total_q // ((2 * bm if causal else bm) * group) + len(lens[0])) * h
+        assert int(vl["group"]) == group
         assert int(vl["slots"]) * h == grid
     else:
         assert grid == nm * len(lens[0]) * h and int(vl["slots"]) == 0
