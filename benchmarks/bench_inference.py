@@ -185,7 +185,7 @@ class _ForcedSplits:
 
 
 #: cuflash's decode implementations -> the decode kernels' version they run.
-CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v3": 3, "cuflash-v4": 4}
+CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v2": 2, "cuflash-v3": 3, "cuflash-v4": 4}
 
 
 def bench_decode(grid, args, rows):
@@ -269,7 +269,7 @@ def bench_paged(grid, args, rows):
                 check = _Checker(q.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
                                  vc.transpose(0, 2, 1, 3), b, hkv)
                 o = cp.empty((b, 1, H, D), dtype=cp.float16)
-                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 3, 4)
+                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 2, 3, 4)
                                            if f"cuflash-v{v}" in args.impls]
                 for (name, paged), (suffix, version) in ((x, y) for y in versions for x in (
                         ("contiguous", False), ("paged16", True))):
@@ -500,7 +500,7 @@ def _markdown(rows):
                 gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                 out.append(f"\ncuflash / cuDNN: geometric mean {gm:.2f}x, min {min(ratios):.2f}x "
                            f"over {len(ratios)} points")
-        for other in ("cuflash-v1", "cuflash-v3", "cuflash-v4"):
+        for other in ("cuflash-v1", "cuflash-v2", "cuflash-v3", "cuflash-v4"):
             if kind != "decode" or other not in impls:
                 continue
             for ref in ("torch-cudnn", "cuflash"):
@@ -531,7 +531,7 @@ def main(argv=None):
                          "default version with its split count forced to N, capped at one "
                          "split per key tile), to measure the split rule's choice")
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
-                    help="comma-separated decode implementations: cuflash, cuflash-v1 / "
+                    help="comma-separated decode implementations: cuflash, cuflash-v1 / cuflash-v2 / "
                          "-v3 / -v4 (the decode kernels' versions 1, 3, 4: sm_90), "
                          "torch-cudnn, torch-flash")
     for axis in ("b", "sk", "hkv"):

@@ -404,9 +404,15 @@ HOPPER_F16SPLIT_TABLE = {
 #: two consumers on the same 64 rows, each owning 128 head-dim columns, their partial scores added
 #: through shared memory; one stage of BN = 64 (230504 B of shared memory). Taken (by
 #: kernel="hopper", and by "auto" where HOPPER_F32_AUTO takes the Hopper float32 form) only while
-#: HOPPER_F32_D256 is on: not yet run on a GPU (off until the lead's H200 run passes).
+#: HOPPER_F32_D256 is on (on since the H200 run of 2026-12-02, session g call 3: its GPU tests
+#: passed; auto takes it from D = HOPPER_F32_D256_AUTO_MIN_D).
 HOPPER_F16SPLIT_D256 = {256: _F32_C2._replace(stages=1, overlap=False, pingpong=False, hsplit=True)}
-HOPPER_F32_D256 = False
+HOPPER_F32_D256 = True
+#: Under kernel="auto", float32 at 128 < D < HOPPER_F32_D256_AUTO_MIN_D keeps the mma.sync form
+#: (its D = 192 tiles); only D >= this takes the head-dim split form (zero-padded to 256). The
+#: H200 measured the split form at D = 256 only (benchmarks/RESULTS.md, "session g, call 3":
+#: 62.5-73.3 TFLOP/s against the mma.sync form's 54.2-70.8); its notes predict no gain at D = 192.
+HOPPER_F32_D256_AUTO_MIN_D = 193
 
 
 def hopper_f16split_table() -> dict:
@@ -585,7 +591,8 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
         if prob.kernel == "decode" or _decode.wants_decode(prob, compute_capability):
             return _decode.decode_plan(prob.dtype_name, prob.d, prob.causal, paged=False,
                                        rows=_decode.dense_rows(prob))
-    hopper_auto = HOPPER_F32_AUTO or prob.dtype_name != "float32"
+    hopper_auto = prob.dtype_name != "float32" or (
+        HOPPER_F32_AUTO and not 128 < prob.d < HOPPER_F32_D256_AUTO_MIN_D)
     if prob.kernel == "hopper" or (prob.kernel == "auto" and hopper_auto):
         why_not = hopper_reason(prob, compute_capability)
         if why_not is None:

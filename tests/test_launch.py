@@ -144,6 +144,8 @@ def test_float32_dispatch_on_hopper(monkeypatch, auto_hopper):
     the Hopper form."""
     monkeypatch.setattr(_tma, "available", lambda: True)
     monkeypatch.setattr(_dispatch, "HOPPER_F32_AUTO", auto_hopper)
+    # the D <= 128 forms; D = 129..256 on Hopper: test_float32_d256_hopper_follows_its_flag
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", False)
     prob = _f32_prob
 
     for precision in ("highest", "high"):
@@ -176,6 +178,8 @@ def test_float32_wide_dispatch(monkeypatch, wide_auto, cc):
     not a multiple of 4 the tensor-core kernel says why not."""
     monkeypatch.setattr(_tma, "available", lambda: True)
     monkeypatch.setattr(_dispatch, "F32_D256_AUTO", wide_auto)
+    # the mma.sync form; the Hopper one at D > 128: test_float32_d256_hopper_follows_its_flag
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", False)
     prob = _f32_prob
 
     for d, dpad, bn in ((132, 192, 32), (192, 192, 32), (200, 256, 16), (256, 256, 16)):
@@ -235,6 +239,13 @@ def test_float32_d256_hopper_follows_its_flag(launches, monkeypatch, flag):
     assert why is not None and ("variant policies" in why) == flag, why
     assert hopper_variant_reason(_f32_prob(128, "hopper"), 90) is None
     auto = _dispatch.plan_for(_f32_prob(256), 90).label
+    assert auto.startswith("hopper<float32,3xfp16,D256," if flag and _dispatch.HOPPER_F32_AUTO
+                           else "tensorcore<float32,3xfp16,D256,"), auto
+    # below HOPPER_F32_D256_AUTO_MIN_D auto keeps the mma.sync form (measured at D = 256 only)
+    for d in (136, 192):
+        auto = _dispatch.plan_for(_f32_prob(d), 90).label
+        assert auto.startswith("tensorcore<float32,3xfp16,D"), (d, auto)
+    auto = _dispatch.plan_for(_f32_prob(200), 90).label
     assert auto.startswith("hopper<float32,3xfp16,D256," if flag and _dispatch.HOPPER_F32_AUTO
                            else "tensorcore<float32,3xfp16,D256,"), auto
     names = {s.name for s in (p.spec for p in _dispatch.all_specialisations(90))}
