@@ -34,8 +34,10 @@ def _prob(kernel="auto", max_q=1000, max_k=1000, h=8, hkv=2, d=128, dtype="float
 @pytest.mark.parametrize("dense_auto", [False, True])
 def test_dispatch_choice(monkeypatch, dense_auto):
     monkeypatch.setattr(_varlen, "VARLEN_DENSE_AUTO", dense_auto)
-    dense = _dispatch._varlen_kernel(_dispatch.tensorcore_plan("float16", 128, True, 90))
-    assert dense.label == "varlen-tensorcore<float16,D128,BM128,BN48,stagedO,causal>"
+    # D = 128 takes direct stores of O (TC_VARLEN_ARCH_CONFIGS: the staged epilogue spilled)
+    dense = _dispatch._varlen_kernel(_dispatch.tensorcore_plan(
+        "float16", 128, True, 90, config=lambda dpad, cfg: (48, 4, 2, 2, False)))
+    assert dense.label == "varlen-tensorcore<float16,D128,BM128,BN48,causal>"
     assert dense.spec.name.startswith("cuflash::cuflash_fwd_mma_varlen<cuflash::fp16_t, 1, 128,")
     # prefill: the dense twin under auto when the flag is on; always under kernel="tensorcore"
     assert _varlen.varlen_plan_for(_prob(), 90) == (dense if dense_auto else _decode.decode_plan(
@@ -52,10 +54,15 @@ def test_dispatch_choice(monkeypatch, dense_auto):
     # sm_80 takes its own tile table (48-key tiles at D = 96, 128)
     p80 = _varlen.varlen_plan_for(_prob("tensorcore", d=96, dtype="bfloat16", causal=False), 80)
     assert p80.label == "varlen-" + _dispatch.tensorcore_plan("bfloat16", 96, False, 80).label
-    # and at D = 128 direct stores of O (TC_VARLEN_ARCH_CONFIGS: the staged epilogue spilled)
-    p80 = _varlen.varlen_plan_for(_prob("tensorcore", d=128), 80)
-    assert p80.label == "varlen-tensorcore<float16,D128,BM128,BN48,causal>"
-    assert p80.spec.name.endswith("128, 48, 4, 2, 2, false, true>")
+    # and at D = 128 direct stores of O on both architectures, where the dense kernel stages O
+    for cc in (80, 90):
+        p = _varlen.varlen_plan_for(_prob("tensorcore", d=128), cc)
+        assert p.label == "varlen-tensorcore<float16,D128,BM128,BN48,causal>"
+        assert p.spec.name.endswith("128, 48, 4, 2, 2, false, true>")
+        assert "stagedO" in _dispatch.tensorcore_plan("float16", 128, True, cc).label
+    # other head dims keep the dense plan's tiles, the staged epilogue included
+    p = _varlen.varlen_plan_for(_prob("tensorcore", d=64), 90)
+    assert p.label == "varlen-" + _dispatch.tensorcore_plan("float16", 64, True, 90).label
 
 
 def test_dense_reason_and_explicit_kernel_errors(monkeypatch):
