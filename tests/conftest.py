@@ -19,7 +19,11 @@ GPU = cuflash.gpu_available()
 def pytest_report_header(config):
     from seeds import SEED
 
-    return f"cuflash test seed: {SEED} (CUFLASH_TEST_SEED={SEED} reruns these inputs)"
+    lines = [f"cuflash test seed: {SEED} (CUFLASH_TEST_SEED={SEED} reruns these inputs)"]
+    lines += [f"cuflash flag set by --cuflash-flag: {f}" for f in FLAGS_SET]
+    if config.getoption("shard"):
+        lines.append(f"cuflash shard {config.getoption('shard')} (interleaved)")
+    return lines
 
 NO_GPU_REASON = "no CUDA GPU visible to CuPy (or CuPy not installed): GPU tests skipped"
 
@@ -59,7 +63,81 @@ def _fresh_call_cache():
     yield
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("cuflash")
+    group.addoption(
+        "--shard", metavar="K/N", default=None,
+        help="run only the K-th of N interleaved shards of the selected tests (1 <= K <= N): the "
+             "i-th selected test (collection order, after -m and -k) is in shard i % N + 1, so "
+             "each shard is a cross-section of every file and a shard cut by a timeout loses a "
+             "spread of cases rather than the same files' tails (benchmarks/run_gpu_suite.sh)")
+    group.addoption(
+        "--cuflash-flag", metavar="MODULE.NAME=VALUE", action="append", default=[],
+        help="set a flag of a cuflash module for the whole session before any test runs, e.g. "
+             "--cuflash-flag _decode.DECODE_VERSION=2 (VALUE is a Python literal of the flag's "
+             "type), so that the whole suite can run with a flag on before it is switched on; "
+             "tests that set the flag themselves still do. Repeatable")
+
+
+def _parse_shard(text):
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard expects K/N with integers, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard K/N needs 1 <= K <= N, got {text!r}")
+    return k, n
+
+
+def _apply_flag(text):
+    """`--cuflash-flag MODULE.NAME=VALUE`: checked against the flag's current value, so that a
+    typo or a value of the wrong type is an error and not a silently ignored setting."""
+    import ast
+    import importlib
+
+    target, sep, value = text.partition("=")
+    modname, dot, name = target.strip().rpartition(".")
+    if not (sep and dot and name):
+        raise pytest.UsageError(f"--cuflash-flag expects MODULE.NAME=VALUE, got {text!r}")
+    try:
+        mod = importlib.import_module(f"cuflash.{modname}")
+    except ImportError:
+        raise pytest.UsageError(f"--cuflash-flag {text!r}: no module cuflash.{modname}") from None
+    if not hasattr(mod, name) or not name.isupper():
+        raise pytest.UsageError(f"--cuflash-flag {text!r}: cuflash.{modname} has no flag {name} "
+                                "(flags are upper-case module attributes)")
+    try:
+        new = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise pytest.UsageError(f"--cuflash-flag {text!r}: {value!r} is not a Python literal") from None
+    old = getattr(mod, name)
+    if type(new) is not type(old):
+        raise pytest.UsageError(f"--cuflash-flag {text!r}: cuflash.{modname}.{name} holds a "
+                                f"{type(old).__name__} ({old!r}), got a {type(new).__name__}")
+    setattr(mod, name, new)
+    return f"cuflash.{modname}.{name} = {new!r} (was {old!r})"
+
+
+#: What --cuflash-flag set, for the report header.
+FLAGS_SET = []
+
+
+def pytest_configure(config):
+    for text in config.getoption("cuflash_flag"):
+        FLAGS_SET.append(_apply_flag(text))
+    if config.getoption("shard"):
+        _parse_shard(config.getoption("shard"))
+
+
+@pytest.hookimpl(trylast=True)   # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("shard"):
+        k, n = _parse_shard(config.getoption("shard"))
+        keep = [it for i, it in enumerate(items) if i % n == k - 1]
+        drop = [it for i, it in enumerate(items) if i % n != k - 1]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+        items[:] = keep
     if GPU:
         return
     skip = pytest.mark.skip(reason=NO_GPU_REASON)
