@@ -24,8 +24,9 @@ call cache (``hit``: repeated calls skip the checks and the dispatcher, cuflash/
 
 Each row is the median of ``--repeats`` runs of ``--calls`` calls (the fastest in brackets),
 after ``--warmup-s`` seconds of busy host (the first rows used to pay for the CPU clock's ramp).
-The ``floor`` rows time, alone, what a record hit cannot avoid: CuPy's ``empty`` for o (and lse)
-and a no-op kernel launch through ``Function.__call__`` (what a hit does) and through
+The ``floor`` rows time, alone, what a record hit cannot avoid: CuPy's ``empty`` for o (and lse),
+its parts (the ``ndarray`` constructor, the memory pool's malloc, an array around a block already
+held) and a no-op kernel launch through ``Function.__call__`` (what a hit does) and through
 ``cupy.cuda.driver.launchKernel``.
 
 Peers that are not installed are skipped (and say why). Targets (issue 13): <= 10 us for CuPy
@@ -118,6 +119,19 @@ def floor_rows(args):
             ("floor: cupy.empty(o) + cupy.empty(lse)",
              _time(lambda: (cp.empty(o_shape, dtype=args.dtype),
                             cp.empty(lse_shape, dtype=cp.float32)), sync, args.calls))]
+    # Where cupy.empty's time goes (allocation from the pool, and the array object around it),
+    # for issue 13's <= 10 us without out=: the ndarray constructor without cupy.empty's
+    # wrapper, the pool's malloc alone, and an array around a block already held.
+    pool = cp.get_default_memory_pool()
+    nbytes = int(np.prod(o_shape)) * np.dtype(args.dtype).itemsize
+    held = pool.malloc(nbytes)
+    rows += [("floor: cupy.ndarray(o_shape, dtype)",
+              _time(lambda: cp.ndarray(o_shape, dtype=args.dtype), sync, args.calls)),
+             ("floor: memory pool malloc (o's bytes) and free",
+              _time(lambda: pool.malloc(nbytes), sync, args.calls)),
+             ("floor: cupy.ndarray around a held block (no allocation)",
+              _time(lambda: cp.ndarray(o_shape, dtype=args.dtype, memptr=held), sync,
+                    args.calls))]
     try:
         # (RawKernel.kernel: the cupy.cuda.function.Function a cuflash record calls)
         fn = cp.RawKernel(_NOOP_SRC, "cuflash_noop").kernel
