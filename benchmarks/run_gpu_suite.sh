@@ -4,9 +4,9 @@
 # Logs go to $OUT (default ./out). Run from the repository root:
 #     bash benchmarks/run_gpu_suite.sh
 # Parts can be skipped (each run of a GPU machine may be limited to minutes): PRECOMPILE=0, TESTS=0,
-# AUDIT=0, BENCH=0, EXTRA=0; PYTEST_ARGS narrows the tests (e.g. "tests/test_backward_gpu.py") and
-# runs them in one process, else every GPU test runs in SHARDS (default 12) interleaved shards side
-# by side; TEST_TIMEOUT (seconds) bounds them; FLAGS adds pytest arguments (--cuflash-flag ...).
+# AUDIT=0 (AUDIT=parallel: one audit process per dtype beside the tests), BENCH=0, EXTRA=0;
+# PYTEST_ARGS narrows the tests (e.g. "tests/test_backward_gpu.py") and runs them in one process,
+# else every GPU test runs in SHARDS (default 12) interleaved shards side by side; TEST_TIMEOUT (seconds) bounds them; FLAGS adds pytest arguments (--cuflash-flag ...).
 # (PYTHONPATH points at the checkout, so no install is needed; torch is optional.)
 set -uo pipefail
 OUT=${OUT:-out}
@@ -36,6 +36,20 @@ if [ "${PRECOMPILE:-1}" = 1 ]; then
   echo "precompile exit $?: $(tail -1 "$OUT/precompile.txt")"
 fi
 
+# AUDIT=parallel: the standard audit as one process per dtype, side by side with the test shards
+# (on the H200 machine the float32 part alone took 307 s and the others 115-148 s, 2026-12-02,
+# so in series after the tests they do not fit one 10-minute call); keep SHARDS + 4 processes
+# within the machine's cores (SHARDS=10 on 16).
+audit_pids=()
+if [ "${AUDIT:-1}" = parallel ]; then
+  echo "== cuflash-check, one process per dtype (beside the tests)"
+  for dt in float16 bfloat16 float32 float64; do
+    timeout -s INT "${AUDIT_TIMEOUT:-3000}" python3 -m cuflash.cli --dtype "$dt" \
+      --json "$OUT/audit_$dt.json" > "$OUT/audit_$dt.txt" 2>&1 &
+    audit_pids+=($!)
+  done
+fi
+
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== GPU tests"
   if [ -n "${PYTEST_ARGS:-}" ]; then
@@ -51,18 +65,25 @@ if [ "${TESTS:-1}" = 1 ]; then
     # FLAGS adds pytest arguments to every shard, e.g. FLAGS="--cuflash-flag
     # _decode.DECODE_VERSION=2" runs the suite with a flag on before it is switched on.
     n=${SHARDS:-12}
+    shard_pids=()
     for k in $(seq 1 "$n"); do
       ( timeout -s INT "${TEST_TIMEOUT:-3000}" python3 -m pytest tests -m gpu \
           --ignore=tests/test_compile.py --shard "$k/$n" ${FLAGS:-} -v -rfEs -p no:cacheprovider \
           --durations=5 > "$OUT/tests_$k.log" 2>&1
         echo "shard $k/$n exit $?: $(tail -1 "$OUT/tests_$k.log")" ) &
+      shard_pids+=($!)
     done
-    wait
+    wait "${shard_pids[@]}"
     grep -h -E "^(FAILED|ERROR)" "$OUT"/tests_*.log | head -50
     # The totals over the shards (a cut shard's own line says "interrupted").
     cat "$OUT"/tests_*.log | grep -E -c " PASSED" | sed 's/^/passed (all shards): /'
     cat "$OUT"/tests_*.log | grep -E -c " (FAILED|ERROR)" | sed 's/^/failed or errors (all shards): /'
   fi
+fi
+
+if [ ${#audit_pids[@]} -gt 0 ]; then
+  for i in "${!audit_pids[@]}"; do wait "${audit_pids[$i]}"; echo "cuflash-check part $i exit $?"; done
+  for dt in float16 bfloat16 float32 float64; do echo "$dt: $(tail -1 "$OUT/audit_$dt.txt")"; done
 fi
 
 if [ "${AUDIT:-1}" = 1 ]; then
