@@ -6,7 +6,8 @@
 # Parts can be skipped (each run of a GPU machine may be limited to minutes): PRECOMPILE=0, TESTS=0,
 # AUDIT=0 (AUDIT=parallel: one audit process per dtype beside the tests), BENCH=0, EXTRA=0;
 # PYTEST_ARGS narrows the tests (e.g. "tests/test_backward_gpu.py") and runs them in one process,
-# else every GPU test runs in SHARDS (default 12) interleaved shards side by side; TEST_TIMEOUT (seconds) bounds them; FLAGS adds pytest arguments (--cuflash-flag ...).
+# else every GPU test runs in SHARDS (default 12) interleaved shards side by side; TEST_TIMEOUT
+# (seconds) bounds them; FLAGS adds pytest arguments (--cuflash-flag ...).
 # (PYTHONPATH points at the checkout, so no install is needed; torch is optional.)
 set -uo pipefail
 OUT=${OUT:-out}
