@@ -56,8 +56,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     out : array or (array, array), optional
         Buffer for ``o`` (shape ``(..., Sq, Dv)``, the input dtype, same device, contiguous last
         axis), or with ``return_lse=True`` a pair ``(o, lse)``, a tuple or a list of two (lse
-        C-contiguous float32). When given, the outputs are not allocated (the decode kernel's
-        split partials still are unless ``workspace`` is given).
+        C-contiguous float32). Each element of a buffer is written once: a broadcast view
+        (stride 0 on an axis of size > 1) or an o and lse that share memory raise ValueError.
+        When given, the outputs are not allocated (the decode kernel's split partials still
+        are unless ``workspace`` is given).
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on. Default: CuPy's current stream. The call never
         synchronises the device.
@@ -157,7 +159,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     ValueError
         Mismatched devices, fewer than 2 dimensions, a zero-length axis, mismatched D between q
         and k or Sk between k and v, a head dim over 256, batch axes that do not broadcast, an
-        ``out`` of the wrong shape, dtype, device or layout, a ``scale`` that is not finite or
+        ``out`` of the wrong shape, dtype, device or layout (a broadcast view, or o and lse
+        sharing memory), a ``scale`` that is not finite or
         not usable in the compute dtype (``scale * log2(e)`` outside float32's normal range for
         16- and 32-bit inputs, float64's for float64).
 
@@ -246,7 +249,8 @@ def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):
     Parameters
     ----------
     o_a, o_b : array, shape (..., Sq, Dv)
-        Partial outputs (as returned by `attention`), same dtype and device.
+        Partial outputs (as returned by `attention`), same dtype and device; no zero-length
+        axis (ValueError, as in `attention`).
     lse_a, lse_b : array, shape (..., Sq), float32
         Their log-sum-exps (``attention(..., return_lse=True)``).
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
@@ -387,9 +391,10 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         deterministic (a query-parallel dq pass and a key-parallel dk/dv pass, each summing in a
         fixed order), so it costs nothing with them.
     out : (dq, dk, dv), optional
-        Buffers with q's, k's and v's shapes and the input dtype on the inputs' device, each
-        with a contiguous last axis and no overlapping elements (not broadcast views), and not
-        aliasing the inputs. Every element is written.
+        Buffers with q's, k's and v's shapes and the input dtype on the inputs' device (all
+        three: None in their place raises ValueError), each with a contiguous last axis and no
+        overlapping elements (not broadcast views), no two sharing memory (ValueError), and not
+        aliasing the inputs (not checked). Every element is written.
     workspace : GPU array, optional
         GPU only. A C-contiguous buffer of at least ``attention_backward_workspace_size(...)``
         bytes, 256-byte aligned (any freshly allocated CuPy array is). Without it the call allocates

@@ -53,7 +53,7 @@ import types
 
 import numpy as np
 
-from . import _compile, _decode, _dispatch, _dispatch_variants, _launch
+from . import _checks, _compile, _decode, _dispatch, _dispatch_variants, _launch
 
 #: AttnParams begins with the five pointers q, k, v, o, lse (8 bytes each): a hit writes them in
 #: front of the recorded block's remaining bytes (a structured-scalar copy and field stores cost
@@ -196,12 +196,16 @@ class _RecordBase:
 
     __slots__ = ("plan", "device_id", "o_shape", "lse_shape", "dtype", "return_lse", "tables",
                  "part_bytes", "host", "host_mv", "host_args", "owner", "grid_t", "block_t",
-                 "single", "direct", "kparams")
+                 "single", "direct", "kparams", "pair_spans")
 
     def _base(self, prob, plan, pub_o, pub_lse):
         self.plan, self.device_id = plan, prob.device_id
         self.o_shape = tuple(pub_o.shape)
         self.lse_shape = None if pub_lse is None else tuple(pub_lse.shape)
+        # o's and lse's byte spans (recorded layouts): a hit whose out=(o, lse) spans meet takes
+        # the full path, which refuses buffers that share memory (_checks.no_overlap)
+        self.pair_spans = None if pub_lse is None else (_checks.span_offsets(pub_o),
+                                                        _checks.span_offsets(pub_lse))
         self.dtype = pub_o.dtype
         self.return_lse = prob.return_lse
         self.tables = _tables()
@@ -656,6 +660,9 @@ def _hit(cp, rec, call, out, workspace, stream):
         lse = None
     elif isinstance(out, (tuple, list)):
         o, lse = out
+        if lse is not None and _checks.spans_meet(o.data.ptr, rec.pair_spans[0], lse.data.ptr,
+                                                  rec.pair_spans[1]):
+            return None   # they may share memory: the full path decides (and refuses if so)
     else:
         o, lse = out, None   # (with return_lse=True: lse allocated, as on the full path)
     if rec.return_lse and lse is None:

@@ -180,7 +180,84 @@ def _check_out(name, buf, shape, dtype, backend, device_id, check_dtype_name=Non
                          f"bytes), got stride {buf.strides[-1]}")
     if backend == "cpu" and not buf.flags.writeable:
         raise ValueError(f"{name} is read-only")
-    return buf
+    return _no_self_overlap(name, buf)
+
+
+def _data_ptr(x):
+    """The address of element 0 of a NumPy or CuPy(-like) array."""
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def byte_span(x):
+    """``(lo, hi)``: the bytes ``[lo, hi)`` that the elements of array `x` lie within (any
+    strides, negative ones included; an empty array spans nothing)."""
+    lo = hi = _data_ptr(x)
+    if 0 in x.shape:
+        return lo, lo
+    for n, st in zip(x.shape, x.strides):
+        if st > 0:
+            hi += (n - 1) * st
+        else:
+            lo += (n - 1) * st
+    return lo, hi + x.itemsize
+
+
+def span_offsets(x):
+    """`byte_span` of `x` relative to its address: what a call cache keeps of a recorded
+    layout, so that a hit tests `spans_meet` with the new addresses only."""
+    p = _data_ptr(x)
+    lo, hi = byte_span(x)
+    return lo - p, hi - p
+
+
+def spans_meet(pa, offs_a, pb, offs_b):
+    """Whether arrays at addresses `pa`, `pb` with `span_offsets` `offs_a`, `offs_b` have
+    intersecting byte spans."""
+    return pa + offs_a[0] < pb + offs_b[1] and pb + offs_b[0] < pa + offs_a[1]
+
+
+def spans_overlap(a, b):
+    """Whether the byte spans of arrays `a` and `b` (`byte_span`) intersect: necessary for them
+    to share an element, cheap (the call caches' test; `overlap` decides exactly)."""
+    alo, ahi = byte_span(a)
+    blo, bhi = byte_span(b)
+    return alo < bhi and blo < ahi
+
+
+class _Layout:
+    """A NumPy array interface of another array's address, shape and strides: lets
+    `numpy.shares_memory` compare the layouts of GPU arrays without touching their memory."""
+
+    def __init__(self, x):
+        self.__array_interface__ = {"shape": tuple(int(n) for n in x.shape),
+                                    "strides": tuple(int(s) for s in x.strides),
+                                    "typestr": f"|V{x.itemsize}", "data": (_data_ptr(x), False),
+                                    "version": 3}
+
+
+def overlap(a, b) -> bool:
+    """Whether arrays `a` and `b` (NumPy, or GPU arrays with ``data.ptr``; on one device) have
+    an element in common. Exact where NumPy's overlap solver decides within a bounded effort
+    (any layout the API meets), else answered by the byte spans (`spans_overlap`)."""
+    if not spans_overlap(a, b):
+        return False
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+        a, b = np.asarray(_Layout(a)), np.asarray(_Layout(b))
+    try:
+        return bool(np.shares_memory(a, b, max_work=10**5))
+    except getattr(np, "exceptions", np).TooHardError:   # (np.TooHardError before NumPy 1.25)
+        return True
+
+
+def no_overlap(named):
+    """Raise ValueError when two of the buffers a call writes share memory: `named` is a list of
+    ``(name, array or None)``; each element of an output is written once, by one output."""
+    bufs = [(n, x) for n, x in named if x is not None]
+    for i, (na, a) in enumerate(bufs):
+        for nb, b in bufs[i + 1:]:
+            if overlap(a, b):
+                raise ValueError(f"{na} and {nb} overlap in memory; pass output buffers that "
+                                 "share no element")
 
 
 def _refuse_subclass(name, x):
@@ -322,6 +399,7 @@ def check_attention(q, k, v, *, causal, scale, return_lse, out, stream, kernel,
                          check_dtype_name="float32")
     if out_lse is not None and not out_lse.flags.c_contiguous:
         raise ValueError("out[1] (lse) must be C-contiguous")
+    no_overlap([("out[0] (o)", out_o), ("out[1] (lse)", out_lse)])
     out_public = None
     if gqa is not None and (out_o is not None or out_lse is not None):
         out_public = (out_o, out_lse)
@@ -388,12 +466,29 @@ def _check_forward_results(o, do, lse, o_shape, lse_shape, dt, backend, device_i
 
 
 def _no_self_overlap(name, buf):
-    """A gradient buffer must not be a broadcast view (stride 0 on an axis of size > 1): each of
+    """An output buffer must not be a broadcast view (stride 0 on an axis of size > 1): each of
     its elements is written once."""
     if buf is not None and any(n > 1 and st == 0 for n, st in zip(buf.shape, buf.strides)):
         raise ValueError(f"{name} has stride 0 on an axis of size > 1 (a broadcast view); pass "
                          "a buffer whose elements do not overlap")
     return buf
+
+
+def check_grad_buffers(out, shapes, dt, backend, device_id):
+    """The backward's ``out=(dq, dk, dv)``: a tuple or list of three buffers (none of them None)
+    of the given shapes and dtype `dt` on the inputs' device (`_check_out`), no two sharing
+    memory. Returns them as backend arrays."""
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ValueError("out must be a tuple (dq, dk, dv) of three buffers")
+    names = ("out[0] (dq)", "out[1] (dk)", "out[2] (dv)")
+    for n, buf in zip(names, out):
+        if buf is None:
+            raise ValueError(f"{n} is None; out must hold all three gradient buffers (or pass "
+                             "out=None to have them allocated)")
+    grads = tuple(_check_out(n, buf, shape, dt, backend, device_id)
+                  for n, buf, shape in zip(names, out, shapes))
+    no_overlap(list(zip(names, grads)))
+    return grads
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, workspace, stream,
@@ -432,9 +527,7 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise ValueError("out must be a tuple (dq, dk, dv) of three buffers")
-        grads = tuple(
-            _no_self_overlap(n, _check_out(n, buf, shape, dt, backend, device_id))
-            for n, buf, shape in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out, shapes0))
+        grads = check_grad_buffers(out, shapes0, dt, backend, device_id)
 
     if stream is not None and backend == "cpu":
         raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")

@@ -108,6 +108,7 @@ def check_call_options(*, causal, return_lse, scale, d, dt, kernel, choices, bac
     out_o = _checks._check_out("out", out_o, o_shape, dt, backend, device_id)
     out_lse = _checks._check_out("out[1] (lse)", out_lse, lse_shape, dt, backend, device_id,
                                  check_dtype_name="float32")
+    _checks.no_overlap([("out[0] (o)", out_o), ("out[1] (lse)", out_lse)])
     return scale, out_o, out_lse, _checks.check_workspace(workspace, backend, device_id)
 
 
@@ -192,6 +193,12 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_n
             raise ValueError(f"k_new and v_new must hold the same number (>= 1) of new keys; got "
                              f"{k_new.shape[1]} and {v_new.shape[1]}")
         snew = int(k_new.shape[1])
+    if snew:   # appended in place: each cache element written once, by one of the two caches
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if backend == "cpu" and not x.flags.writeable:
+                raise ValueError(f"{name} is read-only; k_new and v_new are appended into the "
+                                 "caches in place")
+            _checks._no_self_overlap(name, x)
     if seqlens_int is not None and not 0 <= seqlens_int <= capacity - snew:
         raise ValueError(f"cache_seqlens must lie in [0, {capacity - snew}] (capacity "
                          f"{capacity} keys{' with ' + str(snew) + ' appended' if snew else ''}"
@@ -475,7 +482,8 @@ class _KVRecord:
 
     __slots__ = ("tables", "device_id", "o_shape", "lse_shape", "dtype", "return_lse", "need",
                  "lens_bytes", "b", "snew", "seqlens_int", "splits", "o_part_bytes", "dec",
-                 "dec_t", "dec_smem", "dec_tmpl", "comb", "comb_t", "app", "app_t", "app_tmpl")
+                 "dec_t", "dec_smem", "dec_tmpl", "comb", "comb_t", "app", "app_t", "app_tmpl",
+                 "pair_spans")
 
 
 def _kv_record(call, prob, plan, cfg, geom, o, lse, parts, lens_bytes, need):
@@ -498,6 +506,10 @@ def _kv_record(call, prob, plan, cfg, geom, o, lse, parts, lens_bytes, need):
     rec.device_id, rec.dtype, rec.return_lse = prob.device_id, o.dtype, prob.return_lse
     rec.o_shape = tuple(o.shape)
     rec.lse_shape = None if lse is None else tuple(lse.shape)
+    # Byte spans of the caller's o and lse, which must not share memory: a hit whose spans meet
+    # takes the full path (`_hit_may_overlap`)
+    rec.pair_spans = None if prob.out_lse is None else (
+        _checks.span_offsets(prob.out), _checks.span_offsets(prob.out_lse))
     rec.need, rec.lens_bytes, rec.b, rec.snew = need, lens_bytes, prob.b, prob.snew
     rec.seqlens_int, rec.splits, rec.o_part_bytes = prob.seqlens_int, cfg.splits, \
         cfg.o_part_bytes
@@ -530,6 +542,15 @@ def _kv_lookup(key):
     except TypeError:
         return None
     return rec if rec is not None and rec.tables == _callcache._GEN[0] else None
+
+
+def _hit_may_overlap(rec, out):
+    """Whether a hit of `rec` with ``out=(o, lse)`` has o and lse byte spans that meet: then the
+    full path's checks decide (`_checks.no_overlap`)."""
+    if rec.pair_spans is not None:
+        o, lse = out
+        return _checks.spans_meet(o.data.ptr, rec.pair_spans[0], lse.data.ptr, rec.pair_spans[1])
+    return False
 
 
 def _kv_hit(rec, ptrs, cache_seqlens, out, workspace, stream):
@@ -629,7 +650,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         row ``j % page_size``. The page size (axis 1 of the caches) may be any power of two from
         16 up (16 is vLLM's; 16 is the decode kernel's key tile, which never straddles a page).
     k_new, v_new : array, shape (B, Snew, Hkv, D), optional
-        Keys and values to append before attending (both or neither).
+        Keys and values to append before attending (both or neither). They are written into
+        k_cache and v_cache in place, so with them the caches must be writeable and not
+        broadcast views (stride 0 on an axis of size > 1); ValueError otherwise, before
+        anything is written.
     causal : bool, optional
         Bottom-right aligned per sequence: query ``i`` sees keys ``j <= i + L_b - Sq`` (the new
         queries are the last Sq positions).
@@ -638,7 +662,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     return_lse : bool, optional
         Also return lse, float32 of shape (B, H, Sq) (natural log).
     out : array or (array, array), optional
-        o buffer (B, Sq, H, Dv), or with ``return_lse`` a pair (o, lse).
+        o buffer (B, Sq, H, Dv), or with ``return_lse`` a pair (o, lse); as in `attention`,
+        neither a broadcast view nor sharing memory with the other.
     workspace : GPU array, optional
         GPU only. A C-contiguous buffer on the inputs' device of at least
         ``attention_with_kvcache_workspace_size(...)`` bytes (same arguments), starting on a
@@ -686,7 +711,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
                          scale, return_lse, out, workspace, kernel)
     if call is not None:
         rec = _kv_lookup(call[0])
-        if rec is not None:
+        if rec is not None and not _hit_may_overlap(rec, out):
             return _kv_hit(rec, call[1], cache_seqlens, out, workspace, stream)
     prob = check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                          k_new=k_new, v_new=v_new, causal=causal, scale=scale,

@@ -385,7 +385,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         Bottom-right aligned per sequence: query ``i`` of a sequence sees its keys
         ``j <= i + Sk_s - Sq_s``.
     scale, return_lse, out, stream
-        As in `attention`; ``out`` is o (total_q, H, Dv) or with ``return_lse`` (o, lse).
+        As in `attention`; ``out`` is o (total_q, H, Dv) or with ``return_lse`` (o, lse),
+        neither a broadcast view nor sharing memory with the other.
     workspace : GPU array, optional
         GPU only. A C-contiguous buffer on the inputs' device of at least
         ``attention_varlen_workspace_size(...)`` bytes (same arguments), starting on a 256-byte

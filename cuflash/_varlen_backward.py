@@ -72,13 +72,8 @@ def check_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_s
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     grads = None
     if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise ValueError("out must be a tuple (dq, dk, dv) of three buffers")
-        grads = tuple(
-            _checks._no_self_overlap(n, _checks._check_out(n, buf, tuple(x.shape), dt, backend,
-                                                           device_id))
-            for n, buf, x in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out,
-                                 (fwd.q, fwd.k, fwd.v)))
+        shapes = tuple(tuple(x.shape) for x in (fwd.q, fwd.k, fwd.v))
+        grads = _checks.check_grad_buffers(out, shapes, dt, backend, device_id)
     if stream is not None and backend == "cpu":
         raise ValueError("stream= applies to GPU inputs only; the inputs are NumPy arrays")
     workspace = _checks.check_workspace(workspace, backend, device_id)
@@ -297,8 +292,8 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         Bitwise-identical results from run to run: as in `attention_backward` (the tensor-core
         backward then orders its dq additions; the generic one and the CPU path always are).
     out : (dq, dk, dv), optional
-        Buffers of q's, k's and v's shapes and dtype on the inputs' device, contiguous last
-        axes, no overlapping elements.
+        Buffers of q's, k's and v's shapes and dtype on the inputs' device (all three),
+        contiguous last axes, no overlapping elements, no two sharing memory (ValueError).
     workspace : GPU array, optional
         GPU only. A C-contiguous, 256-byte aligned buffer of at least
         ``attention_varlen_backward_workspace_size(...)`` bytes: delta (H x total_q, float32;

@@ -144,3 +144,27 @@ def test_precision_argument_is_checked():
         with pytest.raises(ValueError, match="precision must be one of"):
             cuflash.attention(q, q, q, precision=bad)
     assert cuflash.dispatch_info(q, q, q, precision="high") == "cpu-numpy"
+
+
+def test_size_zero_axes_are_refused_by_every_entry_point():
+    """Empty problems: a size-0 axis (B, H, Sq, Sk, D, total rows) is a ValueError naming the
+    array on every entry point (README, "Errors"); empty sequences are lengths instead."""
+    z = np.zeros
+    q, k, v = arr(2, 3, 10, 16), arr(2, 3, 12, 16), arr(2, 3, 12, 8)
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    for args in ((z((2, 3, 0, 16), np.float32), k, v), (q, z((2, 3, 0, 16), np.float32), v),
+                 (z((0, 3, 10, 16), np.float32), k, v), (q, k, z((2, 3, 12, 0), np.float32))):
+        with pytest.raises(ValueError, match="zero-length axis"):
+            cuflash.attention(*args)
+        with pytest.raises(ValueError, match="zero-length axis"):
+            cuflash.attention_backward(o, *args, o, lse)
+    with pytest.raises(ValueError, match="zero-length axis"):
+        cuflash.merge_states(z((0, 4), np.float32), z(0, np.float32), z((0, 4), np.float32),
+                             z(0, np.float32))
+    cu = np.array([0, 0], np.int32)
+    vq = z((0, 2, 16), np.float32)
+    with pytest.raises(ValueError, match="zero-length axis"):
+        cuflash.attention_varlen(vq, vq, vq, cu, cu, 1, 1)
+    with pytest.raises(ValueError, match="zero-length axis"):
+        cuflash.attention_with_kvcache(z((2, 0, 2, 16), np.float32), arr(2, 8, 2, 16),
+                                       arr(2, 8, 2, 16), np.array([1, 2], np.int32))
