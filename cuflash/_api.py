@@ -260,10 +260,13 @@ def merge_states(o_a, lse_a, o_b, lse_b, *, stream=None):
     -------
     o : array, shape (..., Sq, Dv), the dtype of ``o_a``
     lse : array, shape (..., Sq), float32
-        NumPy arrays for CPU inputs, CuPy arrays for GPU inputs. The weights are computed in
-        float32 (float64 for float64 outputs) from the float32 lse values, so merged float64
-        outputs are accurate to about 1e-7 relative, not to float64 precision. GPU inputs that
-        are not C-contiguous are copied once.
+        NumPy arrays for CPU inputs, CuPy arrays for GPU inputs. The weights,
+        ``exp(lse_a - m) / (exp(lse_a - m) + exp(lse_b - m))`` with ``m = max(lse_a, lse_b)``,
+        depend on ``lse_a - lse_b`` only and are computed in float32 (float64 for float64
+        outputs); the float32 lse values themselves carry a rounding of about ``6e-8 |lse|``, so
+        merged outputs, float64 ones too, are accurate to about ``6e-8 (1 + |lse|)`` relative
+        (1e-7 for lse of order 1), not to float64 precision. GPU inputs that are not
+        C-contiguous are copied once.
     """
     backend, device_id, (o_a, lse_a, o_b, lse_b), dt = _checks.check_merge(o_a, lse_a, o_b, lse_b)
     if stream is not None and backend == "cpu":

@@ -9,8 +9,12 @@ working copies of q, k, v and the state: O(S), never ``Sq x Sk``.
 
 Precision follows the kernels: float16 / float32 (and bfloat16, when ml_dtypes provides it)
 inputs are upcast to float32 and the state is kept in float32; float64 inputs use float64
-throughout; the matrix products go to BLAS in that precision.  The softmax scale is folded into
-the working copy of q (one rounding).  The output has the input dtype and the log-sum-exp is
+throughout; the matrix products go to BLAS in that precision.  The softmax scale multiplies each
+tile of products ``q . k`` (one rounding, as the backward and a hand-written
+``(q @ k^T) * scale`` round it).  A scale folded into q instead rounds every element of q: an
+error of the same size but another pattern, which with scores in the hundreds (float32,
+scale 2.5, inputs of standard deviation 3) dominates the output's error and put it above twice
+the naive implementation's on about one draw in eight.  The output has the input dtype and the log-sum-exp is
 float32.  When a row's keys span more than a few tiles (small ``block_k``, long sequences),
 ``l`` and ``O`` are summed across tiles with Kahan compensation, so the accumulated rounding does
 not grow with the number of tiles.
@@ -42,11 +46,10 @@ def _acc_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def _gather(x: np.ndarray, batch, n0: int, n1: int, acc: np.dtype, scale=None) -> np.ndarray:
+def _gather(x: np.ndarray, batch, n0: int, n1: int, acc: np.dtype) -> np.ndarray:
     """Heads ``n0..n1-1`` of the flattened broadcast batch of ``x`` (..., S, D) as a contiguous
     (n1 - n0, S, D) array of ``acc``: a copy of that chunk only, also for broadcast inputs (a
-    read-only view of ``x`` itself where no copy is needed).  With ``scale``, a new array
-    holding ``scale * x``."""
+    read-only view of ``x`` itself where no copy is needed)."""
     tail = x.shape[-2:]
     if not batch:
         chunk = x[None]
@@ -55,8 +58,6 @@ def _gather(x: np.ndarray, batch, n0: int, n1: int, acc: np.dtype, scale=None) -
     else:
         xb = np.broadcast_to(x, tuple(batch) + tail)
         chunk = xb[np.unravel_index(np.arange(n0, n1), batch)]
-    if scale is not None:
-        return np.multiply(chunk, scale, dtype=acc)
     return np.ascontiguousarray(chunk, dtype=acc)
 
 
@@ -127,7 +128,7 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
 
     for n0 in range(0, n_heads, hb):
         n1 = min(n_heads, n0 + hb)
-        qc = _gather(q, batch, n0, n1, acc, scale=scale_acc)   # the scale, folded in once
+        qc = _gather(q, batch, n0, n1, acc)
         kc = _gather(k, batch, n0, n1, acc)
         vc = _gather(v, batch, n0, n1, acc)
         v_finite = bool(np.isfinite(vc).all()) if (causal or variant is not None) else True
@@ -151,6 +152,8 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
             rows = re - r0
             s = buf[: h * rows * (j1 - j0)].reshape(h, rows, j1 - j0)
             np.matmul(qc[:, r0:re, :], kc[:, j0:j1, :].swapaxes(-1, -2), out=s)
+            with np.errstate(over="ignore", invalid="ignore"):   # inf inputs: as the reference
+                np.multiply(s, scale_acc, out=s)
             r1 = min(sq, j1 - 1 - off) if causal else r0
             vis_t = None
             if variant is not None:
@@ -253,18 +256,31 @@ def merge_states_numpy(o_a: np.ndarray, lse_a: np.ndarray, o_b: np.ndarray,
     Returns
     -------
     o : ndarray, shape (..., Sq, Dv), dtype of ``o_a``/``o_b``
-        ``o_a exp(lse_a - lse) + o_b exp(lse_b - lse)``, computed in float32 (float64 for
-        float64 outputs); 0 where both parts are empty.
+        ``o_a w_a + o_b w_b`` with ``w_a = e_a / (e_a + e_b)``, ``e_a = exp(lse_a - m)``,
+        ``m = max(lse_a, lse_b)`` (as the GPU merge kernel forms them), computed in float32
+        (float64 for float64 outputs); 0 where both parts are empty.  The weights depend on
+        ``lse_a - lse_b`` only and sum to 1 up to rounding: weights taken as
+        ``exp(lse_a - logaddexp(lse_a, lse_b))`` would carry the rounding of the merged lse,
+        a relative error of about ``u |lse|`` in every output (5e-4 at ``|lse| = 1e4`` in
+        float32).
     lse : ndarray of float32, shape (..., Sq)
-        ``logaddexp(lse_a, lse_b)``; ``-inf`` where both parts are empty.  NaN propagates.
+        ``m + log(e_a + e_b)``; ``-inf`` where both parts are empty.  NaN propagates.
     """
     dtype = np.result_type(o_a.dtype, o_b.dtype)
     acc = _acc_dtype(dtype)
     la = np.asarray(lse_a).astype(acc)
     lb = np.asarray(lse_b).astype(acc)
-    lse = np.logaddexp(la, lb)
-    shift = np.where(lse == -np.inf, acc.type(0), lse)
-    wa = np.exp(la - shift)
-    wb = np.exp(lb - shift)
+    mx = np.maximum(la, lb)
+    empty = mx == -np.inf
+    shift = np.where(empty, acc.type(0), mx)
+    with np.errstate(invalid="ignore"):   # inf - inf where a part's lse is +inf: NaN, as it should
+        ea = np.exp(la - shift)
+        eb = np.exp(lb - shift)
+    tot = ea + eb
+    tot_safe = np.where(empty, acc.type(1), tot)
+    wa = ea / tot_safe
+    wb = eb / tot_safe
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, acc.type(-np.inf), shift + np.log(tot_safe))
     o = o_a.astype(acc) * wa[..., None] + o_b.astype(acc) * wb[..., None]
     return o.astype(dtype, copy=False), lse.astype(np.float32)

@@ -174,11 +174,13 @@ def attention_backward_numpy(do: np.ndarray, q: np.ndarray, k: np.ndarray, v: np
         s = np.matmul(q_acc[..., r0:re, :], np.swapaxes(kt, -1, -2))
         s *= acc.type(scale)
         s, dsc = _variant_scores(s, variant, batch, r0, re, j0, j1, sq, sk, causal)
+        # Masked scores are -inf before the exp (as in the forward): exp(s - m) of a masked
+        # score above the row's max would overflow (a RuntimeWarning) before being zeroed.
+        _mask_tile(s, j0, j1, r0, r1, off, -np.inf)
         with np.errstate(invalid="ignore"):   # -inf - (-inf) on rows that see no key
             p = np.exp(s - shift[..., r0:re, None])
         p /= l[..., r0:re, None]
         p = np.where(empty[..., r0:re, None], zero, p)
-        _mask_tile(p, j0, j1, r0, r1, off, zero)
         do_t = do_acc[..., r0:re, :]
         dv[..., j0:j1, :] = np.matmul(np.swapaxes(p, -1, -2), do_t)
         dp = np.matmul(do_t, np.swapaxes(vt, -1, -2))
