@@ -14,8 +14,8 @@ tile of products ``q . k`` (one rounding, as the backward and a hand-written
 ``(q @ k^T) * scale`` round it).  A scale folded into q instead rounds every element of q: an
 error of the same size but another pattern, which with scores in the hundreds (float32,
 scale 2.5, inputs of standard deviation 3) dominates the output's error and put it above twice
-the naive implementation's on about one draw in eight.  The output has the input dtype and the log-sum-exp is
-float32.  When a row's keys span more than a few tiles (small ``block_k``, long sequences),
+the naive implementation's on about one draw in eight.  The output has the input dtype and the
+log-sum-exp is float32.  When a row's keys span more than a few tiles (small ``block_k``, long sequences),
 ``l`` and ``O`` are summed across tiles with Kahan compensation, so the accumulated rounding does
 not grow with the number of tiles.
 
