@@ -2,6 +2,7 @@
 the default it shows, and every parameter of the function is named somewhere in the README."""
 import ast
 import inspect
+import os
 import re
 from pathlib import Path
 
@@ -46,3 +47,45 @@ def test_signature_lines_match_the_code(name, fn):
     for key in real:
         assert re.search(r"`[^`]*\b" + re.escape(key) + r"\b[^`]*`", README), \
             f"{name}'s parameter {key!r} appears nowhere in the README"
+
+
+DOCS = [README] + [p.read_text() for p in sorted(
+    (Path(__file__).resolve().parent.parent / "notes").glob("*.md"))] + [
+    (Path(__file__).resolve().parent.parent / "benchmarks" / "README.md").read_text()]
+
+
+def test_every_flag_the_docs_name_exists():
+    """Every ``_module.NAME`` (an upper-case attribute of a cuflash module) named in README.md,
+    notes/*.md and benchmarks/README.md exists: a renamed or removed flag leaves no stale doc."""
+    import importlib
+
+    named = {m.groups() for doc in DOCS
+             for m in re.finditer(r"\b(_[a-z_]+)\.([A-Z][A-Z0-9_]+)\b", doc)}
+    assert len(named) > 10
+    missing = []
+    for mod, name in sorted(named):
+        try:
+            found = hasattr(importlib.import_module(f"cuflash.{mod}"), name)
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"cuflash.{mod}.{name}")
+    assert not missing, f"the docs name flags that do not exist: {missing}"
+
+
+def test_flags_the_readme_calls_off_are_off():
+    """README's "What has run on a GPU" says these stay at their defaults until their tests
+    have run on a GPU: switching one on must come with the README's change."""
+    from conftest import FLAGS_SET
+    from cuflash import _callcache, _decode, _dispatch_variants, _varlen
+
+    if FLAGS_SET:
+        pytest.skip(f"flags set by --cuflash-flag: {FLAGS_SET}")
+    assert "stay off" in README
+    assert _decode.DECODE_VERSION == 1
+    assert not _varlen.VARLEN_DENSE_AUTO and not _varlen.VARLEN_HOPPER_AUTO
+    assert _varlen.VARLEN_HOPPER_GROUP == 1
+    assert not (_dispatch_variants.ALIBI_AFFINE or _dispatch_variants.VARIANT_FUSED_SCALE
+                or _dispatch_variants.SOFTCAP_RCP_FMA)
+    if "CUFLASH_DIRECT_LAUNCH" not in os.environ:
+        assert not _callcache.DIRECT_LAUNCH
