@@ -101,8 +101,8 @@ def test_float32_large_scores_forward():
     error on about one draw in four at D = 64 (up to 7x the threshold); 24 draws.
     The rows fit one 512-key tile: there the tile's product is the naive one's. Over two tiles
     (520 keys) OpenBLAS computes the 512- and 8-column products with other kernels than the
-    520-column one, so the scores round in another pattern again and about 0.3% of such draws
-    exceed twice the naive error (200 seeds x 8 draws, 2026-12-02): errors of the naive one's
+    520-column one, so the scores round in another pattern again: 14 of 200 seeds had such a
+    draw over twice the naive error (8 draws a seed, 2026-12-02): errors of the naive one's
     size, not a defect of the recurrence, and not a bar a fresh-seed test can hold
     (notes/ERROR_BOUND.md, "The CPU path at large scores")."""
     for i in range(24):
