@@ -151,13 +151,14 @@ def check_precision(precision) -> str:
     return "highest" if name == "default" else name
 
 
-def _check_kernel(kernel, backend):
+def _check_kernel(kernel, backend,
+                  where="the inputs are on the CPU (NumPy); pass GPU arrays or kernel='auto'"):
+    """`kernel` must be one of KERNEL_CHOICES, and "auto" where `backend` is "cpu" (`where`: why
+    the call runs on the CPU, for the message)."""
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     if backend == "cpu" and kernel != "auto":
-        raise ValueError(
-            f"kernel={kernel!r} selects a GPU kernel, but the inputs are on the CPU "
-            "(NumPy); pass GPU arrays or kernel='auto'")
+        raise ValueError(f"kernel={kernel!r} selects a GPU kernel, but {where}")
 
 
 def _check_out(name, buf, shape, dtype, backend, device_id, check_dtype_name=None):

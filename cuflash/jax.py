@@ -60,7 +60,10 @@ def attention(q, k, v, *, causal=False, scale=None, precision=None, return_lse=F
         Bottom-right aligned mask (query ``i`` sees keys ``j <= i + Sk - Sq``), as in
         `cuflash.attention`; rows that see no key give 0 and ``lse = -inf``.
     scale : float, optional
-        A Python number (static); default ``1 / sqrt(D)``.
+        Static: a Python number (or a concrete 0-d array, read as its value); default
+        ``1 / sqrt(D)``. A traced value (an argument of the jitted or vmapped function) raises
+        TypeError: the configuration is fixed when the function is traced. ``causal``,
+        ``return_lse``, ``deterministic`` and ``command_buffer`` are static the same way.
     precision : {None, "default", "highest", "high"} or jax.lax.Precision, optional
         float32 product mode, as in `cuflash.attention`.
     return_lse : bool, optional
@@ -69,7 +72,8 @@ def attention(q, k, v, *, causal=False, scale=None, precision=None, return_lse=F
         flow through it too (at the cost of one more forward and backward, see Notes).
     kernel : {"auto", "generic", "tensorcore", "hopper"}, optional
         The forward kernel on the GPU, as in `cuflash.attention` (the backward takes
-        ``"generic"`` for ``"generic"`` and ``"auto"`` otherwise). Only ``"auto"`` on the CPU.
+        ``"generic"`` for ``"generic"`` and ``"auto"`` otherwise). Only ``"auto"`` on the CPU:
+        without a GPU backend in JAX any other value raises ValueError at trace time.
     deterministic : bool, optional
         Passed to `cuflash.attention_backward`.
     command_buffer : bool, optional
@@ -97,7 +101,10 @@ def attention(q, k, v, *, causal=False, scale=None, precision=None, return_lse=F
     ------
     TypeError, ValueError
         At trace time, for what `cuflash.attention` rejects on these shapes and dtypes (checked
-        by its own checks), for fewer than 3 dimensions and for ``H`` not a multiple of ``Hk``.
+        by its own checks; the messages name the JAX-layout shapes too), for fewer than 3
+        dimensions, for ``H`` not a multiple of ``Hk``, for a traced static argument and for a
+        GPU kernel without a GPU backend. NumPy inputs are taken as JAX takes them (float64 as
+        float32 while ``jax_enable_x64`` is off).
 
     Notes
     -----
@@ -106,25 +113,69 @@ def attention(q, k, v, *, causal=False, scale=None, precision=None, return_lse=F
     accumulator; O(batch x Sq x D)) is one more output of its callback, allocated by XLA and
     discarded. A cotangent on ``lse`` (``dlse``) adds
     ``dlse_i p_ij`` to the score gradient; it costs one more forward (``P k``, for dq) and
-    backward (``P^T (dlse q)``, for dk), with ``dlse q`` rounded to the input dtype.
+    backward (``P^T (dlse q)``, for dk), with ``dlse q`` rounded to the input dtype; the terms
+    are summed in float32 (float64 for float64 inputs).
+
+    Reverse mode only (``jax.custom_vjp``): ``jax.jvp`` and ``jax.jacfwd`` raise JAX's
+    TypeError at trace time, ``jax.hessian`` (forward over reverse) JAX's ValueError that
+    buffer callbacks have no JVP, and ``jax.linear_transpose`` (the op is linear in ``v``)
+    JAX's NotImplementedError; ``jax.jacrev``, ``jax.checkpoint`` and ``jax.lax.scan`` compose.
     """
     cfg = _config(q, k, v, causal=causal, scale=scale, precision=precision,
                   return_lse=return_lse, kernel=kernel, deterministic=deterministic,
                   command_buffer=command_buffer)
-    return _attention_fn(cfg)(q, k, v)
+    # NumPy inputs become JAX arrays (float64 ones float32 while jax_enable_x64 is off), as the
+    # checks above took them
+    return _attention_fn(cfg)(*(jnp.asarray(x) for x in (q, k, v)))
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
-    """Combine two attention results over disjoint key sets (JAX layout, differentiable):
-    ``o (..., Sq, H, Dv)`` and ``lse (..., Sq, H)`` as `attention` returns them; see
-    `cuflash.merge_states`. A part that saw no key (``o = 0, lse = -inf``) is the identity."""
-    lse = jnp.logaddexp(lse_a, lse_b)
-    safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
-    wa = jnp.where(jnp.isneginf(lse_a), 0.0, jnp.exp(lse_a - safe))
-    wb = jnp.where(jnp.isneginf(lse_b), 0.0, jnp.exp(lse_b - safe))
+    """Combine two attention results over disjoint key sets, in JAX's layout (differentiable).
+
+    The JAX twin of `cuflash.merge_states`, with its checks (at trace time) and its weights:
+    ``m = max(lse_a, lse_b)``, ``e = exp(lse - m)``, ``w_a = e_a / (e_a + e_b)``,
+    ``lse = m + log(e_a + e_b)``, so the weights depend on ``lse_a - lse_b`` only (weights
+    taken as ``exp(lse_a - logaddexp(lse_a, lse_b))`` would carry the merged lse's float32
+    rounding, a relative error of about ``6e-8 |lse|`` in every output). A part that saw no
+    key (``o = 0, lse = -inf``) is the identity; two such parts give ``o = 0, lse = -inf`` and
+    zero gradients (never NaN). Plain ``jax.numpy``: composes with ``jit``, ``vmap`` and
+    ``grad`` (forward mode too).
+
+    Parameters
+    ----------
+    o_a, o_b : jax.Array, shape (..., Sq, H, Dv)
+        Partial outputs (as `attention` returns them), one dtype, no zero-length axis.
+    lse_a, lse_b : jax.Array, shape (..., Sq, H), float32
+        Their log-sum-exps (``attention(..., return_lse=True)``): o's shape without its last
+        axis.
+
+    Returns
+    -------
+    o : jax.Array, shape (..., Sq, H, Dv), the dtype of ``o_a``
+    lse : jax.Array, shape (..., Sq, H), float32
+
+    Raises
+    ------
+    TypeError, ValueError
+        At trace time, for what `cuflash.merge_states` rejects (`cuflash._checks.check_merge`
+        on the shapes and dtypes).
+    """
+    items = (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b))
+    _check_arrays(items, min_ndim=0)
+    _checks.check_merge(*(_standin(tuple(x.shape), _canonical_dtype(x.dtype)) for _, x in items))
+    o_a, lse_a, o_b, lse_b = (jnp.asarray(x) for _, x in items)
     acc = jnp.promote_types(o_a.dtype, jnp.float32)
-    o = o_a.astype(acc) * wa[..., None].astype(acc) + o_b.astype(acc) * wb[..., None].astype(acc)
-    return o.astype(o_a.dtype), lse
+    la, lb = lse_a.astype(acc), lse_b.astype(acc)
+    mx = jnp.maximum(la, lb)
+    empty = mx == -jnp.inf
+    # The result does not depend on the shift (its derivative is zero): no gradient through it,
+    # which also keeps jnp.maximum's tie rule out of the gradients.
+    shift = jax.lax.stop_gradient(jnp.where(empty, 0.0, mx))
+    ea, eb = jnp.exp(la - shift), jnp.exp(lb - shift)
+    tot = jnp.where(empty, 1.0, ea + eb)
+    lse = jnp.where(empty, -jnp.inf, shift + jnp.log(tot))
+    o = o_a.astype(acc) * (ea / tot)[..., None] + o_b.astype(acc) * (eb / tot)[..., None]
+    return o.astype(o_a.dtype), lse.astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,31 +197,78 @@ def _cf_shape(shape, hk):
     return tuple(lead) + (hk, h // hk, s, d)
 
 
-def _config(q, k, v, **kw):
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def _canonical_dtype(dtype):
+    """The dtype JAX gives an array of `dtype` (float64 is float32 while ``jax_enable_x64`` is
+    off: a NumPy float64 input becomes a float32 JAX array)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _check_arrays(items, min_ndim=3):
+    """`items`: (name, value) pairs that must be arrays (anything with a shape and a dtype: JAX
+    arrays and tracers, NumPy arrays) of at least `min_ndim` dimensions."""
+    for name, x in items:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be a JAX array (or array-like with shape and dtype), "
                             f"got {type(x).__name__}")
-        if len(x.shape) < 3:
+        if len(x.shape) < min_ndim:
             raise ValueError(f"{name} must have shape (..., S, H, D) (JAX's layout, at least 3 "
                              f"dimensions); got {tuple(x.shape)}")
+
+
+def _static(name, value):
+    """`value` of the static argument `name`, refusing a traced one (a configuration is fixed
+    when the function is traced) and reading a concrete 0-d JAX array as its Python scalar."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be static, a Python value known when the function is traced; got a "
+            f"traced JAX value ({type(value).__name__}): pass a Python number or bool, not an "
+            f"argument of the jitted, vmapped or differentiated function (close over it, or "
+            f"use jax.jit(..., static_argnames=...))")
+    if isinstance(value, jax.Array) and value.ndim == 0:
+        return value.item()
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_has_gpu():
+    """Whether JAX has a GPU backend; without one the callbacks only ever run on the CPU."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def _config(q, k, v, **kw):
+    _check_arrays((("q", q), ("k", k), ("v", v)))
+    kw = {name: _static(name, x) for name, x in kw.items()}
     h, hk, hv = q.shape[-2], k.shape[-2], v.shape[-2]
     if hv != hk:
         raise ValueError(f"k has {hk} heads (axis -2) but v has {hv}: they must match")
-    if hk == 0 or h % hk:
+    if hk and h % hk:
         raise ValueError(f"q has {h} heads and k, v {hk}: the query heads must be a multiple of "
                          "the key/value heads (grouped-query attention)")
     kernel = kw["kernel"]
-    _checks._check_kernel(kernel, "gpu")
+    # Without a GPU backend the callbacks run the NumPy path, which takes kernel="auto" only.
+    _checks._check_kernel(kernel, "gpu" if _jax_has_gpu() else "cpu",
+                          where="JAX has no GPU backend here, so the callbacks run cuflash's "
+                                "NumPy path on the CPU, which takes kernel='auto' only")
     precision = _checks.check_precision(kw["precision"])
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     try:
-        stand = [_standin(_cf_shape(tuple(x.shape), hk), np.dtype(x.dtype)) for x in (q, k, v)]
+        # (hk = 0: a zero-length axis, which the checks name)
+        stand = [_standin(_cf_shape(tuple(x.shape), hk or 1), _canonical_dtype(x.dtype))
+                 for x in (q, k, v)]
     except TypeError as exc:
         raise TypeError(f"unsupported dtype among q, k, v ({q.dtype}, {k.dtype}, {v.dtype}): "
                         f"{exc}") from None
-    prob = _checks.check_attention(*stand, causal=kw["causal"], scale=kw["scale"],
-                                   return_lse=kw["return_lse"], out=None, stream=None,
-                                   kernel="auto", precision=precision)
+    try:
+        prob = _checks.check_attention(*stand, causal=kw["causal"], scale=kw["scale"],
+                                       return_lse=kw["return_lse"], out=None, stream=None,
+                                       kernel="auto", precision=precision)
+    except (TypeError, ValueError) as exc:
+        # The checks see the cuflash views (..., Hk, H // Hk, S, D): say what the caller passed.
+        raise type(exc)(f"{exc} (cuflash.jax.attention checks the JAX-layout inputs {shapes} "
+                        "as cuflash views of shape (..., Hk, H // Hk, S, D))") from None
     for name in ("deterministic", "command_buffer"):
         if not isinstance(kw[name], (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {type(kw[name]).__name__}")
@@ -518,11 +616,12 @@ def _backward_with_dlse(cfg, do, dlse, q, k, v, o, lse):
         dq, dk, dv = (jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
     else:
         dq, dk, dv = _backward(cfg, do.astype(dt), q, k, v, o, lse)
+    # float32 sums for 16-bit and float32 inputs, float64 for float64 (as cuflash accumulates)
+    acc = jnp.promote_types(dt, jnp.float32)
     o_kk, _ = _forward(cfg, q, k, k, False)
-    dlse_col = dlse.astype(jnp.float32)[..., None]
-    dq_lse = scale * dlse_col * o_kk.astype(jnp.float32)
-    _, _, pt_dlse_q = _backward(cfg, (dlse_col * q.astype(jnp.float32)).astype(dt), q, k, k,
-                                o_kk, lse)
-    dq = (dq.astype(jnp.float32) + dq_lse).astype(dt)
-    dk = (dk.astype(jnp.float32) + scale * pt_dlse_q.astype(jnp.float32)).astype(dt)
+    dlse_col = dlse.astype(acc)[..., None]
+    dq_lse = scale * dlse_col * o_kk.astype(acc)
+    _, _, pt_dlse_q = _backward(cfg, (dlse_col * q.astype(acc)).astype(dt), q, k, k, o_kk, lse)
+    dq = (dq.astype(acc) + dq_lse).astype(dt)
+    dk = (dk.astype(acc) + scale * pt_dlse_q.astype(acc)).astype(dt)
     return dq, dk, dv

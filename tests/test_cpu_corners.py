@@ -138,8 +138,6 @@ def test_merge_weights_do_not_depend_on_the_lse_magnitude(dt):
     the difference, as the GPU merge kernel forms them. Empty parts (lse = -inf) on one or both
     sides merge as the identity, without warnings."""
     rng = _rng("merge-large", dt)
-    u = R.unit_roundoff(dt)
-    u_acc = R.unit_roundoff("float64" if dt == "float64" else "float32")
     for big in (0.0, 1e2, 1e4):
         o_a, o_b = (_draw(rng, dt, (3, 40, 8)) for _ in range(2))
         la, lb = ((big + rng.standard_normal((3, 40))).astype(np.float32) for _ in range(2))
@@ -152,25 +150,35 @@ def test_merge_weights_do_not_depend_on_the_lse_magnitude(dt):
             with np.errstate(divide="raise", over="raise", invalid="raise"):
                 o, lse = cuflash.merge_states(_np(o_a, dt), la, _np(o_b, dt), lb)
         assert o.dtype == _np(o_a, dt).dtype and lse.dtype == np.float32
-        # The truth, from the difference alone: float32 lse values subtract exactly in float64,
-        # and w_a = expit(lse_a - lse_b) is good to a few float64 ulps at any |lse| (the
-        # reference's merge_normalized takes exp(lse_a - logaddexp(...)) too, an error of
-        # u64 |L|, below float32's but above the float64 merge's own).
-        la64, lb64 = la.astype(np.float64), lb.astype(np.float64)
-        both = np.isneginf(la64) & np.isneginf(lb64)
-        diff = np.where(both, 0.0, np.subtract(la64, lb64, where=~both, out=np.zeros_like(la64)))
-        wa = np.where(both, 0.0, expit(diff))[..., None]
-        wb = np.where(both, 0.0, expit(-diff))[..., None]
-        o_r, lse_r = o_a * wa + o_b * wb, np.logaddexp(la64, lb64)
-        # the merge's own arithmetic: two weights and a sum in the working precision, one
-        # rounding to dt
-        tol = 6 * u_acc * np.maximum(np.abs(o_a), np.abs(o_b)) + u * np.abs(o_r)
-        err = np.abs(np.asarray(o, np.float64) - o_r)
-        assert np.all(err <= tol), f"L = {big:g}: error {err.max():.3g}, {(err / tol).max():.3g}x"
+        check_merged(o, lse, o_a, la, o_b, lb, dt, f"L = {big:g}")
         assert np.all(o[0, 3:5] == 0) and np.all(np.isneginf(lse[0, 3:5]))
-        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
-        fin = np.isfinite(lse_r)
-        assert np.all(np.abs(lse[fin] - lse_r[fin]) <= 2 * 2.0 ** -24 * (1 + np.abs(lse_r[fin])))
+
+
+def check_merged(o, lse, o_a, la, o_b, lb, dt, what=""):
+    """Assert that (o, lse) merges (o_a, la) and (o_b, lb) (float64 o, float32 lse; rows on the
+    last axis but one of o) to the merge's own rounding (also used by tests/test_jax_corners.py).
+
+    The truth, from the difference alone: float32 lse values subtract exactly in float64, and
+    w_a = expit(lse_a - lse_b) is good to a few float64 ulps at any |lse| (the reference's
+    merge_normalized takes exp(lse_a - logaddexp(...)), an error of u64 |L|, below float32's
+    but above the float64 merge's own)."""
+    u = R.unit_roundoff(dt)
+    u_acc = R.unit_roundoff("float64" if dt == "float64" else "float32")
+    la64, lb64 = la.astype(np.float64), lb.astype(np.float64)
+    both = np.isneginf(la64) & np.isneginf(lb64)
+    diff = np.where(both, 0.0, np.subtract(la64, lb64, where=~both, out=np.zeros_like(la64)))
+    wa = np.where(both, 0.0, expit(diff))[..., None]
+    wb = np.where(both, 0.0, expit(-diff))[..., None]
+    o_r, lse_r = o_a * wa + o_b * wb, np.logaddexp(la64, lb64)
+    # the merge's own arithmetic: two weights and a sum in the working precision, one
+    # rounding to dt
+    tol = 6 * u_acc * np.maximum(np.abs(o_a), np.abs(o_b)) + u * np.abs(o_r)
+    err = np.abs(np.asarray(o, np.float64) - o_r)
+    assert np.all(err <= tol), f"{what}: error {err.max():.3g}, {(err / tol).max():.3g}x"
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
+    fin = np.isfinite(lse_r)
+    lse = np.asarray(lse, np.float64)
+    assert np.all(np.abs(lse[fin] - lse_r[fin]) <= 2 * 2.0 ** -24 * (1 + np.abs(lse_r[fin])))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,6 +89,21 @@ def _check_grads(grads, q, k, v, do, *, causal, dtype):
         assert err <= tol, f"{name}: error {err:.3e} > {tol:.3e}"
 
 
+def _lse_loss_grads_f64(q, k, v, do, w, *, causal):
+    """float64 (dq, dk, dv) of ``sum(o * do) + sum(lse * w)`` (JAX layout, ``w (..., Sq, H)``):
+    the reference backward plus the lse term, ``d lse_i / d s_ij = p_ij`` (rows that see no key
+    have p = 0), analytic from the reference's float64 softmax."""
+    hk = k.shape[-2]
+    qc, kc, vc, doc = _cf(q, hk), _cf(k, hk), _cf(v, hk), _cf(do, hk)
+    wc = _cf(w[..., None], hk)[..., 0]
+    dq, dk, dv = ref.attention_backward_ref(doc, qc, kc, vc, causal=causal)
+    scale = 1 / np.sqrt(q.shape[-1])
+    p = ref._probabilities_f64(qc, kc, vc, causal, scale)[0]
+    dq = dq + scale * wc[..., None] * (p @ kc)
+    dk = dk + scale * (np.swapaxes(p, -1, -2) @ (wc[..., None] * qc)).sum(axis=-3, keepdims=True)
+    return tuple(_from_cf(x) for x in (dq, dk, dv))
+
+
 def _bottom_right_mask(sq, sk):
     return jnp.asarray(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq))
 
@@ -216,18 +231,9 @@ def test_lse_gradient_and_merge_states():
 
     naive_g = jax.grad(lambda *a: loss_split(*a, naive), argnums=(0, 1, 2))(*args)
     # float64 truth, independent of both: the full-key gradient of sum(o do) + sum(lse w)
-    # (merging is exact), analytic from SciPy's softmax.
-    qc, kc, vc, doc = _cf(q, hk), _cf(k, hk), _cf(v, hk), _cf(do, hk)
-    wc = _cf(w[..., None], hk)[..., 0]
-    dq, dk, dv = ref.attention_backward_ref(doc, qc, kc, vc, causal=False)
-    scale = 1 / np.sqrt(d)
-    s = np.einsum("...qd,...kd->...qk", qc, kc) * scale
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    dq = dq + scale * wc[..., None] * (p @ kc)
-    dk = dk + scale * (np.swapaxes(p, -1, -2) @ (wc[..., None] * qc)).sum(axis=-3, keepdims=True)
-    for name, a, nv, r in zip(("dq", "dk", "dv"), ours, naive_g, (dq, dk, dv)):
-        r_j = _from_cf(r)
+    # (merging is exact)
+    for name, a, nv, r_j in zip(("dq", "dk", "dv"), ours, naive_g,
+                                _lse_loss_grads_f64(q, k, v, do, w, causal=False)):
         naive_err = float(np.max(np.abs(_f64(nv) - r_j)))
         tol = ref.tolerance(dtype, r_j, naive_err, out_scale=float(np.max(np.abs(r_j))))
         err = float(np.max(np.abs(_f64(a) - r_j)))
