@@ -82,11 +82,15 @@ def _check_report_dir(path: str) -> None:
 
 
 def _parse_seed(text):
+    """--seed: a non-negative integer (numpy.random.default_rng takes no negative seed)."""
     try:
-        return int(text)
+        seed = int(text)
     except ValueError:
-        raise click.BadParameter(f"expected an integer or 'random', got {text!r}",
-                                 param_hint="--seed") from None
+        seed = -1
+    if seed < 0:
+        raise click.BadParameter(f"expected a non-negative integer or 'random', got {text!r}",
+                                 param_hint="--seed")
+    return seed
 
 
 class _Progress:
@@ -148,7 +152,8 @@ class _Progress:
               help="Restrict (or, with FILE, cast) to these dtypes; repeat for several. "
                    "Default: float16, bfloat16 (with ml_dtypes), float32, float64.")
 @click.option("--seed", default="0", show_default=True,
-              help="Seed of the random inputs, or 'random' for a fresh one (printed). A fixed "
+              help="Seed of the random inputs (an integer >= 0), or 'random' for a fresh one "
+                   "(printed; passing it back with --seed reproduces the run). A fixed "
                    "default makes the standard audit reproducible run to run.")
 @click.option("--quick", is_flag=True, help="A small subset of the grid (seconds).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
@@ -165,6 +170,9 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
     from cuflash import _audit, _audit_grad
 
     t0 = time.perf_counter()
+    # FILE mode draws nothing: its seed is None. Checked before anything is printed or run.
+    seed = None if file is not None else (
+        _audit.new_seed() if seed == "random" else _parse_seed(seed))
     if json_path:
         _check_writable(json_path, "--json")
     if report_dir:
@@ -189,7 +197,6 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
     table = _audit.CaseTable(peers=bool(peer_names))
     if file is None:
         mode = "standard"
-        seed = _audit.new_seed() if seed == "random" else _parse_seed(seed)
         shapes = _audit.standard_grid(quick)
         click.echo(f"seed: {seed}   dtypes: {', '.join(dtypes)}   "
                    f"{len(shapes)} shapes{' (--quick)' if quick else ''}")
@@ -210,7 +217,6 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
         grads = _audit_grad.run_grid(device, dtypes, seed, quick)
     else:
         mode = "file"
-        seed = None
         try:
             inp, dtypes = _audit.load_npz(file, dtypes)
             if inp.exact == "raw":

@@ -140,3 +140,35 @@ def test_json_holds_no_bare_nan_from_peers(tmp_path, monkeypatch):
     doc = {"cases": [{"peers": {"torch": math.nan, "jax": [math.inf, 1.0]}, "x": np.float32(2)}]}
     text = json.dumps(_audit._json_num(doc), allow_nan=False)
     assert json.loads(text)["cases"][0]["peers"] == {"torch": "NaN", "jax": ["Infinity", 1.0]}
+
+
+# ---------------------------------------------------------------------------------------------
+# --seed (review r5)
+
+def test_negative_seed_is_a_usage_error_before_anything_runs(monkeypatch):
+    """numpy.random.default_rng takes no negative seed: --seed -1 died in a traceback (exit 1,
+    the failure status) after the device line; it is a usage error, checked up front."""
+    ran = []
+    monkeypatch.setattr(_audit, "run_grid", lambda *a, **k: ran.append(1) or [])
+    r = run("--quick", "--device", "cpu", "--seed", -1)
+    assert r.exit_code == 2, r.output
+    assert not ran and "device:" not in r.output
+    assert "--seed" in r.output and "non-negative" in r.output
+
+
+def test_random_seed_is_printed_and_reproduces_the_run(tmp_path):
+    def audit(seed, path):
+        r = run("--quick", "--device", "cpu", "--dtype", "float64", "--no-peers", "--seed", seed,
+                "--json", path)
+        assert r.exit_code == 0, r.output
+        return r, json.loads(path.read_text())
+
+    r, first = audit("random", tmp_path / "a.json")
+    seed = int(re.search(r"^seed: (\d+)", r.output, re.MULTILINE).group(1))
+    assert first["seed"] == seed
+    _, again = audit(seed, tmp_path / "b.json")
+    for key in ("cases", "properties"):
+        strip = [{n: x for n, x in c.items() if n != "seconds"} for c in first[key]]
+        assert strip == [{n: x for n, x in c.items() if n != "seconds"} for c in again[key]]
+    assert [{n: x for n, x in c.items() if n != "seconds"} for c in first["gradients"]["cases"]] \
+        == [{n: x for n, x in c.items() if n != "seconds"} for c in again["gradients"]["cases"]]
