@@ -1033,8 +1033,15 @@ def property_audits(device: Device, dtypes: Sequence[str], seed: int) -> List[Pr
 # user files
 # ----------------------------------------------------------------------------------------------
 
+#: The optional arrays of a FILE (.npz): the scalars causal and scale, and the upstream
+#: gradient do (read by `cuflash._audit_grad.inputs_from_npz`). Any other name is refused.
+NPZ_OPTIONAL = ("causal", "scale", "do")
+
+
 def load_npz(path: str, dtypes_requested: Sequence[str]) -> Tuple[Inputs, List[str]]:
     """Read q, k, v (and the optional scalars causal, scale) from an .npz file.
+
+    An array of any other name than q, k, v and :data:`NPZ_OPTIONAL` is an AuditError.
 
     Returns the inputs and the dtypes to audit: the file's dtype, or ``dtypes_requested`` (the
     values are then rounded to each).  Arrays the audit cannot take apart (no common supported
@@ -1068,7 +1075,15 @@ def load_npz(path: str, dtypes_requested: Sequence[str]) -> Tuple[Inputs, List[s
                 f"{path}: missing array{'s' if len(missing) > 1 else ''} "
                 f"{', '.join(repr(m) for m in missing)}; the file has "
                 f"{', '.join(repr(n) for n in f.files) or 'no arrays'} "
-                "(expected q, k, v and optionally causal, scale)")
+                f"(expected q, k, v and optionally {', '.join(NPZ_OPTIONAL)})")
+        unknown = [n for n in f.files if n not in ("q", "k", "v") + NPZ_OPTIONAL]
+        if unknown:
+            # A misspelt name ("is_causal", "dO") would otherwise be dropped and another
+            # problem than the one meant audited (non-causal, or without its gradients).
+            raise AuditError(
+                f"{path}: unexpected array{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(repr(n) for n in unknown)}; the file may hold only q, k, v and "
+                f"optionally {', '.join(NPZ_OPTIONAL)}")
         q, k, v = (f[n] for n in ("q", "k", "v"))
         causal, scale = False, None
         if "causal" in f.files:

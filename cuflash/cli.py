@@ -21,7 +21,7 @@ followed by property audits of the online-softmax recurrence and of the merge op
 Inputs are random, from numpy.random.default_rng([SEED, shape index]); the seed is printed.
 
 With FILE (an .npz holding arrays q, k, v and optionally the scalars causal (bool) and scale
-(float)), audit that single problem in the file's dtype, or in each --dtype given; when the file
+(float) and the array do, and no other array: an unknown name is a usage error), audit that single problem in the file's dtype, or in each --dtype given; when the file
 also holds do (the upstream gradient, o's shape), audit the gradients of attention_backward too.
 The standard audit has a gradient section of its own grid.
 

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 import cuflash
 from cuflash import _audit
 from cuflash.cli import main
+from seeds import SEED, case_rng
 
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$", re.MULTILINE)
 
@@ -172,3 +173,29 @@ def test_random_seed_is_printed_and_reproduces_the_run(tmp_path):
         assert strip == [{n: x for n, x in c.items() if n != "seconds"} for c in again[key]]
     assert [{n: x for n, x in c.items() if n != "seconds"} for c in first["gradients"]["cases"]] \
         == [{n: x for n, x in c.items() if n != "seconds"} for c in again["gradients"]["cases"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# FILE mode (review r5)
+
+def _npz(path, seed=0, shape_q=(2, 5, 8), sk=9, dv=4, dtype=np.float32, **extra):
+    """A tiny FILE problem from the seeded helpers, plus ``extra`` arrays; returns the arrays."""
+    rng = case_rng(SEED, "npz", seed)
+    b, sq, d = shape_q[:-2], shape_q[-2], shape_q[-1]
+    arrays = dict(q=rng.standard_normal(shape_q).astype(dtype),
+                  k=rng.standard_normal(b + (sk, d)).astype(dtype),
+                  v=rng.standard_normal(b + (sk, dv)).astype(dtype))
+    arrays.update(extra)
+    np.savez(path, **arrays)
+    return arrays
+
+
+def test_npz_with_an_unknown_array_is_refused(tmp_path):
+    """A misspelt "causal" (or "do") was dropped silently: the file's problem was audited
+    non-causal (or without its gradients) and PASSED."""
+    path = tmp_path / "extra.npz"
+    _npz(path, is_causal=np.bool_(True), dO=np.ones((2, 5, 4), np.float32))
+    r = run(path, "--device", "cpu", "--no-peers")
+    assert r.exit_code == 2, r.output
+    assert "unexpected arrays 'is_causal', 'dO'" in r.output
+    assert "causal, scale, do" in r.output and "PASS" not in r.output
