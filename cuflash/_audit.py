@@ -93,7 +93,10 @@ PASS_RULE = (
     "cuflash stays within the case rule; a max jump of ~150 between key tiles (alpha "
     "underflows) must stay within the case rule; merge_states of two key halves must match "
     "the reference over all keys within the case rule plus 8 * 2^-24 * max(1, |lse_ref|) * "
-    "max|o_ref| (the halves' lse are float32)."
+    "max|o_ref| (the halves' lse are float32); each attention variant (window, softcap, ALiBi, "
+    "bias, mask, user hooks) must pass (1), (1b) and (3) forward and the gradient rule below "
+    "for dq, dk, dv (and dbias), its row showing the worst error as a fraction of any of "
+    "those bars against a limit of 1."
 )
 
 

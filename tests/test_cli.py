@@ -199,3 +199,70 @@ def test_npz_with_an_unknown_array_is_refused(tmp_path):
     assert r.exit_code == 2, r.output
     assert "unexpected arrays 'is_causal', 'dO'" in r.output
     assert "causal, scale, do" in r.output and "PASS" not in r.output
+
+
+# ---------------------------------------------------------------------------------------------
+# The variant audit (review r5): the forward's whole rule and every gradient
+
+def _variant_audit(dtype="float32"):
+    from cuflash._audit_variants import variant_audits
+
+    return variant_audits(_audit.Device(), [dtype], case_rng(SEED, "variants", dtype),
+                          _audit.PropertyResult, _audit.numpy_dtype)
+
+
+def test_variant_audit_fails_a_nan_in_a_later_gradient(monkeypatch):
+    """max() over [frac_dq, nan, frac_dv] is frac_dq or frac_dv: a NaN in dk passed."""
+    import cuflash._cpu_backward as cpu_backward
+
+    real = cpu_backward.attention_backward_numpy
+
+    def nan_in_dk(*a, **kw):
+        grads = real(*a, **kw)
+        grads[1].reshape(-1)[3] = np.nan
+        return grads
+
+    monkeypatch.setattr(cpu_backward, "attention_backward_numpy", nan_in_dk)
+    res = _variant_audit()
+    assert res and not any(p.passed for p in res)
+    assert all(p.measured == np.inf and "dk" in p.detail for p in res)
+
+
+def test_variant_audit_checks_lse(monkeypatch):
+    """The variant audit judged o and the gradients, never the lse (rule (3) of the forward):
+    an lse off by 0.5 passed (the CPU backward recomputes its row statistics)."""
+    import cuflash._cpu as cpu
+
+    real = cpu.attention_numpy
+
+    def off_lse(*a, **kw):
+        o, lse = real(*a, **kw)
+        if lse is not None:
+            lse[np.isfinite(lse)] += 0.5
+        return o, lse
+
+    monkeypatch.setattr(cpu, "attention_numpy", off_lse)
+    res = _variant_audit()
+    assert res and not any(p.passed for p in res)
+    assert all("lse error" in p.detail and p.measured > 1 for p in res)
+
+
+def test_variant_audit_passes_cuflash_and_reports_its_worst_bar():
+    res = _variant_audit("float16")
+    assert res and all(p.passed for p in res), [p for p in res if not p.passed]
+    assert all(0 < p.measured <= 1 and p.limit == 1.0 and "lse at" in p.detail for p in res)
+
+
+def test_grad_verdict_never_passes_nan_or_an_error_over_a_zero_threshold():
+    from cuflash._audit_variants import grad_verdict
+
+    r = np.ones((2, 3))
+    ok = r + 1e-9
+    nan = r.copy()
+    nan[1, 2] = np.nan
+    assert grad_verdict(("dq", "dk"), (ok, ok), (r, r), (1e-8, 1e-8))[0] <= 1
+    assert grad_verdict(("dq", "dk"), (ok, nan), (r, r), (1e-8, 1e-8))[0] == np.inf
+    frac, why = grad_verdict(("dq",), (ok,), (r,), (0.0,))   # was 0.0: a pass
+    assert frac == np.inf and "threshold 0" in why[0]
+    assert grad_verdict(("dq",), (r,), (r,), (0.0,))[0] == 0.0
+    assert grad_verdict(("dq",), (r[:1],), (r,), (1.0,))[0] == np.inf
