@@ -1294,8 +1294,12 @@ def _json_num(x):
 
 def to_json(*, device: Device, reason: str, seed: Optional[int], mode: str,
             cases: Sequence[CaseResult], props: Sequence[PropertyResult], dtypes, file=None,
-            seconds: float) -> Dict[str, Any]:
-    """Everything the run found, as a JSON-serialisable dict (non-finite floats as strings)."""
+            seconds: float, quick: bool = False, peers: Sequence[str] = ()) -> Dict[str, Any]:
+    """Everything the run found, as a JSON-serialisable dict (non-finite floats as strings).
+
+    ``mode`` is "standard" or "file"; ``quick`` whether the standard audit ran its --quick
+    subset (always False for a file); ``peers`` the peer libraries measured (empty with
+    --no-peers or where none imports)."""
     def case(r: CaseResult):
         d = {k: _json_num(v) for k, v in r.__dict__.items()}
         d["result"] = "PASS" if r.passed else "FAIL"
@@ -1311,7 +1315,9 @@ def to_json(*, device: Device, reason: str, seed: Optional[int], mode: str,
     return {
         "tool": "cuflash-check",
         "mode": mode,
+        "quick": bool(quick) and mode == "standard",
         "file": file,
+        "peers": list(peers),
         "device": {"selected": device.name, "reason": reason, **device.info()},
         "versions": versions(),
         "seed": seed,

@@ -253,6 +253,19 @@ def inputs_from_npz(path: str, dtypes_requested: Sequence[str]):
     return GradInputs(q, k, v, do, causal, scale, label, exact=exact), dtypes
 
 
+def nonfinite_reason(inp: GradInputs) -> str:
+    """Why the gradients of ``inp`` cannot be judged ("" when they can): NaN or inf in q, k, v
+    or do. The float64 reference gradients (:func:`cuflash.reference.attention_backward_ref`)
+    do not carry them (a NaN score's weight counts as 0 there), so a correct backward, whose
+    gradients are NaN where the mathematics makes them NaN, would be reported as failing."""
+    held = [n for n in ("q", "k", "v", "do")
+            if not np.all(np.isfinite(np.asarray(getattr(inp, n), dtype=np.float64)))]
+    if not held:
+        return ""
+    return (f"{', '.join(held)} hold{'s' if len(held) == 1 else ''} NaN/inf, which the float64 "
+            "reference gradients do not carry, so there is nothing to judge dq, dk, dv against")
+
+
 def _fmt(x) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "nan"
@@ -292,7 +305,8 @@ def format_failures(results: Sequence[GradCaseResult]) -> str:
                      for r in results if not r.passed)
 
 
-def to_json(results: Sequence[GradCaseResult]) -> Dict[str, Any]:
+def to_json(results: Sequence[GradCaseResult], skipped: str = "") -> Dict[str, Any]:
+    """The gradient section as JSON; ``skipped``: why a FILE's gradients were not audited."""
     from cuflash._audit import _json_num
 
     def case(r):
@@ -302,6 +316,7 @@ def to_json(results: Sequence[GradCaseResult]) -> Dict[str, Any]:
         d["result"] = "PASS" if r.passed else "FAIL"
         return d
 
-    return {"pass_rule": GRAD_RULE, "cases": [case(r) for r in results],
+    return {"pass_rule": GRAD_RULE, "skipped": skipped or None,
+            "cases": [case(r) for r in results],
             "summary": {"passed": sum(r.passed for r in results),
                         "failed": sum(not r.passed for r in results)}}

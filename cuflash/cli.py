@@ -21,16 +21,19 @@ followed by property audits of the online-softmax recurrence and of the merge op
 Inputs are random, from numpy.random.default_rng([SEED, shape index]); the seed is printed.
 
 With FILE (an .npz holding arrays q, k, v and optionally the scalars causal (bool) and scale
-(float) and the array do, and no other array: an unknown name is a usage error), audit that single problem in the file's dtype, or in each --dtype given; when the file
-also holds do (the upstream gradient, o's shape), audit the gradients of attention_backward too.
-The standard audit has a gradient section of its own grid.
+(float) and the upstream gradient do (o's shape), and no other array: an unknown name is a
+usage error), audit that single problem in the file's dtype, or in each --dtype given, and
+with do the gradients of attention_backward too (not when q, k, v or do hold NaN/inf, which
+the float64 reference gradients do not carry: the output says so). --seed and --quick do not
+apply to a FILE. The standard audit has a gradient section of its own grid.
 
 Pass rule. {rule}
 
 {grad_rule}
 
-Exit status: 0 when everything passes, 1 when any case or property fails, 2 for usage errors
-(no GPU for --device gpu, unreadable FILE, missing array, shapes cuflash rejects).
+Exit status: 0 only when every case, property and gradient case passes, 1 when any fails, 2
+for usage errors (no GPU for --device gpu, a bad --seed, an unreadable FILE, a missing or
+unknown array, shapes cuflash rejects, an unwritable --json or --report path).
 """
 
 
@@ -157,7 +160,8 @@ class _Progress:
                    "default makes the standard audit reproducible run to run.")
 @click.option("--quick", is_flag=True, help="A small subset of the grid (seconds).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
-              help="Also write every result, the device, versions and the seed as JSON.")
+              help="Also write every result, the device, versions, the seed, the mode "
+                   "(standard, --quick, file), the peers and the exit status as JSON.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False),
               help="Also write a self-contained HTML report with PNG plots into this directory "
                    "(created if needed; needs matplotlib: pip install cuflash[report]).")
@@ -193,7 +197,7 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
         click.echo(f"peers: {', '.join(peer_names)} (their SDPA on the same inputs; --no-peers "
                    "to skip)")
 
-    props, grads = [], []
+    props, grads, grads_skipped = [], [], ""
     table = _audit.CaseTable(peers=bool(peer_names))
     if file is None:
         mode = "standard"
@@ -230,7 +234,10 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
             cases = _audit.run_inputs(device, inp, dtypes, raise_call_errors=True,
                                       peers=peer_names)
             ginp, gdtypes = _audit_grad.inputs_from_npz(file, dtypes)
-            if ginp is not None:
+            grads_skipped = "" if ginp is None else _audit_grad.nonfinite_reason(ginp)
+            if grads_skipped:
+                click.echo(f"gradients: not audited: {grads_skipped}")
+            elif ginp is not None:
                 grads = _audit_grad.run_inputs(device, ginp, gdtypes, raise_call_errors=True)
         except _audit.AuditError as exc:
             raise _InputError(str(exc)) from None
@@ -255,11 +262,14 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
     n_pass = sum(r.passed for r in cases) + sum(p.passed for p in props) + \
         sum(g.passed for g in grads)
     elapsed = time.perf_counter() - t0
+    status = 0 if n_pass == n_all else 1
     doc = _audit.to_json(device=device, reason=reason, seed=seed, mode=mode, cases=cases,
-                         props=props, dtypes=dtypes, file=file, seconds=elapsed)
-    doc["gradients"] = _audit_grad.to_json(grads)
+                         props=props, dtypes=dtypes, file=file, seconds=elapsed, quick=quick,
+                         peers=peer_names)
+    doc["gradients"] = _audit_grad.to_json(grads, grads_skipped)
     doc["summary"] = {**doc["summary"], "passed": n_pass, "failed": n_all - n_pass,
                       "gradient_cases": len(grads)}
+    doc["exit_status"] = status
     if json_path:
         with open(json_path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2, allow_nan=False)
@@ -273,7 +283,7 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
     click.echo("")
     click.echo(f"elapsed: {elapsed:.1f} s")
     click.echo(f"{n_pass} passed, {n_all - n_pass} failed")
-    sys.exit(0 if n_pass == n_all else 1)
+    sys.exit(status)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -266,3 +266,129 @@ def test_grad_verdict_never_passes_nan_or_an_error_over_a_zero_threshold():
     assert frac == np.inf and "threshold 0" in why[0]
     assert grad_verdict(("dq",), (r,), (r,), (0.0,))[0] == 0.0
     assert grad_verdict(("dq",), (r[:1],), (r,), (1.0,))[0] == np.inf
+
+
+# ---------------------------------------------------------------------------------------------
+# Injected defects in the CPU path (review r5): each must FAIL in the table, in the JSON and in
+# the exit status, in every dtype. A tiny causal FILE problem with Sq != Sk and a do.
+
+DTYPES = ("float16", "float32", "float64")
+#: A "small" error in one element: 60u for float16, some 150u for float32, 1e6 u for float64
+#: (whose bars are a-priori bounds of ~1e-13 here); each well above the bars of these sizes.
+SMALL = {"float16": 3e-2, "float32": 1e-5, "float64": 1e-10}
+
+
+def _cpu_forward_defect(kind):
+    import cuflash._cpu as cpu
+
+    real = cpu.attention_numpy
+
+    def broken(q, k, v, **kw):
+        if kind == "no scale":
+            return real(q, k, v, **{**kw, "scale": 1.0})
+        if kind == "causal top-left":   # row i sees keys j <= i, not j <= i + Sk - Sq
+            sq = q.shape[-2]
+            return real(q, k[..., :sq, :], v[..., :sq, :], **kw)
+        o, lse = real(q, k, v, **kw)
+        if kind == "small error":
+            o.reshape(-1)[o.size // 2] += SMALL[o.dtype.name]
+        elif kind == "last row zero":
+            o[..., -1, :] = 0
+        elif kind == "one NaN":
+            o.reshape(-1)[o.size // 3] = np.nan
+        elif kind == "lse off":
+            lse += 0.05
+        elif kind == "lse in log2":
+            lse *= np.float32(1 / np.log(2))
+        return o, lse
+
+    return cpu, "attention_numpy", broken
+
+
+def _cpu_backward_defect(kind):
+    import cuflash._cpu_backward as cpu_backward
+
+    real = cpu_backward.attention_backward_numpy
+
+    def broken(do, q, k, v, o, lse, **kw):
+        grads = real(do, q, k, v, o, lse, **kw)
+        if kind == "dq without the scale":
+            grads[0][...] = grads[0] / kw["scale"]
+        elif kind == "dv last key zero":
+            grads[2][..., -1, :] = 0
+        return grads
+
+    return cpu_backward, "attention_backward_numpy", broken
+
+
+FORWARD_DEFECTS = ["small error", "no scale", "last row zero", "one NaN", "causal top-left",
+                   "lse off", "lse in log2"]
+BACKWARD_DEFECTS = ["dq without the scale", "dv last key zero"]
+
+
+@pytest.mark.parametrize("kind", FORWARD_DEFECTS + BACKWARD_DEFECTS)
+def test_injected_defect_fails_in_table_json_and_exit_status(kind, tmp_path, monkeypatch):
+    path, report = tmp_path / "p.npz", tmp_path / "audit.json"
+    a = _npz(path, seed=kind, shape_q=(2, 3, 7, 16), sk=11, dv=8, causal=np.bool_(True))
+    np.savez(path, **a, do=case_rng(SEED, "do", kind).standard_normal((2, 3, 7, 8)))
+    args = [path, "--device", "cpu", "--no-peers", "--json", report]
+    for dt in DTYPES:
+        args += ["--dtype", dt]
+    clean = run(*args)
+    assert clean.exit_code == 0, clean.output          # the problem itself passes
+    backward = kind in BACKWARD_DEFECTS
+    monkeypatch.setattr(*(_cpu_backward_defect if backward else _cpu_forward_defect)(kind))
+    r = run(*args)
+    assert r.exit_code == 1, r.output
+    doc = json.loads(report.read_text())
+    assert doc["exit_status"] == 1 and doc["mode"] == "file"
+    section = doc["gradients"]["cases"] if backward else doc["cases"]
+    assert sorted(c["dtype"] for c in section) == sorted(DTYPES)
+    assert all(c["result"] == "FAIL" and c["reasons"] for c in section), section
+    assert doc["summary"]["failed"] >= len(DTYPES)
+    assert summary(r.output)[1] == doc["summary"]["failed"]
+    rows = [l for l in r.output.splitlines() if l.split()[:1] and l.split()[0] in DTYPES
+            and "(2,3,7,11,16,8)" in l]
+    failed = [l for l in rows if l.rstrip().endswith("FAIL")]
+    assert len(failed) >= len(DTYPES), r.output
+    assert sum(l.startswith("FAIL ") for l in r.output.splitlines()) >= len(DTYPES)
+
+
+# ---------------------------------------------------------------------------------------------
+# What ran, in the JSON (review r5)
+
+def test_json_says_what_ran_and_its_exit_status(tmp_path):
+    path = tmp_path / "a.json"
+    r = run("--quick", "--device", "cpu", "--dtype", "float64", "--no-peers", "--json", path)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(path.read_text())
+    assert doc["mode"] == "standard" and doc["quick"] is True and doc["peers"] == []
+    assert doc["exit_status"] == 0 and doc["seed"] == 0 and doc["file"] is None
+    for c in doc["cases"]:
+        for key in ("max_abs_err", "threshold", "bound", "frac_threshold", "frac_bound",
+                    "lse_err", "lse_tol", "naive_err", "seed", "kernel", "shape", "causal"):
+            assert key in c, key
+    for g in doc["gradients"]["cases"]:
+        assert set(g["err"]) == set(g["threshold"]) == {"dq", "dk", "dv"}
+    npz = tmp_path / "p.npz"
+    _npz(npz)
+    r = run(npz, "--device", "cpu", "--no-peers", "--json", path)
+    doc = json.loads(path.read_text())
+    assert doc["mode"] == "file" and doc["quick"] is False and doc["file"] == str(npz)
+    assert doc["seed"] is None and doc["exit_status"] == r.exit_code == 0
+
+
+def test_npz_gradients_of_nan_inputs_are_not_judged_against_a_reference_without_nan(tmp_path):
+    """q with a NaN and a do: the float64 reference gradients drop the NaN (its weight counts as
+    0), so cuflash's correct NaN gradients FAILED and the run exited 1. Now the gradients are
+    said not to be audited, in the output and the JSON."""
+    path, report = tmp_path / "nan.npz", tmp_path / "a.json"
+    a = _npz(path)
+    a["q"][0, 2, 3] = np.nan
+    np.savez(path, **a, do=case_rng(SEED, "do nan").standard_normal((2, 5, 4)))
+    r = run(path, "--device", "cpu", "--no-peers", "--json", report)
+    assert r.exit_code == 0, r.output
+    assert "gradients: not audited: q holds NaN/inf" in r.output
+    doc = json.loads(report.read_text())
+    assert "q holds NaN/inf" in doc["gradients"]["skipped"] and doc["gradients"]["cases"] == []
+    assert summary(r.output) == (1, 0)
