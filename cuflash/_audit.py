@@ -84,6 +84,7 @@ PASS_RULE = (
     "are pre-filled with NaN, so elements the kernel never writes fail) and the returned "
     "(o, lse) are those buffers.\n\n"
     "(3) lse: rows whose reference lse is -inf (no visible key) must be exactly -inf; every "
+    "row whose reference lse is NaN or +inf (NaN or inf inputs) must be non-finite; every "
     "other row must be finite with |lse - lse_ref| <= max(1e-5, 2u) * max(1, |lse_ref|) "
     "(lse is float32 for every dtype and built from float32-accumulated scores; the 2u lets "
     "16-bit kernels sum probabilities rounded to the dtype).\n\n"
@@ -508,9 +509,9 @@ def lse_check(lse, lse_ref, dtype: str, extra: float = 0.0) -> Tuple[float, floa
     bad = int(np.count_nonzero(fin & ~np.isfinite(lse)))
     if bad:
         reasons.append(f"{bad} lse entries are not finite where the reference is")
-    missed = int(np.count_nonzero(np.isnan(lse_ref) & np.isfinite(lse)))
+    missed = int(np.count_nonzero((np.isnan(lse_ref) | (lse_ref == np.inf)) & np.isfinite(lse)))
     if missed:
-        reasons.append(f"{missed} lse entries are finite where the reference is NaN")
+        reasons.append(f"{missed} lse entries are finite where the reference is NaN or +inf")
     rtol = LSE_RTOL[dtype]
     if fin.any():
         diff = np.abs(lse[fin] - lse_ref[fin])

@@ -392,3 +392,28 @@ def test_npz_gradients_of_nan_inputs_are_not_judged_against_a_reference_without_
     doc = json.loads(report.read_text())
     assert "q holds NaN/inf" in doc["gradients"]["skipped"] and doc["gradients"]["cases"] == []
     assert summary(r.output) == (1, 0)
+
+
+def test_finite_lse_where_the_reference_lse_is_plus_inf_fails(tmp_path, monkeypatch):
+    """A +inf score (an inf in k) makes the reference lse +inf; rule (3) checked only finite,
+    -inf and NaN reference rows, so a finite lse there passed."""
+    import cuflash._cpu as cpu
+
+    path = tmp_path / "inf.npz"
+    a = _npz(path)
+    a["q"][...] = np.abs(a["q"]) + 0.5
+    a["k"][1, 4, :] = np.inf         # every row of batch 1 scores +inf on key 4
+    np.savez(path, **a)
+    r = run(path, "--device", "cpu", "--no-peers")
+    assert r.exit_code == 0, r.output
+    real = cpu.attention_numpy
+
+    def finite_lse(*args, **kw):
+        o, lse = real(*args, **kw)
+        lse[~np.isfinite(lse)] = 0.0
+        return o, lse
+
+    monkeypatch.setattr(cpu, "attention_numpy", finite_lse)
+    r = run(path, "--device", "cpu", "--no-peers")
+    assert r.exit_code == 1, r.output
+    assert "5 lse entries are finite where the reference is NaN or +inf" in r.output
