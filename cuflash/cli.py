@@ -33,7 +33,8 @@ Pass rule. {rule}
 
 Exit status: 0 only when every case, property and gradient case passes, 1 when any fails, 2
 for usage errors (no GPU for --device gpu, a bad --seed, an unreadable FILE, a missing or
-unknown array, shapes cuflash rejects, an unwritable --json or --report path).
+unknown array, shapes cuflash rejects, an unwritable --json or --report path) and when the
+--json or --report output cannot be written at the end (the verdict is printed first).
 """
 
 
@@ -270,20 +271,31 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
     doc["summary"] = {**doc["summary"], "passed": n_pass, "failed": n_all - n_pass,
                       "gradient_cases": len(grads)}
     doc["exit_status"] = status
+    # A write that fails now (a full disk, a path gone since the checks up front) is said after
+    # the verdict, with exit status 2: not a traceback, and not 1, which would claim a failure.
+    unwritten = []
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=2, allow_nan=False)
-            fh.write("\n")
+        try:
+            with open(json_path, "w", encoding="utf-8") as fh:
+                json.dump(doc, fh, indent=2, allow_nan=False)
+                fh.write("\n")
+        except OSError as exc:
+            unwritten.append(f"--json {json_path}: cannot write it ({exc.strerror or exc})")
     if report_dir:
         from cuflash import _report
 
-        index = _report.write_report(report_dir, doc)
-        click.echo("")
-        click.echo(f"report: {index}")
+        try:
+            index = _report.write_report(report_dir, doc)
+            click.echo("")
+            click.echo(f"report: {index}")
+        except OSError as exc:
+            unwritten.append(f"--report {report_dir}: cannot write it ({exc.strerror or exc})")
     click.echo("")
     click.echo(f"elapsed: {elapsed:.1f} s")
     click.echo(f"{n_pass} passed, {n_all - n_pass} failed")
-    sys.exit(status)
+    for line in unwritten:
+        click.echo(f"Error: {line}", err=True)
+    sys.exit(2 if unwritten else status)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -417,3 +417,25 @@ def test_finite_lse_where_the_reference_lse_is_plus_inf_fails(tmp_path, monkeypa
     r = run(path, "--device", "cpu", "--no-peers")
     assert r.exit_code == 1, r.output
     assert "5 lse entries are finite where the reference is NaN or +inf" in r.output
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_json_that_cannot_be_written_at_the_end_is_exit_2_after_the_verdict(tmp_path,
+                                                                             monkeypatch):
+    """The path passes the check up front but the write fails (a full disk): a traceback and
+    exit status 1, the failure status, before the verdict was printed."""
+    from cuflash import _report
+
+    npz = tmp_path / "p.npz"
+    _npz(npz)
+    r = run(npz, "--device", "cpu", "--no-peers", "--json", "/dev/full")
+    assert r.exit_code == 2, r.output
+    assert "1 passed, 0 failed" in r.output and "--json /dev/full: cannot write it" in r.output
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_report, "write_report", full)
+    r = run(npz, "--device", "cpu", "--no-peers", "--report", tmp_path / "rep")
+    assert r.exit_code == 2 and "1 passed, 0 failed" in r.output
+    assert "No space left on device" in r.output
