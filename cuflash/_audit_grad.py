@@ -233,13 +233,20 @@ def run_grid(device, dtypes: Sequence[str], seed: int, quick: bool = False,
 
 def inputs_from_npz(path: str, dtypes_requested: Sequence[str]):
     """GradInputs from an .npz holding q, k, v and do (None when it has no ``do``), and the
-    dtypes to audit (the file's, or those requested)."""
+    dtypes to audit (the file's, or those requested). A ``do`` that is not a real array
+    (complex, bool, text) is an AuditError."""
     with np.load(path, allow_pickle=False) as f:
         if "do" not in f.files:
             return None, []
         arrays = [f[n] for n in ("q", "k", "v", "do")]
         causal = bool(f["causal"]) if "causal" in f.files else False
         scale = float(f["scale"]) if "scale" in f.files else None
+    if arrays[3].dtype.kind not in "fiu":
+        # np.asarray(a complex do, float64) would drop the imaginary part without a word.
+        from cuflash._audit import AuditError
+
+        raise AuditError(f"{path}: 'do' must be a real array (o's shape), got dtype "
+                         f"{arrays[3].dtype} and shape {arrays[3].shape}")
     names = {a.dtype.name for a in arrays}
     if dtypes_requested:
         dtypes, exact = list(dtypes_requested), None

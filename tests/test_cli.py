@@ -439,3 +439,15 @@ def test_json_that_cannot_be_written_at_the_end_is_exit_2_after_the_verdict(tmp_
     r = run(npz, "--device", "cpu", "--no-peers", "--report", tmp_path / "rep")
     assert r.exit_code == 2 and "1 passed, 0 failed" in r.output
     assert "No space left on device" in r.output
+
+
+@pytest.mark.parametrize("do", [np.ones((2, 5, 4), np.complex64), np.array("x")],
+                         ids=["complex", "text"])
+def test_npz_do_that_is_not_real_is_refused_naming_it(tmp_path, do):
+    """A complex do lost its imaginary part in np.asarray(do, float64) and the gradients were
+    audited (and PASSED) for another do than the file's."""
+    path = tmp_path / "do.npz"
+    _npz(path, do=do)
+    r = run(path, "--device", "cpu", "--no-peers")
+    assert r.exit_code == 2, r.output
+    assert "'do' must be a real array" in r.output and "PASS" not in r.output
