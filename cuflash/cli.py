@@ -179,6 +179,10 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
     seed = None if file is not None else (
         _audit.new_seed() if seed == "random" else _parse_seed(seed))
     if json_path:
+        if file is not None and os.path.exists(file) and os.path.exists(json_path) \
+                and os.path.samefile(file, json_path):
+            raise _InputError(f"--json {json_path} is FILE itself: writing the results would "
+                              "overwrite the inputs")
         _check_writable(json_path, "--json")
     if report_dir:
         _check_report_dir(report_dir)

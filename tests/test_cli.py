@@ -451,3 +451,13 @@ def test_npz_do_that_is_not_real_is_refused_naming_it(tmp_path, do):
     r = run(path, "--device", "cpu", "--no-peers")
     assert r.exit_code == 2, r.output
     assert "'do' must be a real array" in r.output and "PASS" not in r.output
+
+
+def test_json_onto_the_file_audited_is_refused(tmp_path):
+    """cuflash-check x.npz --json x.npz overwrote the user's inputs with the results."""
+    path = tmp_path / "p.npz"
+    _npz(path)
+    before = path.read_bytes()
+    r = run(path, "--device", "cpu", "--no-peers", "--json", path)
+    assert r.exit_code == 2, r.output
+    assert "overwrite the inputs" in r.output and path.read_bytes() == before
