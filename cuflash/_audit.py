@@ -84,6 +84,7 @@ PASS_RULE = (
     "are pre-filled with NaN, so elements the kernel never writes fail) and the returned "
     "(o, lse) are those buffers.\n\n"
     "(3) lse: rows whose reference lse is -inf (no visible key) must be exactly -inf; every "
+    "row whose reference lse is NaN or +inf (NaN or inf inputs) must be non-finite; every "
     "other row must be finite with |lse - lse_ref| <= max(1e-5, 2u) * max(1, |lse_ref|) "
     "(lse is float32 for every dtype and built from float32-accumulated scores; the 2u lets "
     "16-bit kernels sum probabilities rounded to the dtype).\n\n"
@@ -93,7 +94,10 @@ PASS_RULE = (
     "cuflash stays within the case rule; a max jump of ~150 between key tiles (alpha "
     "underflows) must stay within the case rule; merge_states of two key halves must match "
     "the reference over all keys within the case rule plus 8 * 2^-24 * max(1, |lse_ref|) * "
-    "max|o_ref| (the halves' lse are float32)."
+    "max|o_ref| (the halves' lse are float32); each attention variant (window, softcap, ALiBi, "
+    "bias, mask, user hooks) must pass (1), (1b) and (3) forward and the gradient rule below "
+    "for dq, dk, dv (and dbias), its row showing the worst error as a fraction of any of "
+    "those bars against a limit of 1."
 )
 
 
@@ -505,9 +509,9 @@ def lse_check(lse, lse_ref, dtype: str, extra: float = 0.0) -> Tuple[float, floa
     bad = int(np.count_nonzero(fin & ~np.isfinite(lse)))
     if bad:
         reasons.append(f"{bad} lse entries are not finite where the reference is")
-    missed = int(np.count_nonzero(np.isnan(lse_ref) & np.isfinite(lse)))
+    missed = int(np.count_nonzero((np.isnan(lse_ref) | (lse_ref == np.inf)) & np.isfinite(lse)))
     if missed:
-        reasons.append(f"{missed} lse entries are finite where the reference is NaN")
+        reasons.append(f"{missed} lse entries are finite where the reference is NaN or +inf")
     rtol = LSE_RTOL[dtype]
     if fin.any():
         diff = np.abs(lse[fin] - lse_ref[fin])
@@ -1033,8 +1037,15 @@ def property_audits(device: Device, dtypes: Sequence[str], seed: int) -> List[Pr
 # user files
 # ----------------------------------------------------------------------------------------------
 
+#: The optional arrays of a FILE (.npz): the scalars causal and scale, and the upstream
+#: gradient do (read by `cuflash._audit_grad.inputs_from_npz`). Any other name is refused.
+NPZ_OPTIONAL = ("causal", "scale", "do")
+
+
 def load_npz(path: str, dtypes_requested: Sequence[str]) -> Tuple[Inputs, List[str]]:
     """Read q, k, v (and the optional scalars causal, scale) from an .npz file.
+
+    An array of any other name than q, k, v and :data:`NPZ_OPTIONAL` is an AuditError.
 
     Returns the inputs and the dtypes to audit: the file's dtype, or ``dtypes_requested`` (the
     values are then rounded to each).  Arrays the audit cannot take apart (no common supported
@@ -1068,7 +1079,15 @@ def load_npz(path: str, dtypes_requested: Sequence[str]) -> Tuple[Inputs, List[s
                 f"{path}: missing array{'s' if len(missing) > 1 else ''} "
                 f"{', '.join(repr(m) for m in missing)}; the file has "
                 f"{', '.join(repr(n) for n in f.files) or 'no arrays'} "
-                "(expected q, k, v and optionally causal, scale)")
+                f"(expected q, k, v and optionally {', '.join(NPZ_OPTIONAL)})")
+        unknown = [n for n in f.files if n not in ("q", "k", "v") + NPZ_OPTIONAL]
+        if unknown:
+            # A misspelt name ("is_causal", "dO") would otherwise be dropped and another
+            # problem than the one meant audited (non-causal, or without its gradients).
+            raise AuditError(
+                f"{path}: unexpected array{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(repr(n) for n in unknown)}; the file may hold only q, k, v and "
+                f"optionally {', '.join(NPZ_OPTIONAL)}")
         q, k, v = (f[n] for n in ("q", "k", "v"))
         causal, scale = False, None
         if "causal" in f.files:
@@ -1276,8 +1295,12 @@ def _json_num(x):
 
 def to_json(*, device: Device, reason: str, seed: Optional[int], mode: str,
             cases: Sequence[CaseResult], props: Sequence[PropertyResult], dtypes, file=None,
-            seconds: float) -> Dict[str, Any]:
-    """Everything the run found, as a JSON-serialisable dict (non-finite floats as strings)."""
+            seconds: float, quick: bool = False, peers: Sequence[str] = ()) -> Dict[str, Any]:
+    """Everything the run found, as a JSON-serialisable dict (non-finite floats as strings).
+
+    ``mode`` is "standard" or "file"; ``quick`` whether the standard audit ran its --quick
+    subset (always False for a file); ``peers`` the peer libraries measured (empty with
+    --no-peers or where none imports)."""
     def case(r: CaseResult):
         d = {k: _json_num(v) for k, v in r.__dict__.items()}
         d["result"] = "PASS" if r.passed else "FAIL"
@@ -1293,7 +1316,9 @@ def to_json(*, device: Device, reason: str, seed: Optional[int], mode: str,
     return {
         "tool": "cuflash-check",
         "mode": mode,
+        "quick": bool(quick) and mode == "standard",
         "file": file,
+        "peers": list(peers),
         "device": {"selected": device.name, "reason": reason, **device.info()},
         "versions": versions(),
         "seed": seed,

@@ -233,13 +233,20 @@ def run_grid(device, dtypes: Sequence[str], seed: int, quick: bool = False,
 
 def inputs_from_npz(path: str, dtypes_requested: Sequence[str]):
     """GradInputs from an .npz holding q, k, v and do (None when it has no ``do``), and the
-    dtypes to audit (the file's, or those requested)."""
+    dtypes to audit (the file's, or those requested). A ``do`` that is not a real array
+    (complex, bool, text) is an AuditError."""
     with np.load(path, allow_pickle=False) as f:
         if "do" not in f.files:
             return None, []
         arrays = [f[n] for n in ("q", "k", "v", "do")]
         causal = bool(f["causal"]) if "causal" in f.files else False
         scale = float(f["scale"]) if "scale" in f.files else None
+    if arrays[3].dtype.kind not in "fiu":
+        # np.asarray(a complex do, float64) would drop the imaginary part without a word.
+        from cuflash._audit import AuditError
+
+        raise AuditError(f"{path}: 'do' must be a real array (o's shape), got dtype "
+                         f"{arrays[3].dtype} and shape {arrays[3].shape}")
     names = {a.dtype.name for a in arrays}
     if dtypes_requested:
         dtypes, exact = list(dtypes_requested), None
@@ -251,6 +258,19 @@ def inputs_from_npz(path: str, dtypes_requested: Sequence[str]):
     label = "(" + ",".join(str(x) for x in batch + (q.shape[-2], k.shape[-2], q.shape[-1],
                                                     v.shape[-1])) + ")"
     return GradInputs(q, k, v, do, causal, scale, label, exact=exact), dtypes
+
+
+def nonfinite_reason(inp: GradInputs) -> str:
+    """Why the gradients of ``inp`` cannot be judged ("" when they can): NaN or inf in q, k, v
+    or do. The float64 reference gradients (:func:`cuflash.reference.attention_backward_ref`)
+    do not carry them (a NaN score's weight counts as 0 there), so a correct backward, whose
+    gradients are NaN where the mathematics makes them NaN, would be reported as failing."""
+    held = [n for n in ("q", "k", "v", "do")
+            if not np.all(np.isfinite(np.asarray(getattr(inp, n), dtype=np.float64)))]
+    if not held:
+        return ""
+    return (f"{', '.join(held)} hold{'s' if len(held) == 1 else ''} NaN/inf, which the float64 "
+            "reference gradients do not carry, so there is nothing to judge dq, dk, dv against")
 
 
 def _fmt(x) -> str:
@@ -292,7 +312,8 @@ def format_failures(results: Sequence[GradCaseResult]) -> str:
                      for r in results if not r.passed)
 
 
-def to_json(results: Sequence[GradCaseResult]) -> Dict[str, Any]:
+def to_json(results: Sequence[GradCaseResult], skipped: str = "") -> Dict[str, Any]:
+    """The gradient section as JSON; ``skipped``: why a FILE's gradients were not audited."""
     from cuflash._audit import _json_num
 
     def case(r):
@@ -302,6 +323,7 @@ def to_json(results: Sequence[GradCaseResult]) -> Dict[str, Any]:
         d["result"] = "PASS" if r.passed else "FAIL"
         return d
 
-    return {"pass_rule": GRAD_RULE, "cases": [case(r) for r in results],
+    return {"pass_rule": GRAD_RULE, "skipped": skipped or None,
+            "cases": [case(r) for r in results],
             "summary": {"passed": sum(r.passed for r in results),
                         "failed": sum(not r.passed for r in results)}}

@@ -51,9 +51,59 @@ def _mask(rng, batch, sq, sk):
     return m
 
 
+def grad_verdict(names, grads, refs, tols):
+    """(worst error / threshold, reasons) of gradients against their float64 references.
+
+    Parameters
+    ----------
+    names : sequence of str
+        "dq", "dk", "dv" (and "dbias").
+    grads, refs : sequences of ndarray
+        The audited gradients (as float64 on the host) and the references, pairwise one shape.
+    tols : sequence of float
+        The thresholds of :func:`cuflash.reference.grad_pass_threshold`.
+
+    Returns
+    -------
+    frac : float
+        The largest ``max|g - ref| / tol``; inf where a gradient has the wrong shape, is
+        non-finite where its reference is finite (or finite where it is not), has a NaN error,
+        or errs under a zero threshold. Never NaN, so it compares like the other bars.
+    reasons : list of str
+        Why it fails (empty when ``frac <= 1``).
+    """
+    worst, reasons = 0.0, []
+    for name, g, r, t in zip(names, grads, refs, tols):
+        g, r = np.asarray(g, dtype=np.float64), np.asarray(r, dtype=np.float64)
+        if g.shape != r.shape:
+            worst = np.inf
+            reasons.append(f"{name} has shape {g.shape}, expected {r.shape}")
+            continue
+        fin = np.isfinite(r)
+        bad = int(np.count_nonzero(fin != np.isfinite(g)))
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(g - r)[fin]
+        err = float(np.max(diff)) if diff.size else 0.0
+        frac = err / t if t > 0 else (0.0 if err == 0 else np.inf)
+        frac = np.inf if bad or not frac == frac else frac
+        if bad:
+            reasons.append(f"{bad} {name} elements are non-finite where the reference is finite "
+                           "(or finite where it is not)")
+        if not frac <= 1.0:
+            reasons.append(f"{name}: max abs error {err:.3g} > threshold {t:.3g}")
+        worst = max(worst, frac)
+    return float(worst), reasons
+
+
 def variant_audits(device, dtypes: Sequence[str], rng, property_result, numpy_dtype) -> List:
-    """PropertyResults of the variant audit (``property_result``: the audit's result class)."""
+    """PropertyResults of the variant audit (``property_result``: the audit's result class).
+
+    Each result's ``measured`` is the worst fraction of a bar (the forward's err/thr and
+    err/bound, its lse's error over its bound, each gradient's error over its threshold) and
+    ``limit`` is 1: it passes when every bar holds.
+    """
     from . import attention, attention_backward
+    from ._audit import lse_check
 
     out = []
     batch, sq, sk, d = (2, 3), 37, 45, 32
@@ -77,18 +127,27 @@ def variant_audits(device, dtypes: Sequence[str], rng, property_result, numpy_dt
                                                float("nan"), False,
                                                f"raised {type(exc).__name__}: {exc}"))
                     continue
-                rule = reference.pass_threshold(q, k, v, causal=causal, dtype=dtype, **kw)
+                o_ref, lse_ref = reference.attention_ref(q, k, v, causal=causal, **kw)
+                rule = reference.pass_threshold(q, k, v, causal=causal, dtype=dtype, o_ref=o_ref,
+                                                **kw)
                 verdict = rule.judge(device.to_host(o).astype(np.float64))
+                # The forward's rule (3): lse, as in the main grid.
+                lse_err, lse_tol, lse_why = lse_check(device.to_host(lse), lse_ref, dtype)
+                lse_frac = (lse_err / lse_tol if lse_tol > 0 else
+                            (0.0 if lse_err == 0 else np.inf))
+                if not lse_frac == lse_frac or (lse_why and lse_frac <= 1.0):
+                    lse_frac = np.inf   # NaN, or a non-finite lse where it must be finite
                 ref = reference.attention_backward_ref(do, q, k, v, causal=causal,
                                                        return_dbias="bias" in kw, **kw)
                 tols, _ = reference.grad_pass_threshold(do, q, k, v, causal=causal, dtype=dtype,
                                                         ref=ref, return_dbias="bias" in kw, **kw)
-                fracs = [float(np.max(np.abs(device.to_host(g).astype(np.float64) - r))) / t
-                         if t > 0 else 0.0 for g, r, t in zip(grads, ref, tols)]
-                gfrac = max(fracs) if fracs else 0.0
-                ok = verdict.passed and gfrac <= 1.0
-                detail = "; ".join(verdict.reasons) or (
-                    f"gradients at {gfrac:.2g}x their threshold" if gfrac else "")
-                out.append(property_result(f"variant {name}", where, verdict.frac_threshold,
-                                           1.0, ok, detail or "forward and gradients pass"))
+                gfrac, gwhy = grad_verdict(("dq", "dk", "dv", "dbias"),
+                                           [device.to_host(g) for g in grads], ref, tols)
+                fwd = max(verdict.frac_threshold, verdict.frac_bound)
+                measured = max(fwd if fwd == fwd else np.inf, lse_frac, gfrac)
+                ok = verdict.passed and not lse_why and gfrac <= 1.0
+                detail = "; ".join(verdict.reasons + lse_why + gwhy) or (
+                    f"forward at {fwd:.2g}x its bars, lse at {lse_frac:.2g}x its bound, "
+                    f"gradients at {gfrac:.2g}x their thresholds")
+                out.append(property_result(f"variant {name}", where, measured, 1.0, ok, detail))
     return out

@@ -15,6 +15,7 @@ is. Plots (matplotlib, the optional ``report`` extra, drawn off-screen with the 
   ``prop_alpha_underflow.png``: the recurrence's properties as pictures, computed here from
   :mod:`cuflash.reference` (float64) on small fresh examples.
 
+Above the plots, every failed case, property and gradient case is listed with its reasons.
 The inputs of :func:`write_report` are the JSON document of the audit
 (:func:`cuflash._audit.to_json`), so a report can also be drawn from a saved ``--json`` file.
 """
@@ -461,6 +462,35 @@ def _prop_table(props: List[Dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _failures(cases, props, grads) -> str:
+    """Every failed case, property and gradient case with its reasons, in view (the tables
+    below are folded): "" when nothing failed."""
+    items = []
+    for c in cases:
+        if c.get("result") != "PASS":
+            items.append(f"{c['dtype']} {c['kernel']} {c['shape']} causal={c['causal']}: "
+                         + "; ".join(c.get("reasons", [])))
+    for p in props:
+        if p.get("result") != "PASS":
+            items.append(f"{p['name']} [{p['where']}]: {p.get('detail', '')}")
+    for g in grads:
+        if g.get("result") != "PASS":
+            items.append(f"gradients {g['dtype']} {g['kernel']} {g['shape']} "
+                         f"causal={g['causal']}: " + "; ".join(g.get("reasons", [])))
+    if not items:
+        return ""
+    return ("<h2>Failures</h2><ul>" + "".join(f"<li class='fail-t'>{_e(x)}</li>" for x in items)
+            + "</ul>")
+
+
+def _mode(doc: Dict[str, Any]) -> str:
+    """What ran: "standard", "standard (--quick)" or "file PATH"."""
+    mode = str(doc.get("mode"))
+    if mode == "file":
+        return f"file {doc.get('file')}"
+    return mode + (" (--quick)" if doc.get("quick") else "")
+
+
 def write_report(directory: str, doc: Dict[str, Any]) -> str:
     """Write ``index.html`` and its PNG plots into ``directory`` (created if needed).
 
@@ -516,10 +546,13 @@ def write_report(directory: str, doc: Dict[str, Any]) -> str:
         "<title>cuflash-check report</title>", f"<style>{_CSS}</style></head><body>",
         "<h1>cuflash-check report</h1>",
         f"<p class='summary'>{verdict}: {_e(s.get('passed', 0))} passed, {n_fail} failed "
-        f"({_e(s.get('cases', 0))} cases, {_e(s.get('properties', 0))} property audits) on "
+        f"({_e(s.get('cases', 0))} cases, {_e(s.get('properties', 0))} property audits, "
+        f"{_e(s.get('gradient_cases', len(grads)))} gradient cases) on "
         f"{_e(dev.get('selected', '?'))} in {_e(doc.get('seconds', '?'))} s; mode "
-        f"{_e(doc.get('mode'))}, seed {_e(doc.get('seed'))}, dtypes "
-        f"{_e(', '.join(doc.get('dtypes', [])))}.</p>",
+        f"{_e(_mode(doc))}, seed {_e(doc.get('seed'))}, dtypes "
+        f"{_e(', '.join(doc.get('dtypes', [])))}, peers "
+        f"{_e(', '.join(doc.get('peers') or []) or 'none')}.</p>",
+        _failures(cases, props, grads),
         "<h2>Device and versions</h2>", _kv_table(dev), "<p></p>",
         _kv_table(doc.get("versions", {})),
         "<h2>Cases</h2>",
@@ -534,6 +567,10 @@ def write_report(directory: str, doc: Dict[str, Any]) -> str:
                      f"<figcaption>{_e(caption)}</figcaption></figure>")
     if props:
         parts.append(_prop_table(props))
+    skipped = (doc.get("gradients") or {}).get("skipped")
+    if skipped:
+        parts += ["<h2>Gradients (attention_backward)</h2>",
+                  f"<p>Not audited: {_e(skipped)}.</p>"]
     if grads:
         _plot_gradients(grads, os.path.join(directory, "gradients.png"))
         parts += ["<h2>Gradients (attention_backward)</h2>",

@@ -21,16 +21,20 @@ followed by property audits of the online-softmax recurrence and of the merge op
 Inputs are random, from numpy.random.default_rng([SEED, shape index]); the seed is printed.
 
 With FILE (an .npz holding arrays q, k, v and optionally the scalars causal (bool) and scale
-(float)), audit that single problem in the file's dtype, or in each --dtype given; when the file
-also holds do (the upstream gradient, o's shape), audit the gradients of attention_backward too.
-The standard audit has a gradient section of its own grid.
+(float) and the upstream gradient do (o's shape), and no other array: an unknown name is a
+usage error), audit that single problem in the file's dtype, or in each --dtype given, and
+with do the gradients of attention_backward too (not when q, k, v or do hold NaN/inf, which
+the float64 reference gradients do not carry: the output says so). --seed and --quick do not
+apply to a FILE. The standard audit has a gradient section of its own grid.
 
 Pass rule. {rule}
 
 {grad_rule}
 
-Exit status: 0 when everything passes, 1 when any case or property fails, 2 for usage errors
-(no GPU for --device gpu, unreadable FILE, missing array, shapes cuflash rejects).
+Exit status: 0 only when every case, property and gradient case passes, 1 when any fails, 2
+for usage errors (no GPU for --device gpu, a bad --seed, an unreadable FILE, a missing or
+unknown array, shapes cuflash rejects, an unwritable --json or --report path) and when the
+--json or --report output cannot be written at the end (the verdict is printed first).
 """
 
 
@@ -82,11 +86,15 @@ def _check_report_dir(path: str) -> None:
 
 
 def _parse_seed(text):
+    """--seed: a non-negative integer (numpy.random.default_rng takes no negative seed)."""
     try:
-        return int(text)
+        seed = int(text)
     except ValueError:
-        raise click.BadParameter(f"expected an integer or 'random', got {text!r}",
-                                 param_hint="--seed") from None
+        seed = -1
+    if seed < 0:
+        raise click.BadParameter(f"expected a non-negative integer or 'random', got {text!r}",
+                                 param_hint="--seed")
+    return seed
 
 
 class _Progress:
@@ -148,11 +156,13 @@ class _Progress:
               help="Restrict (or, with FILE, cast) to these dtypes; repeat for several. "
                    "Default: float16, bfloat16 (with ml_dtypes), float32, float64.")
 @click.option("--seed", default="0", show_default=True,
-              help="Seed of the random inputs, or 'random' for a fresh one (printed). A fixed "
+              help="Seed of the random inputs (an integer >= 0), or 'random' for a fresh one "
+                   "(printed; passing it back with --seed reproduces the run). A fixed "
                    "default makes the standard audit reproducible run to run.")
 @click.option("--quick", is_flag=True, help="A small subset of the grid (seconds).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
-              help="Also write every result, the device, versions and the seed as JSON.")
+              help="Also write every result, the device, versions, the seed, the mode "
+                   "(standard, --quick, file), the peers and the exit status as JSON.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False),
               help="Also write a self-contained HTML report with PNG plots into this directory "
                    "(created if needed; needs matplotlib: pip install cuflash[report]).")
@@ -165,7 +175,14 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
     from cuflash import _audit, _audit_grad
 
     t0 = time.perf_counter()
+    # FILE mode draws nothing: its seed is None. Checked before anything is printed or run.
+    seed = None if file is not None else (
+        _audit.new_seed() if seed == "random" else _parse_seed(seed))
     if json_path:
+        if file is not None and os.path.exists(file) and os.path.exists(json_path) \
+                and os.path.samefile(file, json_path):
+            raise _InputError(f"--json {json_path} is FILE itself: writing the results would "
+                              "overwrite the inputs")
         _check_writable(json_path, "--json")
     if report_dir:
         _check_report_dir(report_dir)
@@ -185,11 +202,10 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
         click.echo(f"peers: {', '.join(peer_names)} (their SDPA on the same inputs; --no-peers "
                    "to skip)")
 
-    props, grads = [], []
+    props, grads, grads_skipped = [], [], ""
     table = _audit.CaseTable(peers=bool(peer_names))
     if file is None:
         mode = "standard"
-        seed = _audit.new_seed() if seed == "random" else _parse_seed(seed)
         shapes = _audit.standard_grid(quick)
         click.echo(f"seed: {seed}   dtypes: {', '.join(dtypes)}   "
                    f"{len(shapes)} shapes{' (--quick)' if quick else ''}")
@@ -210,7 +226,6 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
         grads = _audit_grad.run_grid(device, dtypes, seed, quick)
     else:
         mode = "file"
-        seed = None
         try:
             inp, dtypes = _audit.load_npz(file, dtypes)
             if inp.exact == "raw":
@@ -224,7 +239,10 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
             cases = _audit.run_inputs(device, inp, dtypes, raise_call_errors=True,
                                       peers=peer_names)
             ginp, gdtypes = _audit_grad.inputs_from_npz(file, dtypes)
-            if ginp is not None:
+            grads_skipped = "" if ginp is None else _audit_grad.nonfinite_reason(ginp)
+            if grads_skipped:
+                click.echo(f"gradients: not audited: {grads_skipped}")
+            elif ginp is not None:
                 grads = _audit_grad.run_inputs(device, ginp, gdtypes, raise_call_errors=True)
         except _audit.AuditError as exc:
             raise _InputError(str(exc)) from None
@@ -249,25 +267,39 @@ def main(file, device_name, dtypes, seed, quick, json_path, report_dir, peers, p
     n_pass = sum(r.passed for r in cases) + sum(p.passed for p in props) + \
         sum(g.passed for g in grads)
     elapsed = time.perf_counter() - t0
+    status = 0 if n_pass == n_all else 1
     doc = _audit.to_json(device=device, reason=reason, seed=seed, mode=mode, cases=cases,
-                         props=props, dtypes=dtypes, file=file, seconds=elapsed)
-    doc["gradients"] = _audit_grad.to_json(grads)
+                         props=props, dtypes=dtypes, file=file, seconds=elapsed, quick=quick,
+                         peers=peer_names)
+    doc["gradients"] = _audit_grad.to_json(grads, grads_skipped)
     doc["summary"] = {**doc["summary"], "passed": n_pass, "failed": n_all - n_pass,
                       "gradient_cases": len(grads)}
+    doc["exit_status"] = status
+    # A write that fails now (a full disk, a path gone since the checks up front) is said after
+    # the verdict, with exit status 2: not a traceback, and not 1, which would claim a failure.
+    unwritten = []
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=2, allow_nan=False)
-            fh.write("\n")
+        try:
+            with open(json_path, "w", encoding="utf-8") as fh:
+                json.dump(doc, fh, indent=2, allow_nan=False)
+                fh.write("\n")
+        except OSError as exc:
+            unwritten.append(f"--json {json_path}: cannot write it ({exc.strerror or exc})")
     if report_dir:
         from cuflash import _report
 
-        index = _report.write_report(report_dir, doc)
-        click.echo("")
-        click.echo(f"report: {index}")
+        try:
+            index = _report.write_report(report_dir, doc)
+            click.echo("")
+            click.echo(f"report: {index}")
+        except OSError as exc:
+            unwritten.append(f"--report {report_dir}: cannot write it ({exc.strerror or exc})")
     click.echo("")
     click.echo(f"elapsed: {elapsed:.1f} s")
     click.echo(f"{n_pass} passed, {n_all - n_pass} failed")
-    sys.exit(0 if n_pass == n_all else 1)
+    for line in unwritten:
+        click.echo(f"Error: {line}", err=True)
+    sys.exit(2 if unwritten else status)
 
 
 if __name__ == "__main__":  # pragma: no cover

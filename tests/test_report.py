@@ -162,3 +162,31 @@ def test_real_peers_when_importable(peer):
     # A correct SDPA in float32 is within a few float32 roundings of the reference.
     assert np.isfinite(err) and err < 1e-4, res.peer_err
     assert res.peer_best == peer and np.isfinite(res.ratio_to_peer)
+
+
+def test_report_lists_failures_in_view_and_says_what_ran(tmp_path, monkeypatch):
+    """The page gave only counts and folded tables with reasons on hover; it now lists each
+    failure with its reasons, the mode (the FILE's path), the gradient cases and the peers."""
+    pytest.importorskip("matplotlib")
+    import cuflash._cpu as cpu
+
+    real = cpu.attention_numpy
+
+    def zero_last_row(*a, **kw):
+        o, lse = real(*a, **kw)
+        o[..., -1, :] = 0
+        return o, lse
+
+    rng = np.random.default_rng(3)
+    path = tmp_path / "p.npz"
+    np.savez(path, q=rng.standard_normal((2, 5, 8)).astype(np.float32),
+             k=rng.standard_normal((2, 9, 8)).astype(np.float32),
+             v=rng.standard_normal((2, 9, 4)).astype(np.float32),
+             do=rng.standard_normal((2, 5, 4)).astype(np.float32))
+    monkeypatch.setattr(cpu, "attention_numpy", zero_last_row)
+    out = tmp_path / "rep"
+    r = run(path, "--device", "cpu", "--no-peers", "--report", out)
+    assert r.exit_code == 1, r.output
+    text = (out / "index.html").read_text(encoding="utf-8")
+    assert "<h2>Failures</h2>" in text and "max abs error" in text
+    assert f"mode file {path}" in text and "1 gradient cases" in text and "peers none" in text
