@@ -566,3 +566,50 @@ def test_kvcache_long_sequence_tiles(dtype):
                          _t(_rep(v_i, 2)), causal=True, scale=None, dtype=dtype,
                          what=f"sequence {i}")
         _check_lse(lse[i], lse_ref, f"sequence {i}")
+
+
+# ---------------------------------------------------------------------------------------------
+# out= buffers that alias an input (README, "Errors": not checked; the CPU path reads its inputs
+# before it writes, so the result is the fresh buffer's)
+
+def test_varlen_out_aliasing_an_input_gives_the_fresh_result():
+    """attention_varlen with out=q (or v, or k) and attention_varlen_backward with out=(q, k, v)
+    (or (do, k, v)) give the results of fresh buffers, bit for bit: the CPU path once zeroed
+    out before reading the inputs (errors of order 1)."""
+    rng = _rng("alias")
+    lens_q, lens_k = [3, 0, 5, 2], [4, 2, 5, 0]
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, 4, 2, 8, 8, "float64", pad_q=1)
+    kh, vh = _rep(k, 4), _rep(v, 4)       # kv with H heads: q, k, v and o of one shape
+    assert q.shape == kh.shape == vh.shape
+    want, want_lse = cuflash.attention_varlen(q, kh, vh, cu_q, cu_k, 5, 5, causal=True,
+                                              return_lse=True)
+    for which in range(3):
+        args = [q.copy(), kh.copy(), vh.copy()]
+        buf = args[which]
+        got = cuflash.attention_varlen(*args, cu_q, cu_k, 5, 5, causal=True, out=buf)
+        assert got is buf and got.tobytes() == want.tobytes(), f"out= aliasing input {which}"
+    do = _randn(rng, want.shape, "float64")
+    grads = cuflash.attention_varlen_backward(do, q, kh, vh, want, want_lse, cu_q, cu_k, 5, 5,
+                                              causal=True)
+    for names in (("q", "k", "v"), ("do", "k", "v")):
+        ins = dict(do=do.copy(), q=q.copy(), k=kh.copy(), v=vh.copy(), o=want.copy())
+        out = tuple(ins[n] for n in names)
+        got = cuflash.attention_varlen_backward(ins["do"], ins["q"], ins["k"], ins["v"], ins["o"],
+                                                want_lse, cu_q, cu_k, 5, 5, causal=True, out=out)
+        for g, w, b in zip(got, grads, out):
+            assert g is b and g.tobytes() == w.tobytes(), f"out={names}"
+
+
+def test_kvcache_out_aliasing_q_gives_the_fresh_result():
+    """attention_with_kvcache with out=q (D == Dv): the fresh buffer's result, bit for bit."""
+    rng = _rng("alias_kv")
+    lens = np.array([5, 0, 9], np.int32)
+    q, kc, vc, bt, kn, vn = _cache_problem(rng, b=3, hkv=2, h=4, sq=3, d=8, dv=8, lens=lens,
+                                           snew=2, page=16, dtype="float64")
+    caches = [(kc.copy(), vc.copy()) for _ in range(2)]
+    want = cuflash.attention_with_kvcache(q, *caches[0], lens, block_table=bt, k_new=kn,
+                                          v_new=vn, causal=True)
+    qq = q.copy()
+    got = cuflash.attention_with_kvcache(qq, *caches[1], lens, block_table=bt, k_new=kn,
+                                         v_new=vn, causal=True, out=qq)
+    assert got is qq and got.tobytes() == want.tobytes()
