@@ -698,7 +698,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     o : array, shape (B, Sq, H, Dv), q's dtype
     lse : array, shape (B, H, Sq), float32 (only with ``return_lse``)
         A sequence with ``L_b = 0`` gives ``o = 0`` and ``lse = -inf`` (never NaN); so do rows
-        that the causal mask leaves without a key.
+        that the causal mask leaves without a key. To merge two results (a cache split in two)
+        with `merge_states`, pass ``o.transpose(0, 2, 1, 3)`` (B, H, Sq, Dv) with lse as it is:
+        o as returned does not match lse's axes (and when ``Sq == H`` the shapes agree but the
+        rows would take the wrong weights).
 
     Raises
     ------

@@ -414,7 +414,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lse : array, shape (H, total_q), float32 (FlashAttention's softmax_lse layout), only with
         ``return_lse``. Rows of a sequence with no key give o = 0 and lse = -inf; query rows past
         ``cu_seqlens_q[-1]`` belong to no sequence and are left unwritten on the GPU (0 and
-        -inf on the CPU).
+        -inf on the CPU). To merge two results with `merge_states`, pass
+        ``o.transpose(1, 0, 2)`` (H, total_q, Dv) with lse as it is (o as returned does not match
+        lse's axes; when ``total_q == H`` the shapes agree but the rows take the wrong weights).
 
     Raises
     ------
