@@ -613,3 +613,87 @@ def test_kvcache_out_aliasing_q_gives_the_fresh_result():
     got = cuflash.attention_with_kvcache(qq, *caches[1], lens, block_table=bt, k_new=kn,
                                          v_new=vn, causal=True, out=qq)
     assert got is qq and got.tobytes() == want.tobytes()
+
+
+def test_varlen_backward_ignores_rows_and_keys_of_no_sequence():
+    """NaN in the rows past cu_seqlens_q[-1] of q, o, do and lse (what the GPU forward leaves
+    unwritten) and in the keys past cu_seqlens_k[-1]: the clean gradients bit for bit, those rows
+    and keys 0."""
+    rng = _rng("bwd_tails")
+    lens_q, lens_k = [4, 0, 6], [5, 3, 2]
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, 4, 2, 8, 8, "float32", pad_q=3)
+    k = np.concatenate([k, _randn(rng, (2,) + k.shape[1:], "float32")])
+    v = np.concatenate([v, _randn(rng, (2,) + v.shape[1:], "float32")])
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    o, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 6, 5, causal=True, return_lse=True)
+    do = _randn(rng, o.shape, "float32").astype(np.float32)
+    want = cuflash.attention_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, 6, 5, causal=True)
+    nq, nk = int(cu_q[-1]), int(cu_k[-1])
+    q2, k2, v2, o2, do2, lse2 = (x.copy() for x in (q, k, v, o, do, lse))
+    for x in (q2, o2, do2):
+        x[nq:] = np.nan
+    lse2[:, nq:] = np.nan
+    k2[nk:], v2[nk:] = np.nan, np.inf
+    got = cuflash.attention_varlen_backward(do2, q2, k2, v2, o2, lse2, cu_q, cu_k, 6, 5,
+                                            causal=True)
+    for g, w in zip(got, want):
+        assert g.tobytes() == w.tobytes()
+    assert np.all(got[0][nq:] == 0) and np.all(got[1][nk:] == 0) and np.all(got[2][nk:] == 0)
+
+
+@pytest.mark.parametrize("page", [None, 16])
+def test_kvcache_filled_to_capacity(page):
+    """cache_seqlens + Snew equal to the capacity (the last slot of the last page written by the
+    append): against attention_ref, the cache as before plus the new keys."""
+    rng = _rng("kv_full", page)
+    b, hkv, h, d = 2, 1, 2, 8
+    if page is None:
+        cap = 20
+        kc, vc = (_randn(rng, (b, cap, hkv, d), "float64") for _ in range(2))
+        bt = None
+    else:
+        cap = 2 * page
+        kc, vc = (_randn(rng, (5, page, hkv, d), "float64") for _ in range(2))
+        bt = np.array([[3, 0], [4, 1]], np.int32)
+    snew = 3
+    lens = np.array([cap - snew, cap - snew - 5], np.int32)    # the first fills its capacity
+    kn, vn = (_randn(rng, (b, snew, hkv, d), "float64") for _ in range(2))
+    q = _randn(rng, (b, 2, h, d), "float64")
+    before = (kc.copy(), vc.copy())
+    o, lse = cuflash.attention_with_kvcache(q, kc, vc, lens, block_table=bt, k_new=kn, v_new=vn,
+                                            causal=True, return_lse=True)
+    np.testing.assert_array_equal(kc, _expected_after_append(before[0], lens, kn, bt))
+    np.testing.assert_array_equal(vc, _expected_after_append(before[1], lens, vn, bt))
+    for i in range(b):
+        k_i = np.concatenate([_gather_loop(before[0], lens[i], i, bt), kn[i]])
+        v_i = np.concatenate([_gather_loop(before[1], lens[i], i, bt), vn[i]])
+        lse_ref = _judge(o[i].transpose(1, 0, 2), _t(q[i]), _t(_rep(k_i, h)), _t(_rep(v_i, h)),
+                         causal=True, scale=None, dtype="float64", what=f"sequence {i}")
+        _check_lse(lse[i], lse_ref, f"sequence {i}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_varlen_scale_zero_and_negative(scale, dtype):
+    """scale = 0 (uniform weights over the visible keys) and a negative scale, forward and
+    backward, causal with Sq > Sk in one sequence."""
+    rng = _rng("scale", scale, dtype)
+    lens_q, lens_k = [1, 13, 9], [3, 6, 20]
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, 4, 2, 8, 8, dtype)
+    qc, kc, vc = (_as(x, dtype) for x in (q, k, v))
+    o, lse = cuflash.attention_varlen(qc, kc, vc, cu_q, cu_k, 13, 20, causal=True, scale=scale,
+                                      return_lse=True)
+    do = _randn(rng, o.shape, dtype)
+    grads = cuflash.attention_varlen_backward(_as(do, dtype), qc, kc, vc, o, lse, cu_q, cu_k, 13,
+                                              20, causal=True, scale=scale)
+    ref = _varlen_grads_ref(do, q, k, v, cu_q, cu_k, causal=True, scale=scale, h=4, hkv=2)
+    for s in range(len(lens_q)):
+        q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        lse_ref = _judge(_t(o[q0:q1]), _t(q[q0:q1]), _t(_rep(k[k0:k1], 4)), _t(_rep(v[k0:k1], 4)),
+                         causal=True, scale=scale, dtype=dtype, what=f"sequence {s}")
+        _check_lse(lse[:, q0:q1], lse_ref, f"sequence {s}")
+        seg = [_t(x) for x in (do[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1])]
+        tols, _ = reference.grad_pass_threshold(*seg, causal=True, scale=scale, dtype=dtype)
+        for gi, lo, hi in ((0, q0, q1), (1, k0, k1), (2, k0, k1)):
+            err = float(np.max(np.abs(np.asarray(grads[gi], np.float64)[lo:hi] - ref[gi][lo:hi])))
+            assert err <= tols[gi], f"sequence {s} grad {gi}: {err:.3e} > {tols[gi]:.3e}"
