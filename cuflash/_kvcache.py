@@ -271,8 +271,7 @@ def kvcache_numpy(prob):
 
     if prob.snew:
         _append_numpy(prob)
-    o = prob.out if prob.out is not None else np.empty((prob.b, prob.sq, prob.h, prob.dv),
-                                                        dtype=prob.q.dtype)
+    o = np.empty((prob.b, prob.sq, prob.h, prob.dv), dtype=prob.q.dtype)
     lse = np.empty((prob.b, prob.h, prob.sq), dtype=np.float32)
     lens = np.asarray(prob.seqlens) + prob.snew
     for i in range(prob.b):
@@ -283,7 +282,17 @@ def kvcache_numpy(prob):
         k_i, v_i = gather_kv_cache(prob.k_cache, prob.v_cache, int(lens[i]), i, prob.block_table)
         o[i], lse[i] = one_sequence_numpy(prob.q[i], k_i, v_i, causal=prob.causal,
                                           scale=prob.scale)
-    return o, into_out_lse(prob, lse)
+    return into_out(prob, o), into_out_lse(prob, lse)
+
+
+def into_out(prob, o):
+    """The CPU paths' o, copied into the caller's o buffer when one was given. The CPU paths
+    compute every sequence before writing ``out``, so that an out= buffer that aliases an input
+    gives the same result as a fresh one (README, "Errors")."""
+    if prob.out is None:
+        return o
+    prob.out[...] = o
+    return prob.out
 
 
 def into_out_lse(prob, lse):
@@ -689,7 +698,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     o : array, shape (B, Sq, H, Dv), q's dtype
     lse : array, shape (B, H, Sq), float32 (only with ``return_lse``)
         A sequence with ``L_b = 0`` gives ``o = 0`` and ``lse = -inf`` (never NaN); so do rows
-        that the causal mask leaves without a key.
+        that the causal mask leaves without a key. To merge two results (a cache split in two)
+        with `merge_states`, pass ``o.transpose(0, 2, 1, 3)`` (B, H, Sq, Dv) with lse as it is:
+        o as returned does not match lse's axes (and when ``Sq == H`` the shapes agree but the
+        rows would take the wrong weights).
 
     Raises
     ------

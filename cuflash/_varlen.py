@@ -19,7 +19,8 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _checks, _interop
-from ._kvcache import CallOptions, _int32_array, check_call_options, into_out_lse, one_sequence_numpy
+from ._kvcache import (CallOptions, _int32_array, check_call_options, into_out, into_out_lse,
+                       one_sequence_numpy)
 
 VARLEN_KERNELS = ("auto", "decode", "tensorcore", "hopper")
 
@@ -118,19 +119,18 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def varlen_numpy(prob):
-    """The CPU path: the NumPy recurrence per sequence; rows of no sequence are left 0."""
+    """The CPU path: the NumPy recurrence per sequence; rows of no sequence are left 0. Every
+    input is read before ``out`` is written (an out= buffer may alias q, k or v)."""
     total_q = prob.q.shape[0]
-    o = prob.out if prob.out is not None else np.empty((total_q, prob.h, prob.dv),
-                                                        dtype=prob.q.dtype)
+    o = np.zeros((total_q, prob.h, prob.dv), dtype=prob.q.dtype)
     lse = np.full((prob.h, total_q), -np.inf, dtype=np.float32)
-    o[...] = 0
     for s in range(prob.nseq):
         q0, q1 = int(prob.cu_q[s]), int(prob.cu_q[s + 1])
         k0, k1 = int(prob.cu_k[s]), int(prob.cu_k[s + 1])
         if q1 > q0 and k1 > k0:
             o[q0:q1], lse[:, q0:q1] = one_sequence_numpy(
                 prob.q[q0:q1], prob.k[k0:k1], prob.v[k0:k1], causal=prob.causal, scale=prob.scale)
-    return o, into_out_lse(prob, lse)
+    return into_out(prob, o), into_out_lse(prob, lse)
 
 
 def decode_like(prob) -> bool:
@@ -414,7 +414,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lse : array, shape (H, total_q), float32 (FlashAttention's softmax_lse layout), only with
         ``return_lse``. Rows of a sequence with no key give o = 0 and lse = -inf; query rows past
         ``cu_seqlens_q[-1]`` belong to no sequence and are left unwritten on the GPU (0 and
-        -inf on the CPU).
+        -inf on the CPU). To merge two results with `merge_states`, pass
+        ``o.transpose(1, 0, 2)`` (H, total_q, Dv) with lse as it is (o as returned does not match
+        lse's axes; when ``total_q == H`` the shapes agree but the rows take the wrong weights).
 
     Raises
     ------

@@ -95,15 +95,11 @@ def _segment_heads(x, hkv, lo, hi):
 def varlen_backward_numpy(prob):
     """The CPU path: the NumPy backward (`_cpu_backward.attention_backward_numpy`) per sequence,
     its query heads split into (Hkv, group) so that dk, dv sum over the group. Rows of no
-    sequence, and of sequences with no key or no query, get zero gradients."""
+    sequence, and of sequences with no key or no query, get zero gradients. Every input is read
+    before the ``out`` buffers are written (they may alias do, q, k, v or o)."""
     from ._cpu_backward import attention_backward_numpy
 
-    if prob.out_grads is not None:
-        dq, dk, dv = prob.out_grads
-    else:
-        dq, dk, dv = (np.empty(x.shape, dtype=x.dtype) for x in (prob.q, prob.k, prob.v))
-    for g in (dq, dk, dv):
-        g[...] = 0
+    dq, dk, dv = (np.zeros(x.shape, dtype=x.dtype) for x in (prob.q, prob.k, prob.v))
     for s in range(prob.nseq):
         q0, q1 = int(prob.cu_q[s]), int(prob.cu_q[s + 1])
         k0, k1 = int(prob.cu_k[s]), int(prob.cu_k[s + 1])
@@ -117,7 +113,11 @@ def varlen_backward_numpy(prob):
         dq[q0:q1] = gq.reshape(prob.h, q1 - q0, prob.d).transpose(1, 0, 2)
         dk[k0:k1] = gk.reshape(prob.hkv, k1 - k0, prob.d).transpose(1, 0, 2)
         dv[k0:k1] = gv.reshape(prob.hkv, k1 - k0, prob.dv).transpose(1, 0, 2)
-    return dq, dk, dv
+    if prob.out_grads is None:
+        return dq, dk, dv
+    for buf, g in zip(prob.out_grads, (dq, dk, dv)):
+        buf[...] = g
+    return tuple(prob.out_grads)
 
 
 @dataclass
