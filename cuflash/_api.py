@@ -121,11 +121,13 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     score_mod : cuflash.ScoreMod, optional
         A user score modification (CUDA C for the GPU, a NumPy callable for the CPU path and the
         references; :mod:`cuflash.mods`), applied to the score after softcap, alibi and bias.
-        GPU: the generic and the tensor-core forward kernels (the Hopper kernel refuses it).
+        GPU: the generic, tensor-core and Hopper forward kernels. Its CUDA code sees
+        ``q_idx``, ``kv_idx`` as the row's and key's own indices (not bottom-right aligned).
     mask_mod : cuflash.MaskMod, optional
         A user mask ``keep(b, h, q_idx, kv_idx, args)``, one more visibility condition.
     mod_args : array, shape (n,), float32, optional
-        The hooks' ``args`` (per-head constants, tables, document ids), on the inputs' device.
+        The hooks' ``args`` (per-head constants, tables, document ids), on the inputs' device;
+        needed, non-empty, when a hook's CUDA code reads ``args`` (else ValueError).
     workspace : GPU array, optional
         GPU only. Scratch memory for the decode kernel (the only kernel of `attention` that
         needs any): a C-contiguous buffer on the inputs' device of at least

@@ -201,6 +201,14 @@ def _small():
     ("Acc t = score; t += 1;", "return statement"),
     ("(score", "unclosed"),
     ("", "empty"),
+    # block-wide barriers in divergent code hang the block (they compiled before)
+    ("__syncthreads_count(1) ? score : score", "barriers"),
+    ("__syncthreads_or(q_idx > 3) ? score : score", "barriers"),
+    # NVRTC reads the source up to a NUL: the rest of the generated struct was cut off
+    ("score\0 + 1", "control characters"),
+    # writing through args (the user's table, read by every thread) dropped its const
+    ("((float*)args)[0] = score; return score;", "pointer casts"),
+    ("*(float * const)args = 1; return score;", "pointer casts"),
 ])
 def test_bad_code_is_refused_before_nvrtc(code, match):
     with pytest.raises(ValueError, match=match):
@@ -385,3 +393,89 @@ def test_expression_with_a_trailing_comment_and_read_only_scores():
     inplace = ScoreMod("score * 2", numpy=lambda s, *r: s.__imul__(2))
     with pytest.raises(ValueError, match="read-only"):
         cuflash.attention(q, k, v, score_mod=inplace)
+
+
+# ---- review r7: hooks' checks up front ---------------------------------------------------
+
+def test_numpy_callables_with_the_wrong_signature_are_refused_at_construction():
+    """Before: accepted, then a bare TypeError from the first tile that named no hook."""
+    with pytest.raises(TypeError, match=r"score_mod's numpy must take the 6 positional "
+                                        r"arguments \(score, b, h, q_idx, kv_idx, args\)"):
+        ScoreMod("score", numpy=lambda s: s)
+    with pytest.raises(TypeError, match="score_mod's grad_numpy must take the 6"):
+        ScoreMod("score", numpy=lambda s, *r: s, grad_cuda="1", grad_numpy=lambda s, b: 1.0)
+    with pytest.raises(TypeError, match=r"mask_mod's numpy must take the 5 positional "
+                                        r"arguments \(b, h, q_idx, kv_idx, args\)"):
+        MaskMod("true", numpy=lambda s, b, h, qi, kj, a: True)   # a score_mod's signature
+    # defaults, *args and objects whose signature Python cannot read are accepted
+    ScoreMod("score", numpy=lambda s, b, h, qi, kj, a, extra=1: s)
+    MaskMod("true", numpy=lambda *r: True)
+
+
+def test_a_hook_reading_args_needs_mod_args():
+    """Before: the CPU path raised a bare IndexError from inside the NumPy callable, and the GPU
+    kernels read through the null (or empty) args pointer."""
+    q, k, v = _small()
+    for kw in (dict(score_mod=EX["rel_bias"]), dict(mask_mod=EX["document"])):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=f"{name}'s CUDA code reads args but mod_args is "
+                                             "not given"):
+            cuflash.attention(q, k, v, **kw)
+        with pytest.raises(ValueError, match="mod_args is empty"):
+            cuflash.attention(q, k, v, mod_args=np.zeros(0, np.float32), **kw)
+        with pytest.raises(ValueError, match="reads args"):
+            R.attention_ref(q, k, v, **kw)
+        with pytest.raises(ValueError, match="reads args"):
+            cuflash.dispatch_info(q, k, v, **kw)
+    o, lse = cuflash.attention(q, k, v, score_mod=EX["tanh_cap"], return_lse=True)
+    with pytest.raises(ValueError, match="reads args"):   # the derivative's code counts too
+        grad_reads = ScoreMod("score * 2", numpy=lambda s, *r: s * 2,
+                              grad_cuda="Acc(2) + args[0] * 0",
+                              grad_numpy=lambda s, b, h, qi, kj, a: 2 + a[0] * 0)
+        cuflash.attention_backward(q, q, k, v, o, lse, score_mod=grad_reads)
+    # a comment that names args is not a read; hooks that read nothing need no mod_args
+    ScoreMod("score * 2  // no args here", numpy=lambda s, *r: s * 2)
+    assert not ScoreMod("score * 2  // args", numpy=lambda s, *r: s * 2).reads_args
+    assert not EX["tanh_cap"].reads_args and not EX["prefix_lm"].reads_args
+    assert EX["rel_bias"].reads_args and EX["document"].reads_args
+
+
+def test_hooks_are_immutable():
+    """Before: assigning ``cuda`` after construction skipped every check of the text (the
+    struct took it verbatim: it could close the function and declare a kernel)."""
+    mod = ScoreMod("score * 2", numpy=lambda s, *r: s * 2)
+    for name, value in (("cuda", "return score; } __global__ void f() {"),
+                        ("numpy", lambda s, *r: s), ("lipschitz", -1.0), ("grad_cuda", "1")):
+        with pytest.raises(AttributeError, match="immutable"):
+            setattr(mod, name, value)
+    with pytest.raises(AttributeError, match="immutable"):
+        del mod.cuda
+    mask = MaskMod("kv_idx <= q_idx", numpy=lambda b, h, qi, kj, a: kj <= qi)
+    with pytest.raises(AttributeError, match="immutable"):
+        mask.cuda = "true"
+    assert mod.cuda == "return (score * 2\n);" and mask.cuda == "return (kv_idx <= q_idx\n);"
+
+
+@pytest.mark.parametrize("code", ["score * 2  // halved; then doubled", "score * 2  // {x}",
+                                  "score * 2  // return it"])
+def test_comments_do_not_make_an_expression_a_body(code):
+    """Before: a ';' or '{' in a trailing comment refused the expression, and 'return' in one
+    made it a body without a return."""
+    mod = ScoreMod(code, numpy=lambda s, *r: s * 2)
+    assert mod.cuda == f"return ({code}\n);"
+    _nvrtc_or_skip()
+    check_compiles(mod, None)
+
+
+def test_numpy_callables_cannot_write_mod_args():
+    """Before: the user's own mod_args array reached the callables writable (a callable that
+    updated it in place changed it for the following tiles and for the caller)."""
+    q, k, v = _small()
+    table = np.arange(4, dtype=np.float32)
+    writes = ScoreMod.additive("score + args[0]", lambda s, b, h, qi, kj, a: s + a.__iadd__(1)[0])
+    with pytest.raises(ValueError, match="read-only"):
+        cuflash.attention(q, k, v, score_mod=writes, mod_args=table)
+    mwrites = MaskMod("args[0] > 0", numpy=lambda b, h, qi, kj, a: a.__imul__(0)[0] == 0)
+    with pytest.raises(ValueError, match="read-only"):
+        cuflash.attention(q, k, v, mask_mod=mwrites, mod_args=table)
+    assert np.array_equal(table, np.arange(4, dtype=np.float32))
