@@ -11,6 +11,8 @@ from cuflash import MaskMod, ScoreMod
 from cuflash import reference as R
 from cuflash.mods import HookCompileError, check_compiles, example_hooks
 
+from test_callcache import FakeArray, fake  # noqa: F401  (the stand-in CuPy fixture)
+
 EX = example_hooks()
 B, H = 2, 3
 SHAPES = [(7, 7), (33, 45), (45, 33), (1, 20)]
@@ -479,3 +481,42 @@ def test_numpy_callables_cannot_write_mod_args():
     with pytest.raises(ValueError, match="read-only"):
         cuflash.attention(q, k, v, mask_mod=mwrites, mod_args=table)
     assert np.array_equal(table, np.arange(4, dtype=np.float32))
+
+
+def test_gpu_path_refuses_bad_hooks_before_any_launch(fake):  # noqa: F811
+    """The GPU host path on stand-in CuPy arrays: a hook reading args without mod_args (before:
+    launched with a null args pointer) and a hook NVRTC rejects (HookCompileError naming the
+    hook's line, from the checks) launch nothing; a good hook launches its UserVariant kernel."""
+    q, k, v = (FakeArray((2, 3, 100, 64), ptr=(1 << 20) + i * (1 << 24)) for i in range(3))
+    with pytest.raises(ValueError, match="score_mod's CUDA code reads args but mod_args is "
+                                         "not given"):
+        cuflash.attention(q, k, v, score_mod=EX["rel_bias"])
+    with pytest.raises(ValueError, match="mask_mod's CUDA code reads args"):
+        cuflash.attention(q, k, v, mask_mod=EX["document"])
+    assert fake["launches"] == []
+    _nvrtc_or_skip()
+    bad = ScoreMod("score + nope", numpy=lambda s, *r: s)
+    with pytest.raises(HookCompileError, match="score_mod, line 1: error: identifier \"nope\""):
+        cuflash.attention(q, k, v, score_mod=bad)
+    assert fake["launches"] == []
+    cuflash.attention(q, k, v, score_mod=EX["tanh_cap"])
+    assert "cuflash_user::Mod_" in fake["launches"][-1][4]
+
+
+def test_hooks_see_the_query_head_and_unaligned_indices():
+    """What the docs now say: with k and v broadcasting a size-1 head axis, h is the query head;
+    q_idx and kv_idx are the row's and the key's own indices with Sq != Sk (not shifted by
+    Sk - Sq as causal is), so 'kv_idx <= q_idx' is the top-left diagonal."""
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 1, 9, 8)).astype(np.float32) for _ in range(2))
+    per_head = ScoreMod.additive("score + args[h]", lambda s, b, h, qi, kj, a: s + a[h])
+    table = rng.standard_normal(3).astype(np.float32)
+    got = cuflash.attention(q, k, v, score_mod=per_head, mod_args=table)
+    bias = table.astype(np.float64)[:, None, None]                  # (H, 1, 1) over query heads
+    assert np.allclose(got, R.attention_ref(q, k, v, bias=bias)[0], atol=1e-5)
+    tl = MaskMod("kv_idx <= q_idx", numpy=lambda b, h, qi, kj, a: kj <= qi)
+    i, j = np.arange(5)[:, None], np.arange(9)[None, :]
+    o = cuflash.attention(q, k, v, mask_mod=tl)
+    assert np.array_equal(o, cuflash.attention(q, k, v, mask=j <= i))
+    assert not np.allclose(o, cuflash.attention(q, k, v, causal=True))
