@@ -493,6 +493,11 @@ def test_gpu_path_refuses_bad_hooks_before_any_launch(fake):  # noqa: F811
         cuflash.attention(q, k, v, score_mod=EX["rel_bias"])
     with pytest.raises(ValueError, match="mask_mod's CUDA code reads args"):
         cuflash.attention(q, k, v, mask_mod=EX["document"])
+    with pytest.raises(ValueError, match="mod_args is on the CPU"):
+        cuflash.attention(q, k, v, mask_mod=EX["document"], mod_args=np.zeros(100, np.float32))
+    with pytest.raises(TypeError, match="1-D float32"):
+        cuflash.attention(q, k, v, mask_mod=EX["document"],
+                          mod_args=FakeArray((100,), "float64"))
     assert fake["launches"] == []
     _nvrtc_or_skip()
     bad = ScoreMod("score + nope", numpy=lambda s, *r: s)
@@ -520,3 +525,51 @@ def test_hooks_see_the_query_head_and_unaligned_indices():
     o = cuflash.attention(q, k, v, mask_mod=tl)
     assert np.array_equal(o, cuflash.attention(q, k, v, mask=j <= i))
     assert not np.allclose(o, cuflash.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(9, 13), (13, 9)])
+def test_identity_score_mod_is_plain_attention_bit_for_bit(sq, sk, causal, dtype):
+    """On the CPU path the identity hook changes no arithmetic (the scale multiplies each tile
+    on both paths; the hook returns its input): o, lse and the gradients are plain attention's
+    bit for bit. (The tensor-core kernels scale first on their variant path, one rounding
+    apart from the plain kernels' folded scale: there the pass rule judges.)"""
+    rng = np.random.default_rng([sq, sk, causal, len(dtype), 37])
+    q, k, v, do = _inputs(rng, sq, sk, dtype=dtype)
+    ident = ScoreMod("score", numpy=lambda s, b, h, qi, kj, a: s, grad_cuda="Acc(1)",
+                     grad_numpy=lambda s, b, h, qi, kj, a: 1.0, lipschitz=1.0)
+    o1, l1 = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    o2, l2 = cuflash.attention(q, k, v, causal=causal, return_lse=True, score_mod=ident)
+    assert np.array_equal(o1, o2) and np.array_equal(l1, l2)
+    g1 = cuflash.attention_backward(do, q, k, v, o1, l1, causal=causal)
+    g2 = cuflash.attention_backward(do, q, k, v, o2, l2, causal=causal, score_mod=ident)
+    assert all(np.array_equal(a, b) for a, b in zip(g1, g2))
+    r1 = R.attention_ref(q, k, v, causal=causal)
+    r2 = R.attention_ref(q, k, v, causal=causal, score_mod=ident)
+    assert all(np.array_equal(a, b) for a, b in zip(r1, r2))
+
+
+@pytest.mark.parametrize("sq,sk", [(9, 13), (13, 9), (7, 7)])
+def test_alibi_as_a_score_mod_with_the_offset_in_args(sq, sk):
+    """ALiBi restated as a hook: the slopes and the bottom-right offset Sk - Sq come in args
+    (a hook is not told Sq or Sk). The float64 references agree to rounding, the CPU path passes
+    the rule forward and backward, and agrees with the built-in alibi_slopes to float32
+    rounding (the hook forms slope * distance in float32, the built-in part in float64)."""
+    rng = np.random.default_rng([sq, sk, 41])
+    q, k, v, do = _inputs(rng, sq, sk)
+    slopes = rng.uniform(0.05, 0.5, H).astype(np.float32)
+    args = np.concatenate([slopes, [sk - sq]]).astype(np.float32)
+    alibi = ScoreMod.additive(
+        "score - args[h] * fabs(Acc(q_idx + (long long)args[3] - kv_idx))",
+        lambda s, b, h, qi, kj, a: s - a[h] * np.abs(qi + a[3].astype(np.int64) - kj))
+    kw = dict(score_mod=alibi, mod_args=args)
+    for causal in (False, True):
+        o, lse, grads = _check_fwd_bwd(q, k, v, do, causal, "float32", **kw)
+        ref_h = R.attention_ref(q, k, v, causal=causal, **kw)
+        ref_b = R.attention_ref(q, k, v, causal=causal, alibi_slopes=slopes)
+        assert all(np.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(ref_h, ref_b))
+        o2, l2 = cuflash.attention(q, k, v, causal=causal, return_lse=True, alibi_slopes=slopes)
+        assert np.allclose(o, o2, rtol=0, atol=1e-6) and np.allclose(lse, l2, rtol=0, atol=1e-5)
+    _nvrtc_or_skip()
+    check_compiles(alibi, None)
