@@ -114,7 +114,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     bias : array, optional
         An additive score term broadcastable to ``(..., Sq, Sk)`` (``...`` the batch; it may
         not enlarge it), float16, bfloat16, float32 or float64, on the inputs' device; read one
-        tile at a time, never materialised. ``-inf`` entries mask.
+        tile at a time, never materialised. ``-inf`` entries mask (under a score_mod only where
+        the hook keeps them ``-inf``: the bias is its input).
     mask : array of bool, optional
         Broadcastable to ``(..., Sq, Sk)``; True = keep. Rows that the variant leaves with no
         key give 0 and ``lse = -inf`` (never NaN). All variant semantics: `cuflash.variants`.

@@ -9,7 +9,10 @@ Semantics (for batch entry ``(b, h)``, query row ``q_idx``, key ``kv_idx``):
 
 - ``score_mod``: ``score' = f(score, b, h, q_idx, kv_idx, args)``, applied to the score the
   built-in parts produce (scaled score -> softcap -> + alibi -> + bias -> **score_mod**), before
-  the softmax. A ``-inf`` result acts as a mask.
+  the softmax. A ``-inf`` result acts as a mask; a ``-inf`` *input* (a ``-inf`` bias entry)
+  masks only if ``f`` keeps it ``-inf`` (``c tanh(score / c)`` maps it to ``-c``: use
+  ``mask=`` or a mask_mod to hide keys under such a hook). NaN from ``f`` at a visible key
+  makes the row NaN, as a NaN score does; at a hidden key it touches nothing.
 - ``mask_mod``: key ``kv_idx`` is visible to row ``q_idx`` only if
   ``keep(b, h, q_idx, kv_idx, args)`` holds (and causal, window and mask allow it).
 - ``h`` is the index along the last batch axis of the broadcast batch of q, k and v (the

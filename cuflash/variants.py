@@ -23,7 +23,8 @@ alignment, as the causal mask), in this order:
    last batch axis, ``b`` the flat index over the batch axes before it.
 
 A row with no visible key gives ``o = 0``, ``lse = -inf`` and zero gradients. A bias of ``-inf``
-acts as a mask.
+acts as a mask (under a score_mod only where the hook keeps it ``-inf``: the bias is part
+of its input).
 
 Batch layout. cuflash's inputs are ``(..., S, D)`` with batch axes ``...`` (conventionally
 ``(B, H)``). ``bias`` and ``mask`` broadcast NumPy-style against ``(..., Sq, Sk)`` and may not

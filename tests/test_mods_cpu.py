@@ -573,3 +573,26 @@ def test_alibi_as_a_score_mod_with_the_offset_in_args(sq, sk):
         assert np.allclose(o, o2, rtol=0, atol=1e-6) and np.allclose(lse, l2, rtol=0, atol=1e-5)
     _nvrtc_or_skip()
     check_compiles(alibi, None)
+
+
+def test_a_minus_inf_bias_is_the_score_mods_input():
+    """As the docs now say: the bias is part of the score_mod's input, so a -inf bias entry
+    masks only where the hook keeps it -inf. The tanh cap maps it to -2: those keys stay
+    visible (a row whose bias is all -inf is an average, not 0), on the CPU path and in the
+    reference alike; mask= hides them whatever the hook does."""
+    rng = np.random.default_rng(43)
+    q, k, v, _ = _inputs(rng, 6, 6)
+    bias = np.zeros((6, 6), np.float32)
+    bias[:, 0] = -np.inf
+    bias[1, :] = -np.inf
+    cap = EX["tanh_cap"]
+    o = cuflash.attention(q, k, v, bias=bias, score_mod=cap)
+    assert np.allclose(o, R.attention_ref(q, k, v, bias=bias, score_mod=cap)[0], atol=1e-5)
+    s = np.einsum("...id,...jd->...ij", q.astype(np.float64), k) / np.sqrt(16)
+    p = np.exp(2 * np.tanh(np.where(np.isfinite(bias), s, -np.inf) / 2))   # the cap of -inf: -2
+    p /= p.sum(-1, keepdims=True)
+    assert np.allclose(o, p @ v, atol=1e-5)
+    assert np.all(np.abs(o[..., 1, :]) > 0)
+    masked = cuflash.attention(q, k, v, mask=np.isfinite(bias), score_mod=cap)
+    assert np.all(masked[..., 1, :] == 0)
+    assert not np.allclose(o, masked)
