@@ -114,18 +114,21 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     bias : array, optional
         An additive score term broadcastable to ``(..., Sq, Sk)`` (``...`` the batch; it may
         not enlarge it), float16, bfloat16, float32 or float64, on the inputs' device; read one
-        tile at a time, never materialised. ``-inf`` entries mask.
+        tile at a time, never materialised. ``-inf`` entries mask (under a score_mod only where
+        the hook keeps them ``-inf``: the bias is its input).
     mask : array of bool, optional
         Broadcastable to ``(..., Sq, Sk)``; True = keep. Rows that the variant leaves with no
         key give 0 and ``lse = -inf`` (never NaN). All variant semantics: `cuflash.variants`.
     score_mod : cuflash.ScoreMod, optional
         A user score modification (CUDA C for the GPU, a NumPy callable for the CPU path and the
         references; :mod:`cuflash.mods`), applied to the score after softcap, alibi and bias.
-        GPU: the generic and the tensor-core forward kernels (the Hopper kernel refuses it).
+        GPU: the generic, tensor-core and Hopper forward kernels. Its CUDA code sees
+        ``q_idx``, ``kv_idx`` as the row's and key's own indices (not bottom-right aligned).
     mask_mod : cuflash.MaskMod, optional
         A user mask ``keep(b, h, q_idx, kv_idx, args)``, one more visibility condition.
     mod_args : array, shape (n,), float32, optional
-        The hooks' ``args`` (per-head constants, tables, document ids), on the inputs' device.
+        The hooks' ``args`` (per-head constants, tables, document ids), on the inputs' device;
+        needed, non-empty, when a hook's CUDA code reads ``args`` (else ValueError).
     workspace : GPU array, optional
         GPU only. Scratch memory for the decode kernel (the only kernel of `attention` that
         needs any): a C-contiguous buffer on the inputs' device of at least

@@ -9,14 +9,26 @@ Semantics (for batch entry ``(b, h)``, query row ``q_idx``, key ``kv_idx``):
 
 - ``score_mod``: ``score' = f(score, b, h, q_idx, kv_idx, args)``, applied to the score the
   built-in parts produce (scaled score -> softcap -> + alibi -> + bias -> **score_mod**), before
-  the softmax. A ``-inf`` result acts as a mask.
+  the softmax. A ``-inf`` result acts as a mask; a ``-inf`` *input* (a ``-inf`` bias entry)
+  masks only if ``f`` keeps it ``-inf`` (``c tanh(score / c)`` maps it to ``-c``: use
+  ``mask=`` or a mask_mod to hide keys under such a hook). NaN from ``f`` at a visible key
+  makes the row NaN, as a NaN score does; at a hidden key it touches nothing.
 - ``mask_mod``: key ``kv_idx`` is visible to row ``q_idx`` only if
   ``keep(b, h, q_idx, kv_idx, args)`` holds (and causal, window and mask allow it).
-- ``h`` is the index along the last batch axis of the inputs (the heads of ``(B, H, S, D)``),
+- ``h`` is the index along the last batch axis of the broadcast batch of q, k and v (the
+  heads of ``(B, H, S, D)``: the query head where k and v broadcast a size-1 head axis),
   ``b`` the flat index over the batch axes before it (0 and 0 without batch axes).
+  Grouped-query heads (q with more heads than k and v) are refused with hooks, as with every
+  variant.
+- ``q_idx`` (``0 .. Sq - 1``) and ``kv_idx`` (``0 .. Sk - 1``) are the row's and the key's own
+  indices, not aligned: causal, window and ALiBi align bottom-right (``j <= i + Sk - Sq``),
+  a hook sees ``i`` and ``j`` as they are and is not told ``Sq`` or ``Sk``. With ``Sq != Sk``
+  a hook that means the bottom-right diagonal adds ``Sk - Sq`` itself (from ``args``, say).
 - ``args``: the optional ``mod_args`` of the call, a 1-D float32 array (per-head constants, a
-  bias table, document ids, ...), read as ``args[i]``. The CUDA code must stay inside its
-  length (nothing checks it on the GPU; the NumPy callable raises IndexError outside it).
+  bias table, document ids, ...), read as ``args[i]`` (the NumPy callables get a read-only
+  view). A hook whose CUDA code names ``args`` needs a non-empty ``mod_args`` (ValueError
+  otherwise, before anything runs); within it the code must stay inside its length (nothing
+  checks that on the GPU; the NumPy callable raises IndexError outside it).
 
 Backward: ``dscore / dscore_in = g(score_in, ...)``, the derivative of ``f`` in its first
 argument, given by the user (``grad_cuda=``, ``grad_numpy=``; `ScoreMod.additive` for
@@ -30,10 +42,14 @@ accumulator type ``Acc`` (float, double for float64 inputs; use the overloaded m
 ``tanh``, ``exp``, ``fabs``, ``fmin``... so the code works in both), ``b``, ``h``, ``q_idx``,
 ``kv_idx`` are ``long long`` and ``args`` is ``const float*``. The code is placed in a function
 of that fixed signature; the text is checked before it reaches NVRTC (balanced brackets, no
-preprocessor, comments other than ``//``, literals, ``asm``, declarations of types, templates,
-namespaces or kernels, warp-synchronous or atomic primitives), and compile errors come back as
-ValueError showing the user's line and NVRTC's log. The code's hash names the specialisation
-(``cuflash_user::Mod_<hash>`` in the kernel's name), so the kernel cache and a profiler see it.
+preprocessor, comments other than ``//``, literals, control characters, ``asm``, declarations
+of types, templates, namespaces or kernels, pointer casts, barriers, warp-synchronous or atomic
+primitives), and compile errors come back as `HookCompileError` (a ValueError) showing the
+user's line and NVRTC's log. The NumPy callables' signatures are checked at construction
+(where Python can read them). The code's hash names the specialisation
+(``cuflash_user::Mod_<hash>`` in the kernel's name), so the kernel cache and a profiler see it:
+kernels are keyed by the code, not by the object (two hooks with the same CUDA code share
+them). A hook is immutable once constructed.
 
 Example
 -------
@@ -51,6 +67,7 @@ Example
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import numbers
 import re
@@ -67,11 +84,23 @@ _FORBIDDEN_WORDS = ("asm", "__asm__", "__asm", "__global__", "__shared__", "__co
                     "extern", "namespace", "template", "struct", "class", "union", "typedef",
                     "using", "goto", "const_cast", "reinterpret_cast", "operator", "new",
                     "delete", "static", "__syncthreads", "__syncwarp", "__threadfence")
-_FORBIDDEN_PATTERNS = ((re.compile(r"_sync\b|\b__shfl|\b__ballot|\batomic"),
-                        "warp-synchronous or atomic primitives (the hook runs in divergent code)"),
+_FORBIDDEN_PATTERNS = ((re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"),
+                        "control characters (NVRTC reads the source up to a NUL)"),
+                       (re.compile(r"_sync\b|\b__sync\w*|\b__shfl|\b__ballot|\batomic"),
+                        "barriers, warp-synchronous or atomic primitives (the hook runs in "
+                        "divergent code)"),
+                       (re.compile(r"\*\s*(?:(?:const|volatile|__restrict__)\b\s*)*\)"),
+                        "pointer casts (args is read-only; a hook computes a value)"),
                        (re.compile(r"/\*|\*/"), "block comments (use //)"))
 _WORD = re.compile(r"[A-Za-z_]\w*")
 _RETURN = re.compile(r"\breturn\b")
+_ARGS = re.compile(r"\bargs\b")
+
+
+def _code_only(text: str) -> str:
+    """The text without its ``//`` comments (the only comments a hook may hold; no literals can
+    contain ``//``)."""
+    return "\n".join(line.split("//", 1)[0] for line in text.splitlines())
 
 
 class HookCompileError(ValueError):
@@ -110,19 +139,36 @@ def _check_code(what: str, code) -> str:
                 stack.pop()
     if stack:
         raise ValueError(f"{what}: unclosed {stack[-1]!r} in {code!r}")
-    if not _RETURN.search(text):   # an expression
-        if ";" in text or "{" in text:
+    code_part = _code_only(text)
+    if not _RETURN.search(code_part):   # an expression
+        if ";" in code_part or "{" in code_part:
             raise ValueError(f"{what}: a function body needs a return statement; an expression "
                              f"has no ';' or braces ({code!r})")
         text = f"return ({text}\n);"   # the newline ends a trailing // comment
     return text
 
 
-def _check_callable(what: str, fn):
+def _check_callable(what: str, fn, params: str):
+    """A hook's NumPy callable: callable, and (where Python can tell) taking the positional
+    arguments ``params`` (a comma-separated list), checked here rather than at the first tile."""
     if not callable(fn):
         raise TypeError(f"{what} must be a callable (the NumPy form of the hook), got "
                         f"{type(fn).__name__}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):   # no signature to read (some builtins): the call tells
+        return fn
+    n = len(params.split(","))
+    try:
+        sig.bind(*range(n))
+    except TypeError as exc:
+        raise TypeError(f"{what} must take the {n} positional arguments ({params}); its "
+                        f"signature is {sig} ({exc})") from None
     return fn
+
+
+_SCORE_PARAMS = "score, b, h, q_idx, kv_idx, args"
+_MASK_PARAMS = "b, h, q_idx, kv_idx, args"
 
 
 def _body(label: str, text: str) -> str:
@@ -131,7 +177,30 @@ def _body(label: str, text: str) -> str:
 
 
 class _Hook:
+    """What ScoreMod and MaskMod share. A hook is immutable once constructed: its code was
+    checked there, and the compile check and the kernels are keyed by that code (by value: two
+    hooks with the same CUDA code share their kernels; the object's identity plays no part)."""
+
     kind = ""
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"{type(self).__name__} is immutable (its code was checked when "
+                                 f"it was constructed): construct a new one instead of setting "
+                                 f"{name!r}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _freeze(self):
+        object.__setattr__(self, "_frozen", True)
+
+    @property
+    def reads_args(self) -> bool:
+        """Whether the CUDA code (any of its texts) names ``args``: the call must then give a
+        non-empty ``mod_args`` (the kernels would read through a null pointer)."""
+        return any(_ARGS.search(_code_only(t)) for t in self._texts()[1:])
 
     def _numpy_result(self, what, res, shape, float_dtype=None):
         """Check a NumPy callable's result: broadcastable to ``shape``; floating of at least
@@ -189,14 +258,14 @@ class ScoreMod(_Hook):
     def __init__(self, cuda: str, numpy: Callable, *, grad_cuda: Optional[str] = None,
                  grad_numpy: Optional[Callable] = None, lipschitz: Optional[float] = None):
         self.cuda = _check_code("score_mod", cuda)
-        self.numpy = _check_callable("score_mod's numpy", numpy)
+        self.numpy = _check_callable("score_mod's numpy", numpy, _SCORE_PARAMS)
         if (grad_cuda is None) != (grad_numpy is None):
             raise ValueError("score_mod: give both grad_cuda= and grad_numpy= (the derivative "
                              "d score_mod / d score in CUDA C and NumPy), or neither")
         self.grad_cuda = None if grad_cuda is None else _check_code("score_mod grad_cuda",
                                                                    grad_cuda)
         self.grad_numpy = None if grad_numpy is None else _check_callable(
-            "score_mod's grad_numpy", grad_numpy)
+            "score_mod's grad_numpy", grad_numpy, _SCORE_PARAMS)
         if lipschitz is not None:
             if isinstance(lipschitz, bool) or not isinstance(lipschitz, numbers.Real) or not (
                     math.isfinite(lipschitz) and lipschitz >= 0):
@@ -204,6 +273,7 @@ class ScoreMod(_Hook):
                                  f"{lipschitz!r}")
             lipschitz = float(lipschitz)
         self.lipschitz = lipschitz
+        self._freeze()
 
     @classmethod
     def additive(cls, cuda: str, numpy: Callable) -> "ScoreMod":
@@ -269,7 +339,8 @@ class MaskMod(_Hook):
 
     def __init__(self, cuda: str, numpy: Callable):
         self.cuda = _check_code("mask_mod", cuda)
-        self.numpy = _check_callable("mask_mod's numpy", numpy)
+        self.numpy = _check_callable("mask_mod's numpy", numpy, _MASK_PARAMS)
+        self._freeze()
 
     def _texts(self):
         return ("mask_mod", self.cuda)

@@ -23,7 +23,8 @@ alignment, as the causal mask), in this order:
    last batch axis, ``b`` the flat index over the batch axes before it.
 
 A row with no visible key gives ``o = 0``, ``lse = -inf`` and zero gradients. A bias of ``-inf``
-acts as a mask.
+acts as a mask (under a score_mod only where the hook keeps it ``-inf``: the bias is part
+of its input).
 
 Batch layout. cuflash's inputs are ``(..., S, D)`` with batch axes ``...`` (conventionally
 ``(B, H)``). ``bias`` and ``mask`` broadcast NumPy-style against ``(..., Sq, Sk)`` and may not
@@ -192,9 +193,12 @@ class Variant:
         return n // hh, n % hh, qi, kj
 
     def _args(self):
-        if self.mod_args is None:
-            return np.zeros(0, dtype=np.float32)
-        return np.asarray(self.mod_args)
+        """``mod_args`` as the NumPy callables see it: a read-only view (empty when absent)."""
+        args = np.zeros(0, dtype=np.float32) if self.mod_args is None else np.asarray(
+            self.mod_args)
+        view = args.view()
+        view.flags.writeable = False
+        return view
 
     def apply(self, s, add, vis, where=None, grad=True):
         """Steps 2-6 in place on a tile of scaled scores ``s`` (float array, ``(..., rows,
@@ -356,6 +360,12 @@ def variant_from_kwargs(*, window=None, softcap=None, alibi_slopes=None, bias=No
                             f"of shape {tuple(args.shape)}")
         if args.size and args.strides[0] != args.itemsize:
             raise ValueError("mod_args must be contiguous")
+    for name, hook in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if hook is not None and hook.reads_args and (args is None or args.size == 0):
+            raise ValueError(f"{name}'s CUDA code reads args but mod_args is "
+                             f"{'not given' if args is None else 'empty'}: pass mod_args= (a "
+                             "1-D float32 array holding every index the code reads; the "
+                             "kernels do not check its bounds)")
     v = Variant(left=left, right=right, softcap=cap, alibi_slopes=slopes, bias=b_arr, mask=m_arr,
                 score_mod=score_mod, mask_mod=mask_mod, mod_args=args,
                 mod_batch=tuple(int(n) for n in batch) if (score_mod or mask_mod) else ())

@@ -11,6 +11,8 @@ from cuflash import MaskMod, ScoreMod
 from cuflash import reference as R
 from cuflash.mods import HookCompileError, check_compiles, example_hooks
 
+from test_callcache import FakeArray, fake  # noqa: F401  (the stand-in CuPy fixture)
+
 EX = example_hooks()
 B, H = 2, 3
 SHAPES = [(7, 7), (33, 45), (45, 33), (1, 20)]
@@ -201,6 +203,14 @@ def _small():
     ("Acc t = score; t += 1;", "return statement"),
     ("(score", "unclosed"),
     ("", "empty"),
+    # block-wide barriers in divergent code hang the block (they compiled before)
+    ("__syncthreads_count(1) ? score : score", "barriers"),
+    ("__syncthreads_or(q_idx > 3) ? score : score", "barriers"),
+    # NVRTC reads the source up to a NUL: the rest of the generated struct was cut off
+    ("score\0 + 1", "control characters"),
+    # writing through args (the user's table, read by every thread) dropped its const
+    ("((float*)args)[0] = score; return score;", "pointer casts"),
+    ("*(float * const)args = 1; return score;", "pointer casts"),
 ])
 def test_bad_code_is_refused_before_nvrtc(code, match):
     with pytest.raises(ValueError, match=match):
@@ -385,3 +395,204 @@ def test_expression_with_a_trailing_comment_and_read_only_scores():
     inplace = ScoreMod("score * 2", numpy=lambda s, *r: s.__imul__(2))
     with pytest.raises(ValueError, match="read-only"):
         cuflash.attention(q, k, v, score_mod=inplace)
+
+
+# ---- review r7: hooks' checks up front ---------------------------------------------------
+
+def test_numpy_callables_with_the_wrong_signature_are_refused_at_construction():
+    """Before: accepted, then a bare TypeError from the first tile that named no hook."""
+    with pytest.raises(TypeError, match=r"score_mod's numpy must take the 6 positional "
+                                        r"arguments \(score, b, h, q_idx, kv_idx, args\)"):
+        ScoreMod("score", numpy=lambda s: s)
+    with pytest.raises(TypeError, match="score_mod's grad_numpy must take the 6"):
+        ScoreMod("score", numpy=lambda s, *r: s, grad_cuda="1", grad_numpy=lambda s, b: 1.0)
+    with pytest.raises(TypeError, match=r"mask_mod's numpy must take the 5 positional "
+                                        r"arguments \(b, h, q_idx, kv_idx, args\)"):
+        MaskMod("true", numpy=lambda s, b, h, qi, kj, a: True)   # a score_mod's signature
+    # defaults, *args and objects whose signature Python cannot read are accepted
+    ScoreMod("score", numpy=lambda s, b, h, qi, kj, a, extra=1: s)
+    MaskMod("true", numpy=lambda *r: True)
+
+
+def test_a_hook_reading_args_needs_mod_args():
+    """Before: the CPU path raised a bare IndexError from inside the NumPy callable, and the GPU
+    kernels read through the null (or empty) args pointer."""
+    q, k, v = _small()
+    for kw in (dict(score_mod=EX["rel_bias"]), dict(mask_mod=EX["document"])):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=f"{name}'s CUDA code reads args but mod_args is "
+                                             "not given"):
+            cuflash.attention(q, k, v, **kw)
+        with pytest.raises(ValueError, match="mod_args is empty"):
+            cuflash.attention(q, k, v, mod_args=np.zeros(0, np.float32), **kw)
+        with pytest.raises(ValueError, match="reads args"):
+            R.attention_ref(q, k, v, **kw)
+        with pytest.raises(ValueError, match="reads args"):
+            cuflash.dispatch_info(q, k, v, **kw)
+    o, lse = cuflash.attention(q, k, v, score_mod=EX["tanh_cap"], return_lse=True)
+    with pytest.raises(ValueError, match="reads args"):   # the derivative's code counts too
+        grad_reads = ScoreMod("score * 2", numpy=lambda s, *r: s * 2,
+                              grad_cuda="Acc(2) + args[0] * 0",
+                              grad_numpy=lambda s, b, h, qi, kj, a: 2 + a[0] * 0)
+        cuflash.attention_backward(q, q, k, v, o, lse, score_mod=grad_reads)
+    # a comment that names args is not a read; hooks that read nothing need no mod_args
+    ScoreMod("score * 2  // no args here", numpy=lambda s, *r: s * 2)
+    assert not ScoreMod("score * 2  // args", numpy=lambda s, *r: s * 2).reads_args
+    assert not EX["tanh_cap"].reads_args and not EX["prefix_lm"].reads_args
+    assert EX["rel_bias"].reads_args and EX["document"].reads_args
+
+
+def test_hooks_are_immutable():
+    """Before: assigning ``cuda`` after construction skipped every check of the text (the
+    struct took it verbatim: it could close the function and declare a kernel)."""
+    mod = ScoreMod("score * 2", numpy=lambda s, *r: s * 2)
+    for name, value in (("cuda", "return score; } __global__ void f() {"),
+                        ("numpy", lambda s, *r: s), ("lipschitz", -1.0), ("grad_cuda", "1")):
+        with pytest.raises(AttributeError, match="immutable"):
+            setattr(mod, name, value)
+    with pytest.raises(AttributeError, match="immutable"):
+        del mod.cuda
+    mask = MaskMod("kv_idx <= q_idx", numpy=lambda b, h, qi, kj, a: kj <= qi)
+    with pytest.raises(AttributeError, match="immutable"):
+        mask.cuda = "true"
+    assert mod.cuda == "return (score * 2\n);" and mask.cuda == "return (kv_idx <= q_idx\n);"
+
+
+@pytest.mark.parametrize("code", ["score * 2  // halved; then doubled", "score * 2  // {x}",
+                                  "score * 2  // return it"])
+def test_comments_do_not_make_an_expression_a_body(code):
+    """Before: a ';' or '{' in a trailing comment refused the expression, and 'return' in one
+    made it a body without a return."""
+    mod = ScoreMod(code, numpy=lambda s, *r: s * 2)
+    assert mod.cuda == f"return ({code}\n);"
+    _nvrtc_or_skip()
+    check_compiles(mod, None)
+
+
+def test_numpy_callables_cannot_write_mod_args():
+    """Before: the user's own mod_args array reached the callables writable (a callable that
+    updated it in place changed it for the following tiles and for the caller)."""
+    q, k, v = _small()
+    table = np.arange(4, dtype=np.float32)
+    writes = ScoreMod.additive("score + args[0]", lambda s, b, h, qi, kj, a: s + a.__iadd__(1)[0])
+    with pytest.raises(ValueError, match="read-only"):
+        cuflash.attention(q, k, v, score_mod=writes, mod_args=table)
+    mwrites = MaskMod("args[0] > 0", numpy=lambda b, h, qi, kj, a: a.__imul__(0)[0] == 0)
+    with pytest.raises(ValueError, match="read-only"):
+        cuflash.attention(q, k, v, mask_mod=mwrites, mod_args=table)
+    assert np.array_equal(table, np.arange(4, dtype=np.float32))
+
+
+def test_gpu_path_refuses_bad_hooks_before_any_launch(fake):  # noqa: F811
+    """The GPU host path on stand-in CuPy arrays: a hook reading args without mod_args (before:
+    launched with a null args pointer) and a hook NVRTC rejects (HookCompileError naming the
+    hook's line, from the checks) launch nothing; a good hook launches its UserVariant kernel."""
+    q, k, v = (FakeArray((2, 3, 100, 64), ptr=(1 << 20) + i * (1 << 24)) for i in range(3))
+    with pytest.raises(ValueError, match="score_mod's CUDA code reads args but mod_args is "
+                                         "not given"):
+        cuflash.attention(q, k, v, score_mod=EX["rel_bias"])
+    with pytest.raises(ValueError, match="mask_mod's CUDA code reads args"):
+        cuflash.attention(q, k, v, mask_mod=EX["document"])
+    with pytest.raises(ValueError, match="mod_args is on the CPU"):
+        cuflash.attention(q, k, v, mask_mod=EX["document"], mod_args=np.zeros(100, np.float32))
+    with pytest.raises(TypeError, match="1-D float32"):
+        cuflash.attention(q, k, v, mask_mod=EX["document"],
+                          mod_args=FakeArray((100,), "float64"))
+    assert fake["launches"] == []
+    _nvrtc_or_skip()
+    bad = ScoreMod("score + nope", numpy=lambda s, *r: s)
+    with pytest.raises(HookCompileError, match="score_mod, line 1: error: identifier \"nope\""):
+        cuflash.attention(q, k, v, score_mod=bad)
+    assert fake["launches"] == []
+    cuflash.attention(q, k, v, score_mod=EX["tanh_cap"])
+    assert "cuflash_user::Mod_" in fake["launches"][-1][4]
+
+
+def test_hooks_see_the_query_head_and_unaligned_indices():
+    """What the docs now say: with k and v broadcasting a size-1 head axis, h is the query head;
+    q_idx and kv_idx are the row's and the key's own indices with Sq != Sk (not shifted by
+    Sk - Sq as causal is), so 'kv_idx <= q_idx' is the top-left diagonal."""
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 1, 9, 8)).astype(np.float32) for _ in range(2))
+    per_head = ScoreMod.additive("score + args[h]", lambda s, b, h, qi, kj, a: s + a[h])
+    table = rng.standard_normal(3).astype(np.float32)
+    got = cuflash.attention(q, k, v, score_mod=per_head, mod_args=table)
+    bias = table.astype(np.float64)[:, None, None]                  # (H, 1, 1) over query heads
+    assert np.allclose(got, R.attention_ref(q, k, v, bias=bias)[0], atol=1e-5)
+    tl = MaskMod("kv_idx <= q_idx", numpy=lambda b, h, qi, kj, a: kj <= qi)
+    i, j = np.arange(5)[:, None], np.arange(9)[None, :]
+    o = cuflash.attention(q, k, v, mask_mod=tl)
+    assert np.array_equal(o, cuflash.attention(q, k, v, mask=j <= i))
+    assert not np.allclose(o, cuflash.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(9, 13), (13, 9)])
+def test_identity_score_mod_is_plain_attention_bit_for_bit(sq, sk, causal, dtype):
+    """On the CPU path the identity hook changes no arithmetic (the scale multiplies each tile
+    on both paths; the hook returns its input): o, lse and the gradients are plain attention's
+    bit for bit. (The tensor-core kernels scale first on their variant path, one rounding
+    apart from the plain kernels' folded scale: there the pass rule judges.)"""
+    rng = np.random.default_rng([sq, sk, causal, len(dtype), 37])
+    q, k, v, do = _inputs(rng, sq, sk, dtype=dtype)
+    ident = ScoreMod("score", numpy=lambda s, b, h, qi, kj, a: s, grad_cuda="Acc(1)",
+                     grad_numpy=lambda s, b, h, qi, kj, a: 1.0, lipschitz=1.0)
+    o1, l1 = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    o2, l2 = cuflash.attention(q, k, v, causal=causal, return_lse=True, score_mod=ident)
+    assert np.array_equal(o1, o2) and np.array_equal(l1, l2)
+    g1 = cuflash.attention_backward(do, q, k, v, o1, l1, causal=causal)
+    g2 = cuflash.attention_backward(do, q, k, v, o2, l2, causal=causal, score_mod=ident)
+    assert all(np.array_equal(a, b) for a, b in zip(g1, g2))
+    r1 = R.attention_ref(q, k, v, causal=causal)
+    r2 = R.attention_ref(q, k, v, causal=causal, score_mod=ident)
+    assert all(np.array_equal(a, b) for a, b in zip(r1, r2))
+
+
+@pytest.mark.parametrize("sq,sk", [(9, 13), (13, 9), (7, 7)])
+def test_alibi_as_a_score_mod_with_the_offset_in_args(sq, sk):
+    """ALiBi restated as a hook: the slopes and the bottom-right offset Sk - Sq come in args
+    (a hook is not told Sq or Sk). The float64 references agree to rounding, the CPU path passes
+    the rule forward and backward, and agrees with the built-in alibi_slopes to float32
+    rounding (the hook forms slope * distance in float32, the built-in part in float64)."""
+    rng = np.random.default_rng([sq, sk, 41])
+    q, k, v, do = _inputs(rng, sq, sk)
+    slopes = rng.uniform(0.05, 0.5, H).astype(np.float32)
+    args = np.concatenate([slopes, [sk - sq]]).astype(np.float32)
+    alibi = ScoreMod.additive(
+        "score - args[h] * fabs(Acc(q_idx + (long long)args[3] - kv_idx))",
+        lambda s, b, h, qi, kj, a: s - a[h] * np.abs(qi + a[3].astype(np.int64) - kj))
+    kw = dict(score_mod=alibi, mod_args=args)
+    for causal in (False, True):
+        o, lse, grads = _check_fwd_bwd(q, k, v, do, causal, "float32", **kw)
+        ref_h = R.attention_ref(q, k, v, causal=causal, **kw)
+        ref_b = R.attention_ref(q, k, v, causal=causal, alibi_slopes=slopes)
+        assert all(np.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(ref_h, ref_b))
+        o2, l2 = cuflash.attention(q, k, v, causal=causal, return_lse=True, alibi_slopes=slopes)
+        assert np.allclose(o, o2, rtol=0, atol=1e-6) and np.allclose(lse, l2, rtol=0, atol=1e-5)
+    _nvrtc_or_skip()
+    check_compiles(alibi, None)
+
+
+def test_a_minus_inf_bias_is_the_score_mods_input():
+    """As the docs now say: the bias is part of the score_mod's input, so a -inf bias entry
+    masks only where the hook keeps it -inf. The tanh cap maps it to -2: those keys stay
+    visible (a row whose bias is all -inf is an average, not 0), on the CPU path and in the
+    reference alike; mask= hides them whatever the hook does."""
+    rng = np.random.default_rng(43)
+    q, k, v, _ = _inputs(rng, 6, 6)
+    bias = np.zeros((6, 6), np.float32)
+    bias[:, 0] = -np.inf
+    bias[1, :] = -np.inf
+    cap = EX["tanh_cap"]
+    o = cuflash.attention(q, k, v, bias=bias, score_mod=cap)
+    assert np.allclose(o, R.attention_ref(q, k, v, bias=bias, score_mod=cap)[0], atol=1e-5)
+    s = np.einsum("...id,...jd->...ij", q.astype(np.float64), k) / np.sqrt(16)
+    p = np.exp(2 * np.tanh(np.where(np.isfinite(bias), s, -np.inf) / 2))   # the cap of -inf: -2
+    p /= p.sum(-1, keepdims=True)
+    assert np.allclose(o, p @ v, atol=1e-5)
+    assert np.all(np.abs(o[..., 1, :]) > 0)
+    masked = cuflash.attention(q, k, v, mask=np.isfinite(bias), score_mod=cap)
+    assert np.all(masked[..., 1, :] == 0)
+    assert not np.allclose(o, masked)
