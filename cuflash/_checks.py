@@ -526,8 +526,6 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, deterministic, out, wo
 
     grads = None
     if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise ValueError("out must be a tuple (dq, dk, dv) of three buffers")
         grads = check_grad_buffers(out, shapes0, dt, backend, device_id)
 
     if stream is not None and backend == "cpu":

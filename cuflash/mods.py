@@ -194,13 +194,16 @@ class _Hook:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
     def _freeze(self):
+        # (the code is fixed from here on, so what it reads is decided once, not per call)
+        object.__setattr__(self, "_reads_args",
+                           any(_ARGS.search(_code_only(t)) for t in self._texts()[1:]))
         object.__setattr__(self, "_frozen", True)
 
     @property
     def reads_args(self) -> bool:
         """Whether the CUDA code (any of its texts) names ``args``: the call must then give a
         non-empty ``mod_args`` (the kernels would read through a null pointer)."""
-        return any(_ARGS.search(_code_only(t)) for t in self._texts()[1:])
+        return self._reads_args
 
     def _numpy_result(self, what, res, shape, float_dtype=None):
         """Check a NumPy callable's result: broadcastable to ``shape``; floating of at least

@@ -48,14 +48,12 @@ def reference_attention(q, k, v, *, causal, scale):
 
 
 def merge(o_a, lse_a, o_b, lse_b):
-    """The merge operator on float32 normalised partials (both sides saw a key), with the
-    weights of `cuflash.merge_states`: from ``lse_a - lse_b``, normalised, so that they do not
-    carry the merged lse's float32 rounding (about ``6e-8 |lse|`` relative, in every output)."""
-    jax, jnp = _jax()
-    m = jax.lax.stop_gradient(jnp.maximum(lse_a, lse_b))   # the result does not depend on it
-    ea, eb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
-    tot = ea + eb
-    return (ea / tot)[..., None] * o_a + (eb / tot)[..., None] * o_b, m + jnp.log(tot)
+    """The merge operator on float32 normalised partials: `cuflash.jax.merge_states` (its
+    weights from ``lse_a - lse_b``, normalised, so that they do not carry the merged lse's
+    float32 rounding)."""
+    from ..jax import merge_states
+
+    return merge_states(o_a, lse_a, o_b, lse_b)
 
 
 def ring_attention_sharded(q, k, v, *, axis_name, world, causal=False, scale=None,
