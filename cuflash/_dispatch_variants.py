@@ -369,7 +369,7 @@ def variant_plan_for(prob, compute_capability=None) -> Plan:
     if prob.kernel == "decode":  # the kernel family without the policy yet
         hooks = prob.variant.hook_names() if getattr(prob.variant, "has_mods", False) else []
         what = (f"the user hook{'s' if len(hooks) > 1 else ''} {' and '.join(hooks)}" if hooks
-                else f"the attention variant ({policy_label(prob.variant)})")
+                else f"the attention variant ({policy_label(prob.variant, fast=False)})")
         raise ValueError(f"kernel={prob.kernel!r} cannot run these inputs: {what} is not "
                          "supported there yet; use kernel='auto', 'tensorcore' or 'generic'")
     from . import _dispatch
@@ -393,7 +393,7 @@ def variant_plan_for(prob, compute_capability=None) -> Plan:
                                            getattr(prob, "precision", "highest"))
         if prob.kernel != "auto":
             raise ValueError(f"kernel={prob.kernel!r} cannot run these inputs with the attention "
-                             f"variant ({policy_label(prob.variant)}): {why_not}")
+                             f"variant ({policy_label(prob.variant, fast=False)}): {why_not}")
         reason = f"the tensor-core kernel cannot run them: {why_not}"
     return generic_variant_plan(prob.dtype_name, prob.d, prob.dv, prob.causal, prob.variant,
                                 reason)
@@ -467,7 +467,8 @@ def bwd_generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, var
 def _variant_words(variant) -> str:
     """The variant as an error message names it: its parts, and its user hooks by name."""
     hooks = variant.hook_names() if getattr(variant, "has_mods", False) else []
-    what = f"the attention variant ({policy_label(variant)})"
+    # (fast=False: the parts only, not the form a tensor-core kernel would have taken)
+    what = f"the attention variant ({policy_label(variant, fast=False)})"
     if hooks:
         what += f" with the user hook{'s' if len(hooks) > 1 else ''} {' and '.join(hooks)}"
     return what

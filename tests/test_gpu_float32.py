@@ -56,7 +56,9 @@ def _hopper_mode(precision):
 def _hopper_f32(d, precision):
     """kernel="auto" takes the Hopper float32 form for this head dim on this GPU (only with
     _dispatch.HOPPER_F32_AUTO, on since the form's complete GPU run of 2026-12-02)."""
-    return _dispatch.HOPPER_F32_AUTO and _hopper_f32_form(d, precision)
+    # (128 < D < HOPPER_F32_D256_AUTO_MIN_D keeps the mma.sync form under auto: _dispatch.plan_for)
+    return (_dispatch.HOPPER_F32_AUTO and _hopper_f32_form(d, precision)
+            and not 128 < d < _dispatch.HOPPER_F32_D256_AUTO_MIN_D)
 
 
 def _auto_label(d, precision):
@@ -693,6 +695,9 @@ def test_wide_auto_follows_the_flag(auto, monkeypatch):
     the generic kernel); "high" keeps its TF32 form either way."""
     _needs_wide(256)
     monkeypatch.setattr(_dispatch, "F32_D256_AUTO", auto)
+    # (on sm_90 auto takes the Hopper head-dim split form at D = 256 before the mma.sync one:
+    # the hsplit tests below cover it; this test is about the mma.sync form's flag)
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_AUTO", False)
     q, k, v = random_inputs(_rng("f32wideauto", auto), (2,), (2,), 300, 200, 256, 256, "float32")
     o, lse, label = _run(q, k, v, causal=True, precision="highest")
     assert label.startswith(_wide_label(256) if auto else "generic<float32"), label

@@ -263,3 +263,18 @@ def test_model_catches_a_wrong_window_reach(monkeypatch):
         monkeypatch.setattr(model, "_window_ranges", wrong)
         with pytest.raises(AssertionError):
             test_tensorcore_backward_model_with_a_variant(*MODEL_CASES[0], monkeypatch)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_refusal_names_the_variant_not_a_form(fused, monkeypatch):
+    """kernel="tensorcore" refusing a float32 variant backward names the variant's parts, not
+    the form a tensor-core kernel would have compiled (VARIANT_FUSED_SCALE on added
+    ",fused-scale" to the message, seen on the H200 2026-12-02)."""
+    from cuflash import _dispatch_variants
+    monkeypatch.setattr(_dispatch_variants, "VARIANT_FUSED_SCALE", fused)
+    prob = _prob(Variant(left=8, right=0), dtype="float32", kernel="tensorcore")
+    with pytest.raises(ValueError, match=r"with the attention variant \(window\): "):
+        variant_backward_plan_for(prob, 90)
+    # the plan a float16 input gets still names the form in its label
+    label = variant_backward_plan_for(_prob(Variant(left=8, right=0)), 90).label
+    assert label.endswith(",window,fused-scale>" if fused else ",window>"), label

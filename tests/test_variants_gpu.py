@@ -120,6 +120,13 @@ def test_variant_tensorcore_backward_deterministic(name, d):
               deterministic=True)
 
 
+def _form_suffix():
+    """What a tensor-core variant plan's label adds for the policy forms that are on (no user
+    hooks, no ALiBi: _dispatch_variants.policy_label)."""
+    from cuflash import _dispatch_variants
+    return ",fused-scale" if _dispatch_variants.VARIANT_FUSED_SCALE else ""
+
+
 def test_variant_backward_dispatch():
     """kernel="auto" takes the tensor-core backward for a float16 variant (the label names its
     parts); float32 falls back to the generic one and backward_dispatch_info says why;
@@ -129,7 +136,7 @@ def test_variant_backward_dispatch():
     lse = cp.zeros((1, 2, 64), dtype=cp.float32)
     label = cuflash.backward_dispatch_info(q, q, q, q, q, lse, window=(8, 0), softcap=3.0)
     assert label.startswith("tensorcore-bwd<float16,D64,") and \
-        label.endswith(",full,window,softcap>"), label
+        label.endswith(",full,window,softcap" + _form_suffix() + ">"), label
     q32 = q.astype(cp.float32)
     label = cuflash.backward_dispatch_info(q32, q32, q32, q32, q32, lse, window=(8, 0))
     assert label.startswith("generic-bwd<float32,") and \
@@ -151,14 +158,17 @@ def test_variant_dispatch():
     q = cp.ones((1, 2, 64, 64), dtype=cp.float16)
     label = cuflash.dispatch_info(q, q, q, window=(8, 0))
     if _dispatch_variants.HOPPER_VARIANTS_AUTO and _hopper_device():
-        assert label.startswith("hopper<float16,D64,") and label.endswith(",full,window>"), label
+        assert label.startswith("hopper<float16,D64,") and \
+            label.endswith(",full,window" + _form_suffix() + ">"), label
     else:
-        assert label.startswith("tensorcore<float16,D64,") and label.endswith(",full,window>"), \
-            label
-    assert cuflash.dispatch_info(q, q, q, softcap=3.0, causal=True).endswith(",causal,softcap>")
+        assert label.startswith("tensorcore<float16,D64,") and \
+            label.endswith(",full,window" + _form_suffix() + ">"), label
+    assert cuflash.dispatch_info(q, q, q, softcap=3.0, causal=True).endswith(
+        ",causal,softcap" + _form_suffix() + ">")
     if _hopper_device():
         label = cuflash.dispatch_info(q, q, q, softcap=3.0, kernel="hopper")
-        assert label.startswith("hopper<float16,D64,") and label.endswith(",full,softcap>"), label
+        assert label.startswith("hopper<float16,D64,") and label.endswith(",full,softcap" + _form_suffix() + ">"), \
+            label
     else:
         with pytest.raises(ValueError, match="kernel='hopper'.*variant"):
             cuflash.attention(q, q, q, softcap=3.0, kernel="hopper")
