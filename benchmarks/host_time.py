@@ -33,7 +33,7 @@ Peers that are not installed are skipped (and say why). Targets (issue 13): <= 1
 with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty buffer_callback.
 
     python benchmarks/host_time.py [--calls 2000] [--s 16,128] [--d 64] [--dtype float16]
-                                   [--repeats 5] [--impl cupy-call|driver] [--no-floor]
+                                   [--repeats 5] [--impl driver|cupy-call] [--no-floor]
 """
 import argparse
 import json
@@ -337,18 +337,16 @@ def main():
                     help="timed runs of --calls calls per row; the median is shown")
     ap.add_argument("--warmup-s", type=float, default=0.5,
                     help="seconds of busy host before the first row (the CPU clock's ramp)")
-    ap.add_argument("--impl", default="cupy-call", choices=["cupy-call", "driver"],
-                    help="how a record hit launches: CuPy's Function.__call__ (the default) or "
-                         "driver.launchKernel on a pre-packed block (CUFLASH_DIRECT_LAUNCH=1)")
+    ap.add_argument("--impl", default="driver", choices=["driver", "cupy-call"],
+                    help="how a record hit launches: driver.launchKernel on a pre-packed block "
+                         "(the default) or CuPy's Function.__call__ (CUFLASH_DIRECT_LAUNCH=0)")
     ap.add_argument("--no-floor", action="store_true",
                     help="skip the floor rows (allocation, no-op launches)")
     ap.add_argument("--jax-cmdbuf-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     REPEATS[0] = max(1, args.repeats)
-    if args.impl == "driver":   # (read when cuflash is imported: every import here is later)
-        os.environ["CUFLASH_DIRECT_LAUNCH"] = "1"
-    elif "cuflash" not in sys.modules:
-        os.environ.pop("CUFLASH_DIRECT_LAUNCH", None)
+    # (read when cuflash is imported: every import here is later)
+    os.environ["CUFLASH_DIRECT_LAUNCH"] = "1" if args.impl == "driver" else "0"
     lengths = [int(x) for x in str(args.s).split(",") if x]
     if args.jax_cmdbuf_child:
         args.s = lengths[0]

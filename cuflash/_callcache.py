@@ -148,11 +148,13 @@ class _Layout:
 HOST_BLOCK = os.environ.get("CUFLASH_HOST_BLOCK", "1") != "0"
 
 
-#: ``CUFLASH_DIRECT_LAUNCH=1`` (read at import; off by default, an A/B for the GPU machine): the
-#: owner thread's host-block launches go to ``cupy.cuda.driver.launchKernel`` with a pre-packed
+#: The owner thread's host-block launches go to ``cupy.cuda.driver.launchKernel`` with a pre-packed
 #: ``void*[1]`` instead of through CuPy's ``Function.__call__`` (its tuple work and argument
-#: conversion), when a context is current (else through CuPy, which makes one current).
-DIRECT_LAUNCH = os.environ.get("CUFLASH_DIRECT_LAUNCH", "0") == "1"
+#: conversion), when a context is current (else through CuPy, which makes one current). On by
+#: default since the complete GPU suite passed with it (H200, 2026-12-02, session i; a no-op
+#: launch 3.5-3.7 us against CuPy's call's 4.1-4.3); ``CUFLASH_DIRECT_LAUNCH=0`` (read at import)
+#: launches through CuPy's call.
+DIRECT_LAUNCH = os.environ.get("CUFLASH_DIRECT_LAUNCH", "1") != "0"
 
 
 def _cpointer(cp):

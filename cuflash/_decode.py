@@ -74,10 +74,9 @@ DECODE_REG_BLOCKS = {(64, 1): 4, (64, 2): 3, (128, 1): 3, (128, 2): 2, (256, 1):
 DECODE_BW = 4.0e12
 DECODE_T_BLOCK = 2e-6
 DECODE_T_COMBINE = 3e-6
-#: The kernels' version (a template argument of both, `decode_plan`, `combine_spec`): 1 is the
-#: default until version 2 has passed the complete inference GPU suite (the H200 runs of session g
-#: measured version 2 at 0.91x cuDNN against version 1's 0.82x, but their inference shards stopped
-#: at their time limits before the kvcache, varlen, non-finite and workspace tests). 2 has the one-pass epilogue (per-row weights once, float4 chunks), the combine with
+#: The kernels' version (a template argument of both, `decode_plan`, `combine_spec`): 2 is the
+#: default since the complete GPU suite passed with it on the H200 (2026-12-02, session i; the H200
+#: runs of session g measured version 2 at 0.91x cuDNN against version 1's 0.82x). 2 has the one-pass epilogue (per-row weights once, float4 chunks), the combine with
 #: all of a thread's partial loads in flight over a (rows, DECODE_COMBINE_CB) grid, and
 #: `choose_splits_v2` (benchmarks/bench_inference.py --impl cuflash-v2); 1 is session f's kernels and
 #: split rule (--impl cuflash-v1); 3 is version 2 with the
@@ -86,7 +85,7 @@ DECODE_T_COMBINE = 3e-6
 #: copy (cp.async.bulk on an mbarrier) per K/V row instead of 16 lanes' 16-byte cp.async (same
 #: results; --impl cuflash-v4). Assigning it moves the call caches' generation on
 #: (_callcache._WatchedModule), so records of another version miss.
-DECODE_VERSION = 1
+DECODE_VERSION = 2
 #: The kernel versions `decode_plan` takes.
 DECODE_VERSIONS = (1, 2, 3, 4)
 #: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's

@@ -31,8 +31,12 @@ SOFTCAP_RCP_FMA = False
 #: score_x, ``FORM`` bit 2): softcap's exponent takes the raw product (one FMUL fewer per score),
 #: ALiBi's and a bias's addition is one FFMA with it (ALiBi under causal without |.|: two FMA-pipe
 #: instructions per score instead of three), and a policy without a transform (window, mask) keeps
-#: raw scores and the plain kernel's softmax units (no FMUL per score). Not for user hooks. Off
-#: until the H200 measures it (benchmarks/bench_variants.py --impl base,fused).
+#: raw scores and the plain kernel's softmax units (no FMUL per score). Not for user hooks. Off:
+#: the complete GPU suite passed with it (H200, 2026-12-02, session i) and the Hopper forward
+#: gained a little per visited tile against plain (session g, call 3: ALiBi 0.88 -> 0.90, window
+#: 0.88 -> 0.92, softcap 0.65 either way; benchmarks/bench_variants.py --impl base,fused), but
+#: under NVRTC 13.5 the mma.sync backward's float16 D = 128 causal window + softcap + ALiBi form
+#: spills (255 registers, 4 / 12 B), and its backward has not been timed.
 VARIANT_FUSED_SCALE = False
 
 #: ALiBi in the softmax's affine units on the Hopper forward (variants.cuh: Variant::affine,
@@ -43,8 +47,10 @@ VARIANT_FUSED_SCALE = False
 #: 16-bit inputs, causal, where 2^-10 <= slope <= 1 (else the kernel takes the policy's other
 #: form, per batch entry). Its y = x scale / slope overflows for |q.k| over ~5e36 at D = 256
 #: (bfloat16 only), where the other forms stay finite to 3e38.
-#: Off until the H200 measures it (benchmarks/bench_variants.py --impl affine).
-ALIBI_AFFINE = False
+#: On since the complete GPU suite passed with it (H200, 2026-12-02, session i): ALiBi per visited
+#: tile against plain 0.97 (the default form 0.88; session g, call 3, bench_variants.py --impl
+#: affine).
+ALIBI_AFFINE = True
 
 
 def _affine(variant, fast, hopper) -> bool:

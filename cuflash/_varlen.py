@@ -26,19 +26,21 @@ VARLEN_KERNELS = ("auto", "decode", "tensorcore", "hopper")
 
 #: Whether ``attention_varlen(kernel="auto")`` takes a dense forward's varlen twin for
 #: prefill-like calls (`decode_like` false): the mma.sync one (cuflash_fwd_mma_varlen), or on
-#: sm_90 with VARLEN_HOPPER_AUTO the Hopper one (cuflash_fwd_wgmma_varlen). Off until the GPU
-#: tests (tests/test_inference_gpu.py -k varlen_dense) have passed on a GPU; ``kernel=
-#: "tensorcore"`` / ``"hopper"`` select them regardless.
-VARLEN_DENSE_AUTO = False
+#: sm_90 with VARLEN_HOPPER_AUTO the Hopper one (cuflash_fwd_wgmma_varlen). On since the complete
+#: GPU suite passed with it on the H200 (2026-12-02, session i); the twins ran at 295 (mma.sync)
+#: and 511-560 (Hopper) TFLOP/s against the decode family's 161 (session g, call 3).
+#: ``kernel="decode"`` / ``"tensorcore"`` / ``"hopper"`` select a family regardless.
+VARLEN_DENSE_AUTO = True
 #: Whether auto's dense choice (VARLEN_DENSE_AUTO) prefers the Hopper twin where it can run.
-VARLEN_HOPPER_AUTO = False
+VARLEN_HOPPER_AUTO = True
 #: Work slots (query blocks, or causal pairs of them) that a block of the Hopper twin walks within
 #: one sequence and head (attn_wgmma.cu: cuflash_fwd_wgmma_varlen, vl.group): 1 is one slot a
 #: block (session g's measured twin); 2 or more make the block persistent over consecutive slots of
 #: its sequence, so the next slot's Q and first K/V tiles load while the current one finishes, and
 #: the per-block start (barriers, finding the slot's owner, the first loads) is paid once a group.
-#: 1 until the GPU tests and the bench (``--varlen-impl hopper-g2``, ...) have run with more.
-VARLEN_HOPPER_GROUP = 1
+#: 4 since the complete GPU suite passed with it (H200, 2026-12-02, session i); session g's call 3
+#: measured G = 1 / 2 / 4 at 511 / 504 / 560 TFLOP/s (bench_inference.py --varlen-impl).
+VARLEN_HOPPER_GROUP = 4
 
 
 @dataclass

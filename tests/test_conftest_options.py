@@ -60,13 +60,13 @@ def test_flag_is_set_for_the_session_and_reported(tmp_path):
     probe = tmp_path / "test_probe.py"
     probe.write_text("from cuflash import _decode, _varlen\n"
                      "def test_probe():\n"
-                     "    assert _decode.DECODE_VERSION == 2\n"
-                     "    assert _varlen.VARLEN_HOPPER_GROUP == 4\n")
+                     "    assert _decode.DECODE_VERSION == 3\n"
+                     "    assert _varlen.VARLEN_HOPPER_GROUP == 2\n")
     # The probe sits outside tests/, so the suite's conftest comes in as a plugin.
     args = ["-p", "conftest", "--rootdir", str(ROOT), str(probe)]
     r = _pytest(*args)
     assert r.returncode == 1, "without the flags the probe must fail"
-    r = _pytest(*args, "--cuflash-flag", "_decode.DECODE_VERSION=2",
-                "--cuflash-flag", "_varlen.VARLEN_HOPPER_GROUP=4")
+    r = _pytest(*args, "--cuflash-flag", "_decode.DECODE_VERSION=3",
+                "--cuflash-flag", "_varlen.VARLEN_HOPPER_GROUP=2")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "cuflash._decode.DECODE_VERSION = 2 (was 1)" in r.stdout
+    assert "cuflash._decode.DECODE_VERSION = 3 (was 2)" in r.stdout

@@ -17,6 +17,15 @@ from test_launch import ATTRS, FakeArray, _problem, launches  # noqa: F401  (fix
 from test_tc_variants_cpu import _arr, _prob
 
 
+@pytest.fixture(autouse=True)
+def base_forms(monkeypatch):
+    """These tests check the policies' structure in their base form (FORM 0): the forms behind
+    _dispatch_variants' flags, on by default or not, are tests/test_variant_forms_cpu.py's."""
+    from cuflash import _dispatch_variants
+    for name in ("SOFTCAP_RCP_FMA", "VARIANT_FUSED_SCALE", "ALIBI_AFFINE"):
+        monkeypatch.setattr(_dispatch_variants, name, False)
+
+
 @pytest.fixture
 def tma(monkeypatch):
     monkeypatch.setattr(_tma, "available", lambda: True)

@@ -73,19 +73,24 @@ def test_every_flag_the_docs_name_exists():
     assert not missing, f"the docs name flags that do not exist: {missing}"
 
 
-def test_flags_the_readme_calls_off_are_off():
-    """README's "What has run on a GPU" says these stay at their defaults until their tests
-    have run on a GPU: switching one on must come with the README's change."""
+def test_flags_are_where_the_readme_says():
+    """README's "What has run on a GPU" names the flags switched on after the GPU suite passed
+    with them and those that stay off: changing one must come with the README's change."""
     from conftest import FLAGS_SET
     from cuflash import _callcache, _decode, _dispatch_variants, _varlen
 
     if FLAGS_SET:
         pytest.skip(f"flags set by --cuflash-flag: {FLAGS_SET}")
-    assert "stay off" in README
-    assert _decode.DECODE_VERSION == 1
-    assert not _varlen.VARLEN_DENSE_AUTO and not _varlen.VARLEN_HOPPER_AUTO
-    assert _varlen.VARLEN_HOPPER_GROUP == 1
-    assert not (_dispatch_variants.ALIBI_AFFINE or _dispatch_variants.VARIANT_FUSED_SCALE
-                or _dispatch_variants.SOFTCAP_RCP_FMA)
-    if "CUFLASH_DIRECT_LAUNCH" not in os.environ:
-        assert not _callcache.DIRECT_LAUNCH
+    on = README[README.index("Switched on\nafter it:"):README.index("These stay off:")]
+    for name in ("_decode.DECODE_VERSION = 2", "VARLEN_DENSE_AUTO", "VARLEN_HOPPER_AUTO",
+                 "VARLEN_HOPPER_GROUP = 4", "ALIBI_AFFINE", "direct launch"):
+        assert name in on, name
+    assert _decode.DECODE_VERSION == 2
+    assert _varlen.VARLEN_DENSE_AUTO and _varlen.VARLEN_HOPPER_AUTO
+    assert _varlen.VARLEN_HOPPER_GROUP == 4
+    assert _dispatch_variants.ALIBI_AFFINE
+    off = README[README.index("These stay off:"):README.index("`benchmarks/run_gpu_suite.sh`")]
+    assert "VARIANT_FUSED_SCALE" in off and "SOFTCAP_RCP_FMA" in off
+    assert not (_dispatch_variants.VARIANT_FUSED_SCALE or _dispatch_variants.SOFTCAP_RCP_FMA)
+    if os.environ.get("CUFLASH_DIRECT_LAUNCH", "1") != "0":
+        assert _callcache.DIRECT_LAUNCH

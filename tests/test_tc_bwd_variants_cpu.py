@@ -27,6 +27,15 @@ from test_tc_variants_cpu import _arr
 ATTRS = {"max_smem_optin": 232448, "sm_count": 132, "compute_capability": 90}
 
 
+@pytest.fixture(autouse=True)
+def base_forms(monkeypatch):
+    """These tests check the policies' structure in their base form (FORM 0): the forms behind
+    _dispatch_variants' flags, on by default or not, are tests/test_variant_forms_cpu.py's."""
+    from cuflash import _dispatch_variants
+    for name in ("SOFTCAP_RCP_FMA", "VARIANT_FUSED_SCALE", "ALIBI_AFFINE"):
+        monkeypatch.setattr(_dispatch_variants, name, False)
+
+
 def _prob(var, dtype="float16", d=64, kernel="auto", causal=False, det=False):
     q = _arr((2, 3, 100, d))
     return SimpleNamespace(kernel=kernel, variant=var, dtype_name=dtype, d=d, dv=d,

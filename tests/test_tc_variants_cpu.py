@@ -17,6 +17,15 @@ from cuflash.variants import Variant
 from test_launch import ATTRS, FakeArray, _problem, launches  # noqa: F401  (fixture)
 
 
+@pytest.fixture(autouse=True)
+def base_forms(monkeypatch):
+    """These tests check the policies' structure in their base form (FORM 0): the forms behind
+    _dispatch_variants' flags, on by default or not, are tests/test_variant_forms_cpu.py's."""
+    from cuflash import _dispatch_variants
+    for name in ("SOFTCAP_RCP_FMA", "VARIANT_FUSED_SCALE", "ALIBI_AFFINE"):
+        monkeypatch.setattr(_dispatch_variants, name, False)
+
+
 def _arr(shape, itemsize=2, ptr=0x1000, strides=None):
     if strides is None:
         st, acc = [], itemsize

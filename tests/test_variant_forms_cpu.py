@@ -121,6 +121,8 @@ def test_softcap_form_dispatch(monkeypatch):
     policies and "softcap<fma-rcp>" in their labels, not in the generic kernels' (their softcap
     is tanh in the accumulator type) nor in policies without softcap; off, names are unchanged."""
     from cuflash import _dispatch_variants as DV
+    for name in ("SOFTCAP_RCP_FMA", "VARIANT_FUSED_SCALE", "ALIBI_AFFINE"):
+        monkeypatch.setattr(DV, name, False)   # (each form alone; the defaults: test_default_forms)
     sc, alibi = DV._Spec(softcap=True), DV._Spec(alibi=True)
     off = DV.hopper_variant_plan("float16", 128, True, 4096, sc)
     assert off.spec.name.endswith("cuflash::NoBias, false>>") and "fma-rcp" not in off.label
@@ -190,6 +192,8 @@ def test_fused_scale_dispatch(monkeypatch):
     from cuflash import _dispatch
     from cuflash import _dispatch_variants as DV
     from cuflash.mods import example_hooks
+    for name in ("SOFTCAP_RCP_FMA", "VARIANT_FUSED_SCALE", "ALIBI_AFFINE"):
+        monkeypatch.setattr(DV, name, False)
     plain = _dispatch.hopper_plan("float16", 128, True, 4096).spec
     monkeypatch.setattr(DV, "VARIANT_FUSED_SCALE", True)
     assert _dispatch.hopper_plan("float16", 128, True, 4096).spec == plain
@@ -250,6 +254,8 @@ def test_alibi_affine_dispatch(monkeypatch):
     causal with 16-bit inputs (alone, with a mask; 6 with the fused scale), nowhere else: not
     without causal, not float32, not with softcap, bias or window, not on the mma.sync kernels."""
     from cuflash import _dispatch_variants as DV
+    for name in ("SOFTCAP_RCP_FMA", "VARIANT_FUSED_SCALE"):
+        monkeypatch.setattr(DV, name, False)
     monkeypatch.setattr(DV, "ALIBI_AFFINE", True)
     al, am = DV._Spec(alibi=True), DV._Spec(alibi=True, mask=True)
     for sp in (al, am):
@@ -263,3 +269,16 @@ def test_alibi_affine_dispatch(monkeypatch):
     assert DV.tensorcore_variant_plan("float16", 64, True, 90, al).spec.name.endswith("false>>")
     monkeypatch.setattr(DV, "VARIANT_FUSED_SCALE", True)
     assert DV.hopper_variant_plan("float16", 128, True, 4096, al).spec.name.endswith(", 6>>")
+
+
+def test_default_forms():
+    """The forms by default: ALiBi's affine units on (the complete GPU suite passed with it, H200
+    2026-12-02); the fused scale off (one mma.sync backward form spills under NVRTC 13.5) and
+    softcap's FMA-pipe reciprocal off (0.64 against 0.65 per visited tile, session g call 3)."""
+    from cuflash import _dispatch_variants as DV
+    assert DV.ALIBI_AFFINE and not DV.VARIANT_FUSED_SCALE and not DV.SOFTCAP_RCP_FMA
+    al, sc = DV._Spec(alibi=True), DV._Spec(softcap=True)
+    pl = DV.hopper_variant_plan("float16", 128, True, 4096, al)
+    assert pl.spec.name.endswith(", 4>>") and pl.label.endswith(",alibi,alibi-affine>"), pl.label
+    assert DV.hopper_variant_plan("float16", 128, True, 4096, sc).spec.name.endswith("false>>")
+    assert DV.tensorcore_variant_plan("float16", 64, True, 90, al).spec.name.endswith("false>>")

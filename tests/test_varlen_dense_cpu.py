@@ -34,6 +34,9 @@ def _prob(kernel="auto", max_q=1000, max_k=1000, h=8, hkv=2, d=128, dtype="float
 @pytest.mark.parametrize("dense_auto", [False, True])
 def test_dispatch_choice(monkeypatch, dense_auto):
     monkeypatch.setattr(_varlen, "VARLEN_DENSE_AUTO", dense_auto)
+    # (the mma.sync twin's choice; on sm_90 auto prefers the Hopper twin with VARLEN_HOPPER_AUTO,
+    # on by default: the Hopper twin's dispatch test below)
+    monkeypatch.setattr(_varlen, "VARLEN_HOPPER_AUTO", False)
     # D = 128 takes direct stores of O (TC_VARLEN_ARCH_CONFIGS: the staged epilogue spilled)
     dense = _dispatch._varlen_kernel(_dispatch.tensorcore_plan(
         "float16", 128, True, 90, config=lambda dpad, cfg: (48, 4, 2, 2, False)))
