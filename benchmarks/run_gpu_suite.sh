@@ -7,9 +7,15 @@
 # AUDIT=0 (AUDIT=parallel: one audit process per dtype beside the tests), BENCH=0, EXTRA=0;
 # PYTEST_ARGS narrows the tests (e.g. "tests/test_backward_gpu.py") and runs them in one process,
 # else every GPU test runs in SHARDS (default 12) interleaved shards side by side; TEST_TIMEOUT
-# (seconds) bounds them; FLAGS adds pytest arguments (--cuflash-flag ...).
+# (seconds) bounds them, or DEADLINE (seconds from the start: the tests get what is left, so a call
+# of a 10-minute machine can keep time to pack its logs); TEST_PATHS (default "tests"; e.g.
+# "@nodes.txt", a file of node ids) picks what the shards run; FLAGS adds pytest arguments
+# (--cuflash-flag ...); PRECOMPILE_LIMIT (seconds, default 300) bounds the precompile.
+# The H200 machine reported nproc = 2 on 2026-12-02 (session i): precompile then takes ~5 min and
+# the shards are CPU-bound; size SHARDS and the limits to `nproc`, not to the machine's name.
 # (PYTHONPATH points at the checkout, so no install is needed; torch is optional.)
 set -uo pipefail
+T0=$(date +%s)
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,7 +25,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-2}
 
 {
-  date -u
+  date -u; echo "nproc $(nproc)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import cupy, numpy; from cupy_backends.cuda.libs import nvrtc; \
 print('cupy', cupy.__version__, 'nvrtc', nvrtc.getVersion(), 'numpy', numpy.__version__)"
@@ -33,7 +39,8 @@ if [ "${PRECOMPILE:-1}" = 1 ]; then
   # shard compiling its own at first use.
   echo "== precompile"
   export CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-$PWD/.devcache}
-  python3 -m cuflash.precompile --jobs "$(nproc)" > "$OUT/precompile.txt" 2>&1
+  timeout "${PRECOMPILE_LIMIT:-300}" python3 -m cuflash.precompile --jobs "$(nproc)" \
+    > "$OUT/precompile.txt" 2>&1
   echo "precompile exit $?: $(tail -1 "$OUT/precompile.txt")"
 fi
 
@@ -66,9 +73,11 @@ if [ "${TESTS:-1}" = 1 ]; then
     # FLAGS adds pytest arguments to every shard, e.g. FLAGS="--cuflash-flag
     # _decode.DECODE_VERSION=2" runs the suite with a flag on before it is switched on.
     n=${SHARDS:-12}
+    limit=${TEST_TIMEOUT:-3000}
+    if [ -n "${DEADLINE:-}" ]; then limit=$(( DEADLINE - ($(date +%s) - T0) )); fi
     shard_pids=()
     for k in $(seq 1 "$n"); do
-      ( timeout -s INT "${TEST_TIMEOUT:-3000}" python3 -m pytest tests -m gpu \
+      ( timeout -s INT "$limit" python3 -m pytest ${TEST_PATHS:-tests} -m gpu \
           --ignore=tests/test_compile.py --shard "$k/$n" ${FLAGS:-} -v -rfEs -p no:cacheprovider \
           --durations=5 > "$OUT/tests_$k.log" 2>&1
         echo "shard $k/$n exit $?: $(tail -1 "$OUT/tests_$k.log")" ) &
