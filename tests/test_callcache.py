@@ -96,12 +96,23 @@ def _current_stream():
     return (Stream.stack or [DEFAULT_STREAM])[-1]
 
 
-@pytest.fixture
-def fake(monkeypatch):
+@pytest.fixture(params=["driver", "cupy-call"])
+def fake(monkeypatch, request):
     """A stand-in CuPy: allocations are logged with the stream current at the time, launches
     with their kernel name, grid, block, parameter bytes, shared memory and stream; the device
-    switches and the checks are counted."""
-    rec = {"launches": [], "checks": 0, "allocs": [], "device_enters": 0, "device": 0}
+    switches and the checks are counted.
+
+    Every test runs twice: with the direct launch (``"driver"``: `_callcache.DIRECT_LAUNCH` on,
+    the owner thread's hits go through the stand-in ``driver.launchKernel``, counted in
+    ``"direct"``) and through CuPy's kernel call (``"cupy-call"``). Each device has its own
+    context, current while the device is (CUDA 12's ``cudaSetDevice``; ``"no_ctx"``: none is);
+    a kernel launched in another device's context raises, as CUDA does. With ``"ptds"`` set,
+    CuPy's kernel call without a stream resolves the null stream (handle 0) to the per-thread
+    default stream (handle 2), as CuPy's ``get_current_stream_ptr`` does under
+    ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``."""
+    rec = {"launches": [], "checks": 0, "allocs": [], "device_enters": 0, "device": 0,
+           "via": request.param, "direct": 0, "no_ctx": False, "ptds": False}
+    monkeypatch.setattr(_callcache, "DIRECT_LAUNCH", request.param == "driver")
     ptrs = iter(range(1 << 30, 1 << 40, 1 << 20))
 
     class Device:
@@ -132,20 +143,46 @@ def fake(monkeypatch):
     cp.float32, cp.uint8 = np.float32, np.uint8
     cp.empty = empty
     cp.ascontiguousarray = ascontiguousarray
+    by_ptr = {}   # kernel handle -> (the stand-in kernel, its device)
+
+    def ctx_get_current():
+        return 0 if rec["no_ctx"] else 0xC7 + rec["device"]   # the current device's context
+
+    def launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        assert extra == 0
+        assert ctx_get_current(), "CUDA_ERROR_INVALID_CONTEXT: no context current"
+        kern, _ = by_ptr[f]
+        rec["direct"] += 1
+        addr = ctypes.c_uint64.from_address(params).value   # the void*[1]'s one pointer
+        kern((gx, gy, gz), (bx, by, bz), (CPointer(addr),), smem, Stream(stream))
+
     cp.cuda = types.SimpleNamespace(Device=Device, ExternalStream=lambda p, d=-1: Stream(p),
                                    runtime=types.SimpleNamespace(getDevice=lambda: rec["device"]),
                                    get_current_stream=_current_stream,
-                                   function=types.SimpleNamespace(CPointer=CPointer))
+                                   function=types.SimpleNamespace(CPointer=CPointer),
+                                   driver=types.SimpleNamespace(launchKernel=launch_kernel,
+                                                                ctxGetCurrent=ctx_get_current))
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(Stream, "stack", [])
 
     def get_kernel(spec, dev, smem=0):
         def kernel(grid, block, args, shared_mem=0, stream=None):
-            # stream None: CuPy's kernel call launches on the current stream
-            st = _current_stream() if stream is None else stream
+            # stream None: CuPy's kernel call launches on the current stream's handle
+            # (`get_current_stream_ptr`: under PTDS the null stream's 0 is the per-thread 2)
+            if stream is None:
+                st = _current_stream().ptr
+                st = 2 if st == 0 and rec["ptds"] else st
+            else:
+                st = stream.ptr
+            if rec["device"] != dev:   # (both CuPy's call and the driver's launch in the
+                raise RuntimeError(    # current context; CuPy's makes the device's current)
+                    f"CUDA_ERROR_INVALID_HANDLE: a device {dev} kernel launched in device "
+                    f"{rec['device']}'s context")
             three = lambda t: tuple(t) + (1,) * (3 - len(t))  # noqa: E731 (CUDA's dim3)
             rec["launches"].append((three(grid), three(block), _arg_bytes(args[0], spec),
-                                    shared_mem, spec.name, st.ptr))
+                                    shared_mem, spec.name, st))
+        kernel.ptr = 0x5000 + len(by_ptr)
+        by_ptr[kernel.ptr] = (kernel, dev)
         return kernel
 
     monkeypatch.setattr(_compile, "get_kernel", get_kernel)
@@ -176,6 +213,8 @@ def test_repeated_signature_skips_checks_and_launches_the_same_block(fake):
     o_hit = cuflash.attention(q2, k2, v2, causal=True)
     assert fake["checks"] == 1, "a repeated signature must not rerun the checks"
     hit = fake["launches"][-1]
+    # (the owner thread's hit goes through the driver exactly when the direct launch is on)
+    assert fake["direct"] == (fake["via"] == "driver" and _callcache.HOST_BLOCK)
     _callcache.clear()
     o_full = cuflash.attention(q2, k2, v2, causal=True)
     assert fake["checks"] == 2
@@ -606,12 +645,13 @@ def test_another_thread_builds_its_own_block(fake, qs, ks):
         assert rec.host_args is not None and rec.owner == threading.get_ident()
     host = bytes(rec.host) if rec.host_args is not None else None
     q2, k2, v2 = _new(qs), _new(ks), _new(ks)
-    n = len(fake["launches"])
+    n, nd = len(fake["launches"]), fake["direct"]
     t = threading.Thread(target=lambda: cuflash.attention(q2, k2, v2, out=out))
     t.start()
     t.join()
     other = fake["launches"][n:]
     assert fake["checks"] == 1 and other, "the other thread's call must be a hit"
+    assert fake["direct"] == nd, "another thread launched through the owner's host block"
     assert host is None or bytes(rec.host) == host, "another thread wrote into the owner's block"
     full, _ = _full_launches(fake, lambda: cuflash.attention(q2, k2, v2, out=out))
     if "attn_decode" in full[0][4]:
@@ -838,6 +878,7 @@ def test_direct_launch_sends_what_cupys_call_sends(fake, monkeypatch, case):
     if case == "hopper":
         _fake_hopper(monkeypatch)
     monkeypatch.setattr(_callcache, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(_callcache, "HOST_BLOCK", True)   # (the direct launch needs it)
     real_get, kernels = _compile.get_kernel, {}
 
     def get_kernel(spec, dev, smem=0):
@@ -894,3 +935,45 @@ def test_direct_launch_sends_what_cupys_call_sends(fake, monkeypatch, case):
     cuflash.attention(q, k, v, out=o, **kw)
     assert len(direct) == nd and fake["launches"][n:] == logs[None]
     assert fake["checks"] == checks, "every call after the first is a hit"
+
+
+@pytest.mark.parametrize("qs,ks", [((2, 4, 100, 64), (2, 4, 100, 64)),      # dense
+                                   ((2, 4, 1, 64), (2, 4, 4096, 64))])      # decode, split keys
+def test_two_devices_hits_launch_in_the_records_devices_context(fake, monkeypatch, qs, ks):
+    """Two devices visible, a record for device 1: a hit while device 0 is current switches to
+    device 1 for the launch (the stand-in raises for a kernel launched in another device's
+    context, through the driver or CuPy's call), after ``Device(1).use()`` it launches without
+    a switch; both launch the full path's blocks; the other device's signature has its own
+    record."""
+    import cupy as cp
+
+    monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", lambda: 2, raising=False)
+
+    def on(dev, *shapes):
+        return [FakeArray(s, "float16", ptr=next(_ptrs), device=dev) for s in shapes]
+
+    _ptrs = iter(range(1 << 41, 1 << 50, 1 << 24))
+    cuflash.attention(*on(1, qs, ks, ks))   # recorded (device 0 current: the full path switches)
+    rec = _callcache._last[1]
+    assert rec.device_id == 1 and not rec.single and fake["device"] == 0
+    q, k, v, o = on(1, qs, ks, ks, qs)
+    cuflash.attention(q, k, v, out=o)                # recorded with out= (o's pointer fixed)
+    checks = fake["checks"]
+    n, enters = len(fake["launches"]), fake["device_enters"]
+    cuflash.attention(q, k, v, out=o)                # device 0 current
+    from_0 = fake["launches"][n:]
+    assert fake["checks"] == checks and fake["device_enters"] == enters + 1
+    fake["device"] = 1                               # Device(1).use()
+    n, enters = len(fake["launches"]), fake["device_enters"]
+    cuflash.attention(q, k, v, out=o)
+    from_1 = fake["launches"][n:]
+    assert fake["checks"] == checks and fake["device_enters"] == enters
+    fake["device"] = 0
+    full, _ = _full_launches(fake, lambda: cuflash.attention(q, k, v, out=o))
+    if "attn_decode" in full[0][4]:   # (the split partials: a fresh pool block each call)
+        _same_but_per_call(from_0, full, "from device 0")
+        _same_but_per_call(from_1, full, "from device 1")
+    else:
+        assert from_0 == from_1 == full
+    cuflash.attention(*on(0, qs, ks, ks), out=on(0, qs)[0])   # device 0's: another signature
+    assert fake["checks"] == checks + 2 and _callcache._last[1].device_id == 0
