@@ -34,8 +34,8 @@ layouts), a hit with the last pointers reuses them.
 
 A hit compares its key with the last one found (a loop of one signature hashes nothing), does
 no device switch when the record's device is current, resolves a given stream (the
-ExternalStream of a raw handle or torch stream cached; no stream: CuPy's kernel call takes the
-current one), allocates o (and lse) like the full path, writes the pointers into the record's
+ExternalStream of a raw handle or torch stream cached; no stream: CuPy's current stream object,
+`get_current_stream()`, as on the full path), allocates o (and lse) like the full path, writes the pointers into the record's
 host copy of the parameter block (the thread that made the record; other threads build a block
 per call) and calls the kernel objects kept in the record (notes/JAX.md "Host time").
 
@@ -565,7 +565,7 @@ def _torch_stream(torch, device_id):
 
 def launch(rec, ptrs, stream, workspace=None, current=False):
     """Launch record `rec` with the pointers (q, k, v, o, lse) on `stream` (a CuPy stream
-    object; None with `current`: CuPy's current stream) on the record's (current) device. The
+    object; `current`: it is CuPy's current stream) on the record's (current) device. The
     decode kernel's split partials go to `workspace` (a CuPy array the caller owns) or, without
     one, to a CuPy pool block allocated with `stream` current (`current`: it already is), as on
     the full path (`_decode.scratch`): the pool hands a block freed by this call on only to
@@ -646,13 +646,14 @@ def _stream(stream, device_id):
 
 
 def _hit(cp, rec, call, out, workspace, stream):
-    # stream None: the kernel call resolves CuPy's current stream itself (the full path's
-    # stream), and the pool allocates on it; no stream object is needed but for torch's check
+    # stream None: CuPy's current stream object, as the full path's `_launch._stream_ptr`
+    # takes it, passed on to every launch (CuPy's kernel call without a stream would launch on
+    # `get_current_stream_ptr()`, which under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 turns the
+    # current null stream's handle 0 into the per-thread default stream's 2); the pool
+    # allocates on it (it is current)
     current = stream is None
-    st = None if current else _stream(stream, rec.device_id)
+    st = cp.cuda.get_current_stream() if current else _stream(stream, rec.device_id)
     if call[TORCH]:
-        if st is None:
-            st = cp.cuda.get_current_stream()
         if _torch_stream(sys.modules["torch"], rec.device_id) != st.ptr:
             # the full path's DLPack import makes the launch stream wait for torch's current
             # stream; skipping it is only right when they are the same stream.

@@ -662,9 +662,9 @@ def test_another_thread_builds_its_own_block(fake, qs, ks):
 
 
 def test_no_stream_given_launches_on_the_current_stream_of_each_call(fake):
-    """Without stream= a hit passes no stream object: CuPy's kernel call takes the current
-    stream at that moment, as the full path's `get_current_stream()` does; the decode partials
-    come from the pool with that stream current."""
+    """Without stream= a hit launches on CuPy's current stream at that moment
+    (`get_current_stream()`, as the full path does); the decode partials come from the pool with
+    that stream current."""
     qs, ks = (2, 4, 1, 64), (2, 4, 4096, 64)
     cuflash.attention(_new(qs), _new(ks), _new(ks))
     s1, s2 = Stream(0x7700), Stream(0x8800)
@@ -935,6 +935,34 @@ def test_direct_launch_sends_what_cupys_call_sends(fake, monkeypatch, case):
     cuflash.attention(q, k, v, out=o, **kw)
     assert len(direct) == nd and fake["launches"][n:] == logs[None]
     assert fake["checks"] == checks, "every call after the first is a hit"
+
+
+@pytest.mark.parametrize("qs,ks", [((2, 4, 100, 64), (2, 4, 100, 64)),      # dense
+                                   ((2, 4, 1, 64), (2, 4, 4096, 64))])      # decode, split keys
+def test_every_hit_launches_on_the_full_paths_stream_under_ptds(fake, qs, ks):
+    """``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1`` with ``cupy.cuda.Stream.null`` current: the
+    full path launches on ``get_current_stream().ptr``, the legacy stream 0, while CuPy's
+    kernel call without a stream resolves 0 to the per-thread default stream 2. A hit without
+    stream= launches where the full path does, on every path: the owner thread's (direct or
+    CuPy's call), another thread's, and with no context current (CuPy's call)."""
+    import threading
+
+    fake["ptds"] = True
+    with Stream(0):   # Stream.null current (the stand-in's stack is not per thread)
+        full, _ = _full_launches(fake, lambda: cuflash.attention(_new(qs), _new(ks), _new(ks)))
+        assert [x[5] for x in full] == [0] * len(full)
+        n = len(fake["launches"])
+        cuflash.attention(_new(qs), _new(ks), _new(ks))           # the owner thread
+        q, k, v = _new(qs), _new(ks), _new(ks)
+        t = threading.Thread(target=lambda: cuflash.attention(q, k, v))
+        t.start()
+        t.join()                                                   # another thread
+        fake["no_ctx"] = True
+        cuflash.attention(_new(qs), _new(ks), _new(ks))           # no context current
+        fake["no_ctx"] = False
+    hits = fake["launches"][n:]
+    assert fake["checks"] == 1 and len(hits) == 3 * len(full)
+    assert [x[5] for x in hits] == [0] * len(hits), "a hit left the full path's stream"
 
 
 @pytest.mark.parametrize("qs,ks", [((2, 4, 100, 64), (2, 4, 100, 64)),      # dense
