@@ -37,7 +37,8 @@ no device switch when the record's device is current, resolves a given stream (t
 ExternalStream of a raw handle or torch stream cached; no stream: CuPy's current stream object,
 `get_current_stream()`, as on the full path), allocates o (and lse) like the full path, writes
 the pointers into the record's host copy of the parameter block (the thread that made the
-record; other threads build a block per call) and calls the kernel objects kept in the record (notes/JAX.md "Host time").
+record; other threads build a block per call) and calls the kernel objects kept in the record
+(notes/JAX.md "Host time").
 
 `cuflash.jax` keeps, per buffer-callback signature, the record its first call made, and
 launches it with the pointers of XLA's buffers (`lookup`, `launch`).
