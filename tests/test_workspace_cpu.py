@@ -83,6 +83,28 @@ def test_configure_checks_the_device():
         _decode.configure(plan, (1, 1, 1), 1, 1, 2**31, 256, ATTRS)
 
 
+def test_grid_limits_refuse_only_launches_that_exceed_them(monkeypatch):
+    """The combine's grid (packed rows of every entry, CB) bounds a launch only when the keys
+    are split; with one split no combine runs, so more than 2**31 - 1 packed rows in all (B x
+    Hkv entries of G x Sq rows; the main grid has one block per 16 MT of them) still launch.
+    The main grid's own limit and a split launch's combine limit still refuse."""
+    from cuflash._launch import MAX_GRID_X
+
+    plan = _decode.decode_plan("float16", 64, False, paged=False, rows=32)
+    entries = 2**26                        # 2**31 packed rows at G = 32: one block each of 32
+    cfg = _decode.configure(plan, (1, 1, entries), 32, 1, 64, 64, ATTRS)
+    assert cfg.splits == 1 and cfg.grid == entries < MAX_GRID_X
+    assert cfg.entries * cfg.rows > MAX_GRID_X
+    with pytest.raises(ValueError, match="too many for one launch"):   # 2**32 row blocks
+        _decode.configure(_decode.decode_plan("float16", 64, False, paged=False, rows=1),
+                          (1, 1, 2**32), 1, 1, 64, 64, ATTRS)
+    # a split launch with a combine grid past the limit is refused (the split rule keeps the
+    # blocks to ~8 waves, so only a forced split count reaches it)
+    monkeypatch.setattr(_decode, "choose_splits", lambda *a, **k: 2)
+    with pytest.raises(ValueError, match="combine rows is too many for one launch"):
+        _decode.configure(plan, (1, 1, entries), 32, 1, 64, 64, ATTRS)
+
+
 def test_dense_query_follows_the_grouped_heads():
     """attention's size for a grouped-query decode step: entries = B x Hkv, G = H / Hkv rows,
     computed from the checked problem the call would launch (NumPy arrays stand in for the GPU
