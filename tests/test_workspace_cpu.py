@@ -131,6 +131,32 @@ def _kv_prob(*, b=4, h=32, hkv=8, sq=1, d=128, snew=0, capacity=16384, page=0, s
                                  block_table=object() if page else None, seqlens_int=seqlens_int)
 
 
+def test_documented_partial_rows_follow_the_row_blocks():
+    """The workspace layout the docstrings and notes/INFERENCE.md give: R packed rows per entry
+    and split are G * Sq (G * max_seqlen_q) rounded up to the block's 16 MT rows, i.e. to 32
+    when G * Sq > 16 and Dpad <= 128 (MT = 2). They said ``16 * ceil(G * Sq / 16)``, which at
+    G * Sq = 48, D = 128 gives 48 rows where the launch has 64: a workspace sized by it is
+    refused."""
+    from pathlib import Path
+
+    for rows, d, r in ((48, 128, 64), (17, 64, 32), (16, 128, 16), (48, 256, 48), (3, 96, 16)):
+        plan = _decode.decode_plan("float16", d, False, paged=False, rows=rows)
+        cfg = _decode.configure(plan, (1, 1, 8), rows, 1, 131072, d, ATTRS)
+        assert cfg.splits > 1 and 16 * cfg.n_rtiles == r
+        dpad = _decode.head_dim_bucket(d, _decode.DECODE_DPADS)
+        assert cfg.part_bytes == _align(4 * 8 * cfg.splits * r * dpad) + _align(
+            4 * 8 * cfg.splits * r)
+    notes = (Path(__file__).resolve().parent.parent / "notes" / "INFERENCE.md").read_text()
+    docs = {"attention": cuflash.attention.__doc__,
+            "attention_with_kvcache": cuflash.attention_with_kvcache.__doc__,
+            "attention_varlen": cuflash.attention_varlen.__doc__, "notes": notes}
+    for name, doc in docs.items():
+        flat = " ".join(doc.split())
+        assert "ceil(G * Sq / 16)" not in flat and "ceil(G Sq / 16)" not in flat, name
+        assert "ceil(G * max_seqlen_q / 16)" not in flat, name
+        assert "of 32 when" in flat and "<= 128" in flat, name
+
+
 @pytest.mark.parametrize("snew", [0, 1, 4])
 @pytest.mark.parametrize("seqlens_int", [None, 0, 9000])
 @pytest.mark.parametrize("page", [0, 16])
