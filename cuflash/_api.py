@@ -137,9 +137,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         decode kernel splits the keys over s > 1 blocks it holds the float32 partial outputs,
         ``E * s * R * Dpad * 4`` bytes, then (256-byte aligned) the partial lse,
         ``E * s * R * 4`` bytes: ``E`` = batch entries per kv head (the batch size times the
-        kv heads), ``R = 16 * ceil(G * Sq / 16)`` packed rows (``G`` query heads per kv head)
-        and ``Dpad`` the head dim rounded up to 64, 128 or 256; s comes from the problem and
-        the SM count (notes/INFERENCE.md). Other kernels need none (size 0) and ignore it.
+        kv heads), ``R`` packed rows: ``G * Sq`` (``G`` query heads per kv head) rounded up to
+        a multiple of 16, or of 32 when ``G * Sq > 16`` and ``Dpad <= 128`` (two row tiles a
+        block), and ``Dpad`` the head dim rounded up to 64, 128 or 256; s comes from the
+        problem and the SM count (notes/INFERENCE.md). Other kernels need none (size 0) and ignore it.
         Without it the partials come from CuPy's memory pool, allocated per call on the launch
         stream. With ``out=`` and ``workspace=`` a call whose inputs need no copy (contiguous
         last axes, collapsible batch axes) allocates nothing and never synchronises, so it can

@@ -390,8 +390,11 @@ def configure(plan, sizes, g, sq, sk, d, attrs) -> DecodeLaunch:
     split_tiles = max(1, -(-n_key_tiles // splits))
     splits = max(1, -(-n_key_tiles // split_tiles))
     grid = entries * n_rblocks * splits
-    if grid > MAX_GRID_X or entries * rows > MAX_GRID_X:
+    if grid > MAX_GRID_X:
         raise ValueError(f"{plan.label}: {grid} blocks is too many for one launch")
+    if splits > 1 and entries * rows > MAX_GRID_X:   # the combine's grid (one split: none)
+        raise ValueError(f"{plan.label}: {entries * rows} combine rows is too many for one "
+                         "launch")
     return DecodeLaunch(entries, rows, n_rtiles, splits, split_tiles, grid, dpad,
                         combine_columns(splits, dpad, version))
 

@@ -681,8 +681,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         ``cache_seqlens + Snew``, or for an int cache_seqlens the append's start positions);
         then, when the decode splits the keys over s > 1 blocks, the float32 partial outputs
         ``E * s * R * Dpad * 4`` bytes and partial lse ``E * s * R * 4`` bytes, with
-        ``E = B * Hkv`` entries, ``R = 16 * ceil(G * Sq / 16)`` packed rows (``G = H / Hkv``)
-        and ``Dpad`` the head dim rounded up to 64, 128 or 256 (s is chosen from the problem
+        ``E = B * Hkv`` entries, ``R`` packed rows (``G * Sq``, ``G = H / Hkv``, rounded up
+        to a multiple of 16, or of 32 when ``G * Sq > 16`` and ``Dpad <= 128``) and ``Dpad``
+        the head dim rounded up to 64, 128 or 256 (s is chosen from the problem
         and the SM count). Without it that memory comes from CuPy's memory pool (an
         allocation per call, made on the launch stream). With ``out=`` (o and, with
         ``return_lse``, lse) and ``workspace=`` the call allocates nothing and never

@@ -395,8 +395,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         boundary; its contents on entry do not matter. When the kernel splits the keys over
         s > 1 blocks it holds the float32 partial outputs, ``E * s * R * Dpad * 4`` bytes, then
         (256-byte aligned) the partial lse, ``E * s * R * 4`` bytes, with ``E = B * Hkv``,
-        ``R = 16 * ceil(G * max_seqlen_q / 16)`` (``G = H / Hkv``) and ``Dpad`` the head dim
-        rounded up to 64, 128 or 256; with one split it is not touched (size 0). Without it
+        ``R`` = ``G * max_seqlen_q`` (``G = H / Hkv``) rounded up to a multiple of 16, or of
+        32 when it is > 16 and ``Dpad <= 128``, and ``Dpad`` the head dim rounded up to 64,
+        128 or 256; with one split it is not touched (size 0). Without it
         that memory comes from CuPy's memory pool (on the launch stream). With ``out=`` and
         ``workspace=`` the call allocates nothing and can be captured in a CUDA graph.
     kernel : {"auto", "decode", "tensorcore", "hopper"}, optional

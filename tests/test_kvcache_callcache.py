@@ -211,3 +211,42 @@ def test_numpy_and_other_types_are_not_cached():
     kc = np.zeros((1, 32, 2, 64), np.float16)
     assert _kvcache._kv_signature(q, kc, kc, 4, None, None, None, False, None, False, None,
                                   None, "auto") is None
+
+
+def test_a_decode_version_switch_is_not_served_from_an_old_record(kvfake, monkeypatch):
+    """Assigning `_decode.DECODE_VERSION` moves the tables' generation on: a kvcache record of
+    version 2 misses under version 1, which launches its own kernels with its own split rule
+    (here 4 splits and the version-1 combine where version 2 takes one split), and a workspace
+    sized under version 2 is refused with the size query's name before anything is launched."""
+    fake = kvfake
+    b, hkv, h, d, smax = 32, 2, 64, 64, 256     # 64 entries of G = 32 rows, 256 keys
+
+    def args():
+        q = _new((b, 1, h, d))
+        kc, vc = _new((b, smax, hkv, d)), _new((b, smax, hkv, d))
+        return q, kc, vc, smax
+
+    def names(since):
+        return [x[4] for x in fake["launches"][since:] if x[0] not in ("fill", "add")]
+
+    ws = _new((256,), "uint8")
+    assert cuflash.attention_with_kvcache_workspace_size(*args()) == 0
+    fake["kvchecks"] = 0   # (the size query checks too)
+    for _ in range(2):
+        n = len(fake["launches"])
+        cuflash.attention_with_kvcache(*args(), workspace=ws)
+        assert [x.rsplit(",", 1)[1] for x in names(n)] == [" 2>"]   # one split, no combine
+    assert fake["kvchecks"] == 1, "the second call is a hit"
+    monkeypatch.setattr(_decode, "DECODE_VERSION", 1)
+    need = cuflash.attention_with_kvcache_workspace_size(*args())
+    assert need > ws.nbytes
+    n = len(fake["launches"])
+    with pytest.raises(ValueError, match="needs .*attention_with_kvcache_workspace_size"):
+        cuflash.attention_with_kvcache(*args(), workspace=ws)
+    assert not names(n)
+    cuflash.attention_with_kvcache(*args(), workspace=_new((need,), "uint8"))
+    dec, comb = names(n)
+    assert dec.startswith("cuflash::cuflash_attn_decode<") and dec.endswith(", 1>")
+    assert comb.startswith("cuflash::cuflash_decode_combine<") and comb.endswith(", 1>")
+    p = np.frombuffer(fake["launches"][-2][2], dtype=_DEC)[0]
+    assert int(p["n_splits"]) == 4

@@ -83,6 +83,28 @@ def test_configure_checks_the_device():
         _decode.configure(plan, (1, 1, 1), 1, 1, 2**31, 256, ATTRS)
 
 
+def test_grid_limits_refuse_only_launches_that_exceed_them(monkeypatch):
+    """The combine's grid (packed rows of every entry, CB) bounds a launch only when the keys
+    are split; with one split no combine runs, so more than 2**31 - 1 packed rows in all (B x
+    Hkv entries of G x Sq rows; the main grid has one block per 16 MT of them) still launch.
+    The main grid's own limit and a split launch's combine limit still refuse."""
+    from cuflash._launch import MAX_GRID_X
+
+    plan = _decode.decode_plan("float16", 64, False, paged=False, rows=32)
+    entries = 2**26                        # 2**31 packed rows at G = 32: one block each of 32
+    cfg = _decode.configure(plan, (1, 1, entries), 32, 1, 64, 64, ATTRS)
+    assert cfg.splits == 1 and cfg.grid == entries < MAX_GRID_X
+    assert cfg.entries * cfg.rows > MAX_GRID_X
+    with pytest.raises(ValueError, match="too many for one launch"):   # 2**32 row blocks
+        _decode.configure(_decode.decode_plan("float16", 64, False, paged=False, rows=1),
+                          (1, 1, 2**32), 1, 1, 64, 64, ATTRS)
+    # a split launch with a combine grid past the limit is refused (the split rule keeps the
+    # blocks to ~8 waves, so only a forced split count reaches it)
+    monkeypatch.setattr(_decode, "choose_splits", lambda *a, **k: 2)
+    with pytest.raises(ValueError, match="combine rows is too many for one launch"):
+        _decode.configure(plan, (1, 1, entries), 32, 1, 64, 64, ATTRS)
+
+
 def test_dense_query_follows_the_grouped_heads():
     """attention's size for a grouped-query decode step: entries = B x Hkv, G = H / Hkv rows,
     computed from the checked problem the call would launch (NumPy arrays stand in for the GPU
@@ -107,6 +129,32 @@ def _kv_prob(*, b=4, h=32, hkv=8, sq=1, d=128, snew=0, capacity=16384, page=0, s
     return types.SimpleNamespace(dtype_name="float16", d=d, causal=False, b=b, h=h, hkv=hkv,
                                  sq=sq, snew=snew, capacity=capacity, page=page,
                                  block_table=object() if page else None, seqlens_int=seqlens_int)
+
+
+def test_documented_partial_rows_follow_the_row_blocks():
+    """The workspace layout the docstrings and notes/INFERENCE.md give: R packed rows per entry
+    and split are G * Sq (G * max_seqlen_q) rounded up to the block's 16 MT rows, i.e. to 32
+    when G * Sq > 16 and Dpad <= 128 (MT = 2). They said ``16 * ceil(G * Sq / 16)``, which at
+    G * Sq = 48, D = 128 gives 48 rows where the launch has 64: a workspace sized by it is
+    refused."""
+    from pathlib import Path
+
+    for rows, d, r in ((48, 128, 64), (17, 64, 32), (16, 128, 16), (48, 256, 48), (3, 96, 16)):
+        plan = _decode.decode_plan("float16", d, False, paged=False, rows=rows)
+        cfg = _decode.configure(plan, (1, 1, 8), rows, 1, 131072, d, ATTRS)
+        assert cfg.splits > 1 and 16 * cfg.n_rtiles == r
+        dpad = _decode.head_dim_bucket(d, _decode.DECODE_DPADS)
+        assert cfg.part_bytes == _align(4 * 8 * cfg.splits * r * dpad) + _align(
+            4 * 8 * cfg.splits * r)
+    notes = (Path(__file__).resolve().parent.parent / "notes" / "INFERENCE.md").read_text()
+    docs = {"attention": cuflash.attention.__doc__,
+            "attention_with_kvcache": cuflash.attention_with_kvcache.__doc__,
+            "attention_varlen": cuflash.attention_varlen.__doc__, "notes": notes}
+    for name, doc in docs.items():
+        flat = " ".join(doc.split())
+        assert "ceil(G * Sq / 16)" not in flat and "ceil(G Sq / 16)" not in flat, name
+        assert "ceil(G * max_seqlen_q / 16)" not in flat, name
+        assert "of 32 when" in flat and "<= 128" in flat, name
 
 
 @pytest.mark.parametrize("snew", [0, 1, 4])
