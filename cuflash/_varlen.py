@@ -377,7 +377,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``H % Hkv == 0``: query head ``h`` uses kv head ``h // (H // Hkv)``.
     cu_seqlens_q, cu_seqlens_k : int32 array, shape (B + 1,)
         Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of q and
-        ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of k and v (starting at 0, non-decreasing).
+        ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of k and v (starting at 0, non-decreasing). On
+        the GPU C-contiguous and on q's device (the kernels read them as dense arrays).
     max_seqlen_q, max_seqlen_k : int
         The longest sequence's rows in q and in k (they size the GPU grid). Python ints, a
         required argument so that the call never reads cu_seqlens back from the device (which
@@ -423,7 +424,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Raises
     ------
     TypeError, ValueError
-        As `attention`, plus cu_seqlens that are not int32 (B + 1,) arrays. For NumPy inputs
+        As `attention`, plus cu_seqlens that are not int32 (B + 1,) arrays (on the GPU also not
+        C-contiguous). For NumPy inputs
         also offsets that do not start at 0, decrease, or pass the tensors' rows, and sequences
         longer than max_seqlen. A ``workspace`` as `attention_with_kvcache` refuses it. GPU
         inputs: the offsets live on the device and are not read back

@@ -1,0 +1,87 @@
+"""attention_varlen's host side where kernel="auto" now takes the dense varlen twins, without a
+GPU: what the checks let through to a launch (stand-in CuPy arrays of tests/test_workspace_cpu.py,
+recorded launches) and the Hopper twin's 32-bit slot numbering (kernels_cu/attn_wgmma.cu:
+cuflash_fwd_wgmma_varlen, common.cuh: varlen_slot) for the parameter block `dense_params` builds."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _varlen
+
+from test_workspace_cpu import GArr, _events, fakecp  # noqa: F401  (the stand-in CuPy fixture)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offsets and tables on the GPU are read by the kernels as dense int32 arrays (data.ptr, index)
+
+def _strided(fakecp, n, step=2, shape2=None):
+    """A GPU int32 view taking every `step`-th element of a larger buffer (1-D), or the first
+    `shape2[1]` columns of rows `shape2[2]` long (2-D): not contiguous."""
+    if shape2 is None:
+        base = fakecp.new((n * step,), "int32")
+        return GArr((n,), "int32", base.data.ptr, fakecp.log, strides=(4 * step,))
+    b, cols, row = shape2
+    base = fakecp.new((b * row,), "int32")
+    return GArr((b, cols), "int32", base.data.ptr, fakecp.log, strides=(4 * row, 4))
+
+
+def test_strided_gpu_offsets_are_refused_before_any_launch(fakecp):
+    """cu_seqlens views that are not contiguous: every kernel reads cu[s] at data.ptr + 4 s (no
+    stride in VarlenParams, DecodeParams, BwdParams), so cu_seqlens[::2] of a larger array would
+    give every sequence the wrong rows with no error. They must be refused (ValueError) on the
+    GPU, before anything is launched, by the forward (both families), its queries and the
+    backward; contiguous ones still launch with their own address."""
+    q, k = fakecp.new((40, 8, 64)), fakecp.new((40, 2, 64))
+    good = fakecp.new((4,), "int32")
+    bad = _strided(fakecp, 4)
+    for max_q in (16, 40):              # decode-like (decode family) and prefill (dense twin)
+        for args in ((bad, good), (good, bad)):
+            fakecp.log.clear()
+            with pytest.raises(ValueError, match="contiguous"):
+                cuflash.attention_varlen(q, k, k, *args, max_q, 40)
+            with pytest.raises(ValueError, match="contiguous"):
+                cuflash.attention_varlen_workspace_size(q, k, k, *args, max_q, 40)
+            with pytest.raises(ValueError, match="contiguous"):
+                cuflash.varlen_dispatch_info(q, k, k, *args, max_q, 40)
+            assert not _events(fakecp.log, "launch")
+        fakecp.log.clear()
+        cuflash.attention_varlen(q, k, k, good, good, max_q, 40)
+        launches = _events(fakecp.log, "launch")
+        assert launches and all(int(e[3]["cu_q"]) == good.data.ptr for e in launches
+                                if "cu_q" in e[3].dtype.names)
+    o, lse = fakecp.new((40, 8, 64)), fakecp.new((8, 40), "float32")
+    fakecp.log.clear()
+    with pytest.raises(ValueError, match="contiguous"):
+        cuflash.attention_varlen_backward(o, q, k, k, o, lse, bad, good, 40, 40)
+    assert not _events(fakecp.log, "launch")
+
+
+def test_strided_gpu_block_table_and_seqlens_are_refused(fakecp):
+    """The same reader in attention_with_kvcache: the block table's rows are read bt_stride =
+    shape[1] apart (DecodeParams, AppendParams), so block_table[:, :n] of a wider table sent
+    every sequence but the first to other pages; cache_seqlens[::2] read other lengths."""
+    b, hkv, h, d = 2, 2, 8, 64
+    q, kc = fakecp.new((b, 1, h, d)), fakecp.new((16, 16, hkv, d))
+    lens, bt = fakecp.new((b,), "int32"), fakecp.new((b, 4), "int32")
+    for kw in ({"block_table": _strided(fakecp, 0, shape2=(b, 4, 8))},
+               {"block_table": bt, "cache_seqlens": _strided(fakecp, b)}):
+        args = dict({"block_table": bt, "cache_seqlens": lens}, **kw)
+        fakecp.log.clear()
+        with pytest.raises(ValueError, match="contiguous"):
+            cuflash.attention_with_kvcache(q, kc, kc, args.pop("cache_seqlens"), **args)
+        assert not _events(fakecp.log, "launch")
+    fakecp.log.clear()
+    cuflash.attention_with_kvcache(q, kc, kc, lens, block_table=bt)
+    assert _events(fakecp.log, "launch")
+
+
+def test_strided_numpy_offsets_still_work():
+    """NumPy inputs index their offsets (any strides): unchanged."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((9, 2, 8))
+    cu_full = np.array([0, 99, 4, 99, 9], np.int32)
+    o = cuflash.attention_varlen(q, q, q, cu_full[::2], cu_full[::2], 5, 5)
+    o2 = cuflash.attention_varlen(q, q, q, cu_full[::2].copy(), cu_full[::2].copy(), 5, 5)
+    np.testing.assert_array_equal(o, o2)
