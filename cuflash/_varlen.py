@@ -257,6 +257,17 @@ def dense_params(plan, prob, o, lse):
         rows = plan.block_m * (2 if plan.pairs else 1) * group
         vl["slots"] = per = prob.q.shape[0] // rows + prob.nseq
         vl["group"] = group
+        # The view numbers batch entry b = s H + h's slots from b per_s on in unsigned int
+        # (cuflash_fwd_wgmma_varlen: view.slot, view.end), up to B H per_s for the last
+        # sequence's last head, per_s <= its query blocks (pairs) at max_seqlen_q. Past 2^32
+        # they wrap and the walk would run other slots or none: refuse (the mma.sync twin's
+        # grid, ceil(max_seqlen_q / BM) B H blocks, is past its own limit there too).
+        per_max = -(-prob.max_q // plan.block_m)
+        per_max = (per_max + 1) // 2 if plan.pairs else per_max
+        if prob.nseq * prob.h * per_max >= 2**32:
+            raise ValueError(f"attention_varlen: {prob.nseq} sequences x {prob.h} heads x "
+                             f"{per_max} work slots (max_seqlen_q {prob.max_q}) pass the Hopper "
+                             "varlen kernel's 32-bit slot numbering (2**32)")
         p = _hopper_record(plan, prob, p)
     else:  # mma.sync: a block per query block of max_seqlen_q rows, (B, Hkv, G) entries
         per = n_mblocks * prob.nseq

@@ -85,3 +85,65 @@ def test_strided_numpy_offsets_still_work():
     o = cuflash.attention_varlen(q, q, q, cu_full[::2], cu_full[::2], 5, 5)
     o2 = cuflash.attention_varlen(q, q, q, cu_full[::2].copy(), cu_full[::2].copy(), 5, 5)
     np.testing.assert_array_equal(o, o2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper twin's slot numbering is 32-bit
+
+def _u32_views(nseq, heads, lens_last, bm, pairs, group):
+    """The Hopper twin's view of each live group of the *last* sequence (length `lens_last`,
+    every earlier sequence one row) on its last head, in the kernel's unsigned int arithmetic
+    (cuflash_fwd_wgmma_varlen: b = s H + h, view.slot = b per_s + r group, view.end = b per_s +
+    min(per_s, (r + 1) group)), beside the exact values: [(slot32, end32, slot, end)]."""
+    s, h = nseq - 1, heads - 1
+    b = s * heads + h
+    nm_s = -(-lens_last // bm)
+    per_s = (nm_s + 1) // 2 if pairs else nm_s
+    out = []
+    for r in range(-(-per_s // group)):
+        slot, end = b * per_s + r * group, b * per_s + min(per_s, (r + 1) * group)
+        out.append((slot % 2**32, end % 2**32, slot, end))
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_slot_numbering_fits_32_bits(causal, monkeypatch):
+    """`dense_params` for the Hopper twin: the view's slot numbers b per_s + ... reach B H per_s
+    (b = s H + h, per_s the sequence's query blocks or pairs), computed in 32 bits by the kernel.
+    4095 one-row sequences then one of 2^20 (2^21 causal) rows, H = 128, D = 128: the grid is
+    small (H (total_q / (U G) + B) blocks) but the last head's views wrap past 2^32, so their
+    WorkWalk runs other slots' query blocks or none (rows left unwritten, no error). Such a call
+    must be refused (ValueError) before any launch; one a query block shorter is accepted and
+    does not wrap."""
+    from cuflash import _dispatch, _tma
+
+    monkeypatch.setattr(_tma, "encode_tiled", lambda *a: bytes(128))
+    monkeypatch.setattr(_varlen, "VARLEN_HOPPER_GROUP", 4)
+    nseq, h, hkv, d = 4096, 128, 16, 128
+    plan = _dispatch.varlen_hopper_plan("float16", d, causal, 2**20, 2**20)
+    bm = plan.block_m
+    assert plan.pairs == causal and plan.spec.family == "attn_wgmma"
+    u = bm * (2 if causal else 1)
+    # the longest sequence whose last view still ends below 2^32, and one query block (pair) more
+    per_ok = (2**32 - 1) // (nseq * h)
+    for per, ok in ((per_ok, True), (per_ok + 1, False)):
+        long_len = per * u
+        views = _u32_views(nseq, h, long_len, bm, causal, 4)
+        wraps = any((a, b) != (c, e) for a, b, c, e in views)
+        assert wraps != ok        # the kernel's arithmetic wraps exactly past the bound
+        total = nseq - 1 + long_len
+        fake = lambda n, heads: SimpleNamespace(  # noqa: E731
+            shape=(n, heads, d), strides=(heads * d * 2, d * 2, 2), itemsize=2,
+            data=SimpleNamespace(ptr=1 << 30))
+        cu = SimpleNamespace(data=SimpleNamespace(ptr=1 << 20))
+        prob = SimpleNamespace(q=fake(total, h), k=fake(total, hkv), v=fake(total, hkv),
+                               cu_q=cu, cu_k=cu, max_q=long_len, max_k=long_len, nseq=nseq,
+                               h=h, hkv=hkv, d=d, dv=d, scale=0.1, causal=causal,
+                               dtype_name="float16")
+        o = fake(total, h)
+        if ok:
+            _, vl, grid = _varlen.dense_params(plan, prob, o, None)
+            assert grid == h * int(vl["slots"]) < 2**31
+        else:
+            with pytest.raises(ValueError, match="32-bit"):
+                _varlen.dense_params(plan, prob, o, None)
