@@ -394,7 +394,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         The longest sequence's rows in q and in k (they size the GPU grid). Python ints, a
         required argument so that the call never reads cu_seqlens back from the device (which
         would synchronise it); they may be upper bounds (a captured graph can keep them while
-        the lengths below them change).
+        the lengths below them change). Smaller than a GPU sequence's length is not detected:
+        the decode family then leaves its rows past max_seqlen_q unwritten and its keys past
+        max_seqlen_k unread, the mma.sync twin its rows past max_seqlen_q unwritten (the Hopper
+        twin's grid comes from total_q and the offsets, so it is not affected).
     causal : bool, optional
         Bottom-right aligned per sequence: query ``i`` of a sequence sees its keys
         ``j <= i + Sk_s - Sq_s``.
@@ -418,7 +421,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         to 256). "hopper": the dense Hopper (TMA, wgmma) forward on each sequence (compute
         capability 9.0, head dims 64 to 256, no workspace). "auto": a dense one for
         prefill-like calls when ``cuflash._varlen.VARLEN_DENSE_AUTO`` is on ("hopper" first
-        with ``VARLEN_HOPPER_AUTO``; both off until their GPU tests have passed), else "decode"
+        with ``VARLEN_HOPPER_AUTO``; both on since the GPU suite passed with them), else "decode"
         (always for decode-like calls: ``max_seqlen_q <= 16`` and
         ``H / Hkv * max_seqlen_q <= 128``). `varlen_dispatch_info` names the kernel.
 
@@ -470,7 +473,7 @@ def varlen_dispatch_info(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                          causal=False, kernel="auto"):
     """The kernel `attention_varlen` would run for these arguments (``"cpu-numpy"`` for NumPy
     inputs), e.g. ``"decode<float16,D128,BN16,W4,dense,causal>"`` or
-    ``"varlen-tensorcore<float16,D128,BM128,BN48,stagedO,causal>"`` or
+    ``"varlen-tensorcore<float16,D128,BM128,BN48,causal>"`` or
     ``"varlen-hopper<float16,D128,BM128,BN128,S2,Q1,overlap,pingpong,causal>"``. Validates like it (the
     GPU's checks too); launches nothing."""
     prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
