@@ -162,7 +162,8 @@ def dense_reason(prob, compute_capability) -> Optional[str]:
 
 def hopper_reason(prob, compute_capability) -> Optional[str]:
     """Why the Hopper varlen forward cannot run a GPU `VarlenProblem`, or None: `dense_reason`'s
-    checks, compute capability 9.0, head dims from 64, rows that do not overlap, packed row counts
+    checks, compute capability 9.0, head dims from 64, rows that do not overlap and heads that do
+    not run backwards (the tensor maps' strides are unsigned), packed row counts
     below 2^31 (the tensor maps' int32 row coordinates), the driver's tensor-map API."""
     why = dense_reason(prob, compute_capability)
     if why is not None:
@@ -175,6 +176,8 @@ def hopper_reason(prob, compute_capability) -> Optional[str]:
     for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
         if x.shape[0] > 1 and x.strides[0] <= 0:
             return f"the rows of {name} must not overlap (row stride {x.strides[0]})"
+        if x.shape[1] > 1 and x.strides[1] < 0:  # tensor-map strides are unsigned
+            return f"the heads of {name} must not run backwards (head stride {x.strides[1]})"
         if x.shape[0] >= 2**31 - 2**20:
             return f"{name} has {x.shape[0]} rows; the tensor maps take fewer than 2**31 - 2**20"
     from . import _tma
@@ -294,6 +297,10 @@ def _hopper_record(plan, prob, p):
     tensors = (prob.q, prob.k, prob.v)
     el = [[s // x.itemsize for s in x.strides] for x in tensors]
     bstr = [[0, g * el[0][1], el[0][1]], [0, el[1][1], 0], [0, el[2][1], 0]]
+    # A size-1 batch axis (the group axis when H == Hkv, the kv-head axis of MQA) has coordinate
+    # 0: give it stride 0 (a size-1 dim of the map) so that its unchecked stride never reaches
+    # the driver, which takes only multiples of 16 bytes from 0 to 2^40.
+    bstr = [[st if n > 1 else 0 for st, n in zip(b, (prob.nseq, prob.hkv, g))] for b in bstr]
     rstr = [e[0] for e in el]
     geo = SimpleNamespace(sq=prob.q.shape[0], sk=prob.k.shape[0], d=prob.d,
                           dtype_name=prob.dtype_name)

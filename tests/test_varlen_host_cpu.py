@@ -147,3 +147,53 @@ def test_hopper_slot_numbering_fits_32_bits(causal, monkeypatch):
         else:
             with pytest.raises(ValueError, match="32-bit"):
                 _varlen.dense_params(plan, prob, o, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Head strides the Hopper twin's tensor maps cannot express
+
+def _view(shape, estrides, ptr=1 << 30, item=2):
+    return SimpleNamespace(shape=shape, strides=tuple(s * item for s in estrides), itemsize=item,
+                           data=SimpleNamespace(ptr=ptr))
+
+
+def _head_prob(q, k, kernel="auto"):
+    cu = SimpleNamespace(data=SimpleNamespace(ptr=1 << 20))
+    return SimpleNamespace(q=q, k=k, v=k, cu_q=cu, cu_k=cu, max_q=300, max_k=300, nseq=2,
+                           h=q.shape[1], hkv=k.shape[1], d=128, dv=128, scale=0.1, causal=True,
+                           dtype_name="float16", kernel=kernel)
+
+
+def test_hopper_twin_head_strides(monkeypatch):
+    """The tensor maps take byte strides as unsigned 64-bit multiples of 16 below 2^40
+    (cuTensorMapEncodeTiled): a negative head stride (q[:, ::-1], which the mma.sync twin reads
+    through its signed strides) reached the driver as 2^64 - |s| and failed the launch under
+    kernel="auto" instead of taking the mma.sync twin; and a size-1 head axis (MQA's k, or
+    H == Hkv's group axis) kept its stride, unchecked by the 16-byte rule (size-1 axes are
+    skipped), where its coordinate is always 0. Auto must route the first to the mma.sync twin,
+    and every encoded stride must be one the driver takes."""
+    from cuflash import _dispatch, _tma
+
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    encoded = []
+    monkeypatch.setattr(_tma, "encode_tiled",
+                        lambda dt, addr, dims, strides, box: encoded.append(strides) or bytes(128))
+    d = 128
+    rev_q = _view((600, 8, d), (8 * d, -d, 1), ptr=(1 << 30) + 7 * d * 2)
+    k = _view((600, 2, d), (2 * d, d, 1))
+    prob = _head_prob(rev_q, k)
+    assert _varlen.hopper_reason(prob, 90) is not None
+    assert _varlen.varlen_plan_for(prob, 90).label.startswith("varlen-tensorcore<")
+    with pytest.raises(ValueError, match="kernel='hopper'"):
+        _varlen.varlen_plan_for(_head_prob(rev_q, k, "hopper"), 90)
+    # size-1 head axes with strides the driver refuses: MQA's k, and q of H == Hkv == 1
+    plan = _dispatch.varlen_hopper_plan("float16", d, True, 300, 300)
+    for q, kk in ((_view((600, 8, d), (8 * d, d, 1)), _view((600, 1, d), (d, 3, 1))),
+                  (_view((600, 1, d), (d, -5, 1)), _view((600, 1, d), (d, 7, 1)))):
+        prob = _head_prob(q, kk)
+        assert _varlen.hopper_reason(prob, 90) is None
+        encoded.clear()
+        _varlen.dense_params(plan, prob, _view(q.shape, (q.shape[1] * d, d, 1)), None)
+        assert len(encoded) == 3
+        for strides in encoded:
+            assert all(0 <= s < 2**40 and s % 16 == 0 for s in strides), strides
