@@ -162,7 +162,8 @@ def dense_reason(prob, compute_capability) -> Optional[str]:
 
 def hopper_reason(prob, compute_capability) -> Optional[str]:
     """Why the Hopper varlen forward cannot run a GPU `VarlenProblem`, or None: `dense_reason`'s
-    checks, compute capability 9.0, head dims from 64, rows that do not overlap, packed row counts
+    checks, compute capability 9.0, head dims from 64, rows that do not overlap and heads that do
+    not run backwards (the tensor maps' strides are unsigned), packed row counts
     below 2^31 (the tensor maps' int32 row coordinates), the driver's tensor-map API."""
     why = dense_reason(prob, compute_capability)
     if why is not None:
@@ -175,6 +176,8 @@ def hopper_reason(prob, compute_capability) -> Optional[str]:
     for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
         if x.shape[0] > 1 and x.strides[0] <= 0:
             return f"the rows of {name} must not overlap (row stride {x.strides[0]})"
+        if x.shape[1] > 1 and x.strides[1] < 0:  # tensor-map strides are unsigned
+            return f"the heads of {name} must not run backwards (head stride {x.strides[1]})"
         if x.shape[0] >= 2**31 - 2**20:
             return f"{name} has {x.shape[0]} rows; the tensor maps take fewer than 2**31 - 2**20"
     from . import _tma
@@ -257,6 +260,17 @@ def dense_params(plan, prob, o, lse):
         rows = plan.block_m * (2 if plan.pairs else 1) * group
         vl["slots"] = per = prob.q.shape[0] // rows + prob.nseq
         vl["group"] = group
+        # The view numbers batch entry b = s H + h's slots from b per_s on in unsigned int
+        # (cuflash_fwd_wgmma_varlen: view.slot, view.end), up to B H per_s for the last
+        # sequence's last head, per_s <= its query blocks (pairs) at max_seqlen_q. Past 2^32
+        # they wrap and the walk would run other slots or none: refuse (the mma.sync twin's
+        # grid, ceil(max_seqlen_q / BM) B H blocks, is past its own limit there too).
+        per_max = -(-prob.max_q // plan.block_m)
+        per_max = (per_max + 1) // 2 if plan.pairs else per_max
+        if prob.nseq * prob.h * per_max >= 2**32:
+            raise ValueError(f"attention_varlen: {prob.nseq} sequences x {prob.h} heads x "
+                             f"{per_max} work slots (max_seqlen_q {prob.max_q}) pass the Hopper "
+                             "varlen kernel's 32-bit slot numbering (2**32)")
         p = _hopper_record(plan, prob, p)
     else:  # mma.sync: a block per query block of max_seqlen_q rows, (B, Hkv, G) entries
         per = n_mblocks * prob.nseq
@@ -283,6 +297,10 @@ def _hopper_record(plan, prob, p):
     tensors = (prob.q, prob.k, prob.v)
     el = [[s // x.itemsize for s in x.strides] for x in tensors]
     bstr = [[0, g * el[0][1], el[0][1]], [0, el[1][1], 0], [0, el[2][1], 0]]
+    # A size-1 batch axis (the group axis when H == Hkv, the kv-head axis of MQA) has coordinate
+    # 0: give it stride 0 (a size-1 dim of the map) so that its unchecked stride never reaches
+    # the driver, which takes only multiples of 16 bytes from 0 to 2^40.
+    bstr = [[st if n > 1 else 0 for st, n in zip(b, (prob.nseq, prob.hkv, g))] for b in bstr]
     rstr = [e[0] for e in el]
     geo = SimpleNamespace(sq=prob.q.shape[0], sk=prob.k.shape[0], d=prob.d,
                           dtype_name=prob.dtype_name)
@@ -377,12 +395,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``H % Hkv == 0``: query head ``h`` uses kv head ``h // (H // Hkv)``.
     cu_seqlens_q, cu_seqlens_k : int32 array, shape (B + 1,)
         Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of q and
-        ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of k and v (starting at 0, non-decreasing).
+        ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of k and v (starting at 0, non-decreasing). On
+        the GPU C-contiguous and on q's device (the kernels read them as dense arrays).
     max_seqlen_q, max_seqlen_k : int
         The longest sequence's rows in q and in k (they size the GPU grid). Python ints, a
         required argument so that the call never reads cu_seqlens back from the device (which
         would synchronise it); they may be upper bounds (a captured graph can keep them while
-        the lengths below them change).
+        the lengths below them change). Smaller than a GPU sequence's length is not detected:
+        the decode family then leaves its rows past max_seqlen_q unwritten and its keys past
+        max_seqlen_k unread, the mma.sync twin its rows past max_seqlen_q unwritten (the Hopper
+        twin's grid comes from total_q and the offsets, so it is not affected).
     causal : bool, optional
         Bottom-right aligned per sequence: query ``i`` of a sequence sees its keys
         ``j <= i + Sk_s - Sq_s``.
@@ -407,7 +429,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         to 256). "hopper": the dense Hopper (TMA, wgmma) forward on each sequence (compute
         capability 9.0, head dims 64 to 256, no workspace). "auto": a dense one for
         prefill-like calls when ``cuflash._varlen.VARLEN_DENSE_AUTO`` is on ("hopper" first
-        with ``VARLEN_HOPPER_AUTO``; both off until their GPU tests have passed), else "decode"
+        with ``VARLEN_HOPPER_AUTO``; both on since the GPU suite passed with them), else "decode"
         (always for decode-like calls: ``max_seqlen_q <= 16`` and
         ``H / Hkv * max_seqlen_q <= 128``). `varlen_dispatch_info` names the kernel.
 
@@ -424,7 +446,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Raises
     ------
     TypeError, ValueError
-        As `attention`, plus cu_seqlens that are not int32 (B + 1,) arrays. For NumPy inputs
+        As `attention`, plus cu_seqlens that are not int32 (B + 1,) arrays (on the GPU also not
+        C-contiguous). For NumPy inputs
         also offsets that do not start at 0, decrease, or pass the tensors' rows, and sequences
         longer than max_seqlen. A ``workspace`` as `attention_with_kvcache` refuses it. GPU
         inputs: the offsets live on the device and are not read back
@@ -458,7 +481,7 @@ def varlen_dispatch_info(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                          causal=False, kernel="auto"):
     """The kernel `attention_varlen` would run for these arguments (``"cpu-numpy"`` for NumPy
     inputs), e.g. ``"decode<float16,D128,BN16,W4,dense,causal>"`` or
-    ``"varlen-tensorcore<float16,D128,BM128,BN48,stagedO,causal>"`` or
+    ``"varlen-tensorcore<float16,D128,BM128,BN48,causal>"`` or
     ``"varlen-hopper<float16,D128,BM128,BN128,S2,Q1,overlap,pingpong,causal>"``. Validates like it (the
     GPU's checks too); launches nothing."""
     prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

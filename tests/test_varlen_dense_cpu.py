@@ -290,7 +290,7 @@ def _run_model(p, vl, grid, bm, mem, item, causal, maps=None):
 
 
 @pytest.mark.parametrize("family,group", [("attn_mma", 1), ("attn_wgmma", 1), ("attn_wgmma", 2),
-                                          ("attn_wgmma", 3)])
+                                          ("attn_wgmma", 3), ("attn_wgmma", 4)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=lambda x: f"H{x[0]}kv{x[1]}")
 @pytest.mark.parametrize("lens", [([5, 1, 0, 40, 3, 17], [6, 3, 4, 1, 0, 33]), ([1], [1]),
