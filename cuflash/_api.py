@@ -140,7 +140,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         kv heads), ``R`` packed rows: ``G * Sq`` (``G`` query heads per kv head) rounded up to
         a multiple of 16, or of 32 when ``G * Sq > 16`` and ``Dpad <= 128`` (two row tiles a
         block), and ``Dpad`` the head dim rounded up to 64, 128 or 256; s comes from the
-        problem and the SM count (notes/INFERENCE.md). Other kernels need none (size 0) and ignore it.
+        problem and the SM count (notes/INFERENCE.md). Other kernels need none (size 0) and ignore
+        it.
         Without it the partials come from CuPy's memory pool, allocated per call on the launch
         stream. With ``out=`` and ``workspace=`` a call whose inputs need no copy (contiguous
         last axes, collapsible batch axes) allocates nothing and never synchronises, so it can

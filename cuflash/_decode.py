@@ -76,15 +76,15 @@ DECODE_T_BLOCK = 2e-6
 DECODE_T_COMBINE = 3e-6
 #: The kernels' version (a template argument of both, `decode_plan`, `combine_spec`): 2 is the
 #: default since the complete GPU suite passed with it on the H200 (2026-12-02, session i; the H200
-#: runs of session g measured version 2 at 0.91x cuDNN against version 1's 0.82x). 2 has the one-pass epilogue (per-row weights once, float4 chunks), the combine with
-#: all of a thread's partial loads in flight over a (rows, DECODE_COMBINE_CB) grid, and
-#: `choose_splits_v2` (benchmarks/bench_inference.py --impl cuflash-v2); 1 is session f's kernels and
-#: split rule (--impl cuflash-v1); 3 is version 2 with the
-#: L2::256B prefetch hint on the K/V copies (same results; a DRAM-efficiency experiment, --impl
-#: cuflash-v3); 4 (sm_90 only: `configure` refuses it elsewhere) is version 2 with one bulk
-#: copy (cp.async.bulk on an mbarrier) per K/V row instead of 16 lanes' 16-byte cp.async (same
-#: results; --impl cuflash-v4). Assigning it moves the call caches' generation on
-#: (_callcache._WatchedModule), so records of another version miss.
+#: runs of session g measured version 2 at 0.91x cuDNN against version 1's 0.82x). 2 has the
+#: one-pass epilogue (per-row weights once, float4 chunks), the combine with all of a thread's
+#: partial loads in flight over a (rows, DECODE_COMBINE_CB) grid, and `choose_splits_v2`
+#: (benchmarks/bench_inference.py --impl cuflash-v2); 1 is session f's kernels and split rule
+#: (--impl cuflash-v1); 3 is version 2 with the L2::256B prefetch hint on the K/V copies (same
+#: results; a DRAM-efficiency experiment, --impl cuflash-v3); 4 (sm_90 only: `configure` refuses it
+#: elsewhere) is version 2 with one bulk copy (cp.async.bulk on an mbarrier) per K/V row instead of
+#: 16 lanes' 16-byte cp.async (same results; --impl cuflash-v4). Assigning it moves the call caches'
+#: generation on (_callcache._WatchedModule), so records of another version miss.
 DECODE_VERSION = 2
 #: The kernel versions `decode_plan` takes.
 DECODE_VERSIONS = (1, 2, 3, 4)

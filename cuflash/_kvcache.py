@@ -76,23 +76,13 @@ def _int32_array(name, x, backend, device_id, shape_desc, ndim):
         raise TypeError(f"{name} has dtype {x.dtype}; expected int32")
     if x.ndim != ndim:
         raise ValueError(f"{name} must have shape {shape_desc}; got {tuple(x.shape)}")
-    if backend == "gpu" and not _dense_int32(x):
+    if backend == "gpu" and not x.flags.c_contiguous:
         # The kernels read it at data.ptr as a C-contiguous int32 array (no stride in their
         # parameter blocks; a block table's rows shape[1] apart): a strided view would be read
         # as other values with no error. NumPy inputs are indexed, any strides.
         raise ValueError(f"{name} must be C-contiguous on the GPU (strides {tuple(x.strides)} "
                          f"for shape {tuple(x.shape)}); pass a contiguous copy")
     return x
-
-
-def _dense_int32(x):
-    """Whether int32 array `x` is C-contiguous (size-1 axes' strides do not matter)."""
-    want = 4
-    for n, st in zip(reversed(x.shape), reversed(x.strides)):
-        if n > 1 and st != want:
-            return False
-        want *= n
-    return True
 
 
 def check_call_options(*, causal, return_lse, scale, d, dt, kernel, choices, backend, device_id,
@@ -673,8 +663,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     block_table : int32 array, shape (B, max_pages), optional
         Paged cache: key ``j`` of sequence ``b`` lives at page ``block_table[b, j // page_size]``,
         row ``j % page_size``. On the GPU C-contiguous, as cache_seqlens (a slice
-        ``block_table[:, :n]`` of a wider table is refused: pass a copy). The page size (axis 1 of the caches) may be any power of two from
-        16 up (16 is vLLM's; 16 is the decode kernel's key tile, which never straddles a page).
+        ``block_table[:, :n]`` of a wider table is refused: pass a copy). The page size (axis 1 of
+        the caches) may be any power of two from 16 up (16 is vLLM's; 16 is the decode kernel's key tile, which never
+        straddles a page).
     k_new, v_new : array, shape (B, Snew, Hkv, D), optional
         Keys and values to append before attending (both or neither). They are written into
         k_cache and v_cache in place, so with them the caches must be writeable and not
@@ -725,8 +716,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     ------
     TypeError, ValueError
         As `attention` for shapes, dtypes and devices, plus: a page size that is not a power of
-        two >= 16, block_table or cache_seqlens not int32 or of the wrong shape (on the GPU
-        also not C-contiguous: the kernels read them as dense arrays), k_new without v_new. For NumPy inputs also lengths beyond the cache's capacity and page numbers
+        two >= 16, block_table or cache_seqlens not int32 or of the wrong shape (on the GPU also not
+        C-contiguous: the kernels read them as dense arrays), k_new without v_new. For NumPy inputs
+        also lengths beyond the cache's capacity and page numbers
         outside the cache (and an int cache_seqlens out of range for any input). A
         ``workspace`` on NumPy inputs, on another device, not C-contiguous, too small or
         misaligned. GPU inputs: the lengths live on the device and are not read back

@@ -8,7 +8,7 @@ import os
 # One OpenBLAS kernel on every x86-64 host (read when NumPy loads OpenBLAS, so before cuflash):
 # the float32 naive reference that the error rule's 2x-naive bar measures (cuflash.reference.
 # naive_attention) runs through sgemm, and OpenBLAS picks its kernel by CPU. At large scores the
-# choice moves that bar by up to 5x (the AVX-512 kernel's sums are the more accurate:
+# choice moved that bar 26x on one draw (the AVX-512 kernel's sums the more accurate:
 # test_mma_fp16split_model's D = 192, scale 2.5 case fails under it, 2026-12-02), so without a
 # pin the suite's verdicts depend on the host (notes/ERROR_BOUND.md, "The naive reference's BLAS").
 os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
