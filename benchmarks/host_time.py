@@ -34,6 +34,7 @@ with and without ``out=``, <= 20 us for torch tensors, JAX within 2x an empty bu
 
     python benchmarks/host_time.py [--calls 2000] [--s 16,128] [--d 64] [--dtype float16]
                                    [--repeats 5] [--impl driver|cupy-call] [--no-floor]
+                                   [--only cupy]
 """
 import argparse
 import json
@@ -125,6 +126,39 @@ def floor_rows(args):
     pool = cp.get_default_memory_pool()
     nbytes = int(np.prod(o_shape)) * np.dtype(args.dtype).itemsize
     held = pool.malloc(nbytes)
+    # The no-out= hit's allocation, as main made it before (a NumPy dtype instance, keyword),
+    # as it makes it now (the dtype's scalar type, positional: `_callcache._dtype_arg`) and
+    # with CUFLASH_FAST_EMPTY=1 (`_callcache._fast_empty`: CuPy's two construction steps);
+    # o and lse carved from one pool block (a candidate for return_lse=True, not taken).
+    from cuflash import _callcache
+
+    dt = np.dtype(args.dtype)
+    t = _callcache._dtype_arg(dt)
+    rows += [("floor: cupy.empty(o_shape, dtype=<numpy dtype>) [hit before]",
+              _time(lambda: cp.empty(o_shape, dtype=dt), sync, args.calls)),
+             ("floor: cupy.empty(o_shape, <scalar type>) [hit now, flag off]",
+              _time(lambda: cp.empty(o_shape, t), sync, args.calls)),
+             ("floor: cupy.ndarray(o_shape, <scalar type>)",
+              _time(lambda: cp.ndarray(o_shape, t), sync, args.calls))]
+    fast_was = _callcache.FAST_EMPTY
+    _callcache.FAST_EMPTY = True
+    try:
+        fast = _callcache._fast_empty(cp)
+    finally:
+        _callcache.FAST_EMPTY = fast_was
+    if fast is cp.empty:
+        rows.append(("floor: CUFLASH_FAST_EMPTY constructor", "skipped: this CuPy's layout differs"))
+    else:
+        rows.append(("floor: CUFLASH_FAST_EMPTY constructor [hit, flag on]",
+                     _time(lambda: fast(o_shape, t), sync, args.calls)))
+    lse_at = -(-nbytes // 256) * 256   # (lse after o, 256-byte aligned)
+    lse_bytes = int(np.prod(lse_shape)) * 4
+
+    def one_block():
+        mp = pool.malloc(lse_at + lse_bytes)
+        return cp.ndarray(o_shape, t, mp), cp.ndarray(lse_shape, np.float32, mp + lse_at)
+    rows.append(("floor: o and lse as two arrays on one pool block", _time(one_block, sync,
+                                                                           args.calls)))
     rows += [("floor: cupy.ndarray(o_shape, dtype)",
               _time(lambda: cp.ndarray(o_shape, dtype=args.dtype), sync, args.calls)),
              ("floor: memory pool malloc (o's bytes) and free",
@@ -179,8 +213,31 @@ def cupy_rows(args):
     path = _path(cuflash.dispatch_info(q, k, v))
     t1 = _time(lambda: cuflash.attention(q, k, v), sync, args.calls)
     t2 = _time(lambda: cuflash.attention(q, k, v, out=out), sync, args.calls)
-    return [(f"cuflash, CuPy arrays [{path}, {_cached(q, k, v)}]", t1),
+    rows = [(f"cuflash, CuPy arrays [{path}, {_cached(q, k, v)}]", t1),
             (f"cuflash, CuPy arrays, out= [{path}, {_cached(q, k, v, out)}]", t2)]
+    # the no-out= hit with CuPy's two construction steps (CUFLASH_FAST_EMPTY, read when a
+    # record is made: the signature is recorded again), and with the garbage collector off
+    # (each fresh array is four GC-tracked objects: whether gen-0 collections cost here)
+    from cuflash import _callcache
+
+    was = _callcache.FAST_EMPTY
+    _callcache.FAST_EMPTY = True
+    _callcache.clear()
+    try:
+        t3 = _time(lambda: cuflash.attention(q, k, v), sync, args.calls)
+    finally:
+        _callcache.FAST_EMPTY = was
+        _callcache.clear()
+    rows.append((f"cuflash, CuPy arrays, CUFLASH_FAST_EMPTY=1 [{path}, {_cached(q, k, v)}]", t3))
+    import gc
+
+    gc.disable()
+    try:
+        t4 = _time(lambda: cuflash.attention(q, k, v), sync, args.calls)
+    finally:
+        gc.enable()
+    rows.append((f"cuflash, CuPy arrays, gc disabled [{path}, {_cached(q, k, v)}]", t4))
+    return rows
 
 
 def torch_rows(args):
@@ -342,6 +399,8 @@ def main():
                          "(the default) or CuPy's Function.__call__ (CUFLASH_DIRECT_LAUNCH=0)")
     ap.add_argument("--no-floor", action="store_true",
                     help="skip the floor rows (allocation, no-op launches)")
+    ap.add_argument("--only", default="", help="run only these row groups, comma-separated "
+                    "(cupy, torch, jax, jax-cmdbuf; the floor rows come with cupy)")
     ap.add_argument("--jax-cmdbuf-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     REPEATS[0] = max(1, args.repeats)
@@ -371,6 +430,11 @@ def main():
         parts = [("CuPy", cupy_rows)] + ([] if args.no_floor else [("CuPy floor", floor_rows)])
         parts += [("torch", torch_rows), ("JAX", jax_rows),
                   ("JAX command-buffer", jax_cmdbuf_rows)]
+        if args.only:
+            keep = {"cupy": ("CuPy", "CuPy floor"), "torch": ("torch",), "jax": ("JAX",),
+                    "jax-cmdbuf": ("JAX command-buffer",)}
+            names = {n for g in args.only.split(",") for n in keep.get(g.strip(), ())}
+            parts = [p for p in parts if p[0] in names]
         for name, fn in parts:
             try:
                 rows += fn(args)

@@ -4,6 +4,14 @@ what is left is cuflash's own Python per call. Prints the whole call (full path 
 hit's parts (signature, lookup, allocation, packing the block, the kernel call, the stream).
 
     python benchmarks/host_time_standin.py [--calls 20000] [--s 16,128,1:4096] [--repeats 5]
+                                           [--empty standin|real]
+
+``--empty real`` makes the hit's outputs real CuPy arrays (the installed CuPy's ``empty`` and
+``ndarray`` constructor, which need no GPU) on host memory handed out by a Python allocator
+(``cupy.cuda.set_allocator``): the constructor's cost is then CuPy's own, only the pool's
+malloc and free (and the launch) are missing. It also prints the no-``out=`` path's parts:
+the allocation as the hit makes it with and without ``CUFLASH_FAST_EMPTY`` and as it was
+made before (``cupy.empty(shape, dtype=<numpy dtype>)``), and the hit with the flag on.
 
 ``--s`` items are ``S`` (Sq = Sk) or ``S:SK``; the default's ``1:4096`` takes the decode kernel
 with split keys (two launches, the split kernel's and the combine's, and the partials'
@@ -46,8 +54,24 @@ class _Stream:
         return False
 
 
-def _install():
-    """Put the stand-in CuPy in sys.modules and no-op kernels into cuflash."""
+def _real_empty():
+    """The installed CuPy's ``empty`` and ``_core`` with a Python allocator that hands out host
+    memory (one buffer, each allocation at its start: the pointers do not matter here), or
+    None where CuPy does not import. Imported before the stand-in replaces `cupy`."""
+    try:
+        import cupy
+        from cupy.cuda import memory
+    except Exception:  # no CuPy here
+        return None
+    buf = np.zeros(1 << 24, np.uint8)
+    mem = memory.UnownedMemory(buf.ctypes.data, buf.nbytes, buf, 0)
+    cupy.cuda.set_allocator(lambda nbytes: memory.MemoryPointer(mem, 0))
+    return cupy.empty, cupy._core, buf
+
+
+def _install(real=None):
+    """Put the stand-in CuPy in sys.modules and no-op kernels into cuflash; `real`:
+    `_real_empty()`'s (empty, _core) for the outputs."""
     ptrs = iter(range(1 << 30, 1 << 60, 1 << 20))
     stream = _Stream()
 
@@ -66,6 +90,8 @@ def _install():
     cp.float32, cp.uint8 = np.float32, np.uint8
     cp.empty = lambda shape, dtype: _Array((shape,) if isinstance(shape, int) else shape, dtype,
                                            ptr=next(ptrs))
+    if real is not None:
+        cp.empty, cp._core = real[0], real[1]
     cp.cuda = types.SimpleNamespace(Device=Device, ExternalStream=lambda p, d=-1: stream,
                                    runtime=types.SimpleNamespace(getDevice=lambda: 0),
                                    get_current_stream=lambda: stream,
@@ -135,17 +161,24 @@ def main():
     ap.add_argument("--s", default="16,128,1:4096")
     ap.add_argument("--sk", type=int, default=0, help="keys (default: Sk = S)")
     ap.add_argument("--repeats", type=int, default=5, help="runs per figure (the best is shown)")
+    ap.add_argument("--empty", default="standin", choices=["standin", "real"],
+                    help="the hit's outputs: stand-in arrays, or real CuPy arrays on host "
+                         "memory (CuPy's constructor; no pool)")
     args = ap.parse_args()
     global _REPEATS
     _REPEATS = max(1, args.repeats)
     global _CSCALAR, _CPOINTER
     _CSCALAR = _cupy_scalar()
     _CPOINTER = _cupy_cpointer()
-    cp = _install()
+    real = _real_empty() if args.empty == "real" else None
+    if args.empty == "real" and real is None:
+        sys.exit("--empty real: CuPy does not import here")
+    cp = _install(real)
     import cuflash
     from cuflash import _callcache, _decode, _launch
 
     n = args.calls
+    FAST = getattr(_callcache, "FAST_EMPTY", False)
     for item in args.s.split(","):
         s, _, sk = item.partition(":")
         s = int(s)
@@ -164,6 +197,16 @@ def main():
         cuflash.attention(q, k, v, out=out)
         rows.append(("hit", _per_call(lambda: cuflash.attention(q, k, v), n)))
         rows.append(("hit, out=", _per_call(lambda: cuflash.attention(q, k, v, out=out), n)))
+        if real is not None and hasattr(_callcache, "FAST_EMPTY"):
+            _callcache.FAST_EMPTY = True   # (read when a record is made)
+            _callcache.clear()
+            cuflash.attention(q, k, v)
+            rows.append(("hit, CUFLASH_FAST_EMPTY=1",
+                         _per_call(lambda: cuflash.attention(q, k, v), n)))
+            _callcache.FAST_EMPTY = FAST
+            _callcache.clear()
+            cuflash.attention(q, k, v)
+            cuflash.attention(q, k, v, out=out)
         cuflash.attention(q, k, v, return_lse=True)
         rows.append(("hit, return_lse=True (o and lse allocated)",
                      _per_call(lambda: cuflash.attention(q, k, v, return_lse=True), n)))
@@ -180,8 +223,21 @@ def main():
         rows.append(("  tables' generation check", _per_call(lambda: rec.valid(), n)))
         rows.append(("  device check (runtime.getDevice)",
                      _per_call(lambda: cp.cuda.runtime.getDevice() == 0, n)))
-        rows.append(("  allocation of o (stand-in empty)",
+        what = "CuPy's empty, host memory" if real else "stand-in empty"
+        rows.append((f"  allocation of o before: empty(shape, dtype=<dtype>) ({what})",
                      _per_call(lambda: cp.empty(rec.o_shape, dtype=rec.dtype), n)))
+        if hasattr(rec, "empty"):   # (a tree with the record's own empty: this branch on)
+            o_dt = rec.o_dt
+            rows.append((f"  allocation of o as the hit makes it, flag {'on' if FAST else 'off'}",
+                         _per_call(lambda: rec.empty(rec.o_shape, o_dt), n)))
+            if real is not None and not FAST:
+                _callcache.FAST_EMPTY = True
+                fast = _callcache._fast_empty(cp)
+                _callcache.FAST_EMPTY = False
+                rows.append(("  allocation of o with CUFLASH_FAST_EMPTY=1",
+                             _per_call(lambda: fast(rec.o_shape, o_dt), n)))
+                rows.append(("  (flag on: did the fast constructor resolve?)",
+                             float(fast is not cp.empty)))
         decode = isinstance(rec, _callcache._DecodeRecord)
         if rec.part_bytes:
             rows.append((f"  allocation of the split partials ({rec.part_bytes} bytes)",

@@ -170,6 +170,58 @@ def _cpointer(cp):
         return None
 
 
+#: ``CUFLASH_FAST_EMPTY=1`` (read at import; off by default): a hit's fresh outputs (o, lse
+#: without ``out=``, the decode partials) are built by the two steps ``cupy.ndarray(shape,
+#: dtype)`` takes for a plain ``cupy.ndarray`` (``_ndarray_base.__new__(ndarray)``, then
+#: ``_ndarray_base._init(x, shape, dtype)``), without ``cupy.empty``'s wrapper, its ``order``
+#: keyword and ``ndarray.__new__``'s ``*args`` / ``**kwargs`` forwarding: about 0.75 us less
+#: per array on the development machine (notes/JAX.md "Host time without out="). The same
+#: allocator (``memory.alloc``: the current device, stream and pool) and the same array; but
+#: CuPy-private names, so it is a flag, used only where CuPy has them in the layout
+#: `_fast_empty` checks, else ``cupy.empty`` as by default.
+FAST_EMPTY = os.environ.get("CUFLASH_FAST_EMPTY", "0") == "1"
+
+
+def _dtype_arg(dtype):
+    """The dtype argument a hit passes to CuPy for `dtype`: its scalar type (``numpy.float16``)
+    where that names the same dtype. CuPy resolves a type through its dict of known types (a
+    hash of a type object); a NumPy 2 dtype instance is not of the exact type
+    ``numpy.dtype`` its fast path tests, so it would be hashed (slower) and rebuilt through
+    ``numpy.dtype(...)``: about 0.15 us per array. The array's dtype is the same either way."""
+    t = getattr(dtype, "type", None)
+    try:
+        same = t is not None and np.dtype(t) == dtype
+    except TypeError:
+        same = False
+    return t if same else dtype
+
+
+def _fast_empty(cp):
+    """``empty(shape, dtype)`` through CuPy's own two construction steps (`FAST_EMPTY`), or
+    `cp.empty` where the flag is off or this CuPy is not laid out as CuPy 14 is:
+    ``cupy._core.core.ndarray`` (``cupy.ndarray``) a direct subclass of ``_ndarray_base``, which
+    has ``_init`` (a stand-in module without them gets its own `empty`)."""
+    empty = cp.empty
+    if not FAST_EMPTY:
+        return empty
+    core = getattr(getattr(cp, "_core", None), "core", None)
+    base = getattr(core, "_ndarray_base", None)
+    nd = getattr(core, "ndarray", None)
+    init = getattr(base, "_init", None)
+    if base is None or init is None or not isinstance(nd, type) or \
+            nd.__mro__ != (nd, base, object):
+        return empty
+    new = base.__new__
+
+    def fast_empty(shape, dtype):
+        # what ndarray.__new__(ndarray, shape, dtype) does for cls is ndarray (no
+        # __array_finalize__); ndarray.__init__ is a no-op
+        x = new(nd)
+        init(x, shape, dtype)
+        return x
+    return fast_empty
+
+
 def _single_device():
     """Whether CuPy sees exactly one device (fixed per process: CUDA reads CUDA_VISIBLE_DEVICES
     once). Then the current device is always the record's and a hit skips the
@@ -199,7 +251,7 @@ class _RecordBase:
 
     __slots__ = ("plan", "device_id", "o_shape", "lse_shape", "dtype", "return_lse", "tables",
                  "part_bytes", "host", "host_mv", "host_args", "owner", "grid_t", "block_t",
-                 "single", "direct", "kparams", "pair_spans")
+                 "single", "direct", "kparams", "pair_spans", "cp", "empty", "o_dt")
 
     def _base(self, prob, plan, pub_o, pub_lse):
         self.plan, self.device_id = plan, prob.device_id
@@ -210,6 +262,12 @@ class _RecordBase:
         self.pair_spans = None if pub_lse is None else (_checks.span_offsets(pub_o),
                                                         _checks.span_offsets(pub_lse))
         self.dtype = pub_o.dtype
+        # what a hit allocates with, established once: the CuPy module the record was made
+        # under (a hit under another one, a test's stand-in, takes the full path), its empty
+        # (`_fast_empty`) and o's dtype as the argument CuPy resolves fastest (`_dtype_arg`)
+        self.cp = sys.modules["cupy"]
+        self.empty = _fast_empty(self.cp)
+        self.o_dt = _dtype_arg(self.dtype)
         self.return_lse = prob.return_lse
         self.tables = _tables()
         self.part_bytes = 0   # workspace bytes a launch needs (decode kernel, split keys)
@@ -245,7 +303,8 @@ class _RecordBase:
         launch(kern.ptr, g[0], g[1], g[2], b[0], b[1], b[2], smem, st.ptr, params, 0)
 
     def valid(self):
-        return self.tables == _GEN[0]
+        """Made under the tables' generation now and the CuPy module now."""
+        return self.tables == _GEN[0] and self.cp is sys.modules.get("cupy")
 
 
 class _Record(_RecordBase):
@@ -577,12 +636,11 @@ def launch(rec, ptrs, stream, workspace=None, current=False):
     if workspace is not None:
         rec.launch(ptrs, stream, workspace.data.ptr)
         return
-    cp = sys.modules["cupy"]
     if current:
-        parts = cp.empty(rec.part_bytes, dtype=cp.uint8)
+        parts = rec.empty(rec.part_bytes, np.uint8)
     else:
         with stream:
-            parts = cp.empty(rec.part_bytes, dtype=cp.uint8)
+            parts = rec.empty(rec.part_bytes, np.uint8)
     rec.launch(ptrs, stream, parts.data.ptr)
     del parts  # back to the pool, for `stream`'s later work only
 
@@ -605,9 +663,9 @@ def run(call, out, workspace, stream):
         if rec is None:
             return None
         _last = (key, rec)
-    if rec.tables != _GEN[0]:   # (other tables: the full path re-records)
-        return None
     cp = sys.modules["cupy"]
+    if rec.tables != _GEN[0] or rec.cp is not cp:   # (the full path re-records)
+        return None
     dev = rec.device_id
     if rec.single or cp.cuda.runtime.getDevice() == dev:   # (a Device context costs more)
         return _hit(cp, rec, call, out, workspace, stream)
@@ -660,7 +718,8 @@ def _hit(cp, rec, call, out, workspace, stream):
             # stream; skipping it is only right when they are the same stream.
             return None
     if out is None:
-        o = cp.empty(rec.o_shape, dtype=rec.dtype)
+        # (positional: CuPy parses keywords slower; the record's empty and dtype argument)
+        o = rec.empty(rec.o_shape, rec.o_dt)
         lse = None
     elif isinstance(out, (tuple, list)):
         o, lse = out
@@ -670,7 +729,7 @@ def _hit(cp, rec, call, out, workspace, stream):
     else:
         o, lse = out, None   # (with return_lse=True: lse allocated, as on the full path)
     if rec.return_lse and lse is None:
-        lse = cp.empty(rec.lse_shape, dtype=cp.float32)
+        lse = rec.empty(rec.lse_shape, np.float32)
     q, k, v = call[PTRS]
     ptrs = (q, k, v, o.data.ptr, 0 if lse is None else lse.data.ptr)
     if rec.part_bytes:

@@ -1006,3 +1006,154 @@ def test_two_devices_hits_launch_in_the_records_devices_context(fake, monkeypatc
         assert from_0 == from_1 == full
     cuflash.attention(*on(0, qs, ks, ks), out=on(0, qs)[0])   # device 0's: another signature
     assert fake["checks"] == checks + 2 and _callcache._last[1].device_id == 0
+
+
+# --- the no-out= hit's fresh outputs (issue 13: host time without out=) -----------------------
+
+def _meta(a):
+    return (type(a), a.shape, a.strides, a.dtype, a.data.device_id)
+
+
+@pytest.mark.parametrize("qs, ks, return_lse", [((1, 1, 16, 64), (1, 1, 16, 64), False),
+                                                ((1, 1, 128, 64), (1, 1, 128, 64), True),
+                                                ((2, 4, 1, 64), (2, 4, 4096, 64), False)])
+def test_each_hit_returns_a_fresh_output_like_the_full_paths(fake, qs, ks, return_lse):
+    """A hit without out= returns new arrays each call (never a previous result's memory) with
+    the full path's shape, strides, dtype and device, and launches on them."""
+    q, k, v = _new(qs), _new(ks), _new(ks)
+    full = cuflash.attention(q, k, v, return_lse=return_lse)
+    assert fake["checks"] == 1
+    hits = [cuflash.attention(q, k, v, return_lse=return_lse) for _ in range(3)]
+    assert fake["checks"] == 1
+    seen = set()
+    for res in hits:
+        outs = res if return_lse else (res,)
+        for a, b in zip(outs, full if return_lse else (full,)):
+            assert _meta(a) == _meta(b) and a is not b
+            assert a.data.ptr not in seen
+            seen.add(a.data.ptr)
+    p = np.frombuffer(fake["launches"][-1][2][:16 * 8], np.uint64)
+    last = hits[-1] if return_lse else (hits[-1],)
+    assert int(p[3]) == last[0].data.ptr and (not return_lse or int(p[4]) == last[1].data.ptr)
+
+
+def test_a_record_is_not_used_under_another_cupy_module(fake, monkeypatch):
+    """A record keeps the CuPy module's allocation function: under another `cupy` module the
+    call takes the full path (which records anew) instead of allocating with the old one."""
+    q, k, v = _qkv()
+    cuflash.attention(q, k, v)
+    cuflash.attention(q, k, v)
+    assert fake["checks"] == 1
+    cp2 = types.ModuleType("cupy")
+    cp2.__dict__.update(sys.modules["cupy"].__dict__)
+    made = []
+    cp2.empty = lambda shape, dtype: made.append(shape) or FakeArray(shape, dtype, ptr=5 << 36)
+    monkeypatch.setitem(sys.modules, "cupy", cp2)
+    o = cuflash.attention(q, k, v)
+    assert fake["checks"] == 2 and o.data.ptr == 5 << 36 and made
+    o = cuflash.attention(q, k, v)
+    assert fake["checks"] == 2 and o.data.ptr == 5 << 36 and len(made) == 2
+
+
+def test_the_dtype_argument_names_the_same_dtype():
+    """`_dtype_arg` passes the scalar type only where it names the same dtype (else the dtype)."""
+    for name in ("float16", "float32", "float64", "uint8"):
+        dt = np.dtype(name)
+        assert _callcache._dtype_arg(dt) is dt.type and np.dtype(dt.type) == dt
+    dt = np.dtype([("a", np.float32)])   # a structured dtype: its type (np.void) names V1
+    assert _callcache._dtype_arg(dt) is dt
+    ml = pytest.importorskip("ml_dtypes")
+    dt = np.dtype(ml.bfloat16)
+    assert np.dtype(_callcache._dtype_arg(dt)) == dt
+
+
+def _installed_cupy(_mod=[]):
+    """The installed CuPy module (imported once, past any stand-in in sys.modules), or None."""
+    if not _mod:
+        import importlib
+
+        saved = sys.modules.pop("cupy", None)
+        try:
+            _mod.append(importlib.import_module("cupy"))
+        except Exception:  # no CuPy here
+            _mod.append(None)
+        finally:
+            if saved is not None:
+                sys.modules["cupy"] = saved
+    return _mod[0]
+
+
+@pytest.fixture
+def real_cupy():
+    """The installed CuPy (needs no GPU for this) with a Python allocator handing out distinct
+    host addresses, restored after the test; the allocations are counted."""
+    cupy = _installed_cupy()
+    if cupy is None:
+        pytest.skip("CuPy does not import here")
+    from cupy.cuda import memory
+
+    buf = np.zeros(1 << 22, np.uint8)
+    mem = memory.UnownedMemory(buf.ctypes.data, buf.nbytes, buf, 0)
+    count = []
+
+    def alloc(nbytes):
+        count.append(nbytes)
+        return memory.MemoryPointer(mem, (len(count) * 4096) % (1 << 21))
+    prev = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(alloc)
+    yield cupy, count
+    cupy.cuda.set_allocator(prev)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_fast_empty_builds_what_cupy_empty_builds(real_cupy, monkeypatch, flag):
+    """CUFLASH_FAST_EMPTY's constructor gives, for real CuPy, the array ``cupy.empty`` gives:
+    type, shape, strides, dtype, flags, no base, size, and one allocation through the current
+    allocator per call (a fresh pointer each time)."""
+    cupy, count = real_cupy
+    monkeypatch.setattr(_callcache, "FAST_EMPTY", flag)
+    empty = _callcache._fast_empty(cupy)
+    assert (empty is cupy.empty) != flag
+    for shape, dt in [((1, 1, 16, 64), np.float16), ((2, 3, 5), np.float32), (4096, np.uint8),
+                      ((0, 4), np.float32), ((1, 1, 1), np.float64)]:
+        n = len(count)
+        a, b = empty(shape, dt), cupy.empty(shape, dtype=np.dtype(dt))
+        assert len(count) == n + 2 and count[-2] == count[-1]
+        assert type(a) is type(b) is cupy.ndarray
+        for attr in ("shape", "strides", "dtype", "size", "nbytes", "ndim", "base"):
+            assert getattr(a, attr) == getattr(b, attr), attr
+        assert (a.flags.c_contiguous, a.flags.f_contiguous, a.flags.owndata) == \
+            (b.flags.c_contiguous, b.flags.f_contiguous, b.flags.owndata)
+        assert a.data.ptr != b.data.ptr and a.data.device_id == b.data.device_id
+        assert a._index_32_bits == b._index_32_bits
+
+
+@pytest.mark.parametrize("flag", [False, True])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_hits_return_real_cupy_arrays_like_the_full_path(fake, real_cupy, monkeypatch, flag,
+                                                         return_lse):
+    """With CuPy's real empty (and constructor, flag on) behind the stand-in: a hit's outputs
+    are fresh `cupy.ndarray`s with the full path's metadata, and the launch writes into them."""
+    cupy, count = real_cupy
+    cp = sys.modules["cupy"]
+    monkeypatch.setattr(cp, "empty", cupy.empty)
+    monkeypatch.setattr(cp, "_core", cupy._core, raising=False)
+    monkeypatch.setattr(_callcache, "FAST_EMPTY", flag)
+    q, k, v = _qkv(shape=(1, 2, 128, 64))
+    full = cuflash.attention(q, k, v, return_lse=return_lse)
+    rec = _callcache.lookup(_callcache.signature(q, k, v, False, None, return_lse, None, "auto",
+                                                 None))
+    assert rec is not None and (rec.empty is not cupy.empty) == flag
+    kept = []
+    for _ in range(3):
+        n = len(count)
+        res = cuflash.attention(q, k, v, return_lse=return_lse)
+        assert fake["checks"] == 1 and len(count) == n + 1 + return_lse
+        outs, ref = (res, full) if return_lse else ((res,), (full,))
+        for a, b in zip(outs, ref):
+            assert type(a) is cupy.ndarray and _meta(a) == _meta(b) and a.flags.owndata
+        p = np.frombuffer(fake["launches"][-1][2][:40], np.uint64)
+        assert int(p[3]) == outs[0].data.ptr
+        assert int(p[4]) == (outs[1].data.ptr if return_lse else 0)
+        assert all(a.data.ptr != b.data.ptr for b in kept for a in outs)
+        kept += outs

@@ -329,3 +329,36 @@ def test_hits_from_other_threads_streams_and_alternating_inputs(checks, qs, ks, 
     cp.cuda.Device().synchronize()
     for i, how, o in results:
         _same_bits(o, full[i], f"input set {i}, {how}")
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("qs,ks,causal,dtype,path", [_CASES[0], _CASES[1], _CASES[5], _CASES[6]])
+def test_no_out_hits_return_fresh_arrays_on_the_current_device(checks, monkeypatch, fast, qs, ks,
+                                                               causal, dtype, path):
+    """Without out=, each hit (CUFLASH_FAST_EMPTY off and on) returns new owning arrays on the
+    current device with the full path's shape, strides and dtype, never a kept result's memory,
+    and bitwise the full path's values."""
+    _need(dtype)
+    cp = cupy()
+    monkeypatch.setattr(_callcache, "FAST_EMPTY", fast)
+    _callcache.clear()
+    rng = _rng("fresh", qs, ks, causal, dtype, fast)
+    q, k, v = (to_gpu(x, dtype) for x in _inputs(rng, qs, ks, dtype))
+    o_full, lse_full = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    n = checks["checks"]
+    kept = []
+    for _ in range(3):
+        o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        assert checks["checks"] == n, "the repeated signature must be a hit"
+        for a, b in ((o, o_full), (lse, lse_full)):
+            assert type(a) is cp.ndarray and a.flags.owndata and a.base is None
+            assert (a.shape, a.strides, a.dtype) == (b.shape, b.strides, b.dtype)
+            assert a.device.id == cp.cuda.Device().id == b.device.id
+            assert all(a.data.ptr != x.data.ptr for x in kept + [o_full, lse_full])
+        _same_bits(o, o_full, "o")
+        _same_bits(lse, lse_full, "lse")
+        kept += [o, lse]
+    o1 = cuflash.attention(q, k, v, causal=causal)   # return_lse=False: its own record
+    o2 = cuflash.attention(q, k, v, causal=causal)
+    assert o1.data.ptr != o2.data.ptr and (o2.shape, o2.dtype) == (o_full.shape, o_full.dtype)
+    _same_bits(o2, o_full, "o without lse")
