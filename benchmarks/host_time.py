@@ -217,7 +217,7 @@ def cupy_rows(args):
             (f"cuflash, CuPy arrays, out= [{path}, {_cached(q, k, v, out)}]", t2)]
     # the no-out= hit with CuPy's two construction steps (CUFLASH_FAST_EMPTY, read when a
     # record is made: the signature is recorded again), and with the garbage collector off
-    # (each fresh array is four GC-tracked objects: whether gen-0 collections cost here)
+    # (each fresh array brings GC-tracked objects: whether collections cost here)
     from cuflash import _callcache
 
     was = _callcache.FAST_EMPTY

@@ -1157,3 +1157,23 @@ def test_hits_return_real_cupy_arrays_like_the_full_path(fake, real_cupy, monkey
         assert int(p[4]) == (outs[1].data.ptr if return_lse else 0)
         assert all(a.data.ptr != b.data.ptr for b in kept for a in outs)
         kept += outs
+
+
+def test_a_hit_passes_the_dtypes_scalar_type_positionally(fake, monkeypatch):
+    """CuPy resolves ``numpy.float16`` (a type in its dict) faster than a NumPy 2 dtype
+    instance, and positional arguments faster than keywords: a hit allocates o and lse so."""
+    q, k, v = _qkv(shape=(1, 2, 128, 64))
+    cuflash.attention(q, k, v, return_lse=True)
+    cp = sys.modules["cupy"]
+    calls, real = [], cp.empty
+
+    def empty(*a, **kw):
+        calls.append((a, kw))
+        return real(*a, **kw)
+    monkeypatch.setattr(cp, "empty", empty)
+    _callcache.clear()
+    cuflash.attention(q, k, v, return_lse=True)   # recorded with this module's empty
+    calls.clear()
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert fake["checks"] == 2 and o.dtype == np.float16 and lse.dtype == np.float32
+    assert calls == [(((1, 2, 128, 64), np.float16), {}), (((1, 2, 128), np.float32), {})]
