@@ -22,7 +22,10 @@ count forced; configure caps it at one split per key tile), to measure the split
 rule; `cuflash` is the default version 2), `cuflash-v3` with version 3 (version 2 plus the
 L2::256B prefetch hint on the K/V copies), `cuflash-v4` with version 4 (sm_90: version 2 with
 one bulk copy per K/V row), so the versions are timed in one run on the same inputs; with them,
-the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`, `-v4`).
+the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`, `-v4`). `cuflash-rule3` is the
+default version with split rule 3 (`_decode.DECODE_SPLIT_RULE = 3`; `cuflash` has the default
+rule 2), checked and timed like the others; each decode row's label ends with the split count
+every cuflash implementation ran (`splits cuflash=3,cuflash-rule3=1,cuflash-s1=1`).
 
 Every result is checked before it is timed: two (batch, kv head) slices of the output (the
 first and the last), with their query heads, against the float64 reference under the project's
@@ -143,24 +146,29 @@ def _torch_impls():
 
 class _DecodeVersion:
     """`with _DecodeVersion(v):` runs cuflash's decode family at kernel version `v` (None: the
-    default), restoring the module's value after (assigning it invalidates the call caches'
-    records, so each version records its own)."""
+    default) and, with `rule`, split rule `rule` (`_decode.DECODE_SPLIT_RULE`; None: the
+    default), restoring the module's values after (assigning them invalidates the call caches'
+    records, so each version and rule records its own)."""
 
-    def __init__(self, version):
-        self.version = version
+    def __init__(self, version, rule=None):
+        self.version, self.rule = version, rule
 
     def __enter__(self):
         from cuflash import _decode
 
-        self.saved = _decode.DECODE_VERSION
+        self.saved = _decode.DECODE_VERSION, _decode.DECODE_SPLIT_RULE
         if self.version is not None:
             _decode.DECODE_VERSION = self.version
+        if self.rule is not None:
+            _decode.DECODE_SPLIT_RULE = self.rule
 
     def __exit__(self, *exc):
         from cuflash import _decode
 
-        if _decode.DECODE_VERSION != self.saved:
-            _decode.DECODE_VERSION = self.saved
+        if _decode.DECODE_VERSION != self.saved[0]:
+            _decode.DECODE_VERSION = self.saved[0]
+        if _decode.DECODE_SPLIT_RULE != self.saved[1]:
+            _decode.DECODE_SPLIT_RULE = self.saved[1]
 
 
 class _ForcedSplits:
@@ -186,6 +194,9 @@ class _ForcedSplits:
 
 #: cuflash's decode implementations -> the decode kernels' version they run.
 CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v2": 2, "cuflash-v3": 3, "cuflash-v4": 4}
+#: cuflash's decode implementations with another split rule -> (version, rule): the default
+#: version under `_decode.DECODE_SPLIT_RULE = 3`.
+CUFLASH_RULE_IMPLS = {"cuflash-rule3": (None, 3)}
 
 
 def bench_decode(grid, args, rows):
@@ -210,17 +221,23 @@ def bench_decode(grid, args, rows):
                 fn = lambda i: cuflash.attention(*cps[i], out=o)  # noqa: E731
                 check = _Checker(q, k, v, b, hkv)
                 label = ""
-                impls = [(nm, ver, None) for nm, ver in CUFLASH_IMPLS.items()
+                impls = [(nm, ver, None, None) for nm, ver in CUFLASH_IMPLS.items()
                          if nm in args.impls]
-                impls += [(f"cuflash-s{ns}", None, ns) for ns in args.force_splits]
-                for name, version, nsplit in impls:
-                    with _DecodeVersion(version), _ForcedSplits(nsplit):
+                impls += [(nm, ver, None, rule) for nm, (ver, rule) in CUFLASH_RULE_IMPLS.items()
+                          if nm in args.impls]
+                impls += [(f"cuflash-s{ns}", None, ns, None) for ns in args.force_splits]
+                splits = {}
+                for name, version, nsplit, rule in impls:
+                    with _DecodeVersion(version, rule), _ForcedSplits(nsplit):
                         o.fill(np.nan)
                         fn(0)
+                        splits[name] = _decode_splits(b, sk, hkv)
                         why = check(o)
                         res[name] = why or kv_bytes / _events(fn, args.warmup, args.repeats,
                                                               n) / 1e9
                         label = label or cuflash.dispatch_info(q, k, v)
+                if splits:   # the split counts each implementation ran (the rules' choices)
+                    label += " splits " + ",".join(f"{k}={v}" for k, v in splits.items())
                 for name, run in torch_impls.items():
                     try:
                         to = run(*sets[0])
@@ -233,6 +250,17 @@ def bench_decode(grid, args, rows):
                 _print_row(rows[-1])
                 sets = cps = q = k = v = o = to = None
                 torch.cuda.empty_cache()
+
+
+def _decode_splits(b, sk, hkv):
+    """The split count `configure` gives cuflash's decode kernel at (B, Sk, Hkv) now (under the
+    current version, rule and any forced count: the host's own arithmetic, as the launch does)."""
+    from cuflash import _decode, _launch
+
+    g = H // hkv
+    plan = _decode.decode_plan("float16", D, False, False, rows=g)
+    attrs = _launch.device_attributes(0)
+    return _decode.configure(plan, (1, b, hkv), g, 1, sk, D, attrs).splits
 
 
 def bench_paged(grid, args, rows):
@@ -500,7 +528,8 @@ def _markdown(rows):
                 gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                 out.append(f"\ncuflash / cuDNN: geometric mean {gm:.2f}x, min {min(ratios):.2f}x "
                            f"over {len(ratios)} points")
-        for other in ("cuflash-v1", "cuflash-v2", "cuflash-v3", "cuflash-v4"):
+        for other in ("cuflash-v1", "cuflash-v2", "cuflash-v3", "cuflash-v4",
+                      *CUFLASH_RULE_IMPLS):
             if kind != "decode" or other not in impls:
                 continue
             for ref in ("torch-cudnn", "cuflash"):
@@ -533,6 +562,7 @@ def main(argv=None):
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
                     help="comma-separated decode implementations: cuflash, cuflash-v1 / cuflash-v2 / "
                          "-v3 / -v4 (the decode kernels' versions 1, 3, 4: sm_90), "
+                         "cuflash-rule3 (split rule 3), "
                          "torch-cudnn, torch-flash")
     for axis in ("b", "sk", "hkv"):
         ap.add_argument(f"--{axis}", default=None,
@@ -545,7 +575,8 @@ def main(argv=None):
     args.repeats = args.repeats or (5 if args.quick else 20)
     args.impls = tuple(args.impl.split(","))
     args.force_splits = tuple(int(x) for x in args.force_splits.split(",") if x)
-    unknown = set(args.impls) - set(CUFLASH_IMPLS) - {"torch-cudnn", "torch-flash"}
+    unknown = (set(args.impls) - set(CUFLASH_IMPLS) - set(CUFLASH_RULE_IMPLS)
+               - {"torch-cudnn", "torch-flash"})
     if unknown:
         ap.error(f"unknown --impl {sorted(unknown)}")
     grid = dict(QUICK if args.quick else FULL)

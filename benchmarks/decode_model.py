@@ -6,6 +6,14 @@ float16, Sq = 1) on an H200 (132 SMs), from the host's own rules (`_decode.decod
 partials), and the GPU time a latency model predicts for each. No GPU needed::
 
     PYTHONPATH=. python benchmarks/decode_model.py [--markdown]
+    PYTHONPATH=. python benchmarks/decode_model.py --rules   # split rules 2 and 3 (issue 14)
+    PYTHONPATH=. python benchmarks/decode_model.py --fit     # rule 3's fit and residuals
+
+`--rules` prints, at every point, the splits that rule 2 (the default) and rule 3
+(`_decode.DECODE_SPLIT_RULE = 3`) pick, with rule 3's model time (`_decode.split_time_v3` plus
+the main kernel's launch) for both choices, the GB/s it implies and cuDNN's measured GB/s where
+known. `--fit` refits rule 3's constants by least squares on log time to the version-2 H200
+measurements in MEASURED_V2 (needs SciPy) and prints the residuals of the adopted constants.
 
 Columns: E entries (B x Hkv), G rows per entry, MT row tiles per block, s splits (v1 -> v2),
 grid blocks (v2), slots (SMs x blocks per SM), tiles per warp (v2), combine rounds (v1 -> v2:
@@ -41,6 +49,18 @@ ATTRS = dict(max_smem_optin=227 * 1024, sm_count=SM)
 MEASURED = {(1, 8192, 8): (1450, 1862), (1, 8192, 1): (173, 339), (1, 131072, 8): (3681, 4108),
             (1, 131072, 1): (1395, 2023), (8, 8192, 8): (3311, 3810), (8, 8192, 1): (1073, 1613),
             (8, 131072, 8): (4123, 4517)}
+
+#: Version 2 on the H200 (session g, calls 2-3, benchmarks/RESULTS.md; GPU time from GB/s and
+#: the K/V bytes): (B, Sk, Hkv, splits) -> (us, splits' source). Forced splits (`--force-splits`)
+#: at Sk = 1k: one split 3370 GB/s at B = 8, Hkv = 32 (call 3; the rule's 3 splits 2846 in call 2
+#: and 2813 in call 3, 47.5 us their mean), and +2-4% over the rule's 2 at B = 64, Hkv = 8
+#: (taken as +3%).
+MEASURED_V2 = {(1, 1024, 1, 16): 12.5, (64, 1024, 1, 4): 27.2, (8, 1024, 32, 1): 39.8,
+               (8, 1024, 32, 3): 47.5, (64, 1024, 8, 1): 84.2, (64, 1024, 8, 2): 86.7,
+               (1, 131072, 8, 48): 144.9, (8, 131072, 1, 32): 153.9, (8, 32768, 32, 3): 1038.0}
+#: cuDNN (torch SDPA) in the same runs, GB/s: (B, Sk, Hkv) -> GB/s.
+CUDNN = {(1, 1024, 1): 54, (64, 1024, 1): 1971, (8, 1024, 32): 3656, (64, 1024, 8): 3975,
+         (1, 131072, 8): 4134, (8, 131072, 1): 2764, (8, 32768, 32): 4525}
 
 BW = 4.0e12            # K/V streaming rate of a full grid (bytes/s)
 T_LAUNCH = 2.0e-6      # per kernel in a stream (launch and drain)
@@ -104,10 +124,104 @@ def rows():
     return out
 
 
+def _geometry(b, sk, hkv, rule=3):
+    """(plan, work, key tiles, slots, tile bytes, partial bytes per block, MT) at one point."""
+    g = H // hkv
+    plan = _decode.decode_plan("float16", D, False, False, rows=g, rule=rule)
+    mt = plan.block_m // 16
+    work = b * hkv * -(-g // (16 * mt))
+    slots = SM * _decode.blocks_per_sm(plan, D)
+    return (plan, work, -(-sk // _decode.DECODE_BN), slots, 2 * _decode.DECODE_BN * D * 2,
+            min(g, 16 * mt) * D * 4, mt)
+
+
+def rule3_time(b, sk, hkv, s, consts=None):
+    """Rule 3's modelled GPU time (seconds, the main kernel's launch included) of `s` splits at
+    (B, Sk, Hkv); `consts`: (bw, t_tile MT=1, t_tile MT=2, t_combine), None for the module's."""
+    _, work, tiles, slots, tb, pb, mt = _geometry(b, sk, hkv)
+    kw = {}
+    if consts is not None:
+        bw, tt1, tt2, tc = consts
+        kw = dict(bw=bw, t_tile=tt1 if mt == 1 else tt2, t_combine=tc)
+    t, _, _ = _decode.split_time_v3(work, tiles, s, slots, tb, pb, mt, **kw)
+    return _decode.DECODE_T_LAUNCH_V3 + t
+
+
+def rules_table():
+    print("| B | Sk | Hkv | E | G | MT | s rule 2 | s rule 3 | grid rule 3 | slots "
+          "| us (model, rule 2's s) | us (model, rule 3's s) | GB/s (model, rule 3) "
+          "| cuDNN GB/s (measured) |")
+    print("|" + "---:|" * 14)
+    for b, sk, hkv in GRID:
+        g = H // hkv
+        s = {}
+        for rule in (2, 3):
+            plan = _decode.decode_plan("float16", D, False, False, rows=g, rule=rule)
+            s[rule] = _decode.configure(plan, (1, b, hkv), g, 1, sk, D, ATTRS)
+        _, work, _, slots, _, _, mt = _geometry(b, sk, hkv)
+        kv = 2 * b * sk * hkv * D * 2
+        t2, t3 = (rule3_time(b, sk, hkv, s[r].splits) for r in (2, 3))
+        cu = CUDNN.get((b, sk, hkv), "")
+        print(f"| {b} | {sk} | {hkv} | {b * hkv} | {g} | {mt} | {s[2].splits} | {s[3].splits} "
+              f"| {s[3].grid} | {slots} | {t2 * 1e6:.1f} | {t3 * 1e6:.1f} "
+              f"| {kv / t3 / 1e9:.0f} | {cu} |")
+
+
+def fit():
+    """Least squares on log time of rule 3's (bw, t_tile MT=1, t_tile MT=2, t_combine) to
+    MEASURED_V2, the block and launch times held at their SASS-count values; prints the fitted
+    constants and the residuals of the fitted and of the adopted (module) constants."""
+    import math
+
+    pts = list(MEASURED_V2.items())
+
+    def resid(c):
+        return [math.log(rule3_time(b, sk, hkv, s, c) / (us * 1e-6))
+                for (b, sk, hkv, s), us in pts]
+
+    adopted = (_decode.DECODE_BW_V3, _decode.DECODE_T_TILE_V3[1], _decode.DECODE_T_TILE_V3[2],
+               _decode.DECODE_T_COMBINE_V3)
+    try:
+        from scipy.optimize import least_squares
+    except ImportError:
+        fitted = None
+        print("(SciPy missing: residuals of the adopted constants only)")
+    else:
+        scale = (1e12, 1e-6, 1e-6, 1e-6)
+        r = least_squares(lambda z: resid(tuple(a * c for a, c in zip(z, scale))),
+                          [a / c for a, c in zip(adopted, scale)], bounds=(0.05, 20))
+        fitted = tuple(a * c for a, c in zip(r.x, scale))
+    print("| constants | BW TB/s | t_tile MT=1 us | t_tile MT=2 us | t_combine us | rms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    rows = [("adopted", adopted)] + ([("fitted", fitted)] if fitted else [])
+    for name, c in rows:
+        rms = math.sqrt(sum(x * x for x in resid(c)) / len(pts))
+        print(f"| {name} | {c[0] / 1e12:.2f} | {c[1] * 1e6:.2f} | {c[2] * 1e6:.2f} "
+              f"| {c[3] * 1e6:.2f} | {rms:.3f} |")
+    print()
+    print("| B | Sk | Hkv | s | measured us | model us (adopted) | residual |"
+          + (" model us (fitted) | residual |" if fitted else ""))
+    print("|" + "---:|" * (9 if fitted else 7))
+    for (b, sk, hkv, s), us in pts:
+        line = f"| {b} | {sk} | {hkv} | {s} | {us:.1f}"
+        for c in (adopted, fitted) if fitted else (adopted,):
+            t = rule3_time(b, sk, hkv, s, c) * 1e6
+            line += f" | {t:.1f} | {100 * (t / us - 1):+.0f}%"
+        print(line + " |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--markdown", action="store_true", help="(the table is markdown always)")
-    ap.parse_args()
+    ap.add_argument("--rules", action="store_true", help="split rules 2 and 3 at every point")
+    ap.add_argument("--fit", action="store_true", help="rule 3's fit and residuals")
+    args = ap.parse_args()
+    if args.fit:
+        fit()
+        return
+    if args.rules:
+        rules_table()
+        return
     print("| B | Sk | Hkv | E | G | MT | s v1 -> v2 | grid | slots | tiles/warp | rounds v1 -> v2 "
           "| us v1 | us v2 | GB/s v1 | GB/s v2 | measured v1 / cuDNN | v2 / cuDNN (pred.) |")
     print("|" + "---:|" * 17)

@@ -96,6 +96,36 @@ DECODE_T_BLOCK_V2 = 1.5e-6
 DECODE_T_COMBINE_V2 = 3e-6
 #: attn_decode.cu: COMBINE_LOADS, the partial rows one combine thread loads at once (version 2).
 COMBINE_LOADS = 8
+#: The split rule of kernel versions 2-4 (version 1 keeps its own): 2, `choose_splits_v2` (the
+#: default: a wave of blocks streams at one warp's full-grid share, so a grid that leaves slots
+#: empty is charged as a full wave); 3, `choose_splits_v3` (selectable only, unmeasured: the
+#: kernel time is the larger of the K/V bytes at DECODE_BW_V3 and the busiest slot's serial
+#: chain of latency-bound tiles, so a part-filled grid streams at the bytes' rate when its
+#: warps can keep that many tiles in flight; notes/INFERENCE.md "Split rule 3").
+#: `decode_plan` puts the rule in the plan (its label ends in ",rule3"), so a plan made under one
+#: rule configures with it and its workspace size is that rule's; assigning the flag moves the
+#: call caches' generation on, as DECODE_VERSION does.
+DECODE_SPLIT_RULE = 2
+#: The split rules `decode_plan` takes.
+DECODE_SPLIT_RULES = (2, 3)
+#: Rule 3's model (`split_time_v3`), fitted to the H200 measurements of version 2 listed in
+#: benchmarks/decode_model.py (MEASURED_V2; `--fit` prints the fit and the residuals): the K/V
+#: streaming rate of a grid that keeps enough tiles in flight; per MT (row tiles a block), a
+#: warp's latency-bound time per key tile (its two-stage cp.async pipeline alone) and a block's
+#: fixed time (Q and the first tile's latency, the epilogue: the SASS count of version 2's
+#: epilogue, 588 and 1116 instructions at 2 cycles); the combine's fixed time (a dependent
+#: launch, the lse pass, one round trip); the partials are written and read at DECODE_BW_V3.
+#: The fit (bw, both t_tile and t_combine free; 9 points): 3.82 TB/s, 2.36 / 2.31 us, 7.37 us,
+#: rms 8.5% on log time, residuals -15% (B = 64, Sk = 1k, Hkv = 1) to +13% (B = 1, Sk = 1k,
+#: Hkv = 1); adopted rounded, one t_tile for both MT (the fit does not separate them). Few
+#: points: t_combine absorbs the short-key Hkv = 1 points' unexplained time.
+DECODE_BW_V3 = 3.8e12
+DECODE_T_TILE_V3 = {1: 2.4e-6, 2: 2.4e-6}
+DECODE_T_BLOCK_V3 = {1: 1.7e-6, 2: 2.3e-6}
+DECODE_T_COMBINE_V3 = 7.4e-6
+#: The main kernel's launch and drain (the same for every split count: only the predicted
+#: times of benchmarks/decode_model.py include it).
+DECODE_T_LAUNCH_V3 = 2e-6
 
 
 def decode_smem_bytes(dpad: int, bn: int = DECODE_BN, nwarps: int = DECODE_WARPS,
@@ -117,14 +147,21 @@ def row_tiles_per_block(dpad: int, rows: int) -> int:
 
 
 def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 1,
-                version: Optional[int] = None) -> Plan:
+                version: Optional[int] = None, rule: Optional[int] = None) -> Plan:
     """The decode kernel for (dtype, D, causal, paged) and `rows` packed rows per entry
     (G * Sq; the largest sequence's for varlen): `row_tiles_per_block` picks MT, which the
     plan's block_m (16 MT rows) carries to `configure`. `version`: the kernels' version
-    (None: DECODE_VERSION); its label ends in ",v1" / ",v3" for versions 1 and 3."""
+    (None: DECODE_VERSION); its label ends in ",v1" / ",v3" for versions 1 and 3. `rule`: the
+    split rule of versions 2-4 (None: DECODE_SPLIT_RULE; version 1 has its own and ignores it);
+    rule 3 adds ",rule3" to the label (the kernel is the same: `rule_of` reads it back)."""
     version = DECODE_VERSION if version is None else version
     if version not in DECODE_VERSIONS:
         raise ValueError(f"decode kernel versions are {DECODE_VERSIONS} (got {version})")
+    rule = DECODE_SPLIT_RULE if rule is None else rule
+    if rule not in DECODE_SPLIT_RULES:
+        raise ValueError(f"decode split rules are {DECODE_SPLIT_RULES} (got {rule})")
+    if version == 1:
+        rule = 2      # (version 1's own rule; the label stays version 1's)
     dpad = head_dim_bucket(d, DECODE_DPADS)
     mt = row_tiles_per_block(dpad, rows)
     name = (f"cuflash::cuflash_attn_decode<{_CXX_TYPE[dtype_name]}, {dpad}, {DECODE_BN}, "
@@ -133,7 +170,7 @@ def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 
     label = (f"decode<{dtype_name},D{dpad},BN{DECODE_BN},W{DECODE_WARPS},"
              f"{'R32,' if mt == 2 else ''}"
              f"{'paged' if paged else 'dense'},{'causal' if causal else 'full'}"
-             f"{'' if version == 2 else f',v{version}'}>")
+             f"{'' if version == 2 else f',v{version}'}{'' if rule == 2 else f',rule{rule}'}>")
     spec = _compile.Specialisation("attn_decode", name, arch="sm_90" if version == 4 else None)
     return Plan(label, spec, 16 * mt, DECODE_BN, 32 * DECODE_WARPS, decode_smem_bytes(dpad, mt=mt))
 
@@ -141,6 +178,11 @@ def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 
 def version_of(plan) -> int:
     """The kernels' version of a decode `plan` (its kernel name's last template argument)."""
     return int(plan.spec.name.rsplit(",", 1)[1].strip(" >"))
+
+
+def rule_of(plan) -> int:
+    """The split rule of a decode `plan` (`decode_plan`: 3 when its label carries ",rule3")."""
+    return 3 if plan.label.endswith(",rule3>") else 2
 
 
 def combine_spec(dtype_name: str, dpad: int, version: int = 2):
@@ -201,7 +243,8 @@ def blocks_per_sm(plan, dpad: int) -> int:
 
 
 def choose_splits(work: int, n_key_tiles: int, sm_count: int, per_sm: int,
-                  tile_bytes: int, part_bytes: int = 0, version: Optional[int] = None) -> int:
+                  tile_bytes: int, part_bytes: int = 0, version: Optional[int] = None,
+                  rule: Optional[int] = None, mt: int = 1) -> int:
     """Key splits per (entry, row block), from the problem and the SM count only (so results are
     reproducible run to run).
 
@@ -222,9 +265,15 @@ def choose_splits(work: int, n_key_tiles: int, sm_count: int, per_sm: int,
 
     That is version 1's rule (`version`, default DECODE_VERSION); version 2's is
     `choose_splits_v2`, which also charges `part_bytes`, the partial output one block writes
-    (its packed rows x Dpad x 4 bytes)."""
+    (its packed rows x Dpad x 4 bytes). Versions 2-4 take the split `rule` (None:
+    DECODE_SPLIT_RULE): 2 `choose_splits_v2`, 3 `choose_splits_v3`, which also reads `mt`, the
+    plan's row tiles per block."""
     version = DECODE_VERSION if version is None else version
     if version != 1:
+        rule = DECODE_SPLIT_RULE if rule is None else rule
+        if rule == 3:
+            return choose_splits_v3(work, n_key_tiles, sm_count, per_sm, tile_bytes,
+                                    part_bytes, mt)
         return choose_splits_v2(work, n_key_tiles, sm_count, per_sm, tile_bytes, part_bytes)
     return _choose_splits(work, n_key_tiles, sm_count, per_sm, tile_bytes, DECODE_WARPS,
                           MIN_TILES_PER_WARP, MAX_SPLITS, DECODE_BW, DECODE_T_BLOCK,
@@ -274,6 +323,63 @@ def _choose_splits_v2(work, n_key_tiles, sm_count, per_sm, tile_bytes, part_byte
     cap = min(cap, max(1, -(-8 * slots // work)), max_splits)
     times = [split_time_v2(work, n_key_tiles, s, slots, tile_bytes, part_bytes, warps, bw,
                            t_block, t_combine)[0] for s in range(1, cap + 1)]
+    best = min(times)
+    return next(s for s, t in enumerate(times, 1) if t <= best * 1.03)
+
+
+def choose_splits_v3(work: int, n_key_tiles: int, sm_count: int, per_sm: int, tile_bytes: int,
+                     part_bytes: int, mt: int = 1) -> int:
+    """Split rule 3 (arguments as `choose_splits`; `mt`: the plan's row tiles per block): the
+    least modelled `split_time_v3` over the same caps as rules 1 and 2 (every warp of a split has
+    a tile, <= 8 waves' worth of blocks, <= MAX_SPLITS), the smallest s within 3% of it. A
+    function of the problem and the device only; cached per arguments and model constants."""
+    return _choose_splits_v3(work, n_key_tiles, sm_count, per_sm, tile_bytes, part_bytes, mt,
+                             DECODE_WARPS, MIN_TILES_PER_WARP, MAX_SPLITS, DECODE_BW_V3,
+                             DECODE_T_TILE_V3[mt], DECODE_T_BLOCK_V3[mt], DECODE_T_COMBINE_V3)
+
+
+def split_time_v3(work, n_key_tiles, s, slots, tile_bytes, part_bytes, mt=1, warps=None,
+                  bw=None, t_tile=None, t_block=None, t_combine=None):
+    """Rule 3's modelled GPU time (seconds, without the main kernel's launch) of `s` splits:
+
+        max(K/V bytes / bw, waves x (t_block + tiles of a split's busiest warp x t_tile))
+        + [s > 1] (t_combine + 2 x blocks x part_bytes / bw)
+
+    The first term is the streaming rate of a grid that keeps enough tiles in flight, the
+    second the chain of the busiest slot (its waves of blocks run one after another, and a warp
+    alone takes t_tile a tile), so a grid of few blocks costs its latency and a grid of one or
+    a few waves costs its bytes (rule 2 charged every wave as a full grid's share: one split
+    at B = 8, Sk = 1k, Hkv = 32, 256 blocks of 396 slots, 53 us modelled against 40 measured,
+    which made it pick 3). `s` is taken as `configure`
+    takes it (ceil(tiles / ceil(tiles / s)) splits). None arguments: the module's constants for
+    `mt`. Returns (time, waves, s)."""
+    warps = DECODE_WARPS if warps is None else warps
+    bw = DECODE_BW_V3 if bw is None else bw
+    t_tile = DECODE_T_TILE_V3[mt] if t_tile is None else t_tile
+    t_block = DECODE_T_BLOCK_V3[mt] if t_block is None else t_block
+    t_combine = DECODE_T_COMBINE_V3 if t_combine is None else t_combine
+    work = max(1, work)
+    tiles = max(1, n_key_tiles)
+    split_tiles = -(-tiles // s)
+    s = -(-tiles // split_tiles)
+    blocks = work * s
+    waves = -(-blocks // slots)
+    per_warp = -(-split_tiles // warps)
+    t = max(work * tiles * tile_bytes / bw, waves * (t_block + per_warp * t_tile))
+    if s > 1:
+        t += t_combine + 2 * blocks * part_bytes / bw
+    return t, waves, s
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_splits_v3(work, n_key_tiles, sm_count, per_sm, tile_bytes, part_bytes, mt, warps,
+                      min_tiles, max_splits, bw, t_tile, t_block, t_combine):
+    slots = max(1, sm_count * per_sm)
+    work = max(1, work)
+    cap = max(1, -(-n_key_tiles // (warps * min_tiles)))
+    cap = min(cap, max(1, -(-8 * slots // work)), max_splits)
+    times = [split_time_v3(work, n_key_tiles, s, slots, tile_bytes, part_bytes, mt, warps, bw,
+                           t_tile, t_block, t_combine)[0] for s in range(1, cap + 1)]
     best = min(times)
     return next(s for s, t in enumerate(times, 1) if t <= best * 1.03)
 
@@ -386,7 +492,8 @@ def configure(plan, sizes, g, sq, sk, d, attrs) -> DecodeLaunch:
                          "cuflash._decode.DECODE_VERSION to 2")
     splits = choose_splits(entries * n_rblocks, n_key_tiles, attrs["sm_count"],
                            blocks_per_sm(plan, dpad), 2 * DECODE_BN * dpad * 2,
-                           min(rows, 16 * mt) * dpad * 4, version=version)
+                           min(rows, 16 * mt) * dpad * 4, version=version, rule=rule_of(plan),
+                           mt=mt)
     split_tiles = max(1, -(-n_key_tiles // splits))
     splits = max(1, -(-n_key_tiles // split_tiles))
     grid = entries * n_rblocks * splits

@@ -703,6 +703,7 @@ def test_int_and_torch_streams_share_one_external_stream(fake, monkeypatch):
 
 @pytest.mark.parametrize("module,name", [("_dispatch", "TC_CONFIGS"), ("_dispatch", "plan_for"),
                                          ("_decode", "MAX_SPLITS"), ("_decode", "DECODE_VERSION"),
+                                         ("_decode", "DECODE_SPLIT_RULE"),
                                          ("_dispatch", "_unlisted"),
                                          ("_dispatch_variants", "ALIBI_AFFINE"),
                                          ("_dispatch_variants", "VARIANT_FUSED_SCALE")])

@@ -151,3 +151,133 @@ def test_versions_plans_and_specialisations():
                                               compute_capability=80))
     with pytest.raises(ValueError, match="versions"):
         _decode.decode_plan("float16", 64, True, False, version=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Split rule 3 (`_decode.DECODE_SPLIT_RULE = 3`, selectable; rule 2 the default)
+
+H200 = dict(max_smem_optin=227 * 1024, sm_count=132, compute_capability=90)
+
+
+def _splits(b, sk, hkv, rule, version=None):
+    g = 32 // hkv
+    plan = _decode.decode_plan("float16", 128, False, False, rows=g, version=version, rule=rule)
+    return _decode.configure(plan, (1, b, hkv), g, 1, sk, 128, H200)
+
+
+@pytest.mark.parametrize("b,sk,hkv,rule2,rule3", [
+    (8, 1024, 32, 3, 1),      # one split measured 3370 against the rule's 2813-2846 GB/s
+    (64, 1024, 8, 2, 1),      # one split measured +2-4%
+    (64, 1024, 32, 2, 1),     # one split measured +2-4%
+    (1, 1024, 32, 8, 8),      # B = 1: one split measured slower; both rules split
+    (1, 1024, 8, 16, 16),
+    (1, 1024, 1, 16, 16),
+    (64, 1024, 1, 4, 4),      # Hkv = 1: one split measured slower
+    (1, 131072, 8, 48, 35),   # the long-key points keep a near-full first wave
+    (8, 131072, 1, 32, 32),
+])
+def test_rule3_choices_at_the_measured_points(b, sk, hkv, rule2, rule3):
+    """The two rules' split counts at issue 14's points with H200 measurements of version 2
+    (benchmarks/decode_model.py MEASURED_V2; notes/INFERENCE.md "Split rule 3"): rule 3 takes
+    one split where one split measured faster than rule 2's choice and keeps the splits where
+    one split measured slower; rule 2 is unchanged and still the default."""
+    assert _decode.DECODE_SPLIT_RULE == 2
+    assert _splits(b, sk, hkv, 2).splits == rule2
+    assert _splits(b, sk, hkv, None).splits == rule2
+    assert _splits(b, sk, hkv, 3).splits == rule3
+
+
+def test_rule3_is_what_the_plan_and_its_size_queries_use(monkeypatch):
+    """With DECODE_SPLIT_RULE = 3 every decode entry point's plan carries rule 3 (label
+    ",rule3"), `configure` takes `choose_splits_v3`'s count, and the workspace sizes
+    (dense `attention`, kvcache, varlen) are rule 3's; a plan made under one rule keeps its
+    rule after the flag changes (its configuration and workspace size do not go stale)."""
+    import types
+
+    from cuflash import _kvcache, _varlen
+
+    monkeypatch.setattr(_decode, "DECODE_SPLIT_RULE", 3)
+    plan = _decode.decode_plan("float16", 128, False, False, rows=1)
+    assert plan.label.endswith(",rule3>") and _decode.rule_of(plan) == 3
+    cfg = _decode.configure(plan, (1, 8, 32), 1, 1, 1024, 128, H200)
+    v3 = _decode.choose_splits_v3(256, 64, 132, _decode.blocks_per_sm(plan, 128), 8192, 512, 1)
+    assert cfg.splits == v3 == 1 and cfg.part_bytes == 0
+    kv = types.SimpleNamespace(dtype_name="float16", d=128, causal=False, b=8, h=32, hkv=32,
+                               sq=1, snew=0, capacity=1024, page=0, block_table=None,
+                               seqlens_int=None)
+    kplan, kcfg, need = _kvcache.kvcache_launch(kv, H200)
+    assert kplan.label.endswith(",rule3>") and kcfg.splits == 1 and need == 0
+    vl = types.SimpleNamespace(dtype_name="float16", d=128, dv=128, causal=False, nseq=8, h=32,
+                               hkv=32, max_q=1, max_k=1024, kernel="decode")
+    vplan, vcfg, vneed = _varlen.varlen_launch(vl, H200)
+    assert vplan.label.endswith(",rule3>") and vcfg.splits == 1 and vneed == 0
+    monkeypatch.setattr(_decode, "DECODE_SPLIT_RULE", 2)
+    assert _decode.configure(plan, (1, 8, 32), 1, 1, 1024, 128, H200) == cfg   # its own rule
+    plan2 = _decode.decode_plan("float16", 128, False, False, rows=1)
+    cfg2 = _decode.configure(plan2, (1, 8, 32), 1, 1, 1024, 128, H200)
+    assert cfg2.splits == 3 and cfg2.part_bytes > 0
+    kplan2, kcfg2, need2 = _kvcache.kvcache_launch(kv, H200)
+    assert kcfg2.splits == 3 and need2 == kcfg2.part_bytes > 0
+
+
+def test_rule3_dense_size_query(monkeypatch):
+    """`attention`'s workspace size (the query and the launch share `dense_workspace_bytes`;
+    `_dispatch.plan_for` makes the plan with `decode_plan`'s default rule) follows the plan's
+    rule: 0 under rule 3 at B = 8, Sk = 1k, Hkv = 32 (one split), rule 2's three splits'
+    partials under the default."""
+    from cuflash import _checks
+
+    q = np.zeros((8, 32, 1, 128), np.float16)
+    k = np.lib.stride_tricks.as_strided(np.zeros((8, 32, 1, 128), np.float16),
+                                        (8, 32, 1024, 128), (32 * 256, 256, 0, 2))
+    prob = _checks.check_attention(q, k, k, causal=False, scale=None, return_lse=False,
+                                   out=None, stream=None, kernel="auto")
+    sizes = {}
+    for rule in (2, 3):
+        monkeypatch.setattr(_decode, "DECODE_SPLIT_RULE", rule)
+        plan = _decode.decode_plan("float16", 128, False, False, rows=_decode.dense_rows(prob))
+        assert _decode.rule_of(plan) == rule
+        sizes[rule] = _decode.dense_workspace_bytes(plan, prob, H200)
+    assert sizes[3] == 0 < sizes[2]
+
+
+@pytest.mark.parametrize("mt", [1, 2])
+@pytest.mark.parametrize("per_sm", [1, 2, 3, 4])
+def test_rule3_within_the_caps(mt, per_sm):
+    """Rule 3's count stays inside the caps every rule has (a key tile per warp, <= 8 waves'
+    worth of blocks, <= MAX_SPLITS), so the split partials never exceed what those caps bound
+    (entries x MAX_SPLITS x rows x Dpad floats), and it is a function of its arguments only."""
+    for work in (1, 3, 8, 64, 256, 2048, 65536):
+        for tiles in (1, 3, 4, 5, 64, 513, 8192, 131072):
+            s = _decode.choose_splits_v3(work, tiles, 132, per_sm, 8192, 2048, mt)
+            assert s == _decode.choose_splits(work, tiles, 132, per_sm, 8192, 2048, version=2,
+                                              rule=3, mt=mt)
+            slots = 132 * per_sm
+            assert 1 <= s <= min(_decode.MAX_SPLITS, max(1, -(-tiles // 4)),
+                                 max(1, -(-8 * slots // work)))
+
+
+def test_rule3_sees_changed_constants(monkeypatch):
+    """Rule 3's count is cached per model constants too: a combine costlier than any split
+    gives one split at once; a free one a split count past one."""
+    assert _decode.choose_splits_v3(8, 8192, 132, 3, 8192, 2048, 1) > 1
+    monkeypatch.setattr(_decode, "DECODE_T_COMBINE_V3", 1.0)
+    assert _decode.choose_splits_v3(8, 8192, 132, 3, 8192, 2048, 1) == 1
+
+
+def test_rules_plans_and_labels():
+    """The rule is part of the plan: rule 3's label ends in ",rule3" (after a version's
+    suffix), its kernel is rule 2's (one compiled specialisation); version 1 keeps its own rule
+    whatever is asked; an unknown rule is refused; rule_of reads the label back."""
+    for v in (2, 3, 4):
+        p2 = _decode.decode_plan("bfloat16", 128, True, True, rows=32, version=v, rule=2)
+        p3 = _decode.decode_plan("bfloat16", 128, True, True, rows=32, version=v, rule=3)
+        assert p2.label != p3.label and p3.label == p2.label[:-1] + ",rule3>"
+        assert p2.spec == p3.spec and (_decode.rule_of(p2), _decode.rule_of(p3)) == (2, 3)
+    p1 = _decode.decode_plan("float16", 64, False, False, version=1, rule=3)
+    assert p1.label.endswith(",v1>") and _decode.rule_of(p1) == 2
+    cfg = _decode.configure(p1, (1, 8, 32), 1, 1, 1024, 64, H200)
+    assert cfg.splits == _decode.choose_splits(256, 64, 132, _decode.blocks_per_sm(p1, 64),
+                                               2 * 16 * 64 * 2, 256, version=1)
+    with pytest.raises(ValueError, match="split rules"):
+        _decode.decode_plan("float16", 64, False, False, rule=4)
