@@ -13,8 +13,11 @@ dispatcher's choice, and the Hopper forward with the variant's policy by name, a
 cuflash_fwd_wgmma_var; one that cannot run the inputs is reported, not timed). Each row's "per
 tile" is against plain cuflash under the same kernel= (plain's row of that kernel; plain runs
 first, keep it in --variants), so every row of every kernel has one. The backward (and torch's,
-FlexAttention's) runs once per variant, on the first kernel's row: it does not depend on the
-forward's kernel.
+FlexAttention's) runs once per variant and --impl form, on the first kernel's row: it does not
+depend on the forward's kernel. --variants: plain, softcap, alibi, window, bias, mask and
+"positional" (window, softcap and ALiBi together: under VARIANT_FUSED_SCALE the forwards take the
+fused form and, at D = 128, the mma.sync backward the unfused one, _dispatch_variants.fused_form;
+its backward label says which).
 
 --impl: forms of the variant kernels to time against each other in the same run (default
 "base"): "base" = the dispatcher's flags as they are, "fma-rcp" = softcap's reciprocal on the FMA
@@ -25,6 +28,8 @@ rows only for the variants it changes (IMPLS). Each form's row is checked like e
 
     PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels hopper --backward 0 \
         --flex 0 --quick --impl base,fma-rcp,fused,fma-rcp+fused,affine,affine+fused
+    PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels hopper --backward 1 \
+        --torch 0 --flex 0 --impl base,fused --variants plain,softcap,alibi,window,positional
 
 Every result is checked first: cuflash's (and torch's) output on a few (batch, head) slices
 against the float64 reference (cuflash.reference.attention_ref with the same variant) under the
@@ -87,8 +92,10 @@ def parse_args(argv=None):
 
 #: --impl forms: {name: (flags of cuflash._dispatch_variants to set, variants they change)}.
 IMPLS = {"base": ({}, None), "fma-rcp": ({"SOFTCAP_RCP_FMA": True}, {"softcap"}),
-         "fused": ({"VARIANT_FUSED_SCALE": True}, {"softcap", "alibi", "window", "bias", "mask"}),
-         "fma-rcp+fused": ({"SOFTCAP_RCP_FMA": True, "VARIANT_FUSED_SCALE": True}, {"softcap"}),
+         "fused": ({"VARIANT_FUSED_SCALE": True},
+                   {"softcap", "alibi", "window", "bias", "mask", "positional"}),
+         "fma-rcp+fused": ({"SOFTCAP_RCP_FMA": True, "VARIANT_FUSED_SCALE": True},
+                           {"softcap", "positional"}),
          "affine": ({"ALIBI_AFFINE": True}, {"alibi"}),
          "affine+fused": ({"ALIBI_AFFINE": True, "VARIANT_FUSED_SCALE": True}, {"alibi"})}
 
@@ -129,6 +136,9 @@ def variant_kwargs(name, rng, b, h, s, args):
             (2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)))
     if name == "window":
         return dict(window=(args.window, -1))
+    if name == "positional":   # window, softcap and ALiBi together (two transforms)
+        return dict(window=(args.window, -1), **variant_kwargs("softcap", rng, b, h, s, args),
+                    **variant_kwargs("alibi", rng, b, h, s, args))
     if name == "bias":   # one float16 (S, S) bias shared by every batch entry and head
         return dict(bias=cupy.random.standard_normal((1, s, s), dtype=cupy.float32)
                     .astype(cupy.float16))
@@ -145,7 +155,7 @@ def variant_kwargs(name, rng, b, h, s, args):
 
 def visible_pairs(name, s, causal, args):
     full = s * (s + 1) / 2 if causal else float(s) * s
-    if name != "window":
+    if name not in ("window", "positional"):
         return full
     i = np.arange(s, dtype=np.float64)
     lo = np.maximum(0, i - args.window)
@@ -157,7 +167,7 @@ def torch_mask(name, kw, b, h, s, causal, dtype, left):
     """The same variant as an SDPA attn_mask (bool or additive float), or None (plain)."""
     import torch
     dev = "cuda"
-    if name in ("plain", "softcap"):
+    if name in ("plain", "softcap", "positional"):   # (softcap: no SDPA form)
         return None
     i = torch.arange(s, device=dev)[:, None]
     j = torch.arange(s, device=dev)[None, :]
@@ -268,7 +278,13 @@ def flex_mods(name, kw, causal, left):
     import torch
     dev = "cuda"
     score_mod = mask_mod = None
-    if name == "softcap":
+    if name == "positional":   # softcap, then ALiBi (cuflash's order), under the window
+        cap = float(kw["softcap"])
+        sl = torch.as_tensor(kw["alibi_slopes"], device=dev)
+
+        def score_mod(score, b, h, qi, kj):
+            return cap * torch.tanh(score / cap) - sl[h] * (qi - kj).abs()
+    elif name == "softcap":
         cap = float(kw["softcap"])
 
         def score_mod(score, b, h, qi, kj):
@@ -284,7 +300,7 @@ def flex_mods(name, kw, causal, left):
         def score_mod(score, b, h, qi, kj):
             return score + bias[0, qi, kj]
     keep = None
-    if name == "window":
+    if name in ("window", "positional"):
         def keep(b, h, qi, kj):
             return kj >= qi - left
     elif name == "mask":
@@ -406,7 +422,8 @@ def main(argv=None):
                         if plain_bwd_ms is not None:
                             row["bwd_per_tile"] = (plain_bwd_ms / visible_pairs(
                                 "plain", s, causal, args)) / (row["bwd_ms"] / pairs)
-            if torch is not None and args.torch and name != "softcap" and first:
+            if (torch is not None and args.torch and name not in ("softcap", "positional")
+                    and first):
                 tm = torch_mask(name, kw, b, h, s, causal, args.dtype, args.window)
                 for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
                     try:

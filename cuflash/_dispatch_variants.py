@@ -36,7 +36,9 @@ SOFTCAP_RCP_FMA = False
 #: gained a little per visited tile against plain (session g, call 3: ALiBi 0.88 -> 0.90, window
 #: 0.88 -> 0.92, softcap 0.65 either way; benchmarks/bench_variants.py --impl base,fused), but
 #: under NVRTC 13.5 the mma.sync backward's float16 D = 128 causal window + softcap + ALiBi form
-#: spills (255 registers, 4 / 12 B), and its backward has not been timed.
+#: spilled (255 registers, 4 / 12 B): that backward now keeps the unfused form for policies of
+#: two or more transforms at D = 128 (TC_BWD_FUSED_LIMIT_D, `fused_form`), and the backward has
+#: not been timed with it (bench_variants.py --backward 1 --impl base,fused).
 VARIANT_FUSED_SCALE = False
 
 #: ALiBi in the softmax's affine units on the Hopper forward (variants.cuh: Variant::affine,
@@ -52,6 +54,35 @@ VARIANT_FUSED_SCALE = False
 #: affine).
 ALIBI_AFFINE = True
 
+#: Where the mma.sync backward keeps the unfused form under VARIANT_FUSED_SCALE: from this padded
+#: head dim on, a policy with more than TC_BWD_FUSED_MAX_TRANSFORMS transforms (softcap, ALiBi, a
+#: bias: the score's parts that change t) takes FORM without bit 2 there (`fused_form`). At D = 128
+#: its registers sit at 241-255 (the dK and dV accumulators alone take 128), and fused policies
+#: with two or more transforms spilled under NVRTC 13.5 (sm_90, 4 / 12 B at 255 registers): window
+#: + softcap + ALiBi causal, float16 and bfloat16 deterministic (softcap + ALiBi + mask under
+#: causal spills 28-56 B in either form); every fused policy with one transform, and every
+#: unfused one the compile set holds, compiles clean. The forwards keep the fused form, so
+#: forward and backward then recompute the logits with different roundings (notes/VARIANTS.md).
+TC_BWD_FUSED_LIMIT_D = 128
+TC_BWD_FUSED_MAX_TRANSFORMS = 1
+
+
+def transforms(variant) -> int:
+    """How many of the score's transforms the variant has (softcap, ALiBi, a bias: variants.cuh's
+    Variant::TRANSFORMS parts; a window or a mask only hides keys)."""
+    return (bool(variant.softcap) + (variant.alibi_slopes is not None)
+            + (variant.bias is not None))
+
+
+def fused_form(variant, bwd_dpad=None) -> bool:
+    """Whether a tensor-core policy takes VARIANT_FUSED_SCALE's form (FORM bit 2): the flag on, no
+    user hooks, and for the mma.sync backward (`bwd_dpad`: its padded head dim; None: a forward)
+    below TC_BWD_FUSED_LIMIT_D or with at most TC_BWD_FUSED_MAX_TRANSFORMS transforms."""
+    if not VARIANT_FUSED_SCALE or getattr(variant, "has_mods", False):
+        return False
+    return (bwd_dpad is None or bwd_dpad < TC_BWD_FUSED_LIMIT_D
+            or transforms(variant) <= TC_BWD_FUSED_MAX_TRANSFORMS)
+
 
 def _affine(variant, fast, hopper) -> bool:
     """Whether the policy takes ALIBI_AFFINE's form (FORM bit 4): `hopper` = the Hopper forward
@@ -61,12 +92,13 @@ def _affine(variant, fast, hopper) -> bool:
             and not getattr(variant, "has_mods", False))
 
 
-def policy_name(variant, fast: bool = True, hopper: bool = False) -> str:
+def policy_name(variant, fast: bool = True, hopper: bool = False, bwd_dpad=None) -> str:
     """The C++ policy type of a `cuflash.variants.Variant`, e.g.
     ``cuflash::Variant<true, false, false, cuflash::NoBias, false>`` (with softcap under
     SOFTCAP_RCP_FMA and / or VARIANT_FUSED_SCALE a sixth argument, the FORM bits 1 / 2 of
     variants.cuh; not for the generic kernels, ``fast=False``, whose softcap is tanh in the
-    accumulator type and whose scores are scaled in it)."""
+    accumulator type and whose scores are scaled in it). `bwd_dpad`: the mma.sync backward's
+    padded head dim, where `fused_form` may keep the unfused form."""
     b = "true" if variant.has_window else "false"
     s = "true" if variant.softcap else "false"
     a = "true" if variant.alibi_slopes is not None else "false"
@@ -75,7 +107,7 @@ def policy_name(variant, fast: bool = True, hopper: bool = False) -> str:
             else _CXX_TYPE[_dtype_name(variant.bias.dtype)])
     hooks = getattr(variant, "has_mods", False)
     bits = (((1 if variant.softcap and SOFTCAP_RCP_FMA else 0)
-             | (2 if VARIANT_FUSED_SCALE and not hooks else 0)) if fast else 0)
+             | (2 if fused_form(variant, bwd_dpad) else 0)) if fast else 0)
     bits |= 4 if _affine(variant, fast, hopper) else 0
     form = f", {bits}" if bits else ""
     base = f"cuflash::Variant<{b}, {s}, {a}, {bias}, {m}{form}>"
@@ -101,8 +133,9 @@ def _dtype_name(dt):
     return np.dtype(dt).name
 
 
-def policy_label(variant, fast: bool = True, hopper: bool = False) -> str:
-    """The variant's parts for a plan label, e.g. ``window,softcap,bias<float16>``."""
+def policy_label(variant, fast: bool = True, hopper: bool = False, bwd_dpad=None) -> str:
+    """The variant's parts for a plan label, e.g. ``window,softcap,bias<float16>`` (and the forms
+    `policy_name` gives the same arguments, e.g. ``fused-scale``)."""
     parts = []
     if variant.has_window:
         parts.append("window")
@@ -117,7 +150,7 @@ def policy_label(variant, fast: bool = True, hopper: bool = False) -> str:
     for name, hook in (("score_mod", variant.score_mod), ("mask_mod", variant.mask_mod)):
         if hook is not None:   # user hooks, named by their code's hash
             parts.append(f"{name}[{hook.digest[:8]}]")
-    if fast and VARIANT_FUSED_SCALE and not getattr(variant, "has_mods", False):
+    if fast and fused_form(variant, bwd_dpad):
         parts.append("fused-scale")
     if _affine(variant, fast, hopper):
         parts.append("alibi-affine")
@@ -503,7 +536,8 @@ def bwd_tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, determini
     """The mma.sync backward with the variant's policy (attn_bwd_mma.cu: cuflash_bwd_mma_var):
     the plain tensor-core backward plan (its preprocess and dq conversion; the tiles of
     `TC_BWD_VARIANT_CONFIGS` where it has them) with ``_var<..., V>`` in the kernel's name and
-    the variant's parts in the labels."""
+    the variant's parts in the labels; under VARIANT_FUSED_SCALE the fused form where
+    `fused_form` takes it at this head dim (TC_BWD_FUSED_LIMIT_D), else the unfused one."""
     import dataclasses
 
     from . import _dispatch
@@ -518,7 +552,9 @@ def bwd_tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, determini
 
     base = _dispatch.bwd_tensorcore_plan(dtype_name, d, causal, deterministic,
                                          compute_capability, config=config)
-    pol, tag = policy_name(variant), policy_label(variant)
+    dpad = _dispatch.head_dim_bucket(d, _dispatch.TC_BWD_CONFIGS)   # (bwd_tensorcore_plan's)
+    pol = policy_name(variant, bwd_dpad=dpad)
+    tag = policy_label(variant, bwd_dpad=dpad)
     passes = []
     for grid, plan in base.passes:
         if "cuflash_bwd_mma<" in plan.spec.name:
@@ -625,7 +661,9 @@ def form_compile_specs(compute_capability: int = 90):
     ALiBi, window, bias and all five. The Hopper forward: float16 D64, D128 and D256 each part
     alone under causal, D128 the positional parts and all five with and without causal, bfloat16
     D128 all five; the mma.sync forward and backward: float16 and bfloat16 D64 and D128, each part
-    alone and all five under causal (the backward's all five also deterministic); ALIBI_AFFINE
+    alone and all five under causal (the backward's all five also deterministic; where
+    `fused_form` keeps the backward's policy unfused, its spec is the default set's and not added
+    here); ALIBI_AFFINE
     (FORM 4, with the fused scale 6) on the Hopper forward under causal: ALiBi alone and with a
     mask at float16 D64, D128, D256 and bfloat16 D128."""
     global SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE, ALIBI_AFFINE
@@ -659,7 +697,8 @@ def form_compile_specs(compute_capability: int = 90):
                     for pol, det in [(x, False) for x in parts] + [(every, True)]:
                         for _, plan in bwd_tensorcore_variant_plan(dt, d, True, det, cc,
                                                                    pol).passes:
-                            if "_var<" in plan.spec.name:
+                            # (a policy fused_form keeps unfused here: the default set's)
+                            if "_var<" in plan.spec.name and _has_form(plan.spec):
                                 add(plan.spec)
         # ALIBI_AFFINE (FORM 4, with the fused scale 6): the Hopper forward under causal, ALiBi
         # alone and with a mask; float16 D64 / D128 / D256, bfloat16 D128
@@ -673,6 +712,12 @@ def form_compile_specs(compute_capability: int = 90):
     finally:
         SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE, ALIBI_AFFINE = was
     return out
+
+
+def _has_form(spec) -> bool:
+    """Whether a tensor-core variant specialisation's policy has FORM bits (policy_name's sixth
+    argument)."""
+    return any(f", {b}>" in spec.name for b in range(1, 8))
 
 
 def variant_backward_compile_specs():

@@ -273,7 +273,8 @@ def test_alibi_affine_dispatch(monkeypatch):
 
 def test_default_forms():
     """The forms by default: ALiBi's affine units on (the complete GPU suite passed with it, H200
-    2026-12-02); the fused scale off (one mma.sync backward form spills under NVRTC 13.5) and
+    2026-12-02); the fused scale off (until the GPU run of the mma.sync backward's rule,
+    _dispatch_variants.fused_form: its fused form spilled under NVRTC 13.5) and
     softcap's FMA-pipe reciprocal off (0.64 against 0.65 per visited tile, session g call 3)."""
     from cuflash import _dispatch_variants as DV
     assert DV.ALIBI_AFFINE and not DV.VARIANT_FUSED_SCALE and not DV.SOFTCAP_RCP_FMA
@@ -282,3 +283,91 @@ def test_default_forms():
     assert pl.spec.name.endswith(", 4>>") and pl.label.endswith(",alibi,alibi-affine>"), pl.label
     assert DV.hopper_variant_plan("float16", 128, True, 4096, sc).spec.name.endswith("false>>")
     assert DV.tensorcore_variant_plan("float16", 64, True, 90, al).spec.name.endswith("false>>")
+
+
+def _bwd_var_spec(plan):
+    (spec,) = [p.spec for _, p in plan.passes if "_var<" in p.spec.name]
+    return spec
+
+
+def test_fused_scale_form_per_family(monkeypatch):
+    """Which form each family's policy gets under VARIANT_FUSED_SCALE (_dispatch_variants.
+    fused_form): the Hopper and mma.sync forwards the fused one (FORM bit 2) for every built-in
+    policy at every head dim; the mma.sync backward the fused one below TC_BWD_FUSED_LIMIT_D
+    (128) and, from it on, for policies of at most one transform (softcap, ALiBi or a bias;
+    window and mask count none), the unfused one (no sixth argument, no "fused-scale" in the
+    label) for two or more: window + softcap + ALiBi under causal spilled there under NVRTC 13.5
+    with the fused form. Whatever the flag, the rule changes nothing with the flag off."""
+    from cuflash import _dispatch_variants as DV
+    for name in ("SOFTCAP_RCP_FMA", "VARIANT_FUSED_SCALE", "ALIBI_AFFINE"):
+        monkeypatch.setattr(DV, name, False)
+    S = DV._Spec
+    one = [S(softcap=True), S(alibi=True), S(bias="float16"), S(window=True, softcap=True),
+           S(window=True, alibi=True, mask=True)]
+    none = [S(window=True), S(mask=True), S(window=True, mask=True)]
+    two = [S(softcap=True, alibi=True), S(window=True, softcap=True, alibi=True),
+           S(alibi=True, bias="float32"), S(softcap=True, bias="float16"),
+           S(window=True, softcap=True, alibi=True, bias="float32", mask=True)]
+    assert [DV.transforms(p) for p in one + none + two] == [1] * 5 + [0] * 3 + [2, 2, 2, 2, 3]
+    assert DV.TC_BWD_FUSED_LIMIT_D == 128 and DV.TC_BWD_FUSED_MAX_TRANSFORMS == 1
+    off = {}
+    for pol in one + none + two:   # flag off: no policy of any family has the bit
+        for dt in ("float16", "bfloat16"):
+            for d in (64, 96, 128):
+                spec = _bwd_var_spec(DV.bwd_tensorcore_variant_plan(dt, d, True, False, 90, pol))
+                assert not spec.name.endswith(", 2>>"), spec.name
+                off[(id(pol), dt, d)] = spec
+    monkeypatch.setattr(DV, "VARIANT_FUSED_SCALE", True)
+    for pol in one + none + two:
+        for d in (64, 128, 256):
+            h = DV.hopper_variant_plan("float16", d, True, 4096, pol)
+            assert h.spec.name.endswith(", 2>>") and "fused-scale" in h.label, h.spec.name
+            t = DV.tensorcore_variant_plan("float16", d, True, 90, pol)
+            assert t.spec.name.endswith(", 2>>") and "fused-scale" in t.label, t.spec.name
+        for dt in ("float16", "bfloat16"):
+            for d, det, causal in ((64, False, True), (64, True, False), (96, False, True),
+                                   (128, False, True), (128, True, False)):
+                plan = DV.bwd_tensorcore_variant_plan(dt, d, causal, det, 90, pol)
+                spec = _bwd_var_spec(plan)
+                dpad = 64 if d == 64 else 128   # (TC_BWD_CONFIGS' buckets: 96 pads to 128)
+                fused = dpad < 128 or DV.transforms(pol) <= 1
+                assert spec.name.endswith(", 2>>") == fused, (d, spec.name)
+                assert ("fused-scale" in plan.label) == fused, plan.label
+                assert ("fused-scale" in [p for _, p in plan.passes
+                                          if "_var<" in p.spec.name][0].label) == fused
+                if not fused and not det and causal:   # the default form's kernel, exactly
+                    assert spec == off[(id(pol), dt, d)]
+    # the spilling specialisation of the brief: float16 D128 causal window + softcap + ALiBi
+    bad = DV.bwd_tensorcore_variant_plan("float16", 128, True, False, 90, two[1])
+    assert _bwd_var_spec(bad).name.endswith("cuflash::NoBias, false>>"), _bwd_var_spec(bad).name
+    monkeypatch.setattr(DV, "SOFTCAP_RCP_FMA", True)   # FORM 3 -> 1 where the rule applies
+    assert _bwd_var_spec(DV.bwd_tensorcore_variant_plan(
+        "float16", 128, True, False, 90, two[1])).name.endswith(", 1>>")
+    assert _bwd_var_spec(DV.bwd_tensorcore_variant_plan(
+        "float16", 64, True, False, 90, two[1])).name.endswith(", 3>>")
+
+
+def test_fused_scale_compile_set_follows_the_rule(monkeypatch):
+    """With VARIANT_FUSED_SCALE on, the sm_90 compile set (precompile's list, what
+    tests/test_compile.py builds) holds no mma.sync backward specialisation with FORM bit 2 at
+    D >= TC_BWD_FUSED_LIMIT_D for a policy of two or more transforms (the brief's spilling one
+    among them), holds the same specialisation unfused instead, and still holds the fused
+    forwards of those policies; form_compile_specs, whatever the flag, adds only specs with FORM
+    bits."""
+    from cuflash import _dispatch_variants as DV
+    from cuflash import precompile
+    monkeypatch.setattr(DV, "VARIANT_FUSED_SCALE", True)
+    names = [s.name for s in precompile.specialisations(90)]
+    spill = ("cuflash::cuflash_bwd_mma_var<cuflash::fp16_t, 128, 32, 128, 8, 2, 1, true, false, "
+             "0, cuflash::Variant<true, true, true, cuflash::NoBias, false")
+    assert spill + ", 2>>" not in names and spill + ">>" in names
+    for n in names:
+        if n.startswith("cuflash::cuflash_bwd_mma_var<") and n.endswith(", 2>>"):
+            dpad = int(n.split(",")[1])
+            pol = n.split("cuflash::Variant<")[1]
+            w, sc, al, bias = (x.strip() for x in pol.split(",")[:4])
+            k = (sc == "true") + (al == "true") + (bias != "cuflash::NoBias")
+            assert dpad < DV.TC_BWD_FUSED_LIMIT_D or k <= 1, n
+    assert any("cuflash_fwd_wgmma_var<" in n and "Variant<true, true, true, cuflash::NoBias, "
+               "false, 2>" in n for n in names)
+    assert all(DV._has_form(s) for s in DV.form_compile_specs(90))

@@ -285,7 +285,10 @@ _FUSED_CASES = (("alibi", False, "float16", 64), ("alibi", True, "float16", 64),
                 ("alibi", True, "bfloat16", 128), ("window", False, "float16", 64),
                 ("window", True, "float16", 128), ("window-0-0", True, "bfloat16", 64),
                 ("bias-head", True, "float16", 64), ("bias-f16-shared", False, "float16", 128),
-                ("mask-empty-rows", True, "float16", 64))
+                ("mask-empty-rows", True, "float16", 64),
+                # window + softcap + ALiBi at D128: the forward fused, the mma.sync backward
+                # unfused (_dispatch_variants.fused_form: two transforms from D = 128 on)
+                ("positional", True, "float16", 128))
 # ALIBI_AFFINE (Hopper, causal, 16-bit): slopes in [2^-10, 1] (the affine form), slopes per
 # (batch, head) on both sides of 1, 2^-10 and 0 (each batch entry's form: the affine one or the
 # fallback), a mask with empty rows with it.
@@ -317,6 +320,9 @@ def test_variant_forms(form, kern, name, causal, dtype, d, sq, sk, monkeypatch):
             kw["window"] = (17, 3)
     elif name == "alibi-mixed-slopes":
         kw = dict(alibi_slopes=np.array([[0.5, 1.0, 3.0], [0.0, 2.0 ** -11, -0.2]], np.float32))
+    elif name == "positional":
+        kw = dict(window=(40, 5), softcap=1.5,
+                  alibi_slopes=rng.uniform(0.01, 0.3, BATCH_Q).astype(np.float32))
     elif name == "alibi-mask":
         kw = dict(alibi_slopes=rng.uniform(0.01, 0.3, BATCH_Q).astype(np.float32),
                   mask=_host_variant("mask-empty-rows", rng, sq, sk, dtype)["mask"])
@@ -331,6 +337,15 @@ def test_variant_forms(form, kern, name, causal, dtype, d, sq, sk, monkeypatch):
         assert ",fused-scale" in label, label
     if "ALIBI_AFFINE" in FORMS[form]:
         assert label.endswith(",alibi-affine>"), label
+    if d <= 128:   # the mma.sync backward: fused below D = 128 or with at most one transform
+        cp = cupy()
+        n_tr = sum(x in kw for x in ("softcap", "alibi_slopes", "bias"))
+        fused = "VARIANT_FUSED_SCALE" in FORMS[form] and (
+            d < DV.TC_BWD_FUSED_LIMIT_D or n_tr <= DV.TC_BWD_FUSED_MAX_TRANSFORMS)
+        blabel = cuflash.backward_dispatch_info(
+            qg, qg, kg, vg, qg, cp.zeros(qg.shape[:-1], cp.float32), causal=causal,
+            kernel="tensorcore", **dkw)
+        assert ("fused-scale" in blabel) == fused, blabel
     check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
                        seed=SEED, kernel=kern,
                        bwd_kernel="tensorcore" if d <= 128 else "generic")
