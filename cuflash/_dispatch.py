@@ -10,7 +10,7 @@ The rule, in order:
    same for the Hopper kernel (``kernels_cu/attn_wgmma.cu``: TMA, wgmma, warp specialisation).
 3. ``kernel="auto"`` takes the Hopper kernel when the inputs qualify (see `hopper_reason`:
    compute capability exactly 9.0, float16/bfloat16, D == Dv, D % 8 == 0, 64 <= D <= 256, rows
-   and batch strides 16-byte aligned), else the tensor-core kernel when they qualify (see
+   and batch strides 16-byte aligned, no batch axis running backwards), else the tensor-core kernel when they qualify (see
    `tensorcore_reason`: compute capability >= 8.0, the same dtypes and alignment, any D % 8 == 0),
    else the generic kernel. Head dims between the fast paths are zero-padded to the next one.
 
@@ -550,6 +550,13 @@ def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
         if x.shape[-2] > 1 and x.strides[-2] <= 0:
             return f"the rows of {name} must not overlap (row stride {x.strides[-2]})"
+        # The tensor maps take unsigned byte strides (cuTensorMapEncodeTiled): a batch axis that
+        # runs backwards (q[::-1], q[:, ::-1]) would reach the driver as 2^64 - |s|. The mma.sync
+        # kernel reads such views through its signed strides, so auto takes it instead.
+        back = [st for n, st in zip(x.shape[:-2], x.strides[:-2]) if n > 1 and st < 0]
+        if back:
+            return (f"the batch axes of {name} must not run backwards (byte strides "
+                    f"{tuple(x.strides[:-2])}; the tensor maps' strides are unsigned)")
     from . import _tma
 
     if not _tma.available():
