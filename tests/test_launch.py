@@ -188,8 +188,13 @@ def test_float32_wide_dispatch(monkeypatch, wide_auto, cc):
         assert tc.label.startswith(want) and tc.spec.name.endswith("cuflash::fp16_t>"), tc.label
         auto = _dispatch.plan_for(prob(d), cc)
         assert auto.label.startswith(want if wide_auto else "generic<float32"), auto.label
+        # "high" keeps its TF32 tiles where they fit the block's shared memory (not
+        # sm_80's D = 256 exception, 205824 bytes against 163 KiB: tests/test_arch_limits_cpu.py)
+        tiles = _dispatch.tensorcore_plan("float32", d, False, cc, "high")
+        fits = tiles.smem_bytes <= _dispatch.smem_optin_bytes(cc)
         assert _dispatch.plan_for(prob(d, precision="high"), cc).label.startswith(
-            "tensorcore<float32,tf32,")
+            "tensorcore<float32,tf32," if fits else "generic<float32,"), (d, cc)
+        assert fits or (cc, dpad) == (80, 256)
     assert _dispatch.plan_for(prob(128), cc).label.startswith(
         "hopper<float32,3xfp16," if cc == 90 and _dispatch.HOPPER_F32_AUTO
         else "tensorcore<float32,3xfp16,D128,")
