@@ -10,7 +10,7 @@ The rule, in order:
    same for the Hopper kernel (``kernels_cu/attn_wgmma.cu``: TMA, wgmma, warp specialisation).
 3. ``kernel="auto"`` takes the Hopper kernel when the inputs qualify (see `hopper_reason`:
    compute capability exactly 9.0, float16/bfloat16, D == Dv, D % 8 == 0, 64 <= D <= 256, rows
-   and batch strides 16-byte aligned), else the tensor-core kernel when they qualify (see
+   and batch strides 16-byte aligned, no batch axis running backwards), else the tensor-core kernel when they qualify (see
    `tensorcore_reason`: compute capability >= 8.0, the same dtypes and alignment, any D % 8 == 0),
    else the generic kernel. Head dims between the fast paths are zero-padded to the next one.
 
@@ -244,6 +244,36 @@ def tensorcore_plan(dtype_name: str, d: int, causal: bool, compute_capability: i
              f"{'stagedO,' if stage_o else ''}{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_mma", name), block_m=bm, block_n=bn,
                 threads=32 * nwarps, smem_bytes=smem)
+
+
+#: Shared memory one block may opt in to, bytes, by the first compute capability it applies to
+#: (CUDA C Programming Guide, "Technical Specifications per Compute Capability"): 8.0 and 8.7
+#: 163 KiB, 8.6 and 8.9 99 KiB, 9.0 227 KiB. The launch checks read the device's own value
+#: (MaxSharedMemoryPerBlockOptin); the dispatcher reads this table so that kernel="auto" never
+#: picks tiles the device cannot hold (`smem_reason`), and the tests check every arch table
+#: against it (tests/test_arch_limits_cpu.py).
+SMEM_OPTIN_BYTES = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024,
+                    90: 227 * 1024}
+
+
+def smem_optin_bytes(compute_capability: Optional[int]) -> Optional[int]:
+    """SMEM_OPTIN_BYTES for a compute capability (that of the newest listed one at or below
+    it; None below 8.0 or without one)."""
+    if compute_capability is None:
+        return None
+    arch = max((a for a in SMEM_OPTIN_BYTES if a <= compute_capability), default=None)
+    return None if arch is None else SMEM_OPTIN_BYTES[arch]
+
+
+def smem_reason(plan: Plan, compute_capability: Optional[int], static: int = 0) -> Optional[str]:
+    """Why `plan` (with `static` bytes of static shared memory beside its dynamic ones) does not
+    fit one block's shared memory on this compute capability, or None (also when unknown)."""
+    limit = smem_optin_bytes(compute_capability)
+    need = plan.smem_bytes + static
+    if limit is None or need <= limit:
+        return None
+    return (f"its tiles ({plan.label}) need {need} bytes of shared memory per block; compute "
+            f"capability {compute_capability} allows {limit}")
 
 
 def _aligned16(x) -> bool:
@@ -550,6 +580,13 @@ def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
     for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
         if x.shape[-2] > 1 and x.strides[-2] <= 0:
             return f"the rows of {name} must not overlap (row stride {x.strides[-2]})"
+        # The tensor maps take unsigned byte strides (cuTensorMapEncodeTiled): a batch axis that
+        # runs backwards (q[::-1], q[:, ::-1]) would reach the driver as 2^64 - |s|. The mma.sync
+        # kernel reads such views through its signed strides, so auto takes it instead.
+        back = [st for n, st in zip(x.shape[:-2], x.strides[:-2]) if n > 1 and st < 0]
+        if back:
+            return (f"the batch axes of {name} must not run backwards (byte strides "
+                    f"{tuple(x.strides[:-2])}; the tensor maps' strides are unsigned)")
     from . import _tma
 
     if not _tma.available():
@@ -604,8 +641,11 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
     if why_not is None and prob.kernel == "auto" and not F32_D256_AUTO and _f32_wide(prob):
         why_not = "F32_D256_AUTO is off"  # auto keeps the generic kernel above D = 128
     if why_not is None:
-        return tensorcore_plan(prob.dtype_name, prob.d, prob.causal, compute_capability,
+        plan = tensorcore_plan(prob.dtype_name, prob.d, prob.causal, compute_capability,
                                prob.precision)
+        why_not = smem_reason(plan, compute_capability)  # float32 TF32 tiles on 99-KiB parts
+        if why_not is None:
+            return plan
     if prob.kernel == "tensorcore":
         raise ValueError(f"kernel='tensorcore' cannot run these inputs: {why_not}")
     return generic_plan(prob.dtype_name, prob.d, prob.dv, prob.causal)
@@ -1241,7 +1281,12 @@ def varlen_backward_kernel_specs(compute_capability: int = 90):
 #: spills (same values stored, so the same bits). sm_90 takes the same exception since NVRTC 13.5
 #: spilled 8 bytes there too (both masks, float16 and bfloat16; CI, 2026-12-02), where 13.0 had
 #: not: the staged form sat at the edge of the register file on both architectures.
-TC_VARLEN_ARCH_CONFIGS = {80: {128: (48, 4, 2, 2, False)}, 90: {128: (48, 4, 2, 2, False)}}
+#: sm_86 / sm_89 (99 KiB a block): D = 256 takes 48-key tiles, 84480 bytes beside the twin's 256
+#: static ones, where the plain kernel's 64-key tiles need 101376 + 256 > 101376 (the plain
+#: kernel itself, without the segment view, fills the 99 KiB exactly).
+TC_VARLEN_ARCH_CONFIGS = {80: {128: (48, 4, 2, 2, False)},
+                          86: {128: (48, 4, 2, 2, False), 256: (48, 4, 1, 2, True)},
+                          90: {128: (48, 4, 2, 2, False)}}
 
 
 def varlen_tensorcore_plan(dtype_name: str, d: int, causal: bool,
@@ -1262,8 +1307,11 @@ def varlen_tensorcore_plan(dtype_name: str, d: int, causal: bool,
 def varlen_forward_kernel_specs(compute_capability: int = 90):
     """The dense varlen forward's kernels (attention_varlen's "tensorcore" path, cuflash/_varlen.py:
     varlen_plan_for): float16 and bfloat16, every head-dim bucket, both masks."""
-    return [varlen_tensorcore_plan(dt, dpad, causal, compute_capability).spec
-            for dt in ("float16", "bfloat16") for dpad in TC_CONFIGS for causal in (False, True)]
+    archs = [compute_capability] + ([86] if compute_capability == 80 else [])  # sm_80 builds
+    specs = [varlen_tensorcore_plan(dt, dpad, causal, cc).spec         # sm_86 / 89's tiles too
+             for cc in archs for dt in ("float16", "bfloat16") for dpad in TC_CONFIGS
+             for causal in (False, True)]
+    return list(dict.fromkeys(specs))
 
 
 def varlen_hopper_plan(dtype_name: str, d: int, causal: bool, max_q: int, max_k: int) -> Plan:

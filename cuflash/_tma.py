@@ -61,12 +61,17 @@ def encode_tiled(dtype_name: str, address: int, dims: Sequence[int], strides: Se
     dims[1:]; ``box`` the box size in elements per dim (box[0] * itemsize <= 128 for the swizzle).
     Elements of a box outside ``dims`` are read as zeros.
     """
-    lib = _driver()
-    if lib is None:
-        raise RuntimeError(f"cuTensorMapEncodeTiled is unavailable: {_error}")
     rank = len(dims)
     if not (len(strides) == rank - 1 and len(box) == rank):
         raise ValueError("tensor map: dims, strides and box disagree in rank")
+    if any(s < 0 for s in strides):
+        # ctypes would pass a negative stride as 2^64 - |s| (the driver's strides are unsigned)
+        raise ValueError(f"tensor map: byte strides {list(strides)} must not be negative (an "
+                         "axis that runs backwards has no tensor map; the dispatchers' "
+                         "hopper_reason refuse such views)")
+    lib = _driver()
+    if lib is None:
+        raise RuntimeError(f"cuTensorMapEncodeTiled is unavailable: {_error}")
     out = ctypes.create_string_buffer(MAP_BYTES + 64)
     # CUtensorMap is 64-byte aligned; the buffer is not necessarily.
     base = ctypes.addressof(out)

@@ -208,8 +208,12 @@ def varlen_plan_for(prob, compute_capability):
     if prob.kernel == "tensorcore" or auto_dense:
         why = dense_reason(prob, compute_capability)
         if why is None:
-            return _dispatch.varlen_tensorcore_plan(prob.dtype_name, prob.d, prob.causal,
+            plan = _dispatch.varlen_tensorcore_plan(prob.dtype_name, prob.d, prob.causal,
                                                     compute_capability)
+            why = _dispatch.smem_reason(plan, compute_capability,
+                                        VARLEN_STATIC_SMEM[plan.spec.family])
+            if why is None:
+                return plan
         if prob.kernel == "tensorcore":
             raise ValueError(f"attention_varlen(kernel='tensorcore') cannot run these inputs: "
                              f"{why}")

@@ -398,8 +398,12 @@ def _fwd_callback(cfg, with_lse):
     # (it traces again): the record then launches with the new pointers, as without them.
     records = {}
     # command_buffer=True: signature -> the workspace its calls use (the decode kernel's split
-    # partials; None when the plan needs none), kept for the function's lifetime.
-    kept = {}
+    # partials; None when the plan needs none), sized for the plan that runs under the
+    # dispatcher's tables of `kept_gen[sig]` (_callcache's generation: DECODE_VERSION, the split
+    # model's constants, DECODE_MAX_SQ, ...). A full-path call under another generation sizes it
+    # again and, when it must grow, replaces it; the replaced ones stay in `retired` for the
+    # function's lifetime, as graphs captured before may still replay into them.
+    kept, kept_gen, retired = {}, {}, []
 
     def callback(ctx, out, q, k, v):
         dev = q.__dlpack_device__()
@@ -443,11 +447,20 @@ def _fwd_callback(cfg, with_lse):
         # Copies cuflash may make (batch axes that do not merge, as vmap over some arguments
         # with grouped heads gives) must run on XLA's stream too, and come from its pool arena.
         def prepare():
-            if sig not in kept:
-                need = _api.attention_workspace_size(
-                    qv, kv, vv, causal=causal, return_lse=with_lse, out=res, kernel=kernel,
-                    precision=precision)
-                kept[sig] = _cupy().empty(need, dtype=np.uint8) if need else None
+            gen = _callcache._tables()
+            if kept_gen.get(sig) == gen:
+                return
+            need = _api.attention_workspace_size(
+                qv, kv, vv, causal=causal, return_lse=with_lse, out=res, kernel=kernel,
+                precision=precision)
+            have = kept.get(sig)
+            if need and (have is None or have.nbytes < need):
+                if have is not None:
+                    retired.append(have)
+                kept[sig] = _cupy().empty(need, dtype=np.uint8)
+            elif sig not in kept:
+                kept[sig] = None
+            kept_gen[sig] = gen
 
         def call():
             ws = kept[sig] if cmdbuf else None

@@ -836,6 +836,92 @@ def test_jax_callback_hit_launches_the_full_paths_block(fake, monkeypatch, with_
     assert fake["launches"][m:] == hit
 
 
+@pytest.mark.parametrize("name,before,after", [
+    ("DECODE_MAX_SQ", 2, 16),       # a dense plan (no workspace) becomes a split decode one
+    ("MAX_SPLITS", 2, 256),         # more splits: more partials
+    ("DECODE_VERSION", 1, 2),       # the default's version after version 1's
+])
+def test_jax_command_buffer_workspace_follows_the_plan_that_runs(fake, monkeypatch, name,
+                                                                 before, after):
+    """cuflash.jax.attention(command_buffer=True) keeps a workspace per buffer signature for the
+    decode kernel's split partials (taken outside the forbidding allocator). It was sized once,
+    under the dispatcher's tables of the first call: after a flag switch (DECODE_VERSION, the
+    split model, DECODE_MAX_SQ) the next call's plan could need more, or need one where the
+    first plan needed none, and the call failed (a too-small workspace's ValueError, or the
+    pool allocation command buffers forbid). Every call must get a kept workspace that covers
+    the plan it runs under the current flags, and no pool memory inside the forbidding
+    allocator."""
+    jax = pytest.importorskip("jax")
+    cj = pytest.importorskip("cuflash.jax")
+    import contextlib
+
+    import cupy as cp
+
+    forbidding = []
+
+    @contextlib.contextmanager
+    def using_allocator(fn):
+        forbidding.append(fn)
+        try:
+            yield
+        finally:
+            forbidding.pop()
+
+    real_empty = cp.empty
+
+    def empty(shape, dtype):
+        n = int(np.prod((shape,) if isinstance(shape, int) else shape)) * np.dtype(dtype).itemsize
+        if forbidding:
+            forbidding[-1](n)   # cj._forbid_pool: raises for any pool memory
+        return real_empty(shape, dtype)
+
+    monkeypatch.setattr(cp, "empty", empty)
+    monkeypatch.setattr(cp.cuda, "using_allocator", using_allocator, raising=False)
+    monkeypatch.setattr(cp.cuda.runtime, "streamIsCapturing", lambda st: 0, raising=False)
+    monkeypatch.setattr(cj, "_as_array", lambda buf, stream: FakeArray(
+        buf.shape, buf.dtype, ptr=buf.__cuda_array_interface__["data"][0]))
+    real_view = cj._view
+
+    def view(x, hk):
+        y = real_view(np.empty(x.shape, x.dtype), hk)
+        return FakeArray(y.shape, x.dtype, ptr=x.data.ptr, strides=y.strides)
+
+    monkeypatch.setattr(cj, "_view", view)
+    qs, ks = (1, 4, 2, 64), (1, 4096, 2, 64)   # (B, S, H, D): few query rows, many keys
+    qspec, kspec = (jax.ShapeDtypeStruct(x, jax.numpy.float16) for x in (qs, ks))
+    cfg = cj._config(qspec, kspec, kspec, causal=False, scale=None, precision=None,
+                     return_lse=False, kernel="auto", deterministic=False, command_buffer=True)
+    ctx = types.SimpleNamespace(stream=0xC0FFEE)
+    _it = iter(range(1 << 42, 1 << 50, 1 << 24))
+
+    def buffers():
+        return [_XlaBuffer(sh, "float16", next(_it)) for sh in (qs, ks, ks, qs)]
+
+    def need(bufs):   # what the call asks for under the flags now
+        q, k, v, o = (view(FakeArray(b.shape, b.dtype, ptr=b.__cuda_array_interface__[
+            "data"][0]), ks[2]) for b in bufs)
+        return cuflash.attention_workspace_size(q, k, v, out=o)
+
+    cb = cj._fwd_callback(cfg, False)
+    monkeypatch.setattr(_decode, name, before)
+    first = buffers()
+    cb(ctx, first[3], *first[:3])
+    monkeypatch.setattr(_decode, name, after)
+    for _ in range(2):   # the full path under the new flags, then its record's hit
+        bufs = buffers()
+        m, a = len(fake["launches"]), len(fake["allocs"])
+        cb(ctx, bufs[3], *bufs[:3])   # raised before the fix (MAX_SQ, MAX_SPLITS)
+        launches = fake["launches"][m:]
+        assert launches and all(x[5] == 0xC0FFEE for x in launches)
+        want = need(bufs)
+        if want:
+            assert "attn_decode" in launches[0][4]
+            parts = int(_dec_block(launches[0])["o_part"])
+            kept = [x for x in fake["allocs"] if x[0] == parts]
+            assert kept and kept[0][1] >= want, (kept, want)
+            assert all(x[0] == parts for x in fake["allocs"][a:]), "only the kept workspace"
+
+
 def test_one_visible_device_skips_the_device_check_and_two_keep_it(fake, monkeypatch):
     """With one device visible the current device is the record's: a hit reads no current
     device. With two it reads it on every hit (and a hit from the other device switches)."""

@@ -165,6 +165,41 @@ def test_strided_bshd_view_is_not_copied(kernel):
     check_against_reference(out, None, *ref_in, causal=True, scale=1 / math.sqrt(D), dtype="float16")
 
 
+def _reversed_view(x64, axes, dtype):
+    """A GPU view of `x64` whose `axes` run backwards (negative strides), read in place."""
+    flip = tuple(slice(None, None, -1) if a in axes else slice(None) for a in range(x64.ndim))
+    g = to_gpu(np.ascontiguousarray(x64[flip]), dtype)[flip]
+    assert all(g.strides[a] < 0 for a in axes)
+    return g
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("q_axes,kv_axes,hkv", [((1,), (), 4), ((0,), (), 4), ((), (1,), 4),
+                                                ((0, 1), (0, 1), 4), ((1,), (), 2)])
+def test_auto_on_batch_axes_that_run_backwards(q_axes, kv_axes, hkv, dtype):
+    """q[:, ::-1], q[::-1] and such views of k, v (GQA's split head axis too) have negative
+    batch strides, which the Hopper kernel's tensor maps cannot take (unsigned): auto takes the
+    mma.sync kernel, which reads them through its signed strides, and kernel="hopper" says why
+    (before the fix, auto on the H200 failed in cuTensorMapEncodeTiled)."""
+    cp = cupy()
+    rng = _rng("backwards", q_axes, kv_axes, hkv, dtype)
+    B, H, S, D = 2, 4, 200, 128
+    q, k, v = random_inputs(rng, (B, H), (B, hkv), S, S, D, D, dtype)
+    qg = _reversed_view(q, q_axes, dtype)
+    kg, vg = (_reversed_view(x, kv_axes, dtype) for x in (k, v))
+    label = cuflash.dispatch_info(qg, kg, vg, causal=True)
+    assert label.startswith(("tensorcore<", "hopper<")), label
+    if int(cp.cuda.Device().compute_capability) == 90:
+        assert label.startswith("tensorcore<"), label
+        with pytest.raises(ValueError, match="run backwards"):
+            cuflash.attention(qg, kg, vg, causal=True, kernel="hopper")
+    o = poisoned((B, H, S, D), dtype)
+    lse = poisoned((B, H, S), "float32")
+    cuflash.attention(qg, kg, vg, causal=True, return_lse=True, out=(o, lse))
+    cp.cuda.get_current_stream().synchronize()
+    check_against_reference(o, lse, q, k, v, causal=True, scale=1 / math.sqrt(D), dtype=dtype)
+
+
 def test_non_contiguous_last_axis_is_copied_and_right():
     cp = cupy()
     rng = _rng("lastaxis")

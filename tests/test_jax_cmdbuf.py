@@ -96,6 +96,43 @@ def test_backward_workspace_bound_covers_every_plan():
                         assert vm * ws.shape[0] - (_launch.WORKSPACE_ALIGN - 1) >= need
 
 
+@pytest.mark.parametrize("flags", [dict(), dict(TC_BWD_F32_AUTO=False),
+                                   dict(HOPPER_BWD_AUTO=False),
+                                   dict(TC_BWD_F32_AUTO=False, HOPPER_BWD_AUTO=False)])
+def test_backward_workspace_bound_covers_the_dispatchers_plans(flags, monkeypatch):
+    """The traced workspace against the plans themselves: for every compute capability the
+    dispatcher knows, every kernel choice, deterministic or not, and each head dim, the plan
+    `_dispatch.backward_plan_for` returns under the flags now asks for no more than
+    `cuflash.jax._bwd_workspace` declares (the test above takes its rows from one table, so it
+    could not see a plan of another: the Hopper backward's D = 256, the float32 tensor-core
+    form's)."""
+    import types
+
+    from cuflash import _dispatch, _launch
+
+    for name, value in flags.items():
+        monkeypatch.setattr(_dispatch, name, value)
+    lead, h = (2,), 3
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for sq in (1, 64, 300):
+            for d in range(8, 257, 8):
+                q = jax.ShapeDtypeStruct(lead + (sq, h, d), jnp.dtype(dtype))
+                bound = cj._bwd_workspace(q, q, q, q).shape[0] - (_launch.WORKSPACE_ALIGN - 1)
+                for cc in (80, 86, 89, 90):
+                    for kernel in ("auto", "tensorcore", "hopper", "generic"):
+                        for det in (False, True):
+                            prob = types.SimpleNamespace(
+                                backend="gpu", dtype_name=dtype, d=d, dv=d, sq=sq, sk=sq,
+                                batch_shape=lead + (h,), causal=True, kernel=kernel,
+                                deterministic=det, variant=None, precision="highest")
+                            try:
+                                plan = _dispatch.backward_plan_for(prob, cc)
+                            except ValueError:   # a demanded kernel that cannot run these
+                                continue
+                            need = _launch.backward_workspace_bytes(plan, prob)
+                            assert need <= bound, (dtype, sq, d, cc, kernel, det, plan.label)
+
+
 # ---- GPU: XLA command buffers forced on ----------------------------------------------------
 
 def _computations(hlo):

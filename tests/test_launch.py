@@ -188,8 +188,13 @@ def test_float32_wide_dispatch(monkeypatch, wide_auto, cc):
         assert tc.label.startswith(want) and tc.spec.name.endswith("cuflash::fp16_t>"), tc.label
         auto = _dispatch.plan_for(prob(d), cc)
         assert auto.label.startswith(want if wide_auto else "generic<float32"), auto.label
+        # "high" keeps its TF32 tiles where they fit the block's shared memory (not
+        # sm_80's D = 256 exception, 205824 bytes against 163 KiB: tests/test_arch_limits_cpu.py)
+        tiles = _dispatch.tensorcore_plan("float32", d, False, cc, "high")
+        fits = tiles.smem_bytes <= _dispatch.smem_optin_bytes(cc)
         assert _dispatch.plan_for(prob(d, precision="high"), cc).label.startswith(
-            "tensorcore<float32,tf32,")
+            "tensorcore<float32,tf32," if fits else "generic<float32,"), (d, cc)
+        assert fits or (cc, dpad) == (80, 256)
     assert _dispatch.plan_for(prob(128), cc).label.startswith(
         "hopper<float32,3xfp16," if cc == 90 and _dispatch.HOPPER_F32_AUTO
         else "tensorcore<float32,3xfp16,D128,")
@@ -263,3 +268,66 @@ def test_float32_d256_hopper_follows_its_flag(launches, monkeypatch, flag):
         qm, km, vm = launches["maps"]
         assert qm[3] == [32, 64, 1, 1, 1] and km[3] == vm[3] == [32, 64, 1, 1, 1]
         assert launches["launches"][0][3] == plan.smem_bytes == 230512
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch axes that run backwards: no tensor map for them (the strides are unsigned)
+
+def _dense_prob(q, k, dtype="float16", kernel="auto", d=128):
+    batch = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+    return types.SimpleNamespace(
+        backend="gpu", q=q, k=k, v=k, out=None, batch_shape=batch, sq=q.shape[-2],
+        sk=k.shape[-2], d=d, dv=d, dtype_name=dtype, scale=0.125, causal=True, kernel=kernel,
+        precision="highest", variant=None, stream=None, device_id=0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("which", ["q_heads", "q_batch", "k_heads", "both"])
+def test_hopper_refuses_backward_batch_axes(which, dtype, monkeypatch):
+    """cuTensorMapEncodeTiled takes unsigned byte strides: a view whose batch axis runs
+    backwards (q[:, ::-1], q[::-1], the GQA split of either) reached the driver as 2^64 - |s|
+    and failed the launch under kernel="auto", where the mma.sync kernel reads the view through
+    its signed strides. Auto must take the mma.sync kernel; kernel="hopper" must say why."""
+    from cuflash import _dispatch_variants
+
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_AUTO", True)
+    item = 4 if dtype == "float32" else 2
+    B, H, S, D = 2, 4, 512, 128
+    fwd = (H * S * D, S * D, D, 1)
+    base = 1 << 30
+    last_head = (H - 1) * S * D
+    views = {  # (elem strides, pointer offset in elements) of a (B, H, S, D) view
+        "fwd": (fwd, 0),
+        "heads": ((H * S * D, -S * D, D, 1), last_head),
+        "batch": ((-H * S * D, S * D, D, 1), (B - 1) * H * S * D),
+        "both": ((-H * S * D, -S * D, D, 1), (B - 1) * H * S * D + last_head),
+    }
+
+    def arr(kind):
+        st, off = views[kind]
+        return FakeArray((B, H, S, D), st, base + off * item, itemsize=item)
+
+    qk = {"q_heads": ("heads", "fwd"), "q_batch": ("batch", "fwd"),
+          "k_heads": ("fwd", "heads"), "both": ("both", "both")}[which]
+    ok = _dense_prob(arr("fwd"), arr("fwd"), dtype)
+    assert _dispatch.hopper_reason(ok, 90) is None  # the control: forward strides take Hopper
+    assert _dispatch.plan_for(ok, 90).label.startswith("hopper<")
+    prob = _dense_prob(arr(qk[0]), arr(qk[1]), dtype)
+    why = _dispatch.hopper_reason(prob, 90)
+    assert why is not None and "run backwards" in why, why
+    assert _dispatch.plan_for(prob, 90).label.startswith("tensorcore<")
+    prob.variant = object()  # the Hopper variant plans share the plain kernel's conditions
+    assert _dispatch_variants.hopper_variant_reason(prob, 90) == why
+    prob.variant = None
+    prob.kernel = "hopper"
+    with pytest.raises(ValueError, match="kernel='hopper'.*run backwards"):
+        _dispatch.plan_for(prob, 90)
+
+
+def test_encode_tiled_refuses_negative_strides():
+    """The last guard before ctypes, which would wrap a negative stride silently: a clear
+    ValueError (raised before the driver is looked up, so this runs without one)."""
+    with pytest.raises(ValueError, match="must not be negative"):
+        _tma.encode_tiled("float16", 1 << 20, [128, 512, 4, 2, 1], [256, -131072, 524288, 0],
+                          [64, 128, 1, 1, 1])

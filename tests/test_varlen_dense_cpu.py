@@ -106,7 +106,11 @@ def test_compile_set_holds_the_twins():
     for cc in (80, 90):
         specs = precompile.specialisations(cc)
         want = _dispatch.varlen_forward_kernel_specs(cc)
-        assert len(want) == 2 * len(_dispatch.TC_CONFIGS) * 2
+        # sm_80 also builds sm_86 / sm_89's D = 256 tiles (TC_VARLEN_ARCH_CONFIGS[86])
+        assert len(want) == 2 * len(_dispatch.TC_CONFIGS) * 2 + (4 if cc == 80 else 0)
+        if cc == 80:
+            assert all(_dispatch.varlen_tensorcore_plan(dt, 256, c, 86).spec in want
+                       for dt in ("float16", "bfloat16") for c in (False, True))
         assert all(s in specs for s in want)
         assert all("cuflash_fwd_mma_varlen<" in s.name for s in want)
 
