@@ -101,20 +101,24 @@ IMPLS = {"base": ({}, None), "fma-rcp": ({"SOFTCAP_RCP_FMA": True}, {"softcap"})
 
 
 class impl_flags:
-    """Context: the dispatcher flags of one --impl form set, restored on exit."""
+    """Context: the dispatcher flags of one --impl form set, restored on exit. Re-entrant (the
+    timed backward enters it inside the check's `with`): each entry keeps its own saved values,
+    so the outermost exit restores what was set before it. (Until 2026-12-03 one saved dict was
+    overwritten by the inner entry, and a form's flags leaked into the later rows' "base".)"""
 
     def __init__(self, name):
         self.flags = IMPLS[name][0]
+        self.saved = []
 
     def __enter__(self):
         from cuflash import _dispatch_variants as DV
-        self.old = {k: getattr(DV, k) for k in self.flags}
+        self.saved.append({k: getattr(DV, k) for k in self.flags})
         for k, v in self.flags.items():
             setattr(DV, k, v)
 
     def __exit__(self, *exc):
         from cuflash import _dispatch_variants as DV
-        for k, v in self.old.items():
+        for k, v in self.saved.pop().items():
             setattr(DV, k, v)
 
 
