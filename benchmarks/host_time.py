@@ -128,7 +128,8 @@ def floor_rows(args):
     held = pool.malloc(nbytes)
     # The no-out= hit's allocation, as main made it before (a NumPy dtype instance, keyword),
     # as it makes it now (the dtype's scalar type, positional: `_callcache._dtype_arg`) and
-    # with CUFLASH_FAST_EMPTY=1 (`_callcache._fast_empty`: CuPy's two construction steps);
+    # with CUFLASH_FAST_EMPTY (`_callcache._fast_empty`: CuPy's two construction steps, the
+    # default since 2026-12-03);
     # o and lse carved from one pool block (a candidate for return_lse=True, not taken).
     from cuflash import _callcache
 
@@ -221,14 +222,15 @@ def cupy_rows(args):
     from cuflash import _callcache
 
     was = _callcache.FAST_EMPTY
-    _callcache.FAST_EMPTY = True
+    _callcache.FAST_EMPTY = not was
     _callcache.clear()
     try:
         t3 = _time(lambda: cuflash.attention(q, k, v), sync, args.calls)
+        state = _cached(q, k, v)   # (before the clear below: session j's label said "full path")
     finally:
         _callcache.FAST_EMPTY = was
         _callcache.clear()
-    rows.append((f"cuflash, CuPy arrays, CUFLASH_FAST_EMPTY=1 [{path}, {_cached(q, k, v)}]", t3))
+    rows.append((f"cuflash, CuPy arrays, CUFLASH_FAST_EMPTY={int(not was)} [{path}, {state}]", t3))
     import gc
 
     gc.disable()

@@ -1225,6 +1225,7 @@ def test_hits_return_real_cupy_arrays_like_the_full_path(fake, real_cupy, monkey
     cp = sys.modules["cupy"]
     monkeypatch.setattr(cp, "empty", cupy.empty)
     monkeypatch.setattr(cp, "_core", cupy._core, raising=False)
+    monkeypatch.setattr(cp, "__version__", cupy.__version__, raising=False)
     monkeypatch.setattr(_callcache, "FAST_EMPTY", flag)
     q, k, v = _qkv(shape=(1, 2, 128, 64))
     full = cuflash.attention(q, k, v, return_lse=return_lse)
@@ -1264,3 +1265,19 @@ def test_a_hit_passes_the_dtypes_scalar_type_positionally(fake, monkeypatch):
     o, lse = cuflash.attention(q, k, v, return_lse=True)
     assert fake["checks"] == 2 and o.dtype == np.float16 and lse.dtype == np.float32
     assert calls == [(((1, 2, 128, 64), np.float16), {}), (((1, 2, 128), np.float32), {})]
+
+
+def test_fast_empty_falls_back_where_cupy_differs(real_cupy, monkeypatch):
+    """CUFLASH_FAST_EMPTY takes CuPy's private construction steps only on CuPy 14 and only where
+    they build what ``cupy.empty`` builds (checked once per CuPy module): another major version,
+    or steps that give another array (here: one that ignores the shape), get ``cupy.empty``."""
+    cupy, _ = real_cupy
+    monkeypatch.setattr(_callcache, "FAST_EMPTY", True)
+    monkeypatch.setattr(_callcache, "_FAST_AGREES", {})
+    assert _callcache._fast_empty(cupy) is not cupy.empty
+    other = types.SimpleNamespace(__version__="15.0.0", empty=cupy.empty, _core=cupy._core)
+    assert _callcache._fast_empty(other) is cupy.empty
+    assert _callcache._fast_agrees(cupy, lambda shape, dt: cupy.empty(shape, dt)) is True
+    # steps that ignore the shape, or hand back a view, are caught
+    assert _callcache._fast_agrees(cupy, lambda shape, dt: cupy.empty((1,), dt)) is False
+    assert _callcache._fast_agrees(cupy, lambda shape, dt: cupy.empty(shape, dt)[...]) is False
