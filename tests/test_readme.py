@@ -92,5 +92,9 @@ def test_flags_are_where_the_readme_says():
     off = README[README.index("These stay off:"):README.index("`benchmarks/run_gpu_suite.sh`")]
     assert "VARIANT_FUSED_SCALE" in off and "SOFTCAP_RCP_FMA" in off
     assert not (_dispatch_variants.VARIANT_FUSED_SCALE or _dispatch_variants.SOFTCAP_RCP_FMA)
+    assert "DECODE_SPLIT_RULE = 3" in off and _decode.DECODE_SPLIT_RULE == 2
+    assert "FAST_EMPTY" in on
+    if os.environ.get("CUFLASH_FAST_EMPTY", "1") != "0":
+        assert _callcache.FAST_EMPTY
     if os.environ.get("CUFLASH_DIRECT_LAUNCH", "1") != "0":
         assert _callcache.DIRECT_LAUNCH
