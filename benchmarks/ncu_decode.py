@@ -44,7 +44,7 @@ def run_all():
 for _ in range(3):
     run_all()
 torch.cuda.synchronize()
-print("cuflash:", cuflash.dispatch_info(qc, kc, vc)["kernel"])
+print("cuflash:", cuflash.dispatch_info(qc, kc, vc))
 cp.cuda.runtime.profilerStart()
 run_all()
 torch.cuda.synchronize()
