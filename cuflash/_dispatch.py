@@ -12,7 +12,8 @@ The rule, in order:
    compute capability exactly 9.0, float16/bfloat16, D == Dv, D % 8 == 0, 64 <= D <= 256, rows
    and batch strides 16-byte aligned, no batch axis running backwards), else the tensor-core
    kernel when they qualify (see `tensorcore_reason`: compute capability >= 8.0, the same dtypes
-   and alignment, any D % 8 == 0), else the generic kernel. Head dims between the fast paths are zero-padded to the next one.
+   and alignment, any D % 8 == 0), else the generic kernel. Head dims between the fast paths
+   are zero-padded to the next one.
 
 Kernel sources mirror the tile constants below (`GenericConfig` and friends); a mismatch leaves
 rows unwritten, which the GPU tests catch by poisoning every output with NaN.
