@@ -21,10 +21,11 @@ count forced; configure caps it at one split per key tile), to measure the split
 `cuflash-v1` is cuflash with `_decode.DECODE_VERSION = 1` (session f's decode kernels and split
 rule; `cuflash` is the default version 2), `cuflash-v3` with version 3 (version 2 plus the
 L2::256B prefetch hint on the K/V copies), `cuflash-v4` with version 4 (sm_90: version 2 with
-one bulk copy per K/V row), so the versions are timed in one run on the same inputs; with them,
-the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`, `-v4`). `cuflash-rule3` is the
-default version with split rule 3 (`_decode.DECODE_SPLIT_RULE = 3`; `cuflash` has the default
-rule 2), checked and timed like the others; each decode row's label ends with the split count
+one bulk copy per K/V row), `cuflash-v5` with version 5 (version 2 with the K/V copies under
+an evict-first L2 policy), so the versions are timed in one run on the same inputs; with them,
+the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`, `-v4`, `-v5`). `cuflash-rule3` is
+the default version with split rule 3 (`_decode.DECODE_SPLIT_RULE = 3`; `cuflash` has the
+default rule 2), `cuflash-rule4` with rule 4 (rule 2, one split where rule 3 picks one), checked and timed like the others; each decode row's label ends with the split count
 every cuflash implementation ran (`splits cuflash=3,cuflash-rule3=1,cuflash-s1=1`).
 
 Every result is checked before it is timed: two (batch, kv head) slices of the output (the
@@ -193,10 +194,11 @@ class _ForcedSplits:
 
 
 #: cuflash's decode implementations -> the decode kernels' version they run.
-CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v2": 2, "cuflash-v3": 3, "cuflash-v4": 4}
+CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v2": 2, "cuflash-v3": 3, "cuflash-v4": 4,
+                 "cuflash-v5": 5}
 #: cuflash's decode implementations with another split rule -> (version, rule): the default
 #: version under `_decode.DECODE_SPLIT_RULE = 3`.
-CUFLASH_RULE_IMPLS = {"cuflash-rule3": (None, 3)}
+CUFLASH_RULE_IMPLS = {"cuflash-rule3": (None, 3), "cuflash-rule4": (None, 4)}
 
 
 def bench_decode(grid, args, rows):
@@ -297,7 +299,7 @@ def bench_paged(grid, args, rows):
                 check = _Checker(q.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
                                  vc.transpose(0, 2, 1, 3), b, hkv)
                 o = cp.empty((b, 1, H, D), dtype=cp.float16)
-                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 2, 3, 4)
+                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 2, 3, 4, 5)
                                            if f"cuflash-v{v}" in args.impls]
                 for (name, paged), (suffix, version) in ((x, y) for y in versions for x in (
                         ("contiguous", False), ("paged16", True))):
@@ -452,13 +454,30 @@ def bench_varlen(args, rows):
     _print_row(rows[-1])
 
 
-def _first_head_check(o, q, k, v, dtype="float16"):
-    """Judge query head 0 of batch entry 0 of a causal (B, H, S, D) result (its kv head is 0)
-    against the float64 reference with the pass rule: None if it passes, else the reasons."""
-    rule = reference.pass_threshold(_host(q[0, :1]), _host(k[0, :1]), _host(v[0, :1]),
-                                    causal=True, dtype=dtype)
-    verdict = rule.judge(_host(o[0, :1]))
-    return None if verdict.passed else "; ".join(verdict.reasons)
+#: The query rows `_first_head_check` judges at long sequences: [start, stop) blocks of 256
+#: (negative: from the end). A block [i0, i1) of a causal problem with Sq = Sk is judged as the
+#: problem q[i0:i1], k[:i1], v[:i1]: under the bottom-right causal alignment its row r sees keys
+#: j <= r + i1 - (i1 - i0) = i0 + r, exactly what row i0 + r of the whole problem sees.
+CHECK_ROW_BLOCKS = ((0, 256), (-1280, -1024), (-256, None))
+
+
+def _first_head_check(o, q, k, v, dtype="float16", rows=None):
+    """Judge query head 0 of batch entry 0 of a causal (B, H, S, D) result with Sq = Sk (its kv
+    head is 0) against the float64 reference with the pass rule: None if it passes, else the
+    reasons. `rows`: None judges every row; else (start, stop) blocks of rows, each judged as
+    the causal problem of its rows and the keys up to its last row (CHECK_ROW_BLOCKS), which
+    keeps the float64 reference of an 8k head to seconds on two cores."""
+    s = q.shape[2]
+    blocks = [(0, s)] if rows is None else [slice(a, b).indices(s)[:2] for a, b in rows]
+    for i0, i1 in blocks:
+        if i1 <= i0:
+            continue
+        rule = reference.pass_threshold(_host(q[0, :1, i0:i1]), _host(k[0, :1, :i1]),
+                                        _host(v[0, :1, :i1]), causal=True, dtype=dtype)
+        verdict = rule.judge(_host(o[0, :1, i0:i1]))
+        if not verdict.passed:
+            return f"rows {i0}:{i1}: " + "; ".join(verdict.reasons)
+    return None
 
 
 def bench_gqa(args, rows):
@@ -476,13 +495,14 @@ def bench_gqa(args, rows):
     flops = 2.0 * 2 * s * (s + 1) / 2 * D * H
     res = {}
     fn = lambda: cuflash.attention(q, k, v, causal=True)  # noqa: E731
-    why = _first_head_check(fn(), q, k, v, "bfloat16")
+    rows = None if args.quick else CHECK_ROW_BLOCKS
+    why = _first_head_check(fn(), q, k, v, "bfloat16", rows)
     res["cuflash"] = ("FAILED " + why) if why else \
         flops / _events(fn, args.warmup, args.repeats) / 1e12
     for name, run in _torch_impls().items():
         try:
             why = _first_head_check(cp.from_dlpack(run(tq, tk, tv, causal=True)), q, k, v,
-                                    "bfloat16")
+                                    "bfloat16", rows)
             res[name] = ("FAILED " + why) if why else flops / _events(
                 lambda: run(tq, tk, tv, causal=True), args.warmup, args.repeats) / 1e12
         except Exception as exc:  # backend refuses the shape
@@ -528,7 +548,7 @@ def _markdown(rows):
                 gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                 out.append(f"\ncuflash / cuDNN: geometric mean {gm:.2f}x, min {min(ratios):.2f}x "
                            f"over {len(ratios)} points")
-        for other in ("cuflash-v1", "cuflash-v2", "cuflash-v3", "cuflash-v4",
+        for other in ("cuflash-v1", "cuflash-v2", "cuflash-v3", "cuflash-v4", "cuflash-v5",
                       *CUFLASH_RULE_IMPLS):
             if kind != "decode" or other not in impls:
                 continue
@@ -561,8 +581,8 @@ def main(argv=None):
                          "split per key tile), to measure the split rule's choice")
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
                     help="comma-separated decode implementations: cuflash, cuflash-v1 / cuflash-v2 / "
-                         "-v3 / -v4 (the decode kernels' versions 1, 3, 4: sm_90), "
-                         "cuflash-rule3 (split rule 3), "
+                         "-v3 / -v4 / -v5 (the decode kernels' versions 1, 3, 4: sm_90, 5), "
+                         "cuflash-rule3 / -rule4 (split rules 3, 4), "
                          "torch-cudnn, torch-flash")
     for axis in ("b", "sk", "hkv"):
         ap.add_argument(f"--{axis}", default=None,

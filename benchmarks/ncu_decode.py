@@ -9,7 +9,11 @@ repository root, on the GPU machine:
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         --section LaunchStats python3 benchmarks/ncu_decode.py
 
-``--b/--sk/--hkv`` pick another point.
+``--b/--sk/--hkv`` pick another point; ``--versions 2,4,5`` profiles cuflash's decode kernel at
+each of those kernel versions (`_decode.DECODE_VERSION`, in that order, each checked after the
+profiled range) before cuDNN. For the L2 breakdown by source (the L2 fabric between the two
+partitions included), add ``--set full`` and read the report's raw page
+(``ncu --import r.ncu-rep --page raw --csv``).
 """
 import argparse
 
@@ -27,16 +31,23 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--b", type=int, default=8)
 ap.add_argument("--sk", type=int, default=131072)
 ap.add_argument("--hkv", type=int, default=8)
+ap.add_argument("--versions", default="", help="comma-separated decode kernel versions "
+                "(default: the module's DECODE_VERSION only)")
 args = ap.parse_args()
+from cuflash import _decode  # noqa: E402
+
+VERSIONS = [int(x) for x in args.versions.split(",") if x] or [_decode.DECODE_VERSION]
 B, H, HKV, SK, D = args.b, 32, args.hkv, args.sk, 128
 q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.float16)
 k, v = (torch.randn(B, HKV, SK, D, device="cuda", dtype=torch.float16) for _ in range(2))
 qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
-out = cp.empty_like(qc)
+outs = {ver: cp.empty_like(qc) for ver in VERSIONS}
 
 
 def run_all():
-    cuflash.attention(qc, kc, vc, out=out)
+    for ver in VERSIONS:
+        _decode.DECODE_VERSION = ver
+        cuflash.attention(qc, kc, vc, out=outs[ver])
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
@@ -44,7 +55,9 @@ def run_all():
 for _ in range(3):
     run_all()
 torch.cuda.synchronize()
-print("cuflash:", cuflash.dispatch_info(qc, kc, vc))
+for ver in VERSIONS:
+    _decode.DECODE_VERSION = ver
+    print(f"cuflash (version {ver}):", cuflash.dispatch_info(qc, kc, vc))
 cp.cuda.runtime.profilerStart()
 run_all()
 torch.cuda.synchronize()
@@ -54,4 +67,5 @@ cp.cuda.runtime.profilerStop()
 qs = cp.asnumpy(qc[0, 0])
 ks, vs = cp.asnumpy(kc[0, 0]), cp.asnumpy(vc[0, 0])
 rule = reference.pass_threshold(qs, ks, vs, dtype="float16")
-print("cuflash (0, 0) against float64:", rule.judge(cp.asnumpy(out[0, 0])))
+for ver in VERSIONS:
+    print(f"cuflash version {ver} (0, 0) against float64:", rule.judge(cp.asnumpy(outs[ver][0, 0])))

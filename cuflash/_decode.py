@@ -83,11 +83,13 @@ DECODE_T_COMBINE = 3e-6
 #: (--impl cuflash-v1); 3 is version 2 with the L2::256B prefetch hint on the K/V copies (same
 #: results; a DRAM-efficiency experiment, --impl cuflash-v3); 4 (sm_90 only: `configure` refuses it
 #: elsewhere) is version 2 with one bulk copy (cp.async.bulk on an mbarrier) per K/V row instead of
-#: 16 lanes' 16-byte cp.async (same results; --impl cuflash-v4). Assigning it moves the call caches'
+#: 16 lanes' 16-byte cp.async (same results; --impl cuflash-v4); 5 is version 2 with the K/V
+#: copies under an evict-first L2 policy (createpolicy; same results; an L2 experiment,
+#: --impl cuflash-v5). Assigning it moves the call caches'
 #: generation on (_callcache._WatchedModule), so records of another version miss.
 DECODE_VERSION = 2
 #: The kernel versions `decode_plan` takes.
-DECODE_VERSIONS = (1, 2, 3, 4)
+DECODE_VERSIONS = (1, 2, 3, 4, 5)
 #: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's
 #: latency, the warp merge, the stores: version 2's epilogue is ~1/5 of version 1's
 #: instructions) and the combine's (a dependent launch, the lse pass and one round trip to the
@@ -102,12 +104,16 @@ COMBINE_LOADS = 8
 #: kernel time is the larger of the K/V bytes at DECODE_BW_V3 and the busiest slot's serial
 #: chain of latency-bound tiles, so a part-filled grid streams at the bytes' rate when its
 #: warps can keep that many tiles in flight; notes/INFERENCE.md "Split rule 3").
-#: `decode_plan` puts the rule in the plan (its label ends in ",rule3"), so a plan made under one
-#: rule configures with it and its workspace size is that rule's; assigning the flag moves the
-#: call caches' generation on, as DECODE_VERSION does.
+#: 4 (selectable only): rule 2's count, except one split (no combine) wherever rule 3's model
+#: finds one split fastest: the H200 measured one split 2-16% faster than rule 2's choice at
+#: exactly those short-key points (session j: (8, 1k, 32), (64, 1k, 8), (64, 1k, 32); a tie at
+#: (64, 8k, 32)), while rule 3's other choices lost at long keys.
+#: `decode_plan` puts the rule in the plan (its label ends in ",rule3" / ",rule4"), so a plan
+#: made under one rule configures with it and its workspace size is that rule's; assigning the
+#: flag moves the call caches' generation on, as DECODE_VERSION does.
 DECODE_SPLIT_RULE = 2
 #: The split rules `decode_plan` takes.
-DECODE_SPLIT_RULES = (2, 3)
+DECODE_SPLIT_RULES = (2, 3, 4)
 #: Rule 3's model (`split_time_v3`), fitted to the H200 measurements of version 2 listed in
 #: benchmarks/decode_model.py (MEASURED_V2; `--fit` prints the fit and the residuals): the K/V
 #: streaming rate of a grid that keeps enough tiles in flight; per MT (row tiles a block), a
@@ -153,7 +159,8 @@ def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 
     plan's block_m (16 MT rows) carries to `configure`. `version`: the kernels' version
     (None: DECODE_VERSION); its label ends in ",v1" / ",v3" for versions 1 and 3. `rule`: the
     split rule of versions 2-4 (None: DECODE_SPLIT_RULE; version 1 has its own and ignores it);
-    rule 3 adds ",rule3" to the label (the kernel is the same: `rule_of` reads it back)."""
+    rules 3 and 4 add ",rule3" / ",rule4" to the label (the kernel is the same: `rule_of` reads
+    it back)."""
     version = DECODE_VERSION if version is None else version
     if version not in DECODE_VERSIONS:
         raise ValueError(f"decode kernel versions are {DECODE_VERSIONS} (got {version})")
@@ -181,8 +188,12 @@ def version_of(plan) -> int:
 
 
 def rule_of(plan) -> int:
-    """The split rule of a decode `plan` (`decode_plan`: 3 when its label carries ",rule3")."""
-    return 3 if plan.label.endswith(",rule3>") else 2
+    """The split rule of a decode `plan` (`decode_plan`: 3 or 4 when its label carries ",rule3"
+    or ",rule4", else 2)."""
+    for r in (3, 4):
+        if plan.label.endswith(f",rule{r}>"):
+            return r
+    return 2
 
 
 def combine_spec(dtype_name: str, dpad: int, version: int = 2):
@@ -224,7 +235,7 @@ def all_decode_specialisations():
         for dpad in DECODE_DPADS:
             for causal in (False, True):
                 for paged in (False, True):
-                    for ver in (2, 1, 3, 4):
+                    for ver in (2, 1, 3, 4, 5):
                         out.append(decode_plan(dt, dpad, causal, paged, version=ver).spec)
                         if dpad <= DECODE_MT2_MAX_DPAD:
                             out.append(decode_plan(dt, dpad, causal, paged, rows=32,
@@ -267,13 +278,16 @@ def choose_splits(work: int, n_key_tiles: int, sm_count: int, per_sm: int,
     `choose_splits_v2`, which also charges `part_bytes`, the partial output one block writes
     (its packed rows x Dpad x 4 bytes). Versions 2-4 take the split `rule` (None:
     DECODE_SPLIT_RULE): 2 `choose_splits_v2`, 3 `choose_splits_v3`, which also reads `mt`, the
-    plan's row tiles per block."""
+    plan's row tiles per block, 4 rule 2's count except 1 where rule 3's is 1."""
     version = DECODE_VERSION if version is None else version
     if version != 1:
         rule = DECODE_SPLIT_RULE if rule is None else rule
         if rule == 3:
             return choose_splits_v3(work, n_key_tiles, sm_count, per_sm, tile_bytes,
                                     part_bytes, mt)
+        if rule == 4 and choose_splits_v3(work, n_key_tiles, sm_count, per_sm, tile_bytes,
+                                          part_bytes, mt) == 1:
+            return 1
         return choose_splits_v2(work, n_key_tiles, sm_count, per_sm, tile_bytes, part_bytes)
     return _choose_splits(work, n_key_tiles, sm_count, per_sm, tile_bytes, DECODE_WARPS,
                           MIN_TILES_PER_WARP, MAX_SPLITS, DECODE_BW, DECODE_T_BLOCK,

@@ -135,10 +135,11 @@ __device__ __forceinline__ void tile_rows(const DecodeParams& p, const T* k, con
 // (K rows then V rows, stride S), zero-filling keys >= sk and columns >= d.
 // Paged: `page` is the tile's page number, read ahead by the caller (page_of) so that the
 // table's latency is not on the path of the copy. PF256: with the L2::256B prefetch hint.
-template <typename T, int DPAD, int BN, bool PAGED, bool PF256 = false>
+// EF: under the evict-first L2 policy `pol` (version 5).
+template <typename T, int DPAD, int BN, bool PAGED, bool PF256 = false, bool EF = false>
 __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, const T* k,
                                              const T* v, int kvh, int page, int tile, int sk,
-                                             int d, int lane) {
+                                             int d, int lane, unsigned long long pol = 0) {
     using Cfg = DecodeConfig<DPAD, BN, 1>;
     constexpr int EPC = 8, CHUNKS = DPAD / EPC;
     const int key0 = tile * BN;
@@ -149,7 +150,12 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, cons
     for (int i = lane; i < BN * CHUNKS; i += 32) {
         const int r = i / CHUNKS, c = i % CHUNKS;
         const bool ok = key0 + r < sk && c * EPC < d;
-        if constexpr (PF256) {
+        if constexpr (EF) {
+            cp_async16_policy(smem_addr(dst + r * Cfg::S + c * EPC),
+                              ok ? kb + r * p.k_sr + c * EPC : k, ok ? 16 : 0, pol);
+            cp_async16_policy(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
+                              ok ? vb + r * p.v_sr + c * EPC : v, ok ? 16 : 0, pol);
+        } else if constexpr (PF256) {
             cp_async16_l2pf256(smem_addr(dst + r * Cfg::S + c * EPC),
                                ok ? kb + r * p.k_sr + c * EPC : k, ok ? 16 : 0);
             cp_async16_l2pf256(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
@@ -228,8 +234,9 @@ __device__ __forceinline__ void axpy4(float4& acc, float w, const float4& x) {
 template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V>
 __global__ void __launch_bounds__(32 * NWARPS)
 cuflash_attn_decode(const DecodeParams p) {
-    static_assert(V >= 1 && V <= 4, "decode kernel versions 1 to 4");
+    static_assert(V >= 1 && V <= 5, "decode kernel versions 1 to 5");
     constexpr bool PF = V == 3;
+    constexpr bool EF = V == 5;
     constexpr bool BULK = V == 4;
     __shared__ __align__(8) unsigned long long kv_bars[BULK ? 2 * NWARPS : 1];
     using Cfg = DecodeConfig<DPAD, BN, NWARPS, MT>;
@@ -311,6 +318,7 @@ cuflash_attn_decode(const DecodeParams p) {
     const unsigned int k_off = ((lr + 8 * (lm / 2)) * Cfg::S + 8 * (lm % 2)) * 2;
     const unsigned int v_off = ((BN + lr + 8 * (lm % 2)) * Cfg::S + 8 * (lm / 2)) * 2;
 
+    const unsigned long long kv_pol = EF ? l2_evict_first_policy() : 0ull;
     int t = t_begin + warp;
     int page_next = page_of<BN, PAGED>(p, off.seq, t + NWARPS, t_end);  // one tile ahead
     // BULK: the warp's two stage barriers and their phase bits; the pad columns zeroed once.
@@ -334,7 +342,8 @@ cuflash_attn_decode(const DecodeParams p) {
             load_kv_tile_bulk<T, DPAD, BN, PAGED>(my, bar0, p, k, v, off.kvh, page_t, t, sk, d,
                                                   lane);
         else
-            load_kv_tile<T, DPAD, BN, PAGED, PF>(my, p, k, v, off.kvh, page_t, t, sk, d, lane);
+            load_kv_tile<T, DPAD, BN, PAGED, PF, EF>(my, p, k, v, off.kvh, page_t, t, sk, d, lane,
+                                                      kv_pol);
     }
     cp_async_commit();
     cp_async_wait<1>();  // this thread's Q chunks have landed (its first K/V tile may not)
@@ -351,8 +360,9 @@ cuflash_attn_decode(const DecodeParams p) {
                                                       bar0 + 8 * (stage ^ 1), p, k, v, off.kvh,
                                                       page_tn, tn, sk, d, lane);
             else
-                load_kv_tile<T, DPAD, BN, PAGED, PF>(my + (stage ^ 1) * Cfg::STAGE, p, k, v,
-                                                     off.kvh, page_tn, tn, sk, d, lane);
+                load_kv_tile<T, DPAD, BN, PAGED, PF, EF>(my + (stage ^ 1) * Cfg::STAGE, p, k,
+                                                         v, off.kvh, page_tn, tn, sk, d, lane,
+                                                         kv_pol);
         }
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed for this lane ...

@@ -369,6 +369,19 @@ __device__ __forceinline__ void cp_async16_l2pf256(unsigned int dst, const void*
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
                  :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+// As cp_async16, under an L2 cache policy `pol` (createpolicy): the decode kernel's version 5
+// streams K/V rows with an evict-first policy, so data read once does not displace what stays.
+__device__ __forceinline__ void cp_async16_policy(unsigned int dst, const void* src, int src_bytes,
+                                                  unsigned long long pol) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes), "l"(pol));
+}
+// The L2 policy that marks every line it touches evict-first.
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+    unsigned long long pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+    return pol;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));

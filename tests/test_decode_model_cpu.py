@@ -127,9 +127,9 @@ def test_combine_columns(dpad):
 
 def test_versions_plans_and_specialisations():
     """Each kernel version has its own instantiation (the name's last template argument) and
-    label suffix; version 1 pairs with combine version 1, versions 2 and 3 with 2; the compile
+    label suffix; version 1 pairs with combine version 1, versions 2-5 with 2; the compile
     check's list has every version's kernels; an unknown version is refused."""
-    for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>"), (4, ",v4>")):
+    for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>"), (4, ",v4>"), (5, ",v5>")):
         plan = _decode.decode_plan("bfloat16", 128, False, True, rows=32, version=v)
         assert plan.spec.name.endswith(f", {v}>") and plan.label.endswith(suffix)
         assert _decode.version_of(plan) == v
@@ -150,7 +150,7 @@ def test_versions_plans_and_specialisations():
                           1, 1, 100, 64, dict(max_smem_optin=227 * 1024, sm_count=108,
                                               compute_capability=80))
     with pytest.raises(ValueError, match="versions"):
-        _decode.decode_plan("float16", 64, True, False, version=5)
+        _decode.decode_plan("float16", 64, True, False, version=6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +185,8 @@ def test_rule3_choices_at_the_measured_points(b, sk, hkv, rule2, rule3):
     assert _splits(b, sk, hkv, 2).splits == rule2
     assert _splits(b, sk, hkv, None).splits == rule2
     assert _splits(b, sk, hkv, 3).splits == rule3
+    # rule 4: rule 2's count, except one split wherever rule 3's is one
+    assert _splits(b, sk, hkv, 4).splits == (1 if rule3 == 1 else rule2)
 
 
 def test_rule3_is_what_the_plan_and_its_size_queries_use(monkeypatch):
@@ -280,4 +282,6 @@ def test_rules_plans_and_labels():
     assert cfg.splits == _decode.choose_splits(256, 64, 132, _decode.blocks_per_sm(p1, 64),
                                                2 * 16 * 64 * 2, 256, version=1)
     with pytest.raises(ValueError, match="split rules"):
-        _decode.decode_plan("float16", 64, False, False, rule=4)
+        _decode.decode_plan("float16", 64, False, False, rule=5)
+    p4 = _decode.decode_plan("float16", 64, False, False, rule=4)
+    assert p4.label.endswith(",rule4>") and _decode.rule_of(p4) == 4
