@@ -53,7 +53,10 @@ CANDIDATES = {
              (H(128, 2, 2, 2, True, True, async_o=True), True),
              (H(128, 2, 2, 2, False, True, async_o=True), True),
              (H(128, 2, 1, 3, True, True, async_o=True), True),
-             (H(128, 2, 2, 3, True, True, async_o=True), True)],
+             (H(128, 2, 2, 3, True, True, async_o=True), True),
+             # three K/V stages: two tiles of the next item in flight at an item boundary
+             (H(128, 3, 1, 2, True, True), True), (H(128, 3, 2, 2, True, True), True),
+             (H(128, 3, 2, 2, True, True, async_o=True), True)],
         128: [(H(128, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), True),
               (H(176, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), False),
               (H(176, 2, 1, 2, True, True), False), (H(64, 2, 1, 2, True, True), True),
