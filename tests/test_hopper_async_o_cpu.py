@@ -27,6 +27,10 @@ def _stage_bytes(consumers, dpad):
 
 
 def test_off_by_default_and_plans_unchanged():
+    from conftest import FLAGS_SET
+
+    if FLAGS_SET:
+        pytest.skip(f"flags set by --cuflash-flag: {FLAGS_SET}")
     assert _dispatch.HOPPER_ASYNC_O is False
     assert not any(t.async_o for t, _ in _dispatch.HOPPER_TABLE.values())
     for key in _dispatch.HOPPER_TABLE:
@@ -40,6 +44,7 @@ def test_off_by_default_and_plans_unchanged():
 
 @pytest.mark.parametrize("key", sorted(_dispatch.HOPPER_TABLE))
 def test_flag_takes_the_async_kernel_where_it_fits(key, monkeypatch):
+    monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", False)
     off = _plan(key)
     monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", True)
     on = _plan(key)
@@ -68,6 +73,7 @@ def test_short_query_blocks_keep_it(monkeypatch):
 
 def test_table_entry_selects_it_without_the_flag(monkeypatch):
     """benchmarks/tune.py's way: a HOPPER_TABLE entry with async_o set."""
+    monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", False)
     table = {key: (t._replace(async_o=True), p) for key, (t, p) in _dispatch.HOPPER_TABLE.items()}
     monkeypatch.setattr(_dispatch, "HOPPER_TABLE", table)
     assert "asyncO" in _dispatch.hopper_plan("float16", 64, True, 512, sq=512).label
