@@ -3,14 +3,12 @@ host, without a GPU: the dispatch flag `_dispatch.HOPPER_ASYNC_O` (off by defaul
 entry with `HopperTiles.async_o` select it where its staging rows fit, its plans name the kernel
 of their own and say so in the label, the twins (variants, varlen) and float32 keep the direct
 stores, and benchmarks/tune.py's "aO" candidates are what they say."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from cuflash import _dispatch, _dispatch_variants
 
-_TUNE = Path(__file__).resolve().parents[1] / "benchmarks" / "tune.py"
+from conftest import load_benchmark
+
 # (padded head dim, causal, long keys) entries of HOPPER_TABLE whose tiles take the async form
 FITS = {(64, False, False), (64, False, True), (64, True, False), (64, True, True),
         (128, False, False), (128, True, False), (128, True, True)}
@@ -98,10 +96,7 @@ def test_twins_and_float32_keep_direct_stores(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("tune_under_test", _TUNE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("tune")
 
 
 def test_tune_candidates_label_and_fit(tune):
