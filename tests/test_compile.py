@@ -276,6 +276,22 @@ def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision, form, monkeypatch
             assert {(m, n) for m, n, _, _ in hgmma} == {("64", str(plan.block_n)), ("64", "64")}
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_async_o_sends_o_by_bulk_copies(d, monkeypatch):
+    """The async O epilogue's kernel (cuflash_fwd_wgmma_ao) writes O with bulk copies from
+    shared memory (UBLKCP) and no 16-byte global stores (the plain kernel's O stores; without the
+    mask nothing else stores 16 bytes), and the plain kernel has no bulk copy."""
+    monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", False)
+    plain = _dispatch.hopper_plan("float16", d, False, 1024, sq=1024)
+    monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", True)
+    ao = _dispatch.hopper_plan("float16", d, False, 1024, sq=1024)
+    assert "cuflash_fwd_wgmma_ao<" in ao.spec.name and "asyncO" in ao.label
+    sass_ao, sass_plain = _sass(_report(ao.spec).cubin), _sass(_report(plain.spec).cubin)
+    assert "UBLKCP" in sass_ao and "STG.E.128" not in sass_ao
+    assert "UBLKCP" not in sass_plain and "STG.E.128" in sass_plain
+    assert "HGMMA" in sass_ao and "UTMALDG" in sass_ao
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_tensorcore_fp16split_uses_fp16_mma(d, arch):
