@@ -10,10 +10,15 @@ Python's launch time is not timed, median of --repeats such timings. Candidates:
   blocks per SM, staged epilogue);
 - ``--kernel hopper`` (TMA/wgmma): (`cuflash._dispatch.HopperTiles`, persistent launch), the
   values of `cuflash._dispatch.HOPPER_TABLE`, printed as "BN<keys> S<stages> Q<Q buffers>
-  C<consumer warpgroups> [ov: overlapped softmax] [pp: ping-pong] [P: persistent]".
+  C<consumer warpgroups> [ov: overlapped softmax] [pp: ping-pong] [aO: O sent out through shared
+  memory by bulk copies, HopperTiles.async_o] [P: persistent]". The aO candidates are the A/B of
+  `cuflash._dispatch.HOPPER_ASYNC_O` (off by default): each beside the same tiles without it.
 
     PYTHONPATH=. python benchmarks/tune.py --kernel hopper [--d 64,128,256] [--s 512,2048,8192]
     PYTHONPATH=. python benchmarks/tune.py --shapes 32x12x197x64,64x16x256x64 --causal 0
+    PYTHONPATH=. python benchmarks/tune.py --shapes 64x16x256x64 --causal 0 --match 'C2 ov pp'
+
+``--match REGEX`` keeps the candidates whose label matches (re.search).
 
 ``--shapes`` (B x H x S x D, Sq = Sk) replaces the grid (B = 16384 / S, H = 2048 / D) with given
 problems, e.g. issue 13's small ones; ``--causal`` picks the masks (default both).
@@ -22,6 +27,7 @@ Needs a GPU, CuPy and PyTorch (for the peers and the random inputs).
 """
 import argparse
 import json
+import re
 import sys
 
 import numpy as np
@@ -41,11 +47,21 @@ CANDIDATES = {
              (H(128, 2, 2, 3, True, True), True), (H(128, 2, 2, 3, True, True), False),
              (H(128, 2, 1, 3, False, True), True), (H(128, 2, 1, 2, True, True), True),
              (H(64, 2, 1, 2, True, True), True), (H(64, 3, 1, 2, True, True), True),
-             (H(64, 2, 1, 3, True, True), True), (H(128, 2, 1, 2, True, True), False)],
+             (H(64, 2, 1, 3, True, True), True), (H(128, 2, 1, 2, True, True), False),
+             # the async O epilogue beside the tiles above (HOPPER_ASYNC_O's A/B)
+             (H(128, 2, 1, 2, True, True, async_o=True), True),
+             (H(128, 2, 2, 2, True, True, async_o=True), True),
+             (H(128, 2, 2, 2, False, True, async_o=True), True),
+             (H(128, 2, 1, 3, True, True, async_o=True), True),
+             (H(128, 2, 2, 3, True, True, async_o=True), True),
+             # three K/V stages: two tiles of the next item in flight at an item boundary
+             (H(128, 3, 1, 2, True, True), True), (H(128, 3, 2, 2, True, True), True),
+             (H(128, 3, 2, 2, True, True, async_o=True), True)],
         128: [(H(128, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), True),
               (H(176, 2, 1, 2, True, True), True), (H(128, 2, 2, 2, True, True), False),
               (H(176, 2, 1, 2, True, True), False), (H(64, 2, 1, 2, True, True), True),
-              (H(64, 3, 1, 2, True, True), True), (H(128, 2, 1, 2, True, True), False)],
+              (H(64, 3, 1, 2, True, True), True), (H(128, 2, 1, 2, True, True), False),
+              (H(128, 2, 1, 2, True, True, async_o=True), True)],  # (Q2 does not fit with it)
         256: [(H(80, 2, 1, 2, True, True), True), (H(64, 2, 1, 2, True, True), True),
               (H(80, 2, 1, 2, True, True), False)],
     },
@@ -59,7 +75,8 @@ def label(kernel, cfg):
         return str(cfg)
     t, persistent = cfg
     return (f"BN{t.bn} S{t.stages} Q{t.q_stages} C{t.consumers}{' ov' if t.overlap else ''}"
-            f"{' pp' if t.pingpong else ''}{' P' if persistent else ''}")
+            f"{' pp' if t.pingpong else ''}{' aO' if t.async_o else ''}"
+            f"{' P' if persistent else ''}")
 
 
 def burst_ms(fn, spinner):
@@ -137,6 +154,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--shapes", default="", help="BxHxSxD problems instead of the grid")
     ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--match", default="", help="only the candidates whose label matches")
     args = ap.parse_args(argv)
     masks = [bool(int(x)) for x in args.causal.split(",")]
     if args.shapes:
@@ -179,6 +197,8 @@ def main(argv=None):
                 except RuntimeError as exc:  # backend unavailable for this shape or GPU
                     row[peer] = f"n/a: {exc}"[:60]
             for cfg in CANDIDATES[args.kernel][d]:
+                if args.match and not re.search(args.match, label(args.kernel, cfg)):
+                    continue
                 undo = _apply(_dispatch, args.kernel, d, cfg)
                 try:
                     kw = {"causal": causal, "out": out, "kernel": args.kernel}

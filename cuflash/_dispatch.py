@@ -334,10 +334,18 @@ class HopperTiles(NamedTuple):
     # WgmmaConfig::HSPLIT, which the kernel derives from 3xfp16 at DPAD = 256: this field only
     # tells the host, it is not a template argument)
     hsplit: bool = False
+    # O leaves through shared memory by bulk copies the consumers wait for only before they stage
+    # the next item's O (attn_wgmma.cu: cuflash_fwd_wgmma_ao; 16-bit, plain policy, dense only)
+    async_o: bool = False
 
     @property
     def bm(self) -> int:
         return 64 if self.hsplit else 64 * self.consumers
+
+    def o_stage_bytes(self, dpad: int) -> int:
+        """Shared memory of the async O epilogue (attn_wgmma.cu: ASYNC_O): 16 rows of 2 dpad +
+        64 bytes per consumer warp, and 128 bytes of alignment; 0 without it."""
+        return 128 + 4 * self.consumers * 16 * (2 * dpad + 64) if self.async_o else 0
 
     def smem_bytes(self, dpad: int, itemsize: int = 2, terms: int = 1,
                    f16split: bool = False) -> int:
@@ -353,7 +361,7 @@ class HopperTiles(NamedTuple):
                     + bars + exps + xch)
         split = 2 if terms == 3 else 1
         f32 = itemsize == 4
-        return (1024 + split * (self.q_stages * self.bm * dpad * itemsize
+        return (self.o_stage_bytes(dpad) + 1024 + split * (self.q_stages * self.bm * dpad * itemsize
                                 + 2 * self.stages * self.bn * dpad * itemsize)
                 + (self.bn * dpad * itemsize if f32 else 0)
                 + 8 * (2 * self.q_stages + 4 * self.stages
@@ -473,6 +481,22 @@ def hopper_f32_head_dims(precision: str, form: Optional[str] = None):
     return {dp for dp, mode in HOPPER_F32_TABLE if mode == precision}
 
 
+#: Whether the plain 16-bit Hopper forward sends O out through shared memory and bulk copies
+#: (HopperTiles.async_o, attn_wgmma.cu: cuflash_fwd_wgmma_ao) wherever the staging rows fit
+#: (hopper_async_o_fits): issue 13's small problems, where an item has one or two key tiles and
+#: its epilogue sits on the consumers' path (notes/PERF.md, "h5"). Off: not yet measured on a GPU
+#: (benchmarks/tune.py's "aO" candidates are the A/B). The variants' and varlen twins keep the
+#: direct stores.
+HOPPER_ASYNC_O = False
+
+
+def hopper_async_o_fits(cfg: HopperTiles, dpad: int) -> bool:
+    """Whether `cfg` with the async O epilogue fits one block's shared memory (227 KiB):
+    D = 64 and 128 at BN = 128, not D = 128 at BN = 176 nor D = 256."""
+    return (not cfg.hsplit and cfg._replace(async_o=True).smem_bytes(dpad)
+            <= SMEM_OPTIN_BYTES[90])
+
+
 #: What the wider query block of three consumers (BM = 192) gains per useful row over two
 #: (BM = 128). Measured on the H200 (2026-12-02, benchmarks/RESULTS.md "session e, call 2":
 #: tune.py --shapes, D = 64 without the mask), C3 / C2 times the rows-used ratio: 1.28 at
@@ -531,16 +555,23 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
         dpad = head_dim_bucket(d, {key[0] for key in HOPPER_TABLE})
         cfg, persistent = hopper_choice(dpad, causal, sk, sq)
         terms, mode = 1, None
+        # the async O epilogue: where the flag or the table asks for it and it fits
+        cfg = cfg._replace(async_o=bool((cfg.async_o or HOPPER_ASYNC_O)
+                                        and hopper_async_o_fits(cfg, dpad)))
+    if f32 or choose is not None:
+        cfg = cfg._replace(async_o=False)  # float32 and the twins (variants, varlen): direct stores
     if choose is not None:
         cfg, persistent = choose(dpad, cfg, persistent)
     cxx_bool = {True: "true", False: "false"}
-    name = (f"cuflash::cuflash_fwd_wgmma<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {cfg.bn}, "
+    kernel = "cuflash_fwd_wgmma_ao" if cfg.async_o else "cuflash_fwd_wgmma"
+    name = (f"cuflash::{kernel}<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {cfg.bn}, "
             f"{cfg.stages}, {cfg.q_stages}, {cfg.consumers}, {cxx_bool[bool(cfg.overlap)]}, "
             f"{cxx_bool[bool(cfg.pingpong)]}, {cxx_bool[bool(causal)]}"
             f"{', cuflash::fp16_t' if f16split else ''}>")
     label = (f"hopper<{dtype_name},{mode + ',' if mode else ''}D{dpad},BM{cfg.bm},BN{cfg.bn},"
              f"S{cfg.stages},Q{cfg.q_stages},{'hsplit,' if cfg.hsplit else ''}"
              f"{'overlap,' if cfg.overlap else ''}{'pingpong,' if cfg.pingpong else ''}"
+             f"{'asyncO,' if cfg.async_o else ''}"
              f"{'persistent,' if persistent else ''}{'causal' if causal else 'full'}>")
     return Plan(label=label, spec=Specialisation("attn_wgmma", name, arch="sm_90a"),
                 block_m=cfg.bm, block_n=cfg.bn, threads=128 * (cfg.consumers + 1),

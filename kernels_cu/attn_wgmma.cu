@@ -199,6 +199,24 @@ __device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(to
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// ASYNC_O (the O epilogue through shared memory; see fwd_wgmma_body): one row of O leaves as a
+// bulk copy shared -> global (cp.async.bulk, no tensor map: a row is contiguous in both), bytes a
+// multiple of 16 and both addresses 16-byte aligned. The copies of a thread form one bulk group
+// per commit; wait_read<0> returns once the thread's copies have read their shared memory (the
+// buffer may be written again), wait_all<0> once their writes are done.
+__device__ __forceinline__ void bulk_store_row(void* dst, unsigned int src, unsigned int bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read0() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all0() {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
 // Four values as TF32: hi = tf32(x) at address hi, and for TERMS = 3 lo = tf32(x - hi) at lo.
 template <int TERMS>
 __device__ __forceinline__ void store_split(unsigned int hi, unsigned int lo, const float4& x) {
@@ -463,7 +481,8 @@ struct WgmmaVarlenView {
 };
 
 template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
-          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP, typename V, bool VARLEN = false>
+          bool OVERLAP, bool PINGPONG, bool CAUSAL, typename OP, typename V, bool VARLEN = false,
+          bool ASYNC_O = false>
 __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const VariantParams& vp,
                                                const WgmmaVarlenView* vv = nullptr) {
     using Cfg = WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OP>;
@@ -473,6 +492,21 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     static_assert(!(OVERLAP && TERMS == 3), "TERMS = 3 computes S with waits inside (scores3)");
     static_assert(!Cfg::HSPLIT || !PINGPONG, "HSPLIT: the consumers meet at every tile");
     static_assert(!Cfg::HSPLIT || !VARLEN, "HSPLIT (float32 D = 256) has no varlen twin");
+    // ASYNC_O (cuflash_fwd_wgmma_ao): each warp stages its 16 rows of O in shared memory of its
+    // own and sends them out by bulk copies; the warp waits for those copies' reads only before
+    // it stages the next item's O, so the consumer goes on to the next item's scores while O is
+    // on its way. Where O's rows are dense (row stride D = DPAD) the 16 rows are staged at 2 DPAD
+    // bytes a row and leave as one copy of 16 rows (unless some are past Sq or go to the exact
+    // path); otherwise at OST_PITCH = 2 DPAD + 64 bytes a row (the two rows that a phase of 8
+    // lanes of a 16-byte store writes then fall in different halves of the banks; the dense
+    // layout has those 2-way conflicts), one copy per row, issued by lanes 0-15 (ptxas loops over
+    // the lanes: the copy takes uniform registers).
+    static_assert(!ASYNC_O || (!F32 && !Cfg::HSPLIT && !VARLEN && V::PLAIN),
+                  "ASYNC_O: the plain 16-bit kernel only");
+    constexpr unsigned int OST_PITCH = 2 * DPAD + 64;
+    constexpr unsigned int OST_WARP = 16 * OST_PITCH;
+    static_assert(!ASYNC_O || Cfg::SMEM + 128 + 4 * CONSUMERS * OST_WARP <= 232448,
+                  "ASYNC_O: the staging rows do not fit beside the tiles");
     // VARLEN: the segment view (its pointers, lengths and query-block count) in place of the
     // launch's parameters, and its row offsets on the tensor maps' row coordinates.
     const AttnParams& p = *(VARLEN ? &vv->a : &hp.a);
@@ -498,6 +532,8 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     const unsigned int red = exps + 4u * (QSTAGES + 2 * STAGES);  // the producer's max reduction
     // HSPLIT: the consumers' partial-score buffers (16-byte aligned; exps is 8-byte aligned).
     const unsigned int xch = (exps + Cfg::EXP_BYTES + 15u) & ~15u;
+    // ASYNC_O: the consumers' O staging rows, warp by warp (128-byte aligned).
+    [[maybe_unused]] const unsigned int ost = (xch + Cfg::XCH_BYTES + 127u) & ~127u;
     // Q buffer qb holds the Q of work items wi with wi % QSTAGES == qb.
     const auto q_full = [bars](unsigned int qb) { return bars + 8u * qb; };
     const auto q_empty = [bars](unsigned int qb) { return bars + 8u * (QSTAGES + qb); };
@@ -1172,6 +1208,16 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
         T* o = static_cast<T*>(p.o) + off.o;
         float inv_h[2];
         int redo = 0;  // bit h: this quad's row h goes to the exact path
+        // ASYNC_O: this warp's staging rows, free again once its previous copies have read them.
+        [[maybe_unused]] const unsigned int ost_w =
+            ost + static_cast<unsigned int>(cw * 4 + warp) * OST_WARP;
+        // (uniform: the layout of O; the pitch the warp stages its rows at)
+        [[maybe_unused]] const bool o_dense = p.o_sr == DPAD && d == DPAD;
+        [[maybe_unused]] const unsigned int pitch = o_dense ? 2 * DPAD : OST_PITCH;
+        if constexpr (ASYNC_O) {
+            if (lane < 16) bulk_wait_read0();
+            __syncwarp();
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float l = l_run[h];
@@ -1210,9 +1256,37 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                                         acc_o[4 * c + j][2 * h + 1] * inv);
                     quad_transpose(w, t4);  // (all lanes: the shuffles come before the row test)
                     const int col = (4 * c + t4) * 8;  // D % 8 == 0: all in or all out
-                    if (row < sq && col < d && !((redo >> h) & 1))
+                    if constexpr (ASYNC_O) {  // every row and column: the copies pick
+                        sts_u4(ost_w + (g + 8 * h) * pitch + (4 * c + t4) * 16, w[0], w[1], w[2],
+                               w[3]);
+                    } else if (row < sq && col < d && !((redo >> h) & 1)) {
                         *reinterpret_cast<uint4*>(dst + col) = make_uint4(w[0], w[1], w[2], w[3]);
+                    }
                 }
+            }
+        }
+        if constexpr (ASYNC_O) {
+            // The staged values are made visible to the copies first. Dense O with all 16 rows
+            // in and none for the exact path: lane 0 sends them in one copy. Otherwise lane
+            // r < 16 sends row r of the warp's 16 (quad r % 8, half r / 8: its redo bit from the
+            // quad's lane 0), the D real columns, unless it is past Sq or goes to the exact path.
+            fence_proxy_async();
+            __syncwarp();
+            const int row_w = row0 + rw + 16 * warp;  // the warp's first row
+            const int bits = __shfl_sync(0xffffffffu, redo, (lane % 8) * 4);
+            if (o_dense && row_w + 16 <= sq && !__any_sync(0xffffffffu, redo != 0)) {
+                if (lane == 0) {
+                    bulk_store_row(o + static_cast<long long>(row_w) * p.o_sr, ost_w,
+                                   16u * DPAD * static_cast<unsigned int>(sizeof(T)));
+                    bulk_commit();
+                }
+            } else if (lane < 16) {
+                const int row = row_w + lane;
+                if (row < sq && !((bits >> (lane / 8)) & 1))
+                    bulk_store_row(o + static_cast<long long>(row) * p.o_sr,
+                                   ost_w + lane * pitch,
+                                   static_cast<unsigned int>(d) * sizeof(T));
+                bulk_commit();
             }
         }
         if constexpr (REDO) {
@@ -1253,6 +1327,8 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
             }
         }
     }
+    // ASYNC_O: the last copies are complete before the block's shared memory goes.
+    if constexpr (ASYNC_O) if (lane < 16) bulk_wait_all0();
     if (cw == 0) turn_take(true);  // the last consumer's final pass (see turn_take above)
 }
 
@@ -1276,6 +1352,19 @@ cuflash_fwd_wgmma_var(const __grid_constant__ HopperParams hp,
                       const __grid_constant__ VariantParams vp) {
     fwd_wgmma_body<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OVERLAP, PINGPONG, CAUSAL, OP,
                    V>(hp, vp);
+}
+
+// cuflash_fwd_wgmma_ao: the plain kernel with ASYNC_O (16-bit only): O staged in shared memory
+// and sent out by bulk copies that the consumer does not wait for until it stages the next item's
+// O (issue 13's small problems: the epilogue of short items off the consumers' path;
+// notes/PERF.md, "h5"). A kernel of its own so that every cuflash_fwd_wgmma keeps its code.
+template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS,
+          bool OVERLAP, bool PINGPONG, bool CAUSAL>
+__global__ void __launch_bounds__(
+    WgmmaConfig<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, T>::THREADS, 1)
+cuflash_fwd_wgmma_ao(const __grid_constant__ HopperParams hp) {
+    fwd_wgmma_body<T, TERMS, DPAD, BN, STAGES, QSTAGES, CONSUMERS, OVERLAP, PINGPONG, CAUSAL, T,
+                   PlainVariant, false, true>(hp, VariantParams{});
 }
 
 // cuflash_fwd_wgmma_varlen: the plain policy on a packed variable-length batch (attention_varlen;

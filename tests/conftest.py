@@ -61,6 +61,19 @@ def hopper_schedule_table(table, overlap, pingpong, consumers, q_stages, persist
     return out
 
 
+def load_benchmark(name):
+    """benchmarks/NAME.py imported as a module of its own (the scripts are not a package), for
+    the CPU tests of their helpers."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(autouse=True)
 def _fresh_call_cache():
     """Each test starts without recorded call signatures (cuflash/_callcache.py): tests that

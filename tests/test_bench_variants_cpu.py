@@ -2,22 +2,16 @@
 row, also when the form's context is entered again inside itself (the timed backward runs inside
 the check's `with`). The H200 run of 2026-12-03 (session j) printed `fused-scale` on "base" rows
 after the first fused row: the inner entry had overwritten the saved values."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from cuflash import _dispatch_variants as DV
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_variants.py"
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_variants_under_test", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_variants")
 
 
 @pytest.mark.parametrize("impl", ["fused", "fma-rcp+fused", "affine", "affine+fused"])

@@ -89,6 +89,29 @@ def _hopper_schedule_specs():
     return sorted(specs, key=lambda s: s.name)
 
 
+def _hopper_async_o_specs():
+    """The Hopper forward with the async O epilogue (_dispatch.HOPPER_ASYNC_O, off by default:
+    cuflash_fwd_wgmma_ao) for every HOPPER_TABLE entry it fits, float16 and bfloat16, with the
+    consumer counts tests/test_gpu.py::test_hopper_async_o forces (two and three at D = 64)."""
+    specs = set()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_dispatch, "HOPPER_ASYNC_O", True)
+        for (dpad, causal, long_keys), (cfg, _) in list(_dispatch.HOPPER_TABLE.items()):
+            for consumers in ((2, 3) if dpad == 64 else (cfg.consumers,)):
+                t = cfg._replace(consumers=consumers)
+                if not _dispatch.hopper_async_o_fits(t, dpad):
+                    continue
+                mp.setattr(_dispatch, "HOPPER_TABLE",
+                           {**_dispatch.HOPPER_TABLE, (dpad, causal, long_keys): (t, True)})
+                mp.setattr(_dispatch, "HOPPER_C3_GAIN", float("inf"))
+                for dt in _dispatch.HOPPER_DTYPES:
+                    plan = _dispatch.hopper_plan(dt, dpad, causal,
+                                                 _dispatch.HOPPER_LONG_SK + long_keys)
+                    assert "_ao<" in plan.spec.name, plan.spec.name
+                    specs.add(plan.spec)
+    return sorted(specs, key=lambda s: s.name)
+
+
 def _bwd_candidate_specs(cc):
     """The tensor-core backward's speed candidates (_dispatch.TC_BWD_CANDIDATES), which
     tests/test_backward_gpu.py and benchmarks/bwd_tune.py put in place of the defaults on the
@@ -127,7 +150,7 @@ CASES = [(spec, arch) for arch in ARCHS
                       + _bwd_candidate_specs(int(arch[3:]))
                       + _hopper_bwd_other_layout_specs(int(arch[3:]))
                       + _hopper_bwd_overlap_specs(int(arch[3:])))]
-CASES += [(spec, "sm_90a") for spec in _hopper_schedule_specs()
+CASES += [(spec, "sm_90a") for spec in _hopper_schedule_specs() + _hopper_async_o_specs()
           if (spec, "sm_90a") not in CASES and (spec, "sm_90") not in CASES]
 # Each distinct compilation once: a spec with a fixed arch compiles for it whatever the list it came
 # from, and some plans appear in more than one list.
@@ -251,6 +274,22 @@ def test_hopper_kernel_uses_tma_and_wgmma(dtype, d, precision, form, monkeypatch
             per_tile = 3 * (dc // 16 + plan.block_n // 16 * (dc // 64))
             assert len(hgmma) % per_tile == 0, (len(hgmma), per_tile)
             assert {(m, n) for m, n, _, _ in hgmma} == {("64", str(plan.block_n)), ("64", "64")}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_async_o_sends_o_by_bulk_copies(d, monkeypatch):
+    """The async O epilogue's kernel (cuflash_fwd_wgmma_ao) writes O with bulk copies from
+    shared memory (UBLKCP) and no 16-byte global stores (the plain kernel's O stores; without the
+    mask nothing else stores 16 bytes), and the plain kernel has no bulk copy."""
+    monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", False)
+    plain = _dispatch.hopper_plan("float16", d, False, 1024, sq=1024)
+    monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", True)
+    ao = _dispatch.hopper_plan("float16", d, False, 1024, sq=1024)
+    assert "cuflash_fwd_wgmma_ao<" in ao.spec.name and "asyncO" in ao.label
+    sass_ao, sass_plain = _sass(_report(ao.spec).cubin), _sass(_report(plain.spec).cubin)
+    assert "UBLKCP" in sass_ao and "STG.E.128" not in sass_ao
+    assert "UBLKCP" not in sass_plain and "STG.E.128" in sass_plain
+    assert "HGMMA" in sass_ao and "UTMALDG" in sass_ao
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

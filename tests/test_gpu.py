@@ -386,3 +386,78 @@ def test_hopper_schedules(batch, sq, sk, d, causal, overlap, pingpong, consumers
         assert f"BM{64 * consumers}" in label, label
     check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d),
                             dtype="float16", ref=ref)
+
+
+@pytest.mark.parametrize("grid", [None, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sq,sk,d,consumers", [(1, 1, 64, 2), (7, 7, 128, 2), (113, 113, 64, 3),
+                                               (197, 197, 64, 2), (197, 197, 128, 2),
+                                               (256, 256, 64, 2), (256, 256, 128, 2),
+                                               (577, 577, 64, 3), (577, 577, 128, 2),
+                                               (300, 30, 64, 2), (130, 577, 128, 2),
+                                               (197, 197, 96, 2), (256, 256, 80, 2)])
+def test_hopper_async_o(sq, sk, d, consumers, dtype, causal, grid, monkeypatch):
+    """The Hopper kernel's async O epilogue (_dispatch.HOPPER_ASYNC_O: O staged in shared memory
+    per warp and sent out row by row with bulk copies the consumers do not wait for until they
+    stage the next item's O) against float64 with the pass rule, every element of the NaN-poisoned
+    O and lse written: issue 13's small lengths and tails, Sq > Sk under the mask (rows that see
+    no key), k and v broadcast over the heads, two and three consumers; D = 64 and 128 send a
+    warp's 16 dense rows in one copy (rows past Sq one by one), D = 96 and 80 (padded to 128)
+    every row apart. grid = 3: the persistent
+    launch on 3 blocks, so that each walks many items and reuses its staging rows while its
+    earlier copies may still be in flight."""
+    import collections
+
+    if "hopper" not in _fast_kernels():
+        pytest.skip("the Hopper kernel needs a compute capability 9.0 GPU")
+    _skip_unsupported(dtype)
+    from cuflash import _dispatch, _launch
+
+    if grid is not None:
+        dev = cupy().cuda.Device().id
+        attrs = _launch.device_attributes(dev)
+        monkeypatch.setitem(_launch._DEVICE_ATTRS, dev, {**attrs, "sm_count": grid})
+        # a parameter block made before keeps its grid: start from an empty cache
+        monkeypatch.setattr(_launch, "_PARAM_CACHE", collections.OrderedDict())
+    table = {key: (t._replace(consumers=consumers if key[0] == 64 else 2), True)
+             for key, (t, _) in _dispatch.HOPPER_TABLE.items()}
+    monkeypatch.setattr(_dispatch, "HOPPER_TABLE", table)
+    monkeypatch.setattr(_dispatch, "HOPPER_C3_GAIN", math.inf)
+    monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", True)  # (after the above: the call cache
+    # sees every _dispatch assignment and drops its records)
+    rng = _rng("async_o", sq, sk, d, consumers, dtype, causal, grid)
+    q, k, v = random_inputs(rng, (3, 4), (3, 1), sq, sk, d, d, dtype)
+    o, lse, label = _run(q, k, v, dtype, causal=causal, kernel="hopper")
+    assert "asyncO" in label and "persistent" in label and f"BM{64 * consumers}" in label, label
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d), dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,d", [(197, 64), (256, 128), (77, 64)])
+def test_hopper_async_o_strided_out(sq, d, causal, monkeypatch):
+    """The async O epilogue into an output whose rows are not dense: `out` a (B, H, S, D) view of
+    a NaN-poisoned (B, S, H, D) buffer (row stride H D), so every row leaves by a copy of its own
+    at its own address; nothing outside the view's elements is written."""
+    if "hopper" not in _fast_kernels():
+        pytest.skip("the Hopper kernel needs a compute capability 9.0 GPU")
+    from cuflash import _dispatch
+
+    cp = cupy()
+    monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", True)
+    b, h = 2, 3
+    rng = _rng("async_o_strided", sq, d, causal)
+    q, k, v = random_inputs(rng, (b, h), (b, h), sq, sq, d, d, "float16")
+    qg, kg, vg = (to_gpu(x, "float16") for x in (q, k, v))
+    buf = poisoned((b, sq, h + 1, d), "float16")  # one head more: its elements stay NaN
+    o = buf[:, :, :h, :].transpose(0, 2, 1, 3)
+    lse = poisoned((b, h, sq), "float32")
+    label = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel="hopper")
+    assert "asyncO" in label, label
+    res = cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse),
+                            kernel="hopper")
+    assert res[0] is o
+    cp.cuda.get_current_stream().synchronize()
+    assert bool(cp.isnan(buf[:, :, h, :]).all()), "a copy wrote outside the view"
+    check_against_reference(o, lse, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                            dtype="float16")

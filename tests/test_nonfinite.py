@@ -247,6 +247,31 @@ def test_gpu_kernel(kernel, dtype, case, value):
     cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), kernel=kernel)
     cp.cuda.get_current_stream().synchronize()
     _check_case(case, value, to_host64(o), to_host64(lse), q, k, v, causal, dtype)
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", NONFINITE, ids=_vid)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_hopper_async_o(dtype, case, value, monkeypatch):
+    """The Hopper kernel with its async O epilogue (_dispatch.HOPPER_ASYNC_O): a row that goes to
+    the exact path (common.cuh: exact_row_pv; a non-finite O, e.g. a NaN in V at a key the row
+    cannot see on a causal diagonal tile) is written there and must be left out of the bulk
+    copies, which land asynchronously and would overwrite it with the tensor cores' NaN."""
+    from cuflash import _dispatch
+
+    from gpu_util import bf16_dtype, cupy, to_gpu
+
+    if not cuflash.gpu_available() or int(cupy().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper kernel needs a compute capability 9.0 GPU")
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes (CuPy's bfloat16 dtype)")
+    monkeypatch.setattr(_dispatch, "HOPPER_ASYNC_O", True)
+    q, k, v, causal = _inputs(case, value, dtype, 64, 11)
+    qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
+    label = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel="hopper")
+    assert "asyncO" in label, label
+    test_gpu_kernel("hopper", dtype, case, value)
+
+
 def test_pass_rule_demands_the_reference_nan_positions():
     rng = np.random.default_rng(6)
     q, k, v = (ref.round_to(rng.standard_normal(s), "float32") for s in ((9, 8), (9, 8), (9, 4)))
