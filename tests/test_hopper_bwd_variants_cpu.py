@@ -159,3 +159,83 @@ def test_compile_set_holds_the_benchmarked_forms():
     specs = precompile.specialisations(90)
     assert all(s in specs for s in hopper_bwd_variant_compile_specs())
     assert not any("bwd_wgmma_var" in s.name for s in precompile.specialisations(80))
+
+
+# ---- the thread-level model (tests/bwd_wgmma_model.py) with a window and softcap -------------
+
+MODEL_CASES = [  # (dtype, q batch, kv batch, Sq, Sk, causal, det, window, softcap)
+    ("float16", (2,), (2,), 150, 300, False, True, (20, 5), 0.0),     # skips both ways
+    ("float16", (1,), (1,), 70, 300, True, True, (40, -1), 0.0),      # causal ∩ window
+    ("bfloat16", (2, 1), (1, 1), 200, 70, False, True, (0, 0), 3.0),  # broadcast kv, diagonal
+    ("float16", (1,), (1,), 150, 150, True, False, (10, 3), 2.0),     # window + softcap
+    ("float16", (1,), (1,), 90, 200, False, False, (-1, -1), 1.5),    # softcap alone
+    ("float16", (1,), (1,), 400, 400, False, False, (30, 30), 0.0),   # a band: tiles both sides
+]
+
+
+@pytest.mark.parametrize("dtype,qb,kb,sq,sk,causal,det,window,cap", MODEL_CASES)
+def test_hopper_backward_model_with_a_variant(dtype, qb, kb, sq, sk, causal, det, window, cap,
+                                              monkeypatch, flag_on):
+    """launch_backward's launches for the Hopper variant plan (D = 128), run by the model: the
+    (key block, query tile) pairs visited are exactly those that hold a visible pair, the
+    deterministic turns are ready when each block gets there (the model asserts it), every
+    gradient element is written and dq, dk, dv match the float64 reference."""
+    import types
+
+    import bwd_generic_model as gmodel
+    import bwd_wgmma_model as model
+    from cuflash import reference as ref
+    from seeds import SEED, case_rng
+    from test_tc_bwd_variants_cpu import _expected_visits, _record
+
+    d = 128
+    rng = case_rng(SEED, "wgmma-var-model", dtype, qb, kb, sq, sk, causal, det, window, cap)
+    batch = tuple(np.broadcast_shapes(qb, kb))
+    q = ref.round_to(rng.standard_normal(qb + (sq, d)) * 1.5, dtype)
+    k = ref.round_to(rng.standard_normal(kb + (sk, d)), dtype)
+    v = ref.round_to(rng.standard_normal(kb + (sk, d)), dtype)
+    do = ref.round_to(rng.standard_normal(batch + (sq, d)), dtype)
+    kw = dict(window=window if window != (-1, -1) else None, softcap=cap or None)
+    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal, **kw)
+    o, lse = ref.round_to(o_ref, dtype), ref.round_to(lse_ref, "float32")
+    mem = gmodel.Memory()
+    fq, fk, fv, fo, fdo = (gmodel.FakeArray(mem, x, 2) for x in (q, k, v, o, do))
+    flse = gmodel.FakeArray(mem, lse, 4)
+    grads = [gmodel.FakeArray(mem, np.zeros(x.shape), 2) for x in (q, k, v)]
+    for g in grads:  # poison: unwritten elements stay NaN
+        g.mem.write(g.data.ptr, np.arange(g.nbytes // 2), np.full(g.nbytes // 2, np.nan))
+    var = Variant(left=window[0], right=window[1], softcap=float(cap))
+    prob = types.SimpleNamespace(q=fq, k=fk, v=fv, o=fo, do=fdo, lse=flse, batch_shape=batch,
+                                 sq=sq, sk=sk, d=d, dv=d, dtype_name=dtype, scale=d ** -0.5,
+                                 stream=None, device_id=0, deterministic=det, causal=causal,
+                                 kernel="hopper", backend="gpu", out_grads=None,
+                                 variant=var, return_dbias=False)
+    bp = _dispatch.backward_plan_for(prob, 90)
+    assert bp.label.startswith("hopper-bwd<") and bp.deterministic == det, bp.label
+    launches = _record(bp, prob, grads, mem, monkeypatch)
+    visits = []
+    model.run_plan_launches(mem, launches, bp, causal, visits=visits)
+
+    kern = [x for x in launches if "bwd_wgmma_var" in x[0]][0]
+    n_red = int(np.prod(batch)) // int(np.prod(kb))
+    bm, bn = bp.passes[0][1].block_m, bp.block_n
+    nn, nm = -(-sk // bn), -(-sq // bm)
+    # (block indices in the plain order, owner * nn + rank: the deterministic order groups them)
+    plain_bid = {bid: o * nn + r for bid in range(kern[1])
+                 for o, r in [model.block_order(bid, kern[1], nn, det, 132)]}
+    visits = [(plain_bid[b], mt, red) for b, mt, red in visits]
+    expect = _expected_visits(var, causal, sq, sk, bm, bn, n_red, kern[1] // nn)
+    assert len(visits) == len(set(visits)) and set(visits) == expect
+    if window not in ((-1, -1),) and sq >= 2 * bm:   # the window skips tiles in these cases
+        assert len(visits) < kern[1] // nn * nn * nm * n_red
+
+    g_ref = ref.attention_backward_ref(do, q, k, v, causal=causal, **kw)
+    u = ref.unit_roundoff(dtype)
+    fin = np.isfinite(lse_ref)
+    lse_rel = 8 * 2.0 ** -24 * max(1.0, float(np.max(np.abs(lse_ref[fin])))) if fin.any() else 0
+    for name, g, r in zip(("dq", "dk", "dv"), grads, g_ref):
+        got = g.values()
+        assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} elements unwritten"
+        tol = (2 * u + lse_rel + 64 * 2.0 ** -53) * max(float(np.max(np.abs(r))), 1.0) * 8
+        err = float(np.max(np.abs(got - r)))
+        assert err <= tol, f"{name}: model error {err:.3e} > {tol:.3e}"
