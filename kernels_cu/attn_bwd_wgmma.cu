@@ -516,9 +516,10 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
         unsigned int pk[SN / 16][4];
         [[maybe_unused]] float dsc[POLICY::DSCORE ? SN / 8 : 1][4];  // d score / d t (variants)
         if constexpr (!POLICY::PLAIN) {
-            // The warp's 16 keys against the warpgroup's rows: per-element visibility only where
-            // they are partial by position (warp-uniform branch), or on the key tail / causal
-            // diagonal as in the plain kernel.
+            // The warpgroup's 64 keys against its rows: per-element visibility only where they
+            // are partial by position (tile_kind; warpgroup-uniform branch), or on the key tail /
+            // causal diagonal as in the plain kernel. (Per warp's 16 keys, the test spilled
+            // softcap at D = 128 under NVRTC 13.5.)
             float(&s2)[SN / 8][4] = reinterpret_cast<float(&)[SN / 8][4]>(s);
             const int r_lo = i0 + q0;
             const bool partial =
