@@ -440,7 +440,7 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
     // (A window changes each block's first tile: no gate there.)
     const bool gate = DET && !CAUSAL && !POLICY::HAS_WINDOW && n_iter > 1 &&
                       gridDim.x >= 8u * sm_count();
-    [[maybe_unused]] int bound_red = 0;  // variants: the reduction step var is bound to
+    [[maybe_unused]] int bound_red = 0;  // variants (SPLIT): the reduction step var is bound to
 
     // The next tile's Q, dO into the other stage and its lse, delta into registers.
     const auto issue_next = [&](bool more, int buf) {
@@ -468,8 +468,14 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
         const unsigned int q_t = base + Cfg::Q_OFF + buf * Cfg::Q_BYTES;
         const unsigned int do_t = base + Cfg::DO_OFF + buf * Cfg::Q_BYTES;
         const unsigned int lse_t = lse_s + buf * BM * 4, delta_t = delta_s + buf * BM * 4;
-        if constexpr (!POLICY::PLAIN && POLICY::READS) {  // (the others read no batch entry)
-            if (cur_red != bound_red) {  // a new batch entry: its bias / mask / slope / hook indices
+        // Variants that read per batch entry (bias, mask, slopes, hooks; the others read none):
+        // outside the SPLIT form bound again every tile (a few integer operations and ALiBi's
+        // slope load, under the tile's first products), so that the bound state is not held in
+        // registers across the loop (with it held, ALiBi took 250-255 registers at D = 128, now
+        // 235-248); in the SPLIT form when the reduction step changes (every tile, a bias spilled
+        // 16 bytes at D = 256 without causal, deterministic).
+        if constexpr (!POLICY::PLAIN && POLICY::READS) {
+            if (!Cfg::SPLIT || cur_red != bound_red) {
                 var.bind(*vpp, p.sq, p.sk, cur_ix.i0, cur_ix.i1, cur_ix.i2);
                 bound_red = cur_red;
             }
