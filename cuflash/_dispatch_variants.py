@@ -615,14 +615,21 @@ def hopper_bwd_variant_smem(threads: int, bm: int, dpad: int, variant) -> int:
     return threads * bm * 2 if dscore and dpad <= 128 else 0
 
 
+def _reads_tensors(variant) -> bool:
+    """Whether the policy reads a tensor (variants.cuh: READS; ALiBi's slopes included)."""
+    return (variant.alibi_slopes is not None or variant.bias is not None
+            or variant.mask is not None)
+
+
 def hopper_bwd_variant_reason(prob, compute_capability) -> "str | None":
     """Why the Hopper backward cannot run these inputs with their variant (None: it can): the
     plain Hopper backward's conditions (`_dispatch.bwd_hopper_reason`), bias / mask tensors read
     with a column stride of 0 or 1, and the policies whose registers fit beside dK and dV (the
     compile set, hopper_bwd_variant_compile_specs, has no spills under NVRTC 13.0 and 13.5):
     D = 128 the positional parts (window, softcap, ALiBi) in any combination, D = 256 every
-    built-in part (not ALiBi without causal in deterministic mode: 24 bytes spilled), no user
-    hooks, nothing at D <= 64 (BM = 128: the plain kernel's registers are at 252-255)."""
+    built-in part (without causal in deterministic mode only those that read no tensor: ALiBi
+    and window + bias spilled 12-24 bytes there), no user hooks, nothing at D <= 64 (BM = 128:
+    the plain kernel's registers are at 252-255)."""
     from ._dispatch import HOPPER_BWD_CONFIGS, bwd_hopper_reason, head_dim_bucket
     why = bwd_hopper_reason(prob, compute_capability)
     if why is not None:
@@ -638,9 +645,10 @@ def hopper_bwd_variant_reason(prob, compute_capability) -> "str | None":
     if dpad == 128 and (var.bias is not None or var.mask is not None):
         return ("at D = 128 it takes the positional parts only (window, softcap, ALiBi): a bias "
                 "or mask tensor's per-element reads spill its registers")
-    if (dpad == 256 and var.alibi_slopes is not None and not prob.causal
+    if (dpad == 256 and _reads_tensors(var) and not prob.causal
             and getattr(prob, "deterministic", False)):
-        return ("at D = 256 ALiBi without causal in deterministic mode spills its registers")
+        return ("at D = 256 without causal in deterministic mode it takes no policy that reads "
+                "tensors (ALiBi, bias, mask): ALiBi and window + bias spilled its registers")
     return _column_stride_reason(var)
 
 
@@ -668,7 +676,7 @@ def hopper_bwd_variant_compile_specs():
                 add("float16", 128, causal, det, pol)
             add("bfloat16", 128, causal, det, positional[-1])
             for pol in positional + reads:
-                if pol.alibi_slopes is not None and det and not causal:
+                if _reads_tensors(pol) and det and not causal:
                     continue   # (hopper_bwd_variant_reason refuses it)
                 add("float16", 256, causal, det, pol)
             if not (det and not causal):

@@ -112,7 +112,8 @@ def test_admitted_policies_and_their_smem(var, d, causal, flag_on):
     (Variant(softcap=30.0), 64, True, False, "head dims from 65"),
     (Variant(bias=_bias()), 128, True, False, "positional parts only"),
     (Variant(mask=_arr((100, 120), itemsize=1)), 128, False, False, "positional parts only"),
-    (Variant(alibi_slopes=np.ones(3, np.float32)), 256, False, True, "ALiBi without causal"),
+    (Variant(alibi_slopes=np.ones(3, np.float32)), 256, False, True, "reads tensors"),
+    (Variant(left=8, right=8, bias=_bias()), 256, False, True, "reads tensors"),
 ])
 def test_refused_policies_fall_back_or_raise(var, d, causal, det, why, flag_on):
     prob = _prob(var, d=d, causal=causal, det=det)

@@ -76,11 +76,13 @@ def test_hopper_backward_windows(window, causal, det, sq, sk):
 
 
 # D = 256 (the SPLIT form): the parts that read tensors (a bias with dbias, a mask with empty
-# rows) and all five; test_variants_gpu's tables of them. (Not ALiBi without causal in
-# deterministic mode: hopper_bwd_variant_reason refuses it, test_hopper_bwd_variants_cpu.py.)
+# rows) and all five; test_variants_gpu's tables of them. (Not the parts that read tensors
+# without causal in deterministic mode: hopper_bwd_variant_reason refuses them there,
+# test_hopper_bwd_variants_cpu.py.)
 @pytest.mark.parametrize("sq,sk", [(113, 1000), (1000, 113), (7, 7)])
 @pytest.mark.parametrize("name,causal,det", [
-    ("bias-head", False, False), ("bias-f16-shared", True, True), ("mask-empty-rows", False, True),
+    ("bias-head", False, False), ("bias-f16-shared", True, True), ("mask-empty-rows", True, True),
+    ("mask-empty-rows", False, False),
     ("combined", True, True), ("combined", False, False), ("softcap", False, True),
     ("alibi", True, True)])
 def test_hopper_backward_d256(name, causal, det, sq, sk):
