@@ -23,13 +23,18 @@ its backward label says which).
 "base"): "base" = the dispatcher's flags as they are, "fma-rcp" = softcap's reciprocal on the FMA
 pipe (_dispatch_variants.SOFTCAP_RCP_FMA), "fused" = the scale fused into the transform, raw
 scores without one (VARIANT_FUSED_SCALE), "fma-rcp+fused" = both, "affine" = ALiBi in the
-softmax's affine units on the Hopper forward (ALIBI_AFFINE; causal), "affine+fused"; a form's
-rows only for the variants it changes (IMPLS). Each form's row is checked like every other.
+softmax's affine units on the Hopper forward (ALIBI_AFFINE; causal), "affine+fused",
+"hopperbwd" = the variants' backward on the Hopper backward with the policy
+(HOPPER_BWD_VARIANTS; the row's bwd_label says which backward ran, and bwd_per_tile is against
+plain's Hopper backward); a form's rows only for the variants it changes (IMPLS). Each form's
+row is checked like every other.
 
     PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels hopper --backward 0 \
         --flex 0 --quick --impl base,fma-rcp,fused,fma-rcp+fused,affine,affine+fused
     PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels hopper --backward 1 \
         --torch 0 --flex 0 --impl base,fused --variants plain,softcap,alibi,window,positional
+    PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels auto --backward 1 \
+        --torch 0 --flex 0 --impl base,hopperbwd --variants plain,softcap,alibi,window
 
 Every result is checked first: cuflash's (and torch's) output on a few (batch, head) slices
 against the float64 reference (cuflash.reference.attention_ref with the same variant) under the
@@ -97,7 +102,12 @@ IMPLS = {"base": ({}, None), "fma-rcp": ({"SOFTCAP_RCP_FMA": True}, {"softcap"})
          "fma-rcp+fused": ({"SOFTCAP_RCP_FMA": True, "VARIANT_FUSED_SCALE": True},
                            {"softcap", "positional"}),
          "affine": ({"ALIBI_AFFINE": True}, {"alibi"}),
-         "affine+fused": ({"ALIBI_AFFINE": True, "VARIANT_FUSED_SCALE": True}, {"alibi"})}
+         "affine+fused": ({"ALIBI_AFFINE": True, "VARIANT_FUSED_SCALE": True}, {"alibi"}),
+         # the backward on the Hopper kernel with the policy (attn_bwd_wgmma.cu:
+         # cuflash_bwd_wgmma_var) where hopper_bwd_variant_reason takes the variant; its
+         # forward is base's
+         "hopperbwd": ({"HOPPER_BWD_VARIANTS": True},
+                       {"softcap", "alibi", "window", "bias", "mask", "positional"})}
 
 
 class impl_flags:

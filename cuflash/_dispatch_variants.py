@@ -568,6 +568,125 @@ def bwd_tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, determini
     return dataclasses.replace(base, label=base.label[:-1] + f",{tag}>", passes=tuple(passes))
 
 
+#: Whether the backward of a variant on compute capability 9.0 takes the Hopper backward
+#: (attn_bwd_wgmma.cu: cuflash_bwd_wgmma_var) where `hopper_bwd_variant_reason` allows, under
+#: kernel="auto" (before the mma.sync backward) and kernel="hopper" (which raises saying why
+#: where it does not qualify; with the flag off kernel="hopper" raises for every variant). Off
+#: until its GPU tests (tests/test_hopper_bwd_variants_gpu.py) pass on the H200 and
+#: benchmarks/bench_variants.py --backward 1 --impl base,hopperbwd measures it.
+HOPPER_BWD_VARIANTS = False
+
+
+def hopper_bwd_variant_plan(dtype_name: str, d: int, causal: bool, deterministic: bool,
+                            variant):
+    """The Hopper backward with the variant's policy (attn_bwd_wgmma.cu: cuflash_bwd_wgmma_var):
+    the plain Hopper backward plan (`_dispatch.bwd_hopper_plan`: its tiles, preprocess and dq
+    conversion) with ``_var<..., V>`` in the kernel's name and the variant's parts in the
+    labels. The policy has the Hopper forward's form (`policy_name` without ALIBI_AFFINE's, which
+    only a forward computes), so that the backward recomputes the forward's logits."""
+    import dataclasses
+
+    from . import _dispatch
+
+    base = _dispatch.bwd_hopper_plan(dtype_name, d, causal, deterministic)
+    pol, tag = policy_name(variant), policy_label(variant)
+    passes = []
+    for grid, plan in base.passes:
+        if "cuflash_bwd_wgmma<" in plan.spec.name:
+            name = plan.spec.name.replace("cuflash_bwd_wgmma<", "cuflash_bwd_wgmma_var<")
+            name = name.replace("cuflash::PlainVariant", pol)
+            smem = plan.smem_bytes + hopper_bwd_variant_smem(plan.threads, plan.block_m,
+                                                             _dispatch.head_dim_bucket(
+                                                                 d, _dispatch.HOPPER_BWD_CONFIGS),
+                                                             variant)
+            plan = dataclasses.replace(plan, label=plan.label[:-1] + f",{tag}>", smem_bytes=smem,
+                                       spec=Specialisation(plan.spec.family, name,
+                                                           arch=plan.spec.arch,
+                                                           extra_source=_hook_source(variant)))
+        passes.append((grid, plan))
+    return dataclasses.replace(base, label=base.label[:-1] + f",{tag}>", passes=tuple(passes))
+
+
+def hopper_bwd_variant_smem(threads: int, bm: int, dpad: int, variant) -> int:
+    """Shared-memory bytes the Hopper backward adds to the plain kernel's for a policy with
+    d score / d t (softcap, a score_mod) outside the D = 256 form (attn_bwd_wgmma.cu: DSC_SMEM):
+    BM / 2 floats a thread, kept there from P^T to dS^T instead of in registers."""
+    dscore = bool(variant.softcap) or getattr(variant, "score_mod", None) is not None
+    return threads * bm * 2 if dscore and dpad <= 128 else 0
+
+
+def _reads_tensors(variant) -> bool:
+    """Whether the policy reads a tensor (variants.cuh: READS; ALiBi's slopes included)."""
+    return (variant.alibi_slopes is not None or variant.bias is not None
+            or variant.mask is not None)
+
+
+def hopper_bwd_variant_reason(prob, compute_capability) -> "str | None":
+    """Why the Hopper backward cannot run these inputs with their variant (None: it can): the
+    plain Hopper backward's conditions (`_dispatch.bwd_hopper_reason`), bias / mask tensors read
+    with a column stride of 0 or 1, and the policies whose registers fit beside dK and dV (the
+    compile set, hopper_bwd_variant_compile_specs, has no spills under NVRTC 13.0 and 13.5):
+    D = 128 the positional parts (window, softcap, ALiBi) in any combination, D = 256 every
+    built-in part (without causal in deterministic mode only those that read no tensor: ALiBi
+    and window + bias spilled 12-24 bytes there), no user hooks, nothing at D <= 64 (BM = 128:
+    the plain kernel's registers are at 252-255)."""
+    from ._dispatch import HOPPER_BWD_CONFIGS, bwd_hopper_reason, head_dim_bucket
+    why = bwd_hopper_reason(prob, compute_capability)
+    if why is not None:
+        return why
+    var = prob.variant
+    if getattr(var, "has_mods", False):
+        return ("user hooks are not taken there yet (beside its dK and dV accumulators a hook's "
+                "registers spill)")
+    dpad = head_dim_bucket(prob.d, HOPPER_BWD_CONFIGS)
+    if dpad < 128:
+        return (f"with a variant it takes head dims from 65 (got {prob.d}: at D = {dpad} its "
+                "registers are at the cap without a policy)")
+    if dpad == 128 and (var.bias is not None or var.mask is not None):
+        return ("at D = 128 it takes the positional parts only (window, softcap, ALiBi): a bias "
+                "or mask tensor's per-element reads spill its registers")
+    if (dpad == 256 and _reads_tensors(var) and not prob.causal
+            and getattr(prob, "deterministic", False)):
+        return ("at D = 256 without causal in deterministic mode it takes no policy that reads "
+                "tensors (ALiBi, bias, mask): ALiBi and window + bias spilled its registers")
+    return _column_stride_reason(var)
+
+
+def hopper_bwd_variant_compile_specs():
+    """The Hopper backward's variant specialisations the compile check builds (sm_90a): at D128
+    the positional parts (window, softcap, ALiBi) alone and combined, with and without causal
+    and deterministic (float16; bfloat16 the combination); at D256 the same parts and a bias (in
+    float32 and float16), a mask and all five (float16; bfloat16 all five), as
+    `hopper_bwd_variant_reason` admits them; and the forms tests/test_hopper_bwd_variants_gpu.py
+    runs."""
+    out = []
+
+    def add(dt, d, causal, det, pol):
+        for _, plan in hopper_bwd_variant_plan(dt, d, causal, det, pol).passes:
+            if "_var<" in plan.spec.name and plan.spec not in out:
+                out.append(plan.spec)
+
+    positional = [_Spec(window=True), _Spec(softcap=True), _Spec(alibi=True),
+                  _Spec(window=True, softcap=True, alibi=True)]
+    reads = [_Spec(bias="float32"), _Spec(bias="float16"), _Spec(mask=True),
+             _Spec(window=True, softcap=True, alibi=True, bias="float32", mask=True)]
+    for causal in (False, True):
+        for det in (False, True):
+            for pol in positional:
+                add("float16", 128, causal, det, pol)
+            add("bfloat16", 128, causal, det, positional[-1])
+            for pol in positional + reads:
+                if _reads_tensors(pol) and det and not causal:
+                    continue   # (hopper_bwd_variant_reason refuses it)
+                add("float16", 256, causal, det, pol)
+            if not (det and not causal):
+                add("bfloat16", 256, causal, det, reads[-1])
+    for pol in (_Spec(window=True, softcap=True), _Spec(softcap=True, alibi=True),
+                _Spec(window=True, alibi=True)):
+        add("float16", 128, True, False, pol)
+    return out
+
+
 def bwd_tensorcore_variant_reason(prob, compute_capability) -> "str | None":
     """Why the tensor-core backward cannot run these inputs with their variant (None: it can):
     the plain backward's conditions (`_dispatch.bwd_tensorcore_reason`: float16 / bfloat16,
@@ -587,11 +706,23 @@ def bwd_tensorcore_variant_reason(prob, compute_capability) -> "str | None":
 def variant_backward_plan_for(prob, compute_capability=None):
     """The backward plan of a problem with a variant: the tensor-core backward for
     ``kernel="auto"`` / ``"tensorcore"`` where it qualifies, else the generic variant kernels
-    (``"tensorcore"`` then raises ValueError naming the variant and the reason; ``"hopper"``
-    always raises: the Hopper backward takes no policy)."""
-    if prob.kernel == "hopper":
+    (``"tensorcore"`` then raises ValueError naming the variant and the reason). Under
+    HOPPER_BWD_VARIANTS the Hopper backward first where `hopper_bwd_variant_reason` allows
+    (``"hopper"`` demands it and raises saying why not); with the flag off ``"hopper"`` raises."""
+    if prob.kernel == "hopper" and not HOPPER_BWD_VARIANTS:
         raise ValueError(f"kernel='hopper' cannot run this backward: {_variant_words(prob.variant)}"
-                         " is not supported there; use kernel='auto', 'tensorcore' or 'generic'")
+                         " is not supported there (_dispatch_variants.HOPPER_BWD_VARIANTS is off);"
+                         " use kernel='auto', 'tensorcore' or 'generic'")
+    if HOPPER_BWD_VARIANTS and prob.kernel in ("auto", "hopper"):
+        why_not = hopper_bwd_variant_reason(prob, compute_capability)
+        if why_not is None:
+            return hopper_bwd_variant_plan(prob.dtype_name, prob.d, prob.causal,
+                                           bool(getattr(prob, "deterministic", False)),
+                                           prob.variant)
+        if prob.kernel == "hopper":
+            raise ValueError(f"kernel='hopper' cannot run this backward with "
+                             f"{_variant_words(prob.variant)}: {why_not}; use kernel='auto', "
+                             "'tensorcore' or 'generic'")
     if prob.kernel in ("auto", "tensorcore") and compute_capability is not None:
         why_not = bwd_tensorcore_variant_reason(prob, compute_capability)
         if why_not is None:
@@ -613,6 +744,8 @@ def variant_backward_fallback_reason(prob, compute_capability) -> "str | None":
     it takes the tensor-core backward, or the kernel was chosen by name)."""
     if prob.kernel != "auto" or compute_capability is None:
         return None
+    if HOPPER_BWD_VARIANTS and hopper_bwd_variant_reason(prob, compute_capability) is None:
+        return None   # the Hopper backward runs it
     return bwd_tensorcore_variant_reason(prob, compute_capability)
 
 

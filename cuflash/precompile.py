@@ -31,6 +31,7 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
     set the compile check builds; Hopper ones carry their fixed ``sm_90a`` arch)."""
     from . import _decode, _dispatch
     from ._dispatch_variants import hopper_variant_compile_specs, form_compile_specs
+    from ._dispatch_variants import hopper_bwd_variant_compile_specs
     from ._dispatch_variants import (mod_compile_specs, tensorcore_variant_backward_compile_specs,
                                      tensorcore_variant_compile_specs,
                                      variant_backward_compile_specs, variant_compile_specs)
@@ -49,6 +50,7 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
         specs += tensorcore_variant_compile_specs(cc)  # the mma.sync forward's policies
         specs += hopper_variant_compile_specs()  # the Hopper forward's policies (sm_90a)
         specs += tensorcore_variant_backward_compile_specs(cc)  # and the mma.sync backward's
+        specs += hopper_bwd_variant_compile_specs()  # the Hopper backward's (sm_90a)
         specs += form_compile_specs(cc)  # the forms behind flags (off by default)
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):

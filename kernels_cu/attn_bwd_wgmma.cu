@@ -89,8 +89,17 @@
 // 9.0, float16 or bfloat16, D == Dv, D % 8 == 0, D <= DPAD <= 256, rows of q, k, v, do (and dk, dv) on
 // 16-byte boundaries, q not broadcast when DET.
 //
-// POLICY: the attention variant (kernels_cu/variants.cuh); only PlainVariant is instantiated and
-// the kernel static_asserts it (score transforms and masks beyond causal are not written yet).
+// POLICY: the attention variant (kernels_cu/variants.cuh). cuflash_bwd_wgmma is the plain policy
+// (PlainVariant); cuflash_bwd_wgmma_var<..., POLICY> takes VariantParams as a second argument
+// and applies the policy (notes/VARIANTS.md, "The Hopper backward with a policy"): the
+// recomputed scores go through score_grad_x, the transform of the tensor-core forwards and of
+// the mma.sync backward (the same instructions on the same operands, so that P matches the
+// forward's lse as in attn_bwd_mma.cu), the window, mask tensor and mask hook hide keys per
+// element on partial tiles, the window narrows each key block's query tiles (row_range) and the
+// deterministic turns (key_range), d score / d t multiplies dS (softcap, a score_mod), and with
+// a bias the final score's gradient goes to vp.dscores for dbias. Policies without a transform
+// (window, mask) keep the plain kernel's exp2 on raw scores. Every addition is under
+// `if constexpr (!POLICY::PLAIN)`, so the plain specialisations' code is what it was.
 #include "common.cuh"
 #include "wgmma_ops.cuh"
 #include "variants.cuh"
@@ -213,10 +222,70 @@ __device__ __forceinline__ void fence_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// P^T of one warp's 16 keys x NT * 8 query columns for a policy V (the layout of the S^T
+// accumulator: element e of n8 tile nt is key key_t + 8 (e / 2), query column nt * 8 + 2 t4 +
+// (e % 2) from row r_lo), lse2 of the columns at lse_c (shared memory, 4 bytes a column):
+// attn_bwd_mma.cu's bwd_variant_probs in this kernel's layout. With a transform the scaled score
+// goes through score_grad_x (the forward's instructions; d score / d t to dsc where V::DSCORE),
+// in scaled units; without one (window, mask) P is the plain kernel's exp2 of the raw score.
+// PARTIAL (the key tail, the causal diagonal, a window edge, a mask): the per-element visibility.
+// Rows past Sq and keys past Sk are clamped for the policy's reads (their P is 0). ALiBi's
+// distance i + off - j is dist0 - ce, dist0 = r_lo + 2 t4 + off - key_t once per tile and ce the
+// element's constant offset (exact integers in float below 2^24: the same value as the forward's).
+// DSC (d score / d t of a DSCORE policy, SN / 2 floats a thread): in shared memory at dsc_s
+// (DSC_SMEM: 16-byte vectors of 4 consecutive elements, element group n of thread tid at
+// dsc_s + (n THREADS + tid) 16, conflict-free) where registers would spill, else in dsc.
+template <int NT, bool CAUSAL, bool PARTIAL, int THREADS, bool DSC_SMEM, typename V>
+__device__ __forceinline__ void bwd_wgmma_variant_probs(float (&s)[NT][4],
+                                                        float (&dsc)[V::DSCORE ? NT : 1][4],
+                                                        unsigned int dsc_s, const V& var,
+                                                        unsigned int lse_c, int r_lo, int key_t,
+                                                        int t4, int sq, int sk, int diag,
+                                                        float scale, float scale_log2) {
+    constexpr float LOG2E = 1.4426950408889634f;
+    const float dist0 = static_cast<float>(r_lo + 2 * t4 + diag - key_t);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const float2 l = lds_f2(lse_c + (nt * 8 + 2 * t4) * 4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = r_lo + nt * 8 + 2 * t4 + (e % 2);
+            const int key = key_t + 8 * (e / 2);
+            const int r = V::READS ? min(row, sq - 1) : row;
+            const int kc = (V::READS && PARTIAL) ? min(key, sk - 1) : key;
+            const float lv = e % 2 ? l.y : l.x;
+            float x;
+            if constexpr (V::TRANSFORMS) {
+                float ds;
+                const float ce = static_cast<float>(8 * (e / 2) - nt * 8 - (e % 2));
+                const float t = var.template score_grad_x<true, CAUSAL>(s[nt][e], scale, r, kc,
+                                                                        dist0, ce, ds);
+                x = fast_exp2(fmaf(t, LOG2E, -lv));
+                if constexpr (V::DSCORE) dsc[nt][e] = ds;
+            } else {
+                x = fast_exp2(fmaf(s[nt][e], scale_log2, -lv));
+            }
+            if constexpr (PARTIAL) {   // `&` without reads: as variant_scores_as
+                bool ok = key < sk;
+                if (CAUSAL) ok = ok & (key <= row + diag);
+                if (V::MASKS)
+                    ok = V::READS ? (ok && var.visible_tc(r, kc)) : (ok & var.visible_tc(r, kc));
+                x = ok ? x : 0.f;
+            }
+            s[nt][e] = x;
+        }
+        if constexpr (V::DSCORE && DSC_SMEM)
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                         :: "r"(dsc_s + (nt * THREADS + threadIdx.x) * 16), "f"(dsc[nt][0]),
+                            "f"(dsc[nt][1]), "f"(dsc[nt][2]), "f"(dsc[nt][3]) : "memory");
+    }
+}
+
+// vpp: the variant's parameters (null for the plain policy, which reads none: a pointer, not a
+// VariantParams, so that the plain kernel's parameters and code stay as they were).
 template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, bool DS_KMAJOR,
           typename POLICY, bool OV>
-__device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
-    static_assert(POLICY::PLAIN, "the Hopper backward takes the plain policy only so far");
+__device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const VariantParams* vpp) {
     using Cfg = BwdWgmmaConfig<DPAD, BM, BN, DS_KMAJOR>;
     // OV (SPLIT only; notes/BACKWARD.md, "D = 256: the overlapped schedule"): the same products
     // on the same operands in another order, so that the tensor cores work under the phases
@@ -232,6 +301,12 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     const unsigned int ds_s = base + Cfg::DS_OFF;
     const unsigned int lse_s = base + Cfg::LD_OFF;         // 2 x BM floats (lse * log2(e))
     const unsigned int delta_s = lse_s + 2 * BM * 4;       // 2 x BM floats
+    // Variants with d score / d t (softcap, a score_mod) outside the SPLIT form: its SN / 2 floats
+    // a thread in shared memory past Cfg::SMEM (THREADS x SN x 2 bytes; _dispatch_variants.py:
+    // hopper_bwd_variant_smem), written with P^T and read with dS^T: beside dK, dV, S^T and
+    // dP^T they spilled at D = 128 (24 bytes, softcap, NVRTC 13.5).
+    constexpr bool DSC_SMEM = !POLICY::PLAIN && POLICY::DSCORE && !Cfg::SPLIT;
+    [[maybe_unused]] const unsigned int dsc_s = base + Cfg::TURN_OFF + 16;
 
     const int tid = threadIdx.x;
     // Warpgroup (keys 64 cw ..) and warp within it, broadcast from lane 0 so that the compiler
@@ -240,7 +315,30 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     const int warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
     const int lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const BwdKeyBlock kb = bwd_key_block<BM, BN, CAUSAL, DET>(p);
+    // Variants: the policy bound to the first batch entry (rebound when the reduction step
+    // changes); its window narrows the block's query tiles to those holding a row that sees one
+    // of its keys by position (row_range): [m_first, n_mtiles) of kb. A block whose range is
+    // empty visits no tile (it writes zeros).
+    [[maybe_unused]] POLICY var;
+    const BwdKeyBlock kb = [&]() {
+        BwdKeyBlock b = bwd_key_block<BM, BN, CAUSAL, DET>(p);
+        if constexpr (!POLICY::PLAIN) {
+            const BwdIndex ix0 = bwd_index(p, p.kv_red, b.owner, 0);
+            var.bind(*vpp, p.sq, p.sk, ix0.i0, ix0.i1, ix0.i2);
+            if constexpr (POLICY::HAS_WINDOW) {
+                long long r0, r1;
+                var.row_range(b.key0, min(b.key0 + BN, b.sk), r0, r1, p.sq);
+                int m_end = b.m_first;
+                if (r0 < r1) {
+                    b.m_first = max(b.m_first, static_cast<int>(r0 / BM));
+                    m_end = max(b.m_first, min(b.n_mtiles, static_cast<int>((r1 + BM - 1) / BM)));
+                }
+                b.n_mtiles = m_end;
+                b.n_iter = static_cast<int>(b.n_red) * (m_end - b.m_first);
+            }
+        }
+        return b;
+    }();
     const unsigned int owner = kb.owner, n_red = kb.n_red;
     const int nblock = kb.nblock, key0 = kb.key0, sq = kb.sq, sk = kb.sk, d = kb.d;
     const int diag = kb.diag, m_first = kb.m_first, n_iter = kb.n_iter;
@@ -304,7 +402,13 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     // the tile's last key block (the diagonal one under the causal mask) first, key block 0
     // last.
     const auto turn_at = [&](const BwdIndex& ix, int mt, int& mine) {
-        mine = (keys_needed<CAUSAL>(mt * BM, BM, sq, sk) - 1) / BN - nblock;
+        int tile_keys = keys_needed<CAUSAL>(mt * BM, BM, sq, sk);
+        if constexpr (!POLICY::PLAIN && POLICY::HAS_WINDOW) {  // keys [j0, j1) the rows see
+            long long j0, j1;
+            var.key_range(mt * BM, min(mt * BM + BM, sq), j0, j1, p.sk);
+            tile_keys = min(tile_keys, static_cast<int>(j1));
+        }
+        mine = (tile_keys - 1) / BN - nblock;
         return reinterpret_cast<int*>(p.dq_accum + bwd_offsets(p, ix).dqa +
                                       static_cast<long long>(mt * BM) * p.dqa_sr + DPAD);
     };
@@ -333,7 +437,10 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
     // first wave's start-up idles up to (N - 1) / 2 tiles a block, once per launch). Without
     // the mask the first tile is tile 0 (its counter at column DPAD of row 0) and rank r's turn
     // at every tile is r.
-    const bool gate = DET && !CAUSAL && n_iter > 1 && gridDim.x >= 8u * sm_count();
+    // (A window changes each block's first tile: no gate there.)
+    const bool gate = DET && !CAUSAL && !POLICY::HAS_WINDOW && n_iter > 1 &&
+                      gridDim.x >= 8u * sm_count();
+    [[maybe_unused]] int bound_red = 0;  // variants (SPLIT): the reduction step var is bound to
 
     // The next tile's Q, dO into the other stage and its lse, delta into registers.
     const auto issue_next = [&](bool more, int buf) {
@@ -361,6 +468,18 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         const unsigned int q_t = base + Cfg::Q_OFF + buf * Cfg::Q_BYTES;
         const unsigned int do_t = base + Cfg::DO_OFF + buf * Cfg::Q_BYTES;
         const unsigned int lse_t = lse_s + buf * BM * 4, delta_t = delta_s + buf * BM * 4;
+        // Variants that read per batch entry (bias, mask, slopes, hooks; the others read none):
+        // outside the SPLIT form bound again every tile (a few integer operations and ALiBi's
+        // slope load, under the tile's first products), so that the bound state is not held in
+        // registers across the loop (with it held, ALiBi took 250-255 registers at D = 128, now
+        // 235-248); in the SPLIT form when the reduction step changes (every tile, a bias spilled
+        // 16 bytes at D = 256 without causal, deterministic).
+        if constexpr (!POLICY::PLAIN && POLICY::READS) {
+            if (!Cfg::SPLIT || cur_red != bound_red) {
+                var.bind(*vpp, p.sq, p.sk, cur_ix.i0, cur_ix.i1, cur_ix.i2);
+                bound_red = cur_red;
+            }
+        }
 
         // S^T = K_c Q^T or dP^T = V_c dO^T into acc: DPAD / 16 k16 steps, K-major operands (32
         // bytes a step inside a panel, the next panel every 4 steps); one commit group.
@@ -401,7 +520,28 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         else wgmma_wait<0>();
         fence_regs(s);
         unsigned int pk[SN / 16][4];
-        {
+        [[maybe_unused]] float dsc[POLICY::DSCORE ? SN / 8 : 1][4];  // d score / d t (variants)
+        if constexpr (!POLICY::PLAIN) {
+            // The warpgroup's 64 keys against its rows: per-element visibility only where they
+            // are partial by position (tile_kind; warpgroup-uniform branch), or on the key tail /
+            // causal diagonal as in the plain kernel. (Per warp's 16 keys, the test spilled
+            // softcap at D = 128 under NVRTC 13.5.)
+            float(&s2)[SN / 8][4] = reinterpret_cast<float(&)[SN / 8][4]>(s);
+            const int r_lo = i0 + q0;
+            const bool partial =
+                kw0 + 64 > sk || (CAUSAL && kw0 + 63 > r_lo + diag) ||
+                var.tile_kind(r_lo, min(r_lo + SN, sq), kw0, kw0 + 64) != TILE_FULL;
+            const float scale = static_cast<float>(p.scale);
+            if (partial)
+                bwd_wgmma_variant_probs<SN / 8, CAUSAL, true, THREADS, DSC_SMEM>(
+                    s2, dsc, dsc_s, var, lse_t + q0 * 4, r_lo, key_t, t4, sq, sk, diag, scale,
+                    scale_log2);
+            else
+                bwd_wgmma_variant_probs<SN / 8, CAUSAL, false, THREADS, DSC_SMEM>(
+                    s2, dsc, dsc_s, var, lse_t + q0 * 4, r_lo, key_t, t4, sq, sk, diag, scale,
+                    scale_log2);
+            pack_p<T, SN / 8>(s2, pk);
+        } else {
             float(&s2)[SN / 8][4] = reinterpret_cast<float(&)[SN / 8][4]>(s);
             const bool need_mask = kw0 + 64 > sk || (CAUSAL && kw0 + 63 > i0 + q0 + diag);
             if (!need_mask) {
@@ -472,15 +612,37 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         unsigned int dsk[SN / 16][4];
         {
             float(&dp2)[SN / 8][4] = reinterpret_cast<float(&)[SN / 8][4]>(dp);
+            // dbias (a bias with return_dbias): the final score's gradient, before d score / d t,
+            // per (batch entry, row, key) to vp.dscores (the host sums it to bias's shape); every
+            // (row, key) a block visits is written by it alone, unvisited ones stay 0.
+            [[maybe_unused]] float* dsc_out = nullptr;
+            if constexpr (!POLICY::PLAIN && POLICY::HAS_BIAS) {
+                if (vpp->dscores != nullptr)
+                    dsc_out = static_cast<float*>(vpp->dscores) + bwd_flat(p, cur_ix) * p.sq * p.sk;
+            }
 #pragma unroll
             for (int nt = 0; nt < SN / 8; ++nt) {
                 const float2 dl = lds_f2(delta_t + (q0 + nt * 8 + 2 * t4) * 4);
+                if constexpr (!POLICY::PLAIN && POLICY::DSCORE && DSC_SMEM)  // (st.shared above)
+                    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=f"(dsc[nt][0]), "=f"(dsc[nt][1]), "=f"(dsc[nt][2]),
+                                   "=f"(dsc[nt][3])
+                                 : "r"(dsc_s + (nt * THREADS + tid) * 16) : "memory");
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     // pack_p: tile nt, element e is in word (nt % 2) * 2 + e / 2 of pk[nt / 2],
                     // the high half for odd e.
                     const float pv = unpack_half<T>(pk[nt / 2][(nt % 2) * 2 + e / 2], e % 2);
                     dp2[nt][e] = pv == 0.f ? 0.f : pv * (dp2[nt][e] - (e % 2 ? dl.y : dl.x));
+                    if constexpr (!POLICY::PLAIN && POLICY::HAS_BIAS) {
+                        const int row = i0 + q0 + nt * 8 + 2 * t4 + (e % 2);
+                        const int key = key_t + 8 * (e / 2);
+                        if (dsc_out != nullptr && row < sq && key < sk)
+                            dsc_out[static_cast<long long>(row) * sk + key] = dp2[nt][e];
+                    }
+                    // (a masked element's derivative is never read: a hook's may be NaN there)
+                    if constexpr (!POLICY::PLAIN && POLICY::DSCORE)
+                        dp2[nt][e] = pv == 0.f ? 0.f : dp2[nt][e] * dsc[nt][e];
                 }
             }
             pack_p<T, SN / 8>(dp2, dsk);
@@ -495,6 +657,25 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
         const auto sts_keys_by_queries = [&](unsigned int at, int row, int col, unsigned int v) {
             sts_panel_u32<Cfg::PT_PANEL>(at, row, col, v);
         };
+        // Variants (DS_KMAJOR, not SPLIT): the dS stores' addresses as four per-thread bases and
+        // immediates, formed per tile (ds_st opaque to ptxas): with the row r = kwo + 16 warp +
+        // g + 8 (w % 2) and the column c = q0 + (2 kk + w / 2) 8 + 2 t4 + h, r / 64 = kwo / 64,
+        // r % 8 = g, (r % 64) / 8 = 2 warp + w % 2 and c % 8 = 2 t4 + h, so the swizzle depends
+        // on (w % 2, h) only. The plain form's 32 addresses, hoisted out of the loop, took ~20
+        // registers there, which beside a policy's state spilled (20-28 bytes at D = 128, NVRTC
+        // 13.5).
+        unsigned int ds_st = ds_s;
+        if constexpr (!POLICY::PLAIN) asm volatile("" : "+r"(ds_st));
+        [[maybe_unused]] unsigned int ds_at[2][2];
+        if constexpr (!POLICY::PLAIN && DS_KMAJOR && !Cfg::SPLIT) {
+            const unsigned int b0 = ds_st + (kwo / 64) * Cfg::DS_PANEL + (q0 + 2 * t4) * 128 + g * 2;
+#pragma unroll
+            for (int wm = 0; wm < 2; ++wm)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    ds_at[wm][h] = b0 + h * 128 +
+                                   (static_cast<unsigned int>((2 * warp + wm) ^ (2 * t4 + h)) << 4);
+        }
 #pragma unroll
         for (int kk = 0; kk < SN / 16; ++kk)
 #pragma unroll
@@ -506,17 +687,22 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p) {
                     if constexpr (DS_KMAJOR)
                         sts_keys_by_queries(base + Cfg::DST_OFF, row, col, dsk[kk][w]);
                 }
-                if constexpr (DS_KMAJOR) {
+                if constexpr (!POLICY::PLAIN && DS_KMAJOR && !Cfg::SPLIT) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        sts_u16(ds_at[w % 2][h] + (2 * kk + w / 2) * 1024,
+                                static_cast<unsigned short>(h ? dsk[kk][w] >> 16 : dsk[kk][w]));
+                } else if constexpr (DS_KMAJOR) {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int c = col + h;
-                        sts_u16(ds_s + (row / 64) * Cfg::DS_PANEL + c * 128 +
+                        sts_u16(ds_st + (row / 64) * Cfg::DS_PANEL + c * 128 +
                                     (static_cast<unsigned int>(((row % 64) / 8) ^ (c % 8)) << 4) +
                                     (row % 8) * 2,
                                 static_cast<unsigned short>(h ? dsk[kk][w] >> 16 : dsk[kk][w]));
                     }
                 } else {
-                    sts_keys_by_queries(ds_s, row, col, dsk[kk][w]);
+                    sts_keys_by_queries(ds_st, row, col, dsk[kk][w]);
                 }
             }
         // dV += P^T dO, dK += dS^T Q: BM / 16 k16 steps (16 query rows = 16 x 128 bytes a step),
@@ -681,7 +867,18 @@ template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, bool DS_K
           typename POLICY, bool OV = false>
 __global__ void __launch_bounds__(BwdWgmmaConfig<DPAD, BM, BN, DS_KMAJOR>::THREADS, 1)
 cuflash_bwd_wgmma(const BwdParams p) {
-    bwd_wgmma_body<T, DPAD, BM, BN, CAUSAL, DET, DS_KMAJOR, POLICY, OV>(p);
+    static_assert(POLICY::PLAIN, "a variant's policy: cuflash_bwd_wgmma_var");
+    bwd_wgmma_body<T, DPAD, BM, BN, CAUSAL, DET, DS_KMAJOR, POLICY, OV>(p, nullptr);
+}
+
+// A variant's policy (variants.cuh), VariantParams the second argument (__grid_constant__: its
+// address is taken without a local copy); cuflash/_dispatch_variants.py: hopper_bwd_variant_plan.
+template <typename T, int DPAD, int BM, int BN, bool CAUSAL, bool DET, bool DS_KMAJOR,
+          typename POLICY, bool OV = false>
+__global__ void __launch_bounds__(BwdWgmmaConfig<DPAD, BM, BN, DS_KMAJOR>::THREADS, 1)
+cuflash_bwd_wgmma_var(const BwdParams p, const __grid_constant__ VariantParams vp) {
+    static_assert(!POLICY::PLAIN, "the plain policy: cuflash_bwd_wgmma");
+    bwd_wgmma_body<T, DPAD, BM, BN, CAUSAL, DET, DS_KMAJOR, POLICY, OV>(p, &vp);
 }
 
 }  // namespace cuflash

@@ -17,11 +17,19 @@ turn counters (checked to be ready when each block, run in block-index order, ge
 16-byte dk / dv stores. Arithmetic is float64 without 16-bit rounding, so a layout mistake shows
 up as a gradient far above the tolerance, and shared memory starts as NaN, so reading anything
 that was not written poisons the result.
+
+With a variant's VariantParams (cuflash_bwd_wgmma_var; window and softcap: the positional part
+and the transform with a derivative) it also models the window's query tiles per key block
+(row_range), the turns over the visited key blocks (key_range), the per-element visibility,
+softcap's d score / d t on dS (float64 tanh: the model checks structure, not the fast form's
+roundings) and the variant kernel's factored dS store addresses; `visits` collects (block
+index, query tile, reduction step). d score / d t's shared-memory round trip is per thread
+(each thread reads back its own words) and not modelled.
 """
 import numpy as np
 
 from bwd_generic_model import bwd_index, bwd_offsets, preprocess, reduce_count
-from bwd_mma_model import convert_dq
+from bwd_mma_model import _window_ranges, convert_dq
 
 LOG2E = 1.4426950408889634
 
@@ -184,21 +192,31 @@ def block_order(bid, grid, nn, det, nsm):
     return group * w + o, rank
 
 
-def key_blocks(p, grid, bm, bn, causal, det=False, nsm=132):
+def key_blocks(p, grid, bm, bn, causal, det=False, nsm=132, vp=None):
     """common.cuh bwd_key_block for every block index, in order: (block index, k/v owner, key
-    block, the (reduction step, query tile) visits)."""
+    block, the (reduction step, query tile) visits); with a window (vp) the query tiles that
+    hold a row seeing one of the block's keys by position (attn_bwd_wgmma.cu: row_range)."""
     sq, sk, nn = int(p["sq"]), int(p["sk"]), int(p["n_nblocks"])
     steps = range(reduce_count(p, int(p["kv_red"])))
     n_mtiles = -(-sq // bm)
+    _, row_range, _ = _window_ranges(vp, sq, sk)
     for bid in range(grid):
         owner, rev = block_order(bid, grid, nn, det, nsm)
         nblock = nn - 1 - rev
         first = max(nblock * bn - (sk - sq), 0) if causal else 0
         m_first = n_mtiles if first >= sq else first // bm
-        yield bid, owner, nblock, [(r, mt) for r in steps for mt in range(m_first, n_mtiles)]
+        m_end = n_mtiles
+        if vp is not None and (int(vp["left"]) >= 0 or int(vp["right"]) >= 0):
+            r0, r1 = row_range(nblock * bn, min(nblock * bn + bn, sk))
+            if r0 >= r1:
+                m_end = m_first
+            else:
+                m_first = max(m_first, r0 // bm)
+                m_end = max(m_first, min(n_mtiles, -(-r1 // bm)))
+        yield bid, owner, nblock, [(r, mt) for r in steps for mt in range(m_first, m_end)]
 
 
-def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
+def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132, vp=None, visits=None):
     """Every block of cuflash_bwd_wgmma in block-index order (the dispatch order the turns rely
     on), each warpgroup's products as matrices read through the descriptors the kernel builds.
     nsm: what %nsmid reads (the deterministic block order and start gate depend on it, the
@@ -209,7 +227,13 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
     dqa_sr, dqa = int(p["dqa_sr"]), int(p["dq_accum"])
     bm, bn, dpad = c.bm, c.bn, c.dpad
     seen = set()
-    for bid, owner, nblock, visits in key_blocks(p, grid, bm, bn, causal, det, nsm):
+    key_range, _, win_visible = _window_ranges(vp, sq, sk)
+    window = vp is not None and (int(vp["left"]) >= 0 or int(vp["right"]) >= 0)
+    cap = float(vp["softcap"]) if vp is not None else 0.0
+    seen_visits = visits
+    for bid, owner, nblock, visits in key_blocks(p, grid, bm, bn, causal, det, nsm, vp):
+        if seen_visits is not None:
+            seen_visits.extend((bid, mt, red) for red, mt in visits)
         assert (owner, nblock) not in seen, "every (owner, key block) once"
         seen.add((owner, nblock))
         key0, n_iter = nblock * bn, len(visits)
@@ -244,7 +268,7 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
             fsm[delta_s // 4 + np.arange(bm)] = dl
         dk_acc = np.zeros((c.consumers, 128, c.dkv_n // 2))
         dv_acc = np.zeros((c.consumers, 128, c.dkv_n // 2))
-        if det and not causal and n_iter > 1 and grid >= 8 * nsm:  # the start gate (tile 0)
+        if det and not causal and not window and n_iter > 1 and grid >= 8 * nsm:  # the gate
             at0 = bwd_offsets(p, bwd_index(p, kv_red, owner, visits[0][0]))["dqa"] + dpad
             got = mem.read(dqa, [at0])[0]
             rank = int(p["n_nblocks"]) - 1 - nblock
@@ -278,14 +302,28 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
                 need_mask = kw0 + 64 > sk or (causal and kw0 + 63 > i0 + q0 + diag)
                 lo = key_t - i0 - diag - q0 if causal else np.full(128, -bm)
                 real = [key_t < sk, key_t + 8 < sk]
+                dsc = np.ones((128, sn // 2))
                 for nt in range(sn // 8):
                     lpair = fsm[(lse_t + (q0 + nt * 8 + 2 * T4) * 4) // 4
                                 + np.arange(2)[:, None]]
                     for e in range(4):
-                        x = np.exp2(s[:, 4 * nt + e] * scale_log2 - lpair[e % 2])
-                        if need_mask:
-                            qc = nt * 8 + 2 * T4 + (e % 2)
-                            ok = real[e // 2] & (qc >= lo + 8 * (e // 2))
+                        if vp is None:
+                            x = np.exp2(s[:, 4 * nt + e] * scale_log2 - lpair[e % 2])
+                            if need_mask:
+                                qc = nt * 8 + 2 * T4 + (e % 2)
+                                ok = real[e // 2] & (qc >= lo + 8 * (e // 2))
+                                x = np.where(ok, x, 0.0)
+                        else:  # the policy: scaled score, softcap, visibility by position
+                            row = i0 + q0 + nt * 8 + 2 * T4 + (e % 2)
+                            key = key_t + 8 * (e // 2)
+                            t = s[:, 4 * nt + e] * scale
+                            if cap:
+                                th = np.tanh(t / cap)
+                                t, dsc[:, 4 * nt + e] = cap * th, 1.0 - th * th
+                            x = np.exp2(t * LOG2E - lpair[e % 2])
+                            ok = (key < sk) & win_visible(row, key)
+                            if causal:
+                                ok &= key <= row + diag
                             x = np.where(ok, x, 0.0)
                         s[:, 4 * nt + e] = x
                 pk = _pack_p(s, sn)
@@ -294,8 +332,9 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
                                 + np.arange(2)[:, None]]
                     for e in range(4):
                         pv = pk[:, nt // 2, (nt % 2) * 2 + e // 2, e % 2]
-                        dp[:, 4 * nt + e] = np.where(pv == 0, 0.0,
-                                                     pv * (dp[:, 4 * nt + e] - dpair[e % 2]))
+                        dp[:, 4 * nt + e] = np.where(
+                            pv == 0, 0.0, pv * (dp[:, 4 * nt + e] - dpair[e % 2])
+                            * dsc[:, 4 * nt + e])
                 dsk = _pack_p(dp, sn)
 
                 def store_keys_by_queries(at, row, col, word):  # one 32-bit word (key, query)
@@ -313,7 +352,15 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
                             if c.ds_kmajor:
                                 store_keys_by_queries(c.dst_off, row, col, dsk[:, kk, w])
                         for h in range(2):
-                            if c.ds_kmajor:  # dS: (query, key), 64-key panels
+                            if c.ds_kmajor and vp is not None and not c.split:
+                                # the variant kernel's factored form (ds_at): four bases of
+                                # (w % 2, h) and the immediates of (kk, w / 2)
+                                b0 = c.ds_off + (kwo // 64) * c.ds_panel + (q0 + 2 * T4) * 128 \
+                                    + G * 2
+                                addr = (b0 + h * 128 + (((2 * WARP + w % 2) ^ (2 * T4 + h)) << 4)
+                                        + (2 * kk + w // 2) * 1024)
+                                smem[addr // 2] = dsk[:, kk, w, h]
+                            elif c.ds_kmajor:  # dS: (query, key), 64-key panels
                                 cq = col + h
                                 addr = (c.ds_off + (row // 64) * c.ds_panel + cq * 128
                                         + ((((row % 64) // 8) ^ (cq % 8)) << 4) + (row % 8) * 2)
@@ -350,6 +397,8 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132):
             dqa_off = bwd_offsets(p, bwd_index(p, kv_red, owner, red))["dqa"]
             turn_at = dqa_off + i0 * dqa_sr + dpad
             n_keys = min(sk, min(i0 + bm, sq) - 1 + diag + 1) if causal else sk
+            if window:   # the keys the tile's rows see by position
+                n_keys = min(n_keys, key_range(i0, min(i0 + bm, sq))[1])
             my_turn = (n_keys - 1) // bn - nblock
             if det:
                 got = mem.read(dqa, [turn_at])[0]
@@ -419,28 +468,44 @@ def _pack_p(frag, bm):
     return out
 
 
-def run_plan_launches(mem, launches, bplan, causal, nsm=132):
+def run_plan_launches(mem, launches, bplan, causal, nsm=132, visits=None):
     """Run the launches recorded from launch_backward for a Hopper plan (nsm: the SM count the
-    kernel reads, %nsmid)."""
+    kernel reads, %nsmid; a launch's parameters: BwdParams, or (BwdParams, VariantParams) for
+    a variant's kernel, whose policy may have a window and softcap only)."""
     kern = bplan.passes[0][1]
     name = kern.spec.name
     targs = [x.strip() for x in name[name.index("<") + 1:name.rindex(">")].split(",")]
     dpad, bm, bn = (int(x) for x in targs[1:4])
     assert targs[4] == ("true" if causal else "false")
     det = targs[5] == "true"
-    assert targs[7] == "cuflash::PlainVariant"
+    var = "cuflash_bwd_wgmma_var<" in name
+    assert var or targs[7] == "cuflash::PlainVariant"
+    softcap = False
+    if var:   # Variant<WINDOW, SOFTCAP, ALIBI, BiasT, MASK[, FORM]>: the model's parts only
+        pol = targs[7:]
+        assert pol[0].startswith("cuflash::Variant<") and pol[2] == "false" and \
+            pol[3] == "cuflash::NoBias" and pol[4].rstrip(">") == "false", pol
+        softcap = pol[1] == "true"
+        targs = targs[:7] + ["cuflash::PlainVariant"]
     # targs[8] (OV, the SPLIT form's overlapped schedule): the same products in another order,
     # which this model (one product after another) does not see; tests/bwd_wgmma_schedule.py
     # checks the order.
     assert len(targs) == 8 or (targs[8] in ("true", "false") and dpad > 128)
     c = Cfg(dpad, bm, bn, targs[6] == "true")
-    assert c.smem == kern.smem_bytes, "the host's shared-memory size is BwdWgmmaConfig's"
+    extra = 0
+    if softcap and dpad <= 128:   # softcap's d score / d t (DSC_SMEM): BM / 2 floats a thread
+        extra = c.threads * bm * 2
+    assert c.smem + extra == kern.smem_bytes, "the host's shared-memory size is the kernel's"
     for spec_name, grid, threads, params in launches:
+        vp = None
+        if isinstance(params, tuple):
+            params, vp = params if len(params) == 2 else (params[0], None)
         if "cuflash_bwd_preprocess" in spec_name:
             preprocess(mem, params, grid)
         elif "cuflash_bwd_wgmma" in spec_name:
             assert threads == c.threads == kern.threads
-            bwd_wgmma_kernel(mem, params, grid, c, causal, det, nsm)
+            assert (vp is not None) == ("cuflash_bwd_wgmma_var<" in spec_name)
+            bwd_wgmma_kernel(mem, params, grid, c, causal, det, nsm, vp=vp, visits=visits)
         elif "cuflash_bwd_convert_dq" in spec_name:
             convert_dq(mem, params, grid)
         else:

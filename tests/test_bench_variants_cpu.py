@@ -14,7 +14,8 @@ def bench():
     return load_benchmark("bench_variants")
 
 
-@pytest.mark.parametrize("impl", ["fused", "fma-rcp+fused", "affine", "affine+fused"])
+@pytest.mark.parametrize("impl", ["fused", "fma-rcp+fused", "affine", "affine+fused",
+                                  "hopperbwd"])
 def test_nested_form_context_restores_the_flags(bench, impl, monkeypatch):
     flags = bench.IMPLS[impl][0]
     for k in flags:
@@ -27,3 +28,11 @@ def test_nested_form_context_restores_the_flags(bench, impl, monkeypatch):
             assert {k: getattr(DV, k) for k in flags} == flags
         assert {k: getattr(DV, k) for k in flags} == flags
     assert {k: getattr(DV, k) for k in flags} == before
+
+
+def test_every_form_sets_existing_flags(bench):
+    """A form's flags are _dispatch_variants' own (a misspelt one would set a new attribute and
+    time the base form under the form's name)."""
+    for impl, (flags, _) in bench.IMPLS.items():
+        assert all(hasattr(DV, k) and isinstance(getattr(DV, k), bool) for k in flags), impl
+    assert bench.IMPLS["hopperbwd"][0] == {"HOPPER_BWD_VARIANTS": True}
