@@ -22,8 +22,9 @@ count forced; configure caps it at one split per key tile), to measure the split
 rule; `cuflash` is the default version 2), `cuflash-v3` with version 3 (version 2 plus the
 L2::256B prefetch hint on the K/V copies), `cuflash-v4` with version 4 (sm_90: version 2 with
 one bulk copy per K/V row), `cuflash-v5` with version 5 (version 2 with the K/V copies under
-an evict-first L2 policy), so the versions are timed in one run on the same inputs; with them,
-the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3`, `-v4`, `-v5`). `cuflash-rule3` is
+an evict-first L2 policy), `cuflash-v6` with version 6 (version 2 with swizzled K/V tiles in
+shared memory), so the versions are timed in one run on the same inputs; with them,
+the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3` ... `-v6`). `cuflash-rule3` is
 the default version with split rule 3 (`_decode.DECODE_SPLIT_RULE = 3`; `cuflash` has the
 default rule 2), `cuflash-rule4` with rule 4 (rule 2, one split where rule 3 picks one), checked and timed like the others; each decode row's label ends with the split count
 every cuflash implementation ran (`splits cuflash=3,cuflash-rule3=1,cuflash-s1=1`).
@@ -195,7 +196,7 @@ class _ForcedSplits:
 
 #: cuflash's decode implementations -> the decode kernels' version they run.
 CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v2": 2, "cuflash-v3": 3, "cuflash-v4": 4,
-                 "cuflash-v5": 5}
+                 "cuflash-v5": 5, "cuflash-v6": 6}
 #: cuflash's decode implementations with another split rule -> (version, rule): the default
 #: version under `_decode.DECODE_SPLIT_RULE = 3`.
 CUFLASH_RULE_IMPLS = {"cuflash-rule3": (None, 3), "cuflash-rule4": (None, 4)}
@@ -299,7 +300,7 @@ def bench_paged(grid, args, rows):
                 check = _Checker(q.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
                                  vc.transpose(0, 2, 1, 3), b, hkv)
                 o = cp.empty((b, 1, H, D), dtype=cp.float16)
-                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 2, 3, 4, 5)
+                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 2, 3, 4, 5, 6)
                                            if f"cuflash-v{v}" in args.impls]
                 for (name, paged), (suffix, version) in ((x, y) for y in versions for x in (
                         ("contiguous", False), ("paged16", True))):
@@ -495,14 +496,14 @@ def bench_gqa(args, rows):
     flops = 2.0 * 2 * s * (s + 1) / 2 * D * H
     res = {}
     fn = lambda: cuflash.attention(q, k, v, causal=True)  # noqa: E731
-    rows = None if args.quick else CHECK_ROW_BLOCKS
-    why = _first_head_check(fn(), q, k, v, "bfloat16", rows)
+    check_rows = None if args.quick else CHECK_ROW_BLOCKS
+    why = _first_head_check(fn(), q, k, v, "bfloat16", check_rows)
     res["cuflash"] = ("FAILED " + why) if why else \
         flops / _events(fn, args.warmup, args.repeats) / 1e12
     for name, run in _torch_impls().items():
         try:
             why = _first_head_check(cp.from_dlpack(run(tq, tk, tv, causal=True)), q, k, v,
-                                    "bfloat16", rows)
+                                    "bfloat16", check_rows)
             res[name] = ("FAILED " + why) if why else flops / _events(
                 lambda: run(tq, tk, tv, causal=True), args.warmup, args.repeats) / 1e12
         except Exception as exc:  # backend refuses the shape
@@ -549,7 +550,7 @@ def _markdown(rows):
                 out.append(f"\ncuflash / cuDNN: geometric mean {gm:.2f}x, min {min(ratios):.2f}x "
                            f"over {len(ratios)} points")
         for other in ("cuflash-v1", "cuflash-v2", "cuflash-v3", "cuflash-v4", "cuflash-v5",
-                      *CUFLASH_RULE_IMPLS):
+                      "cuflash-v6", *CUFLASH_RULE_IMPLS):
             if kind != "decode" or other not in impls:
                 continue
             for ref in ("torch-cudnn", "cuflash"):
@@ -581,7 +582,7 @@ def main(argv=None):
                          "split per key tile), to measure the split rule's choice")
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
                     help="comma-separated decode implementations: cuflash, cuflash-v1 / cuflash-v2 / "
-                         "-v3 / -v4 / -v5 (the decode kernels' versions 1, 3, 4: sm_90, 5), "
+                         "-v3 ... -v6 (the decode kernels' versions 1, 3, 4: sm_90, 5, 6), "
                          "cuflash-rule3 / -rule4 (split rules 3, 4), "
                          "torch-cudnn, torch-flash")
     for axis in ("b", "sk", "hkv"):

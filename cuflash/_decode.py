@@ -85,11 +85,13 @@ DECODE_T_COMBINE = 3e-6
 #: elsewhere) is version 2 with one bulk copy (cp.async.bulk on an mbarrier) per K/V row instead of
 #: 16 lanes' 16-byte cp.async (same results; --impl cuflash-v4); 5 is version 2 with the K/V
 #: copies under an evict-first L2 policy (createpolicy; same results; an L2 experiment,
-#: --impl cuflash-v5). Assigning it moves the call caches'
-#: generation on (_callcache._WatchedModule), so records of another version miss.
+#: --impl cuflash-v5); 6 is version 2 with the K/V tiles swizzled in shared memory (rows 128-byte
+#: aligned, chunks XOR-swizzled, so a global line lands in one shared-memory segment; same
+#: results; --impl cuflash-v6). Assigning it moves the call caches' generation on
+#: (_callcache._WatchedModule), so records of another version miss.
 DECODE_VERSION = 2
 #: The kernel versions `decode_plan` takes.
-DECODE_VERSIONS = (1, 2, 3, 4, 5)
+DECODE_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's
 #: latency, the warp merge, the stores: version 2's epilogue is ~1/5 of version 1's
 #: instructions) and the combine's (a dependent launch, the lse pass and one round trip to the
@@ -235,7 +237,7 @@ def all_decode_specialisations():
         for dpad in DECODE_DPADS:
             for causal in (False, True):
                 for paged in (False, True):
-                    for ver in (2, 1, 3, 4, 5):
+                    for ver in (2, 1, 3, 4, 5, 6):
                         out.append(decode_plan(dt, dpad, causal, paged, version=ver).spec)
                         if dpad <= DECODE_MT2_MAX_DPAD:
                             out.append(decode_plan(dt, dpad, causal, paged, rows=32,

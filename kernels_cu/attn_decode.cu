@@ -135,8 +135,13 @@ __device__ __forceinline__ void tile_rows(const DecodeParams& p, const T* k, con
 // (K rows then V rows, stride S), zero-filling keys >= sk and columns >= d.
 // Paged: `page` is the tile's page number, read ahead by the caller (page_of) so that the
 // table's latency is not on the path of the copy. PF256: with the L2::256B prefetch hint.
-// EF: under the evict-first L2 policy `pol` (version 5).
-template <typename T, int DPAD, int BN, bool PAGED, bool PF256 = false, bool EF = false>
+// EF: under the evict-first L2 policy `pol` (version 5). SW (version 6): rows DPAD apart (a
+// multiple of 128 bytes) with the 16-byte chunks of row r XOR-swizzled by r & 7, so the eight
+// lanes that copy one 128-byte line of global memory write one aligned 128-byte segment of
+// shared memory (the padded rows, DPAD + 8 apart, split it over two segments, and the H200
+// measured 1.5x the L2 sector reads of the K/V bytes: notes/INFERENCE.md, "Version 6").
+template <typename T, int DPAD, int BN, bool PAGED, bool PF256 = false, bool EF = false,
+          bool SW = false>
 __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, const T* k,
                                              const T* v, int kvh, int page, int tile, int sk,
                                              int d, int lane, unsigned long long pol = 0) {
@@ -150,7 +155,13 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const DecodeParams& p, cons
     for (int i = lane; i < BN * CHUNKS; i += 32) {
         const int r = i / CHUNKS, c = i % CHUNKS;
         const bool ok = key0 + r < sk && c * EPC < d;
-        if constexpr (EF) {
+        if constexpr (SW) {
+            const int sc = (c ^ (r & 7)) * EPC;
+            cp_async16(smem_addr(dst + r * DPAD + sc), ok ? kb + r * p.k_sr + c * EPC : k,
+                       ok ? 16 : 0);
+            cp_async16(smem_addr(dst + (BN + r) * DPAD + sc), ok ? vb + r * p.v_sr + c * EPC : v,
+                       ok ? 16 : 0);
+        } else if constexpr (EF) {
             cp_async16_policy(smem_addr(dst + r * Cfg::S + c * EPC),
                               ok ? kb + r * p.k_sr + c * EPC : k, ok ? 16 : 0, pol);
             cp_async16_policy(smem_addr(dst + (BN + r) * Cfg::S + c * EPC),
@@ -231,12 +242,17 @@ __device__ __forceinline__ void axpy4(float4& acc, float w, const float4& x) {
 // 3: version 2 with the L2::256B prefetch hint on the K/V copies (same results as 2, bitwise).
 // 4 (sm_90 only): version 2 with one bulk copy per K/V row on a per-stage mbarrier
 // (load_kv_tile_bulk) instead of 16 lanes' 16-byte cp.async (same results as 2, bitwise).
+// 5: version 2 with the K/V copies under an evict-first L2 policy (same results as 2, bitwise).
+// 6: version 2 with the K/V tiles swizzled in shared memory (load_kv_tile's SW; same results as
+// 2, bitwise).
 template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V>
 __global__ void __launch_bounds__(32 * NWARPS)
 cuflash_attn_decode(const DecodeParams p) {
-    static_assert(V >= 1 && V <= 5, "decode kernel versions 1 to 5");
+    static_assert(V >= 1 && V <= 6, "decode kernel versions 1 to 6");
     constexpr bool PF = V == 3;
     constexpr bool EF = V == 5;
+    constexpr bool SW = V == 6;  // the swizzled K/V tiles (load_kv_tile)
+    static_assert(!SW || DPAD >= 64, "the swizzle needs eight 16-byte chunks a row");
     constexpr bool BULK = V == 4;
     __shared__ __align__(8) unsigned long long kv_bars[BULK ? 2 * NWARPS : 1];
     using Cfg = DecodeConfig<DPAD, BN, NWARPS, MT>;
@@ -315,8 +331,13 @@ cuflash_attn_decode(const DecodeParams p) {
 
     const int lr = lane % 8, lm = lane / 8;
     const unsigned int q_base = smem_addr(q_s + (lr + 8 * (lm % 2)) * Cfg::S + 8 * (lm / 2));
-    const unsigned int k_off = ((lr + 8 * (lm / 2)) * Cfg::S + 8 * (lm % 2)) * 2;
-    const unsigned int v_off = ((BN + lr + 8 * (lm % 2)) * Cfg::S + 8 * (lm / 2)) * 2;
+    // SW: the lane's row start; its chunk 2 kk + (lm % 2) of K (2 nn + lm / 2 of V) sits at
+    // chunk (2 kk) ^ ky ((2 nn) ^ vy) of the row, since every row it addresses has r & 7 = lr.
+    const unsigned int k_off = SW ? (lr + 8 * (lm / 2)) * DPAD * 2
+                                  : ((lr + 8 * (lm / 2)) * Cfg::S + 8 * (lm % 2)) * 2;
+    const unsigned int v_off = SW ? (BN + lr + 8 * (lm % 2)) * DPAD * 2
+                                  : ((BN + lr + 8 * (lm % 2)) * Cfg::S + 8 * (lm / 2)) * 2;
+    const unsigned int ky = (lm % 2) ^ lr, vy = (lm / 2) ^ lr;
 
     const unsigned long long kv_pol = EF ? l2_evict_first_policy() : 0ull;
     int t = t_begin + warp;
@@ -342,7 +363,7 @@ cuflash_attn_decode(const DecodeParams p) {
             load_kv_tile_bulk<T, DPAD, BN, PAGED>(my, bar0, p, k, v, off.kvh, page_t, t, sk, d,
                                                   lane);
         else
-            load_kv_tile<T, DPAD, BN, PAGED, PF, EF>(my, p, k, v, off.kvh, page_t, t, sk, d, lane,
+            load_kv_tile<T, DPAD, BN, PAGED, PF, EF, SW>(my, p, k, v, off.kvh, page_t, t, sk, d, lane,
                                                       kv_pol);
     }
     cp_async_commit();
@@ -360,7 +381,7 @@ cuflash_attn_decode(const DecodeParams p) {
                                                       bar0 + 8 * (stage ^ 1), p, k, v, off.kvh,
                                                       page_tn, tn, sk, d, lane);
             else
-                load_kv_tile<T, DPAD, BN, PAGED, PF, EF>(my + (stage ^ 1) * Cfg::STAGE, p, k,
+                load_kv_tile<T, DPAD, BN, PAGED, PF, EF, SW>(my + (stage ^ 1) * Cfg::STAGE, p, k,
                                                          v, off.kvh, page_tn, tn, sk, d, lane,
                                                          kv_pol);
         }
@@ -389,7 +410,9 @@ cuflash_attn_decode(const DecodeParams p) {
 #pragma unroll
             for (int nn = 0; nn < BN / 16; ++nn) {
                 unsigned int b0, b1, b2, b3;
-                ldmatrix_x4(kv_base + k_off + (nn * 16 * Cfg::S + kk * 16) * 2, b0, b1, b2, b3);
+                ldmatrix_x4(SW ? kv_base + k_off + nn * 16 * DPAD * 2 + (((2 * kk) ^ ky) << 4)
+                               : kv_base + k_off + (nn * 16 * Cfg::S + kk * 16) * 2,
+                            b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     Mma<T>::run(s[mt][2 * nn], a[mt], b0, b1);
@@ -422,7 +445,10 @@ cuflash_attn_decode(const DecodeParams p) {
 #pragma unroll
             for (int nn = 0; nn < DPAD / 16; ++nn) {
                 unsigned int b0, b1, b2, b3;
-                ldmatrix_x4_trans(kv_base + v_off + (kk * 16 * Cfg::S + nn * 16) * 2, b0, b1, b2,
+                ldmatrix_x4_trans(SW ? kv_base + v_off + kk * 16 * DPAD * 2
+                                           + (((2 * nn) ^ vy) << 4)
+                                     : kv_base + v_off + (kk * 16 * Cfg::S + nn * 16) * 2,
+                                  b0, b1, b2,
                                   b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {

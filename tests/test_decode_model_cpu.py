@@ -129,7 +129,8 @@ def test_versions_plans_and_specialisations():
     """Each kernel version has its own instantiation (the name's last template argument) and
     label suffix; version 1 pairs with combine version 1, versions 2-5 with 2; the compile
     check's list has every version's kernels; an unknown version is refused."""
-    for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>"), (4, ",v4>"), (5, ",v5>")):
+    for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>"), (4, ",v4>"), (5, ",v5>"),
+                      (6, ",v6>")):
         plan = _decode.decode_plan("bfloat16", 128, False, True, rows=32, version=v)
         assert plan.spec.name.endswith(f", {v}>") and plan.label.endswith(suffix)
         assert _decode.version_of(plan) == v
@@ -150,7 +151,7 @@ def test_versions_plans_and_specialisations():
                           1, 1, 100, 64, dict(max_smem_optin=227 * 1024, sm_count=108,
                                               compute_capability=80))
     with pytest.raises(ValueError, match="versions"):
-        _decode.decode_plan("float16", 64, True, False, version=6)
+        _decode.decode_plan("float16", 64, True, False, version=7)
 
 
 # ---------------------------------------------------------------------------------------------

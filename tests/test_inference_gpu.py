@@ -108,7 +108,7 @@ DECODE_CASES = [  # (B, H, Hkv, Sq, Sk, D)
 def _decode_version(monkeypatch, version):
     """Run the decode family at kernel `version` (1: session f's kernels and split rule, kept
     selectable for timing; 2: the default; 3: 2 with the L2::256B prefetch hint; 4: 2 with
-    bulk copies, sm_90 only; 5: 2 with an evict-first L2 policy on the K/V copies)."""
+    bulk copies, sm_90 only; 5: 2 with an evict-first L2 policy on the K/V copies; 6: 2 with swizzled K/V tiles)."""
     from cuflash import _decode
 
     if version == 4 and _cc() != 90:
@@ -116,7 +116,7 @@ def _decode_version(monkeypatch, version):
     monkeypatch.setattr(_decode, "DECODE_VERSION", version)
 
 
-@pytest.mark.parametrize("version", [2, 1, 3, 4, 5])
+@pytest.mark.parametrize("version", [2, 1, 3, 4, 5, 6])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("b,h,hkv,sq,sk,d", DECODE_CASES)
@@ -157,7 +157,7 @@ FORCED_CASES = [  # (H, Hkv, Sq): groups 1, 4, 8, 32; Sq = 1 and > 1; MT = 1 and
     (32, 32, 1), (32, 8, 1), (32, 4, 1), (32, 1, 1), (32, 4, 3), (32, 1, 2)]
 
 
-@pytest.mark.parametrize("version", [2, 1, 4])   # 3: test_decode_kernel, the bitwise test
+@pytest.mark.parametrize("version", [2, 1, 4, 6])   # 3: test_decode_kernel, the bitwise test
 @pytest.mark.parametrize("splits", [1, 100, "max"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sk", [1, 7, 113, 1000, 20000])
@@ -285,8 +285,8 @@ def test_kvcache_hits_match_the_reference(page, group, sq, snew, lens, seqlens_i
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("hkv", [8, 1])   # MT = 1; MT = 2
 def test_decode_v3_matches_v2_bitwise(hkv, paged, monkeypatch):
-    """Versions 3, 4 and 5 change only how K/V tiles reach shared memory (the L2 prefetch hint;
-    bulk copies per row, sm_90; an evict-first L2 policy): their o and lse equal version 2's bit
+    """Versions 3-6 change only how K/V tiles reach shared memory (the L2 prefetch hint; bulk
+    copies per row, sm_90; an evict-first L2 policy; the swizzled layout): their o and lse equal version 2's bit
     for bit (through
     attention_with_kvcache, contiguous and paged page 16, lengths with tails), and version 2's
     pass the float64 reference (test_kvcache_gpu covers the rest)."""
@@ -301,7 +301,7 @@ def test_decode_v3_matches_v2_bitwise(hkv, paged, monkeypatch):
     args = (to_gpu(q, "float16"), to_gpu(k, "float16"), to_gpu(v, "float16"), cp.asarray(lens))
     kw = dict(block_table=None if bt is None else cp.asarray(bt), return_lse=True)
     res = {}
-    for version in (2, 3, 5) + ((4,) if _cc() == 90 else ()):
+    for version in (2, 3, 5, 6) + ((4,) if _cc() == 90 else ()):
         _decode_version(monkeypatch, version)
         res[version] = cuflash.attention_with_kvcache(*args, **kw)
     cp.cuda.get_current_stream().synchronize()
@@ -365,7 +365,7 @@ def test_varlen_gpu(h, hkv, d, lens_q, lens_k, dtype, causal):
                         dtype=dtype)
 
 
-@pytest.mark.parametrize("version", [2, 1, 4])
+@pytest.mark.parametrize("version", [2, 1, 4, 6])
 @pytest.mark.parametrize("h,hkv", [(8, 2), (32, 1)])   # MT = 1; MT = 2 (32 rows a block)
 @pytest.mark.parametrize("sk", [64, 8192])       # one split; many splits (the combine)
 @pytest.mark.parametrize("where", ["q-head3", "k-key200-inf", "v-key100-nan", "v-key100-inf"])
