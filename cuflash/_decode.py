@@ -87,11 +87,13 @@ DECODE_T_COMBINE = 3e-6
 #: copies under an evict-first L2 policy (createpolicy; same results; an L2 experiment,
 #: --impl cuflash-v5); 6 is version 2 with the K/V tiles swizzled in shared memory (rows 128-byte
 #: aligned, chunks XOR-swizzled, so a global line lands in one shared-memory segment; same
-#: results; --impl cuflash-v6). Assigning it moves the call caches' generation on
+#: results; --impl cuflash-v6); 7 is version 2 with three K/V stages per warp at MT = 2
+#: (`decode_stages`; same results; for G = 32 at short keys, where a warp walks few tiles:
+#: notes/INFERENCE.md "Short keys with one kv head", --impl cuflash-v7). Assigning it moves the call caches' generation on
 #: (_callcache._WatchedModule), so records of another version miss.
 DECODE_VERSION = 2
 #: The kernel versions `decode_plan` takes.
-DECODE_VERSIONS = (1, 2, 3, 4, 5, 6)
+DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 #: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's
 #: latency, the warp merge, the stores: version 2's epilogue is ~1/5 of version 1's
 #: instructions) and the combine's (a dependent launch, the lse pass and one round trip to the
@@ -136,14 +138,21 @@ DECODE_T_COMBINE_V3 = 7.4e-6
 DECODE_T_LAUNCH_V3 = 2e-6
 
 
+def decode_stages(version: int, mt: int) -> int:
+    """K/V stages per warp of the decode kernel (attn_decode.cu: NS): 3 for version 7 at MT = 2,
+    else 2."""
+    return 3 if version == 7 and mt == 2 else 2
+
+
 def decode_smem_bytes(dpad: int, bn: int = DECODE_BN, nwarps: int = DECODE_WARPS,
-                      mt: int = 1) -> int:
+                      mt: int = 1, stages: int = 2) -> int:
     """Dynamic shared memory of one block: the Q tile (16 `mt` rows), then the warps' K/V
-    stages, which the epilogue reuses for the warps' O, m and l (whichever is larger)."""
+    `stages` (`decode_stages`), which the epilogue reuses for the warps' O, m and l (whichever
+    is larger)."""
     s = dpad + 8
     rows = 16 * mt
     q = rows * s * 2
-    kv = nwarps * 2 * 2 * bn * s * 2
+    kv = nwarps * stages * 2 * bn * s * 2
     epi = nwarps * rows * (dpad + 4) * 4 + 2 * nwarps * rows * 4
     return q + max(kv, epi)
 
@@ -181,7 +190,8 @@ def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 
              f"{'paged' if paged else 'dense'},{'causal' if causal else 'full'}"
              f"{'' if version == 2 else f',v{version}'}{'' if rule == 2 else f',rule{rule}'}>")
     spec = _compile.Specialisation("attn_decode", name, arch="sm_90" if version == 4 else None)
-    return Plan(label, spec, 16 * mt, DECODE_BN, 32 * DECODE_WARPS, decode_smem_bytes(dpad, mt=mt))
+    return Plan(label, spec, 16 * mt, DECODE_BN, 32 * DECODE_WARPS,
+                decode_smem_bytes(dpad, mt=mt, stages=decode_stages(version, mt)))
 
 
 def version_of(plan) -> int:
@@ -237,7 +247,7 @@ def all_decode_specialisations():
         for dpad in DECODE_DPADS:
             for causal in (False, True):
                 for paged in (False, True):
-                    for ver in (2, 1, 3, 4, 5, 6):
+                    for ver in (2, 1, 3, 4, 5, 6, 7):
                         out.append(decode_plan(dt, dpad, causal, paged, version=ver).spec)
                         if dpad <= DECODE_MT2_MAX_DPAD:
                             out.append(decode_plan(dt, dpad, causal, paged, rows=32,

@@ -66,7 +66,7 @@ struct DecodeParams {
 };
 static_assert(sizeof(DecodeParams) == 49 * 8, "DecodeParams must match cuflash/_decode.py");
 
-template <int DPAD, int BN, int NWARPS, int MT = 1>
+template <int DPAD, int BN, int NWARPS, int MT = 1, int NS = 2>
 struct DecodeConfig {
     static constexpr int S = DPAD + 8;          // row stride (elements): conflict-free ldmatrix
     static constexpr int THREADS = 32 * NWARPS;
@@ -74,7 +74,7 @@ struct DecodeConfig {
     static constexpr int NT_S = BN / 8;
     static constexpr int NT_O = DPAD / 8;
     static constexpr int STAGE = 2 * BN * S;    // K then V of one tile, elements
-    static constexpr int WARP_ELEMS = 2 * STAGE;  // two stages per warp
+    static constexpr int WARP_ELEMS = NS * STAGE;  // NS stages per warp (2; version 7: 3)
     static constexpr int OS = DPAD + 4;         // float row stride of the epilogue's O
     static_assert(DPAD % 16 == 0 && BN % 16 == 0, "tile shapes are multiples of 16");
     static_assert(MT == 1 || MT == 2, "one or two row tiles per block");
@@ -245,17 +245,22 @@ __device__ __forceinline__ void axpy4(float4& acc, float w, const float4& x) {
 // 5: version 2 with the K/V copies under an evict-first L2 policy (same results as 2, bitwise).
 // 6: version 2 with the K/V tiles swizzled in shared memory (load_kv_tile's SW; same results as
 // 2, bitwise).
+// 7: version 2 with three K/V stages per warp at MT = 2 (two tiles in flight while a third is
+// computed: a warp with few tiles, G = 32 at short keys, waits ~one tile latency less; MT = 1
+// keeps two stages, so its code is version 2's). Each warp walks the same tiles in the same
+// order, so results equal version 2's bitwise.
 template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V>
 __global__ void __launch_bounds__(32 * NWARPS)
 cuflash_attn_decode(const DecodeParams p) {
-    static_assert(V >= 1 && V <= 6, "decode kernel versions 1 to 6");
+    static_assert(V >= 1 && V <= 7, "decode kernel versions 1 to 7");
     constexpr bool PF = V == 3;
     constexpr bool EF = V == 5;
     constexpr bool SW = V == 6;  // the swizzled K/V tiles (load_kv_tile)
     static_assert(!SW || DPAD >= 64, "the swizzle needs eight 16-byte chunks a row");
     constexpr bool BULK = V == 4;
+    constexpr int NS = (V == 7 && MT == 2) ? 3 : 2;  // K/V stages per warp
     __shared__ __align__(8) unsigned long long kv_bars[BULK ? 2 * NWARPS : 1];
-    using Cfg = DecodeConfig<DPAD, BN, NWARPS, MT>;
+    using Cfg = DecodeConfig<DPAD, BN, NWARPS, MT, NS>;
     constexpr int ROWS = Cfg::ROWS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
@@ -341,7 +346,8 @@ cuflash_attn_decode(const DecodeParams p) {
 
     const unsigned long long kv_pol = EF ? l2_evict_first_policy() : 0ull;
     int t = t_begin + warp;
-    int page_next = page_of<BN, PAGED>(p, off.seq, t + NWARPS, t_end);  // one tile ahead
+    // the page of the tile the loop issues first (t + (NS - 1) NWARPS), read one tile ahead
+    int page_next = page_of<BN, PAGED>(p, off.seq, t + (NS - 1) * NWARPS, t_end);
     // BULK: the warp's two stage barriers and their phase bits; the pad columns zeroed once.
     const unsigned int bar0 = smem_addr(&kv_bars[BULK ? 2 * warp : 0]);
     unsigned int phases = 0;
@@ -367,26 +373,36 @@ cuflash_attn_decode(const DecodeParams p) {
                                                       kv_pol);
     }
     cp_async_commit();
-    cp_async_wait<1>();  // this thread's Q chunks have landed (its first K/V tile may not)
+    if constexpr (NS == 3) {  // the second tile in flight before the loop (its own group)
+        const int t1 = t + NWARPS;
+        if (t1 < t_end)
+            load_kv_tile<T, DPAD, BN, PAGED, PF, EF, SW>(my + Cfg::STAGE, p, k, v, off.kvh,
+                                                          page_of<BN, PAGED>(p, off.seq, t1,
+                                                                             t_end),
+                                                          t1, sk, d, lane, kv_pol);
+        cp_async_commit();
+    }
+    cp_async_wait<NS - 1>();  // this thread's Q chunks have landed (its K/V tiles may not)
     __syncthreads();     // and everyone's: the whole Q tile is visible
     int stage = 0;
 #pragma unroll 1
     for (; t < t_end; t += NWARPS) {
-        const int tn = t + NWARPS;
+        const int tn = t + (NS - 1) * NWARPS;  // the tile issued now, into the stage last read
         const int page_tn = page_next;
         page_next = page_of<BN, PAGED>(p, off.seq, tn + NWARPS, t_end);  // used next iteration
+        const int st_n = NS == 2 ? (stage ^ 1) : (stage == 0 ? NS - 1 : stage - 1);
         if (tn < t_end) {
             if constexpr (BULK)
                 load_kv_tile_bulk<T, DPAD, BN, PAGED>(my + (stage ^ 1) * Cfg::STAGE,
                                                       bar0 + 8 * (stage ^ 1), p, k, v, off.kvh,
                                                       page_tn, tn, sk, d, lane);
             else
-                load_kv_tile<T, DPAD, BN, PAGED, PF, EF, SW>(my + (stage ^ 1) * Cfg::STAGE, p, k,
+                load_kv_tile<T, DPAD, BN, PAGED, PF, EF, SW>(my + st_n * Cfg::STAGE, p, k,
                                                          v, off.kvh, page_tn, tn, sk, d, lane,
                                                          kv_pol);
         }
         cp_async_commit();
-        cp_async_wait<1>();  // tile t has landed for this lane ...
+        cp_async_wait<NS - 1>();  // tile t has landed for this lane ...
         if constexpr (BULK) {  // (BULK: tile t's bulk copies have completed its stage's phase)
             mbar_wait(bar0 + 8 * stage, (phases >> stage) & 1u);
             phases ^= 1u << stage;
@@ -457,7 +473,10 @@ cuflash_attn_decode(const DecodeParams p) {
                 }
             }
         __syncwarp();  // every lane is done with this stage before it is refilled
-        stage ^= 1;
+        if constexpr (NS == 2)
+            stage ^= 1;
+        else
+            stage = stage == NS - 1 ? 0 : stage + 1;
     }
     cp_async_wait<0>();
 #pragma unroll

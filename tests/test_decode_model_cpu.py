@@ -130,7 +130,7 @@ def test_versions_plans_and_specialisations():
     label suffix; version 1 pairs with combine version 1, versions 2-5 with 2; the compile
     check's list has every version's kernels; an unknown version is refused."""
     for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>"), (4, ",v4>"), (5, ",v5>"),
-                      (6, ",v6>")):
+                      (6, ",v6>"), (7, ",v7>")):
         plan = _decode.decode_plan("bfloat16", 128, False, True, rows=32, version=v)
         assert plan.spec.name.endswith(f", {v}>") and plan.label.endswith(suffix)
         assert _decode.version_of(plan) == v
@@ -151,7 +151,7 @@ def test_versions_plans_and_specialisations():
                           1, 1, 100, 64, dict(max_smem_optin=227 * 1024, sm_count=108,
                                               compute_capability=80))
     with pytest.raises(ValueError, match="versions"):
-        _decode.decode_plan("float16", 64, True, False, version=7)
+        _decode.decode_plan("float16", 64, True, False, version=8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,3 +286,22 @@ def test_rules_plans_and_labels():
         _decode.decode_plan("float16", 64, False, False, rule=5)
     p4 = _decode.decode_plan("float16", 64, False, False, rule=4)
     assert p4.label.endswith(",rule4>") and _decode.rule_of(p4) == 4
+
+
+def test_version7_stages_and_shared_memory():
+    """Version 7 has three K/V stages per warp at MT = 2 only (MT = 1 keeps version 2's two, so
+    its plan's shared memory is version 2's); at D = 128, MT = 2 the third stage (4 warps x 16
+    keys x 136 x 2 B x 2, K and V) still leaves two blocks per SM, which is what the registers
+    allow, so the split rule sees the same slots as for version 2."""
+    assert [_decode.decode_stages(v, mt) for v in (2, 6, 7) for mt in (1, 2)] == [2, 2, 2, 2, 2, 3]
+    for dpad in (64, 128):
+        v2 = _decode.decode_plan("float16", dpad, False, False, rows=32, version=2)
+        v7 = _decode.decode_plan("float16", dpad, False, False, rows=32, version=7)
+        stage = 4 * 2 * 16 * (dpad + 8) * 2
+        assert v7.smem_bytes == v2.smem_bytes + stage
+        assert _decode.blocks_per_sm(v7, dpad) == _decode.blocks_per_sm(v2, dpad)
+        one = [_decode.decode_plan("float16", dpad, True, True, rows=4, version=v)
+               for v in (2, 7)]
+        assert one[0].smem_bytes == one[1].smem_bytes and one[0].block_m == 16
+    assert _decode.decode_plan("float16", 128, False, False, rows=32, version=7).smem_bytes \
+        == 32 * 136 * 2 + 3 * 4 * 2 * 16 * 136 * 2 == 113152

@@ -108,7 +108,8 @@ DECODE_CASES = [  # (B, H, Hkv, Sq, Sk, D)
 def _decode_version(monkeypatch, version):
     """Run the decode family at kernel `version` (1: session f's kernels and split rule, kept
     selectable for timing; 2: the default; 3: 2 with the L2::256B prefetch hint; 4: 2 with
-    bulk copies, sm_90 only; 5: 2 with an evict-first L2 policy on the K/V copies; 6: 2 with swizzled K/V tiles)."""
+    bulk copies, sm_90 only; 5: 2 with an evict-first L2 policy on the K/V copies; 6: 2 with
+    swizzled K/V tiles; 7: 2 with three K/V stages per warp at MT = 2)."""
     from cuflash import _decode
 
     if version == 4 and _cc() != 90:
@@ -116,7 +117,7 @@ def _decode_version(monkeypatch, version):
     monkeypatch.setattr(_decode, "DECODE_VERSION", version)
 
 
-@pytest.mark.parametrize("version", [2, 1, 3, 4, 5, 6])
+@pytest.mark.parametrize("version", [2, 1, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("b,h,hkv,sq,sk,d", DECODE_CASES)
@@ -157,7 +158,7 @@ FORCED_CASES = [  # (H, Hkv, Sq): groups 1, 4, 8, 32; Sq = 1 and > 1; MT = 1 and
     (32, 32, 1), (32, 8, 1), (32, 4, 1), (32, 1, 1), (32, 4, 3), (32, 1, 2)]
 
 
-@pytest.mark.parametrize("version", [2, 1, 4, 6])   # 3: test_decode_kernel, the bitwise test
+@pytest.mark.parametrize("version", [2, 1, 4, 6, 7])   # 3: test_decode_kernel, the bitwise test
 @pytest.mark.parametrize("splits", [1, 100, "max"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sk", [1, 7, 113, 1000, 20000])
@@ -301,7 +302,7 @@ def test_decode_v3_matches_v2_bitwise(hkv, paged, monkeypatch):
     args = (to_gpu(q, "float16"), to_gpu(k, "float16"), to_gpu(v, "float16"), cp.asarray(lens))
     kw = dict(block_table=None if bt is None else cp.asarray(bt), return_lse=True)
     res = {}
-    for version in (2, 3, 5, 6) + ((4,) if _cc() == 90 else ()):
+    for version in (2, 3, 5, 6, 7) + ((4,) if _cc() == 90 else ()):
         _decode_version(monkeypatch, version)
         res[version] = cuflash.attention_with_kvcache(*args, **kw)
     cp.cuda.get_current_stream().synchronize()
@@ -310,6 +311,41 @@ def test_decode_v3_matches_v2_bitwise(hkv, paged, monkeypatch):
         assert cp.array_equal(res[2][1].view(cp.uint32), res[version][1].view(cp.uint32)), version
     check_kvcache_result(to_host64(res[2][0]), to_host64(res[2][1]), q, k, v, lens,
                          block_table=bt, k_new=None, v_new=None, causal=False, dtype="float16")
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("causal,sq", [(False, 1), (True, 2)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_v7_matches_v2_bitwise(paged, causal, sq, splits, monkeypatch):
+    """Version 7 (three K/V stages per warp at MT = 2) walks each warp's tiles in version 2's
+    order, so its o and lse equal version 2's bit for bit; the split count is forced to 1 and 4
+    so that warps walk 1 to 63 tiles (lengths 1, 7, 113, 1000, 4000: the pipeline's prologue
+    with fewer tiles than stages, tails, and long chains), G = 32 (MT = 2) with Sq = 1 and a
+    causal Sq = 2, contiguous and paged (page 16), NaN-poisoned outputs; version 7's pass the
+    float64 reference too."""
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    from cuflash import _decode
+
+    cp = cupy()
+    monkeypatch.setattr(_decode, "choose_splits", lambda *a, **kw: splits)
+    rng = _rng("decode-v7", paged, causal, sq, splits)
+    lens = np.array([1, 7, 113, 1000, 4000], np.int32)
+    q, k, v, bt, kn, vn = random_kv_problem(rng, b=5, hkv=1, group=32, sq=sq, d=128, lens=lens,
+                                            snew=0, page=16 if paged else None, dtype="float16")
+    args = (to_gpu(q, "float16"), to_gpu(k, "float16"), to_gpu(v, "float16"), cp.asarray(lens))
+    res = {}
+    for version in (2, 7):
+        _decode_version(monkeypatch, version)
+        out = poisoned(q.shape, "float16"), poisoned((5, 32, sq), "float32")
+        res[version] = cuflash.attention_with_kvcache(
+            *args, block_table=None if bt is None else cp.asarray(bt), causal=causal,
+            return_lse=True, out=out)
+    cp.cuda.get_current_stream().synchronize()
+    assert cp.array_equal(res[2][0].view(cp.uint16), res[7][0].view(cp.uint16))
+    assert cp.array_equal(res[2][1].view(cp.uint32), res[7][1].view(cp.uint32))
+    check_kvcache_result(to_host64(res[7][0]), to_host64(res[7][1]), q, k, v, lens,
+                         block_table=bt, k_new=None, v_new=None, causal=causal, dtype="float16")
 
 
 def test_kvcache_paged_matches_contiguous_bitwise():
