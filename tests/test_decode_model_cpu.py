@@ -127,7 +127,7 @@ def test_combine_columns(dpad):
 
 def test_versions_plans_and_specialisations():
     """Each kernel version has its own instantiation (the name's last template argument) and
-    label suffix; version 1 pairs with combine version 1, versions 2-5 with 2; the compile
+    label suffix; version 1 pairs with combine version 1, versions 2-7 with 2; the compile
     check's list has every version's kernels; an unknown version is refused."""
     for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>"), (4, ",v4>"), (5, ",v5>"),
                       (6, ",v6>"), (7, ",v7>")):
