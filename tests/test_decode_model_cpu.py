@@ -305,3 +305,38 @@ def test_version7_stages_and_shared_memory():
         assert one[0].smem_bytes == one[1].smem_bytes and one[0].block_m == 16
     assert _decode.decode_plan("float16", 128, False, False, rows=32, version=7).smem_bytes \
         == 32 * 136 * 2 + 3 * 4 * 2 * 16 * 136 * 2 == 113152
+
+
+@pytest.mark.parametrize("dpad", [64, 128, 256])
+def test_version6_swizzle_reads_what_it_wrote(dpad):
+    """Decode version 6's shared-memory layout (attn_decode.cu: load_kv_tile's SW, the ldmatrix
+    addresses): chunk c of key row r is written at chunk c ^ (r & 7) of a row DPAD elements
+    long; each lane's ldmatrix address, formed as the kernel forms it ((2 kk) ^ ((lm % 2) ^ lr)
+    for K, (2 nn) ^ ((lm / 2) ^ lr) for V), finds the chunk the mma fragment needs; the eight
+    addresses of each 8x8 matrix fall in eight different 16-byte bank groups (no conflicts); and
+    the eight lanes that copy one 128-byte global line write one aligned 128-byte segment."""
+    chunks, bn = dpad // 8, 16
+    where = {}
+    for r in range(bn):
+        for c in range(chunks):
+            where[(r, c)] = r * dpad * 2 + ((c ^ (r & 7)) * 16)     # bytes
+    assert len(set(where.values())) == bn * chunks                 # a bijection onto the tile
+    for r in range(bn):                                            # a global line's 8 chunks
+        for line in range(chunks // 8):
+            segs = {where[(r, 8 * line + j)] // 128 for j in range(8)}
+            assert len(segs) == 1
+    for lane in range(32):
+        lr, lm = lane % 8, lane // 8
+        ky, vy = (lm % 2) ^ lr, (lm // 2) ^ lr
+        k_off, v_off = (lr + 8 * (lm // 2)) * dpad * 2, (lr + 8 * (lm % 2)) * dpad * 2
+        for kk in range(dpad // 16):          # K: row lr + 8 (lm / 2), chunk 2 kk + lm % 2
+            addr = k_off + (((2 * kk) ^ ky) << 4)
+            assert addr == where[(lr + 8 * (lm // 2), 2 * kk + lm % 2)]
+        for nn in range(dpad // 16):          # V (trans): row lr + 8 (lm % 2), chunk 2 nn + lm / 2
+            addr = v_off + (((2 * nn) ^ vy) << 4)
+            assert addr == where[(lr + 8 * (lm % 2), 2 * nn + lm // 2)]
+    for kk in range(dpad // 16):              # each matrix's 8 rows: 8 distinct bank groups
+        for lm in range(4):
+            groups = {((lr + 8 * (lm // 2)) * dpad * 2 + (((2 * kk) ^ ((lm % 2) ^ lr)) << 4))
+                      % 128 // 16 for lr in range(8)}
+            assert len(groups) == 8
