@@ -25,8 +25,9 @@ L2::256B prefetch hint on the K/V copies), `cuflash-v4` with version 4 (sm_90: v
 one bulk copy per K/V row), `cuflash-v5` with version 5 (version 2 with the K/V copies under
 an evict-first L2 policy), `cuflash-v6` with version 6 (version 2 with swizzled K/V tiles in
 shared memory), `cuflash-v7` with version 7 (version 2 with three K/V stages per warp at
-MT = 2, the G = 32 points), so the versions are timed in one run on the same inputs; with them,
-the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3` ... `-v7`). `cuflash-rule3` is
+MT = 2, the G = 32 points), `cuflash-v8` with version 8 (version 6 with combine version 3, a
+warp a packed row, up to 16 splits), so the versions are timed in one run on the same inputs;
+with them, the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3` ... `-v8`). `cuflash-rule3` is
 the default version with split rule 3 (`_decode.DECODE_SPLIT_RULE = 3`; `cuflash` has the
 default rule 2), `cuflash-rule4` with rule 4 (rule 2, one split where rule 3 picks one), checked and timed like the others; each decode row's label ends with the split count
 every cuflash implementation ran (`splits cuflash=3,cuflash-rule3=1,cuflash-s1=1`).
@@ -199,7 +200,7 @@ class _ForcedSplits:
 #: cuflash's decode implementations -> the decode kernels' version they run.
 CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v2": 2, "cuflash-v3": 3, "cuflash-v4": 4,
                  "cuflash-v5": 5, "cuflash-v6": 6,
-                 "cuflash-v7": 7}
+                 "cuflash-v7": 7, "cuflash-v8": 8}
 #: cuflash's decode implementations with another split rule -> (version, rule): the default
 #: version under `_decode.DECODE_SPLIT_RULE = 3`.
 CUFLASH_RULE_IMPLS = {"cuflash-rule3": (None, 3), "cuflash-rule4": (None, 4)}
@@ -305,7 +306,7 @@ def bench_paged(grid, args, rows):
                 check = _Checker(q.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
                                  vc.transpose(0, 2, 1, 3), b, hkv)
                 o = cp.empty((b, 1, H, D), dtype=cp.float16)
-                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 2, 3, 4, 5, 6, 7)
+                versions = [("", None)] + [(f"-v{v}", v) for v in (1, 2, 3, 4, 5, 6, 7, 8)
                                            if f"cuflash-v{v}" in args.impls]
                 for (name, paged), (suffix, version) in ((x, y) for y in versions for x in (
                         ("contiguous", False), ("paged16", True))):
@@ -555,7 +556,7 @@ def _markdown(rows):
                 out.append(f"\ncuflash / cuDNN: geometric mean {gm:.2f}x, min {min(ratios):.2f}x "
                            f"over {len(ratios)} points")
         for other in ("cuflash-v1", "cuflash-v2", "cuflash-v3", "cuflash-v4", "cuflash-v5",
-                      "cuflash-v6", "cuflash-v7", *CUFLASH_RULE_IMPLS):
+                      "cuflash-v6", "cuflash-v7", "cuflash-v8", *CUFLASH_RULE_IMPLS):
             if kind != "decode" or other not in impls:
                 continue
             for ref in ("torch-cudnn", "cuflash"):
@@ -588,7 +589,7 @@ def main(argv=None):
                          "cuflash-vN-sN for each cuflash-vN in --impl")
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
                     help="comma-separated decode implementations: cuflash, cuflash-v1 / cuflash-v2 / "
-                         "-v3 ... -v7 (the decode kernels' versions 1, 3, 4: sm_90, 5, 6, 7), "
+                         "-v3 ... -v8 (the decode kernels' versions 1, 3, 4: sm_90, 5, 6, 7, 8), "
                          "cuflash-rule3 / -rule4 (split rules 3, 4), "
                          "torch-cudnn, torch-flash")
     for axis in ("b", "sk", "hkv"):

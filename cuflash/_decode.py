@@ -89,11 +89,14 @@ DECODE_T_COMBINE = 3e-6
 #: aligned, chunks XOR-swizzled, so a global line lands in one shared-memory segment; same
 #: results; --impl cuflash-v6); 7 is version 2 with three K/V stages per warp at MT = 2
 #: (`decode_stages`; same results; for G = 32 at short keys, where a warp walks few tiles:
-#: notes/INFERENCE.md "Short keys with one kv head", --impl cuflash-v7). Assigning it moves the call caches' generation on
+#: notes/INFERENCE.md "Short keys with one kv head", --impl cuflash-v7); 8 is version 6's main
+#: kernel with combine version 3 wherever the split count allows it (`combine_version`: one warp
+#: a packed row, no block barrier; same results; notes/INFERENCE.md "The combine at short keys",
+#: --impl cuflash-v8). Assigning it moves the call caches' generation on
 #: (_callcache._WatchedModule), so records of another version miss.
 DECODE_VERSION = 2
 #: The kernel versions `decode_plan` takes.
-DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 #: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's
 #: latency, the warp merge, the stores: version 2's epilogue is ~1/5 of version 1's
 #: instructions) and the combine's (a dependent launch, the lse pass and one round trip to the
@@ -102,6 +105,12 @@ DECODE_T_BLOCK_V2 = 1.5e-6
 DECODE_T_COMBINE_V2 = 3e-6
 #: attn_decode.cu: COMBINE_LOADS, the partial rows one combine thread loads at once (version 2).
 COMBINE_LOADS = 8
+#: attn_decode.cu: combine3_splits, the most splits combine version 3 takes, per Dpad (a lane
+#: holds every split's chunk of its row in registers; version 2 has CB = 1 up to 4096 / Dpad
+#: splits, so version 3 keeps version 2's order).
+COMBINE3_SPLITS = {64: 16, 128: 16, 256: 8}
+#: Packed rows per block of combine version 3 (one warp each).
+COMBINE3_ROWS = 4
 #: The split rule of kernel versions 2-4 (version 1 keeps its own): 2, `choose_splits_v2` (the
 #: default: a wave of blocks streams at one warp's full-grid share, so a grid that leaves slots
 #: empty is charged as a full wave); 3, `choose_splits_v3` (selectable only, unmeasured: the
@@ -214,18 +223,31 @@ def combine_spec(dtype_name: str, dpad: int, version: int = 2):
         f"cuflash::cuflash_decode_combine<{_CXX_TYPE[dtype_name]}, {dpad}, {version}>")
 
 
+def combine_version(version: int, splits: int, dpad: int) -> int:
+    """The combine version that goes with decode kernel `version` at `splits` key splits and
+    head-dim bucket `dpad`: 1 for kernel version 1; 3 for version 8 when 2 <= splits <=
+    COMBINE3_SPLITS[dpad] (one warp a packed row; above that, version 2's column blocks keep
+    more loads in flight a row); else 2 (versions 3-7 change only the main kernel)."""
+    if version == 1:
+        return 1
+    if version == 8 and 2 <= splits <= COMBINE3_SPLITS[dpad]:
+        return 3
+    return 2
+
+
 def combine_spec_for(plan, cfg):
-    """The combine kernel that goes with decode `plan` (same dtype; combine version 1 for
-    kernel version 1, else 2: version 3 changes only the main kernel's loads) for `cfg`."""
-    return combine_spec(_dtype_of(plan), cfg.dpad, 1 if version_of(plan) == 1 else 2)
+    """The combine kernel that goes with decode `plan` (same dtype) for `cfg`: version
+    ``cfg.comb_ver`` (`combine_version`)."""
+    return combine_spec(_dtype_of(plan), cfg.dpad, cfg.comb_ver)
 
 
 def combine_columns(splits: int, dpad: int, version: int = 2) -> int:
-    """CB, the column blocks per packed row of the combine's grid (rows, CB): version 2 takes
+    """CB, the column blocks per packed row of the combine's grid (rows, CB) for combine
+    `version` (`combine_version`): version 2 takes
     the least power of two (at most DPAD / 4, the row's float4 chunks) with which no thread has
     more than COMBINE_LOADS splits (a block of 128 threads covers DPAD / 4 / CB chunks with
-    128 CB / (DPAD / 4) split groups); version 1: 1."""
-    if version == 1 or splits <= 1:
+    128 CB / (DPAD / 4) split groups); versions 1 and 3: 1."""
+    if version in (1, 3) or splits <= 1:
         return 1
     ch = dpad // 4
     cb = 1
@@ -247,12 +269,12 @@ def all_decode_specialisations():
         for dpad in DECODE_DPADS:
             for causal in (False, True):
                 for paged in (False, True):
-                    for ver in (2, 1, 3, 4, 5, 6, 7):
+                    for ver in (2, 1, 3, 4, 5, 6, 7, 8):
                         out.append(decode_plan(dt, dpad, causal, paged, version=ver).spec)
                         if dpad <= DECODE_MT2_MAX_DPAD:
                             out.append(decode_plan(dt, dpad, causal, paged, rows=32,
                                                    version=ver).spec)
-            out.extend(combine_spec(dt, dpad, ver) for ver in (2, 1))
+            out.extend(combine_spec(dt, dpad, ver) for ver in (2, 1, 3))
         out.extend(append_spec(dt, paged) for paged in (False, True))
     return out
 
@@ -467,10 +489,14 @@ class DecodeLaunch:
     grid: int
     dpad: int
     comb_cb: int = 1             # the combine's column blocks per row (`combine_columns`)
+    comb_ver: int = 2            # the combine's version (`combine_version`)
 
     @property
     def comb_grid(self) -> tuple:
-        """The combine's grid: (packed rows of every entry, column blocks)."""
+        """The combine's grid: (packed rows of every entry, column blocks); combine version 3:
+        (ceil(packed rows / COMBINE3_ROWS), 1), a warp a row."""
+        if self.comb_ver == 3:
+            return (-(-self.entries * self.rows // COMBINE3_ROWS), 1)
         return (self.entries * self.rows, self.comb_cb)
 
     @property
@@ -528,8 +554,9 @@ def configure(plan, sizes, g, sq, sk, d, attrs) -> DecodeLaunch:
     if splits > 1 and entries * rows > MAX_GRID_X:   # the combine's grid (one split: none)
         raise ValueError(f"{plan.label}: {entries * rows} combine rows is too many for one "
                          "launch")
+    comb_ver = combine_version(version, splits, dpad)
     return DecodeLaunch(entries, rows, n_rtiles, splits, split_tiles, grid, dpad,
-                        combine_columns(splits, dpad, version))
+                        combine_columns(splits, dpad, comb_ver), comb_ver)
 
 
 def scratch(nbytes, workspace, stream, query):
@@ -595,7 +622,8 @@ def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, cfg, parts=
     return cfg.splits
 
 
-#: Threads per block of the combine kernel (one block per packed output row).
+#: Threads per block of the combine kernel (versions 1 and 2: one block per packed output row,
+#: or per column block of one; version 3: COMBINE3_ROWS rows, a warp each).
 COMBINE_THREADS = 128
 
 

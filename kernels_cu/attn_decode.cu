@@ -252,10 +252,11 @@ __device__ __forceinline__ void axpy4(float4& acc, float w, const float4& x) {
 template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V>
 __global__ void __launch_bounds__(32 * NWARPS)
 cuflash_attn_decode(const DecodeParams p) {
-    static_assert(V >= 1 && V <= 7, "decode kernel versions 1 to 7");
+    static_assert(V >= 1 && V <= 8, "decode kernel versions 1 to 8");
     constexpr bool PF = V == 3;
     constexpr bool EF = V == 5;
-    constexpr bool SW = V == 6;  // the swizzled K/V tiles (load_kv_tile)
+    constexpr bool SW = V == 6 || V == 8;  // the swizzled K/V tiles (load_kv_tile); 8: 6's main
+                                           // kernel, launched with combine version 3
     static_assert(!SW || DPAD >= 64, "the swizzle needs eight 16-byte chunks a row");
     constexpr bool BULK = V == 4;
     constexpr int NS = (V == 7 && MT == 2) ? 3 : 2;  // K/V stages per warp
@@ -621,13 +622,19 @@ cuflash_attn_decode(const DecodeParams p) {
 
 // The combine block's entry, packed row and entry offsets (blockIdx.x = entry * G * Sq + row);
 // false for a row past its sequence's (packed varlen batches), whose block leaves.
-__device__ __forceinline__ bool combine_row(const DecodeParams& p, unsigned int& entry,
-                                            unsigned int& pr, Entry& off) {
+// `row`: the flat packed row (entry * G * Sq + row); combine_row takes blockIdx.x.
+__device__ __forceinline__ bool combine_row_at(const DecodeParams& p, unsigned int row,
+                                               unsigned int& entry, unsigned int& pr,
+                                               Entry& off) {
     const unsigned int rows = static_cast<unsigned int>(p.g * p.sq);
-    entry = blockIdx.x / rows;
-    pr = blockIdx.x % rows;
+    entry = row / rows;
+    pr = row % rows;
     off = entry_offsets(p, entry);
     return pr < static_cast<unsigned int>(p.g * seq_range(p, off).sq);
+}
+__device__ __forceinline__ bool combine_row(const DecodeParams& p, unsigned int& entry,
+                                            unsigned int& pr, Entry& off) {
+    return combine_row_at(p, blockIdx.x, entry, pr, off);
 }
 
 // The split lse of row `base` (ns of them, rpad apart) -> the row's max, sum of weights and
@@ -695,6 +702,8 @@ __device__ __forceinline__ void combine_store(const DecodeParams& p, const Entry
 
 template <typename T, int DPAD>
 __device__ __forceinline__ void decode_combine_v2(const DecodeParams& p);
+template <typename T, int DPAD>
+__device__ __forceinline__ void decode_combine_v3(const DecodeParams& p);
 
 // Merge the splits' partial (o, lse) of each packed row, in a fixed order (merge.cu's operator):
 // lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. One block of 128 threads per row.
@@ -715,9 +724,12 @@ constexpr int MAX_SPLITS = 256;  // cuflash/_decode.py caps the split count here
 constexpr int COMBINE_LOADS = 8;  // V = 2: partial rows a thread loads at once (_decode.py)
 template <typename T, int DPAD, int V>
 __global__ void __launch_bounds__(128) cuflash_decode_combine(const DecodeParams p) {
-    static_assert(V == 1 || V == 2, "combine versions 1 and 2");
+    static_assert(V >= 1 && V <= 3, "combine versions 1 to 3");
     if constexpr (V == 2) {
         decode_combine_v2<T, DPAD>(p);
+        return;
+    } else if constexpr (V == 3) {
+        decode_combine_v3<T, DPAD>(p);
         return;
     }
     constexpr int CH = DPAD / 4;  // float4 chunks of one partial row
@@ -812,6 +824,79 @@ __device__ __forceinline__ void decode_combine_v2(const DecodeParams& p) {
         }
         combine_store<T>(p, off, pr, c4, acc, nan_row, mx, sum);
     }
+}
+
+// V = 3 (decode kernel version 8; the host launches it only for 2 <= ns <= COMBINE3_SPLITS):
+// one warp per packed row, four rows a block of 128 threads (a 1-D grid of ceil(rows / 4)
+// blocks), no block barrier and no shared memory. Lane c holds float4 chunk c (and c + 32 at
+// DPAD = 256) of every split's partial row and the lse of split c: all of a lane's loads are
+// issued together, before any result is needed (one round trip to the partials), the max and
+// the sum of weights take version 2's warp-0 butterfly over the same per-lane values, and each
+// split's weight reaches the lanes by a shuffle. The weighted sum runs in version 2's order at
+// CB = 1 (NG = 512 / DPAD split groups: splits g, g + NG, ... per group, the groups added in
+// group order; CB = 1 is version 2's grid for every ns <= COMBINE3_SPLITS), so o and lse equal
+// version 2's bit for bit.
+template <typename T, int DPAD>
+__device__ __forceinline__ void decode_combine_v3(const DecodeParams& p) {
+    constexpr int CH = DPAD / 4;           // float4 chunks of one partial row
+    constexpr int CPL = (CH + 31) / 32;    // chunks per lane
+    constexpr int NG = 512 / DPAD;         // version 2's split groups at CB = 1
+    constexpr int NS3 = DPAD > 128 ? 8 : 16;  // _decode.py: COMBINE3_SPLITS
+    static_assert(NS3 <= 32 && NS3 <= 8 * NG, "one lse a lane; version 2 at CB = 1");
+    const int lane = threadIdx.x % 32;
+    const unsigned int row = blockIdx.x * 4u + threadIdx.x / 32;
+    const unsigned int nrows = static_cast<unsigned int>(p.nb0 * p.nb1 * p.nb2 * p.g * p.sq);
+    unsigned int entry, pr;
+    Entry off;
+    if (row >= nrows || !combine_row_at(p, row, entry, pr, off)) return;  // the whole warp
+    const int ns = static_cast<int>(p.n_splits);
+    const long long rpad = 16 * p.n_rtiles;
+    const long long base = static_cast<long long>(entry) * ns * rpad + pr;
+    const float4* op = reinterpret_cast<const float4*>(p.o_part + base * DPAD) + lane;
+    const long long sstride = rpad * CH;  // float4s from one split's row to the next's
+    float4 x[CPL][NS3];
+#pragma unroll
+    for (int j = 0; j < NS3; ++j) {  // every load of the lane in flight together
+#pragma unroll
+        for (int c = 0; c < CPL; ++c)
+            x[c][j] = (j < ns && lane + 32 * c < CH) ? op[j * sstride + 32 * c]
+                                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    const float ls = lane < ns ? p.lse_part[base + lane * rpad] : neg_inf<float>();
+    float mx = ls;
+    const bool nan_row = __any_sync(0xffffffffu, isnan(ls));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    if (mx != neg_inf<float>() && !nan_row && lane < ns) sum += expf(ls - mx);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float w = (sum > 0.f && ls != neg_inf<float>()) ? expf(ls - mx) * inv : 0.f;
+    float4 acc[CPL];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {  // version 2's groups, in group order
+        float4 a[CPL];
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) a[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int j = g; j < NS3; j += NG) {  // the group's splits in split order
+            const float wj = __shfl_sync(0xffffffffu, w, j);
+            if (j < ns) {
+#pragma unroll
+                for (int c = 0; c < CPL; ++c) axpy4(a[c], wj, x[c][j]);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+            if (g == 0) acc[c] = a[c];
+            else axpy4(acc[c], 1.f, a[c]);
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < CPL; ++c)
+        if (lane + 32 * c < CH)
+            combine_store<T>(p, off, pr, lane + 32 * c, acc[c], nan_row, mx, sum);
 }
 
 // Append new keys and values to a KV cache in place: row n of k_new (seq b, kv head h) goes to

@@ -105,7 +105,8 @@ def decode_model(q, k, v, *, causal, scale, mt, splits=None, sm_count=132,
     else:   # the combine: weights from the split lse, groups of splits summed in group order
         # split groups: 128 threads over the row's (version 2: the column block's) chunks
         dpad = _decode.head_dim_bucket(d, _decode.DECODE_DPADS)
-        ng = 128 * _decode.combine_columns(splits, dpad, version) // (dpad // 4)
+        ng = 128 * _decode.combine_columns(
+            splits, dpad, _decode.combine_version(version, splits, dpad)) // (dpad // 4)
         o_rows = np.zeros((rpad, d), np.float32)
         lse_rows = np.zeros(rpad, np.float32)
         for r in range(rows):

@@ -130,14 +130,15 @@ def test_versions_plans_and_specialisations():
     label suffix; version 1 pairs with combine version 1, versions 2-7 with 2; the compile
     check's list has every version's kernels; an unknown version is refused."""
     for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>"), (4, ",v4>"), (5, ",v5>"),
-                      (6, ",v6>"), (7, ",v7>")):
+                      (6, ",v6>"), (7, ",v7>"), (8, ",v8>")):
         plan = _decode.decode_plan("bfloat16", 128, False, True, rows=32, version=v)
         assert plan.spec.name.endswith(f", {v}>") and plan.label.endswith(suffix)
         assert _decode.version_of(plan) == v
         cfg = _decode.configure(plan, (1, 1, 1), 32, 1, 8192, 128,
                                 dict(max_smem_optin=227 * 1024, sm_count=132))
         comb = _decode.combine_spec_for(plan, cfg).name
-        assert comb.endswith(f", {1 if v == 1 else 2}>")
+        assert comb.endswith(f", {1 if v == 1 else 2}>")   # 8: more splits than combine 3's
+        assert cfg.splits > _decode.COMBINE3_SPLITS[128]
         assert cfg.comb_cb == (1 if v == 1 else _decode.combine_columns(cfg.splits, 128))
     names = {s.name for s in _decode.all_decode_specialisations()}
     for v in _decode.DECODE_VERSIONS:
@@ -151,7 +152,73 @@ def test_versions_plans_and_specialisations():
                           1, 1, 100, 64, dict(max_smem_optin=227 * 1024, sm_count=108,
                                               compute_capability=80))
     with pytest.raises(ValueError, match="versions"):
-        _decode.decode_plan("float16", 64, True, False, version=8)
+        _decode.decode_plan("float16", 64, True, False, version=9)
+
+
+def test_combine_version_3_choice():
+    """Combine version 3 (one warp a packed row) goes with kernel version 8 only, for 2 to
+    COMBINE3_SPLITS[dpad] splits (attn_decode.cu's NS3, read from the source), exactly where
+    version 2's grid has CB = 1, so that version 3's fixed order (version 2's split groups at
+    CB = 1) is version 2's; kernel version 1 keeps combine 1 and the others combine 2; its
+    specialisations are in the compile check's list."""
+    import re
+
+    from kernels_cu import SOURCE_DIR
+
+    src = (SOURCE_DIR / "attn_decode.cu").read_text()
+    big, small = re.search(r"constexpr int NS3 = DPAD > 128 \? (\d+) : (\d+);", src).groups()
+    assert _decode.COMBINE3_SPLITS == {64: int(small), 128: int(small), 256: int(big)}
+    assert int(re.search(r"blockIdx.x \* (\d+)u \+ threadIdx.x / 32", src).group(1)) == \
+        _decode.COMBINE3_ROWS == _decode.COMBINE_THREADS // 32
+    for dpad in _decode.DECODE_DPADS:
+        for s in range(1, _decode.MAX_SPLITS + 1):
+            c8 = _decode.combine_version(8, s, dpad)
+            assert c8 == (3 if 2 <= s <= _decode.COMBINE3_SPLITS[dpad] else 2), (dpad, s)
+            if c8 == 3:
+                assert _decode.combine_columns(s, dpad, 2) == 1
+                assert _decode.combine_columns(s, dpad, 3) == 1
+            assert _decode.combine_version(1, s, dpad) == 1
+            for v in (2, 3, 4, 5, 6, 7):
+                assert _decode.combine_version(v, s, dpad) == 2
+    names = {s.name for s in _decode.all_decode_specialisations()}
+    for dt in _decode.DECODE_DTYPES:
+        for dpad in _decode.DECODE_DPADS:
+            assert _decode.combine_spec(dt, dpad, 3).name in names
+
+
+@pytest.mark.parametrize("b,sk,hkv,splits", [
+    (64, 1024, 1, 4), (8, 1024, 1, 16), (1, 1024, 1, 16), (8, 1024, 32, 3), (64, 1024, 8, 2)])
+def test_version_8_launch_at_the_short_key_points(b, sk, hkv, splits):
+    """Issue 14's short-key points (H200, rule 2): version 8's main launch is version 6's (same
+    splits, grid, shared memory, workspace) and its combine is version 3 on a 1-D grid of
+    ceil(rows / 4) blocks, a warp a packed row; version 6 keeps combine 2 on (rows, CB)."""
+    g = 32 // hkv
+    cfgs, plans = {}, {}
+    for v in (6, 8):
+        plans[v] = _decode.decode_plan("float16", 128, False, False, rows=g, version=v)
+        cfgs[v] = _decode.configure(plans[v], (1, b, hkv), g, 1, sk, 128, H200)
+    c6, c8 = cfgs[6], cfgs[8]
+    assert c6.splits == c8.splits == splits
+    assert (c6.grid, c6.split_tiles, c6.part_bytes, c6.o_part_bytes) == \
+        (c8.grid, c8.split_tiles, c8.part_bytes, c8.o_part_bytes)
+    assert plans[6].smem_bytes == plans[8].smem_bytes
+    assert c6.comb_ver == 2 and c6.comb_grid == (b * hkv * g, c6.comb_cb)
+    assert c8.comb_ver == 3 and c8.comb_cb == 1
+    assert c8.comb_grid == (-(-b * hkv * g // 4), 1)
+    assert _decode.combine_spec_for(plans[8], c8).name.endswith(", 128, 3>")
+    assert _decode.combine_spec_for(plans[6], c6).name.endswith(", 128, 2>")
+
+
+def test_version_8_combine_grid_covers_odd_row_counts():
+    """Combine 3's grid rounds the packed rows up to whole blocks of four (the kernel's warps
+    past the last row leave): 3 rows (G = 1, Sq = 3) -> 1 block, 2 x 5 x 3 rows -> 8."""
+    plan = _decode.decode_plan("bfloat16", 64, False, True, rows=3, version=8)
+    cfg = _decode.configure(plan, (1, 1, 1), 1, 3, 300, 64, H200)
+    assert cfg.splits > 1 and cfg.comb_ver == 3 and cfg.comb_grid == (1, 1)
+    cfg = _decode.configure(plan, (1, 2, 5), 1, 3, 300, 64, H200)
+    assert cfg.comb_ver == (3 if cfg.splits <= 16 else 2)
+    if cfg.comb_ver == 3:
+        assert cfg.comb_grid == (8, 1)
 
 
 # ---------------------------------------------------------------------------------------------

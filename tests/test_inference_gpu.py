@@ -109,7 +109,8 @@ def _decode_version(monkeypatch, version):
     """Run the decode family at kernel `version` (1: session f's kernels and split rule, kept
     selectable for timing; 2: the default; 3: 2 with the L2::256B prefetch hint; 4: 2 with
     bulk copies, sm_90 only; 5: 2 with an evict-first L2 policy on the K/V copies; 6: 2 with
-    swizzled K/V tiles; 7: 2 with three K/V stages per warp at MT = 2)."""
+    swizzled K/V tiles; 7: 2 with three K/V stages per warp at MT = 2; 8: 6 with combine
+    version 3, a warp a packed row, at up to 16 splits)."""
     from cuflash import _decode
 
     if version == 4 and _cc() != 90:
@@ -117,7 +118,7 @@ def _decode_version(monkeypatch, version):
     monkeypatch.setattr(_decode, "DECODE_VERSION", version)
 
 
-@pytest.mark.parametrize("version", [2, 1, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("version", [2, 1, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("b,h,hkv,sq,sk,d", DECODE_CASES)
@@ -348,6 +349,57 @@ def test_decode_v7_matches_v2_bitwise(paged, causal, sq, splits, monkeypatch):
                          block_table=bt, k_new=None, v_new=None, causal=causal, dtype="float16")
 
 
+V8_CASES = [  # (group, Sq, D, paged, causal): G 1 / 4 / 32, Sq 1-3, MT = 1 and 2, D buckets
+    (1, 1, 128, False, False), (4, 3, 128, True, True), (32, 1, 128, False, False),
+    (32, 2, 128, True, True), (4, 1, 64, True, False), (4, 2, 256, False, False)]
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4, 8, 9, 16, 17, 256])
+@pytest.mark.parametrize("group,sq,d,paged,causal", V8_CASES)
+def test_decode_v8_matches_v6_bitwise(group, sq, d, paged, causal, splits, monkeypatch):
+    """Version 8 is version 6's main kernel with combine version 3 (a warp a packed row) for
+    2 to COMBINE3_SPLITS[dpad] splits (16; 8 at D = 256) and combine 2 above; combine 3 sums
+    in version 2's CB = 1 order, so o and lse equal version 6's bit for bit at every forced
+    split count (2 .. 256: on both sides of the switch), through attention_with_kvcache with
+    lengths 0, 1, 113 and 4000 (splits with no key, a sequence with none), contiguous and paged
+    (page 16), NaN-poisoned outputs; version 8's pass the float64 reference, and the test
+    checks which combine ran."""
+    if _cc() < 80:
+        pytest.skip("the decode kernel needs compute capability 8.0")
+    from cuflash import _decode
+
+    cp = cupy()
+    monkeypatch.setattr(_decode, "choose_splits", lambda *a, **kw: splits)
+    ran = []
+    real = _decode.combine_spec_for
+    monkeypatch.setattr(_decode, "combine_spec_for",
+                        lambda plan, cfg: ran.append((_decode.version_of(plan), cfg.comb_ver,
+                                                      cfg.splits)) or real(plan, cfg))
+    rng = _rng("decode-v8", group, sq, d, paged, causal, splits)
+    lens = np.array([0, 1, 113, 4000], np.int32)
+    q, k, v, bt, kn, vn = random_kv_problem(rng, b=4, hkv=2, group=group, sq=sq, d=d, lens=lens,
+                                            snew=0, page=16 if paged else None, dtype="float16")
+    args = (to_gpu(q, "float16"), to_gpu(k, "float16"), to_gpu(v, "float16"), cp.asarray(lens))
+    res = {}
+    for version in (6, 8):
+        _decode_version(monkeypatch, version)
+        out = poisoned(q.shape, "float16"), poisoned((4, 2 * group, sq), "float32")
+        res[version] = cuflash.attention_with_kvcache(
+            *args, block_table=None if bt is None else cp.asarray(bt), causal=causal,
+            return_lse=True, out=out)
+    cp.cuda.get_current_stream().synchronize()
+    used = {ver: (cv, ns) for ver, cv, ns in ran}
+    assert set(used) == {6, 8}, ran
+    ns = used[8][1]
+    assert used[6] == (2, ns)
+    assert used[8][0] == (3 if ns <= _decode.COMBINE3_SPLITS[d] else 2), used
+    assert ns == splits if splits < 256 else ns > 200   # 4000 keys: 250-251 tiles of 16
+    assert cp.array_equal(res[6][0].view(cp.uint16), res[8][0].view(cp.uint16))
+    assert cp.array_equal(res[6][1].view(cp.uint32), res[8][1].view(cp.uint32))
+    check_kvcache_result(to_host64(res[8][0]), to_host64(res[8][1]), q, k, v, lens,
+                         block_table=bt, k_new=None, v_new=None, causal=causal, dtype="float16")
+
+
 def test_kvcache_paged_matches_contiguous_bitwise():
     """The same keys in a contiguous and in a paged (page 16) cache give identical results."""
     if _cc() < 80:
@@ -401,7 +453,7 @@ def test_varlen_gpu(h, hkv, d, lens_q, lens_k, dtype, causal):
                         dtype=dtype)
 
 
-@pytest.mark.parametrize("version", [2, 1, 4, 6])
+@pytest.mark.parametrize("version", [2, 1, 4, 6, 8])
 @pytest.mark.parametrize("h,hkv", [(8, 2), (32, 1)])   # MT = 1; MT = 2 (32 rows a block)
 @pytest.mark.parametrize("sk", [64, 8192])       # one split; many splits (the combine)
 @pytest.mark.parametrize("where", ["q-head3", "k-key200-inf", "v-key100-nan", "v-key100-inf"])
