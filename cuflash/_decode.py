@@ -74,9 +74,11 @@ DECODE_REG_BLOCKS = {(64, 1): 4, (64, 2): 3, (128, 1): 3, (128, 2): 2, (256, 1):
 DECODE_BW = 4.0e12
 DECODE_T_BLOCK = 2e-6
 DECODE_T_COMBINE = 3e-6
-#: The kernels' version (a template argument of both, `decode_plan`, `combine_spec`): 2 is the
-#: default since the complete GPU suite passed with it on the H200 (2026-12-02, session i; the H200
-#: runs of session g measured version 2 at 0.91x cuDNN against version 1's 0.82x). 2 has the
+#: The kernels' version (a template argument of both, `decode_plan`, `combine_spec`): 8 is the
+#: default since 2026-12-03 (session m: on the H200 0.99x cuDNN's GB/s on the decode grid's
+#: geometric mean against version 6's 0.96x and version 2's 0.90x, and its decode-facing GPU
+#: tests passed with it as the default; benchmarks/RESULTS.md "session m"); 2 was the default
+#: from 2026-12-02 (session i; session g measured it at 0.91x cuDNN, version 1 0.82x). 2 has the
 #: one-pass epilogue (per-row weights once, float4 chunks), the combine with all of a thread's
 #: partial loads in flight over a (rows, DECODE_COMBINE_CB) grid, and `choose_splits_v2`
 #: (benchmarks/bench_inference.py --impl cuflash-v2); 1 is session f's kernels and split rule
@@ -94,7 +96,7 @@ DECODE_T_COMBINE = 3e-6
 #: a packed row, no block barrier; same results; notes/INFERENCE.md "The combine at short keys",
 #: --impl cuflash-v8). Assigning it moves the call caches' generation on
 #: (_callcache._WatchedModule), so records of another version miss.
-DECODE_VERSION = 2
+DECODE_VERSION = 8
 #: The kernel versions `decode_plan` takes.
 DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 #: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's
@@ -111,20 +113,21 @@ COMBINE_LOADS = 8
 COMBINE3_SPLITS = {64: 16, 128: 16, 256: 8}
 #: Packed rows per block of combine version 3 (one warp each).
 COMBINE3_ROWS = 4
-#: The split rule of kernel versions 2-4 (version 1 keeps its own): 2, `choose_splits_v2` (the
-#: default: a wave of blocks streams at one warp's full-grid share, so a grid that leaves slots
-#: empty is charged as a full wave); 3, `choose_splits_v3` (selectable only, unmeasured: the
+#: The split rule of kernel versions 2-8 (version 1 keeps its own): 2, `choose_splits_v2` (the
+#: default until session m: a wave of blocks streams at one warp's full-grid share, so a grid that
+#: leaves slots empty is charged as a full wave); 3, `choose_splits_v3` (selectable only: the
 #: kernel time is the larger of the K/V bytes at DECODE_BW_V3 and the busiest slot's serial
 #: chain of latency-bound tiles, so a part-filled grid streams at the bytes' rate when its
 #: warps can keep that many tiles in flight; notes/INFERENCE.md "Split rule 3").
-#: 4 (selectable only): rule 2's count, except one split (no combine) wherever rule 3's model
-#: finds one split fastest: the H200 measured one split 2-16% faster than rule 2's choice at
-#: exactly those short-key points (session j: (8, 1k, 32), (64, 1k, 8), (64, 1k, 32); a tie at
-#: (64, 8k, 32)), while rule 3's other choices lost at long keys.
+#: 4 (the default since session m): rule 2's count, except one split (no combine) wherever rule
+#: 3's model finds one split fastest: the H200 measured one split 2-16% faster than rule 2's
+#: choice at exactly those short-key points (session j: (8, 1k, 32), (64, 1k, 8), (64, 1k, 32); a
+#: tie at (64, 8k, 32)), while rule 3's other choices lost at long keys; under version 8 rule 4
+#: measured +17% at (8, 1k, 32), +2-4% at (64, 1k, 8/32) and the same elsewhere (session m).
 #: `decode_plan` puts the rule in the plan (its label ends in ",rule3" / ",rule4"), so a plan
 #: made under one rule configures with it and its workspace size is that rule's; assigning the
 #: flag moves the call caches' generation on, as DECODE_VERSION does.
-DECODE_SPLIT_RULE = 2
+DECODE_SPLIT_RULE = 4
 #: The split rules `decode_plan` takes.
 DECODE_SPLIT_RULES = (2, 3, 4)
 #: Rule 3's model (`split_time_v3`), fitted to the H200 measurements of version 2 listed in

@@ -131,7 +131,7 @@ def test_versions_plans_and_specialisations():
     check's list has every version's kernels; an unknown version is refused."""
     for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>"), (4, ",v4>"), (5, ",v5>"),
                       (6, ",v6>"), (7, ",v7>"), (8, ",v8>")):
-        plan = _decode.decode_plan("bfloat16", 128, False, True, rows=32, version=v)
+        plan = _decode.decode_plan("bfloat16", 128, False, True, rows=32, version=v, rule=2)
         assert plan.spec.name.endswith(f", {v}>") and plan.label.endswith(suffix)
         assert _decode.version_of(plan) == v
         cfg = _decode.configure(plan, (1, 1, 1), 32, 1, 8192, 128,
@@ -195,7 +195,7 @@ def test_version_8_launch_at_the_short_key_points(b, sk, hkv, splits):
     g = 32 // hkv
     cfgs, plans = {}, {}
     for v in (6, 8):
-        plans[v] = _decode.decode_plan("float16", 128, False, False, rows=g, version=v)
+        plans[v] = _decode.decode_plan("float16", 128, False, False, rows=g, version=v, rule=2)
         cfgs[v] = _decode.configure(plans[v], (1, b, hkv), g, 1, sk, 128, H200)
     c6, c8 = cfgs[6], cfgs[8]
     assert c6.splits == c8.splits == splits
@@ -248,13 +248,13 @@ def test_rule3_choices_at_the_measured_points(b, sk, hkv, rule2, rule3):
     """The two rules' split counts at issue 14's points with H200 measurements of version 2
     (benchmarks/decode_model.py MEASURED_V2; notes/INFERENCE.md "Split rule 3"): rule 3 takes
     one split where one split measured faster than rule 2's choice and keeps the splits where
-    one split measured slower; rule 2 is unchanged and still the default."""
-    assert _decode.DECODE_SPLIT_RULE == 2
+    one split measured slower; rule 2 is unchanged; the default, rule 4, is rule 2's count
+    except one split wherever rule 3's is one."""
+    assert _decode.DECODE_SPLIT_RULE == 4
     assert _splits(b, sk, hkv, 2).splits == rule2
-    assert _splits(b, sk, hkv, None).splits == rule2
     assert _splits(b, sk, hkv, 3).splits == rule3
-    # rule 4: rule 2's count, except one split wherever rule 3's is one
     assert _splits(b, sk, hkv, 4).splits == (1 if rule3 == 1 else rule2)
+    assert _splits(b, sk, hkv, None).splits == _splits(b, sk, hkv, 4).splits
 
 
 def test_rule3_is_what_the_plan_and_its_size_queries_use(monkeypatch):

@@ -159,7 +159,7 @@ FORCED_CASES = [  # (H, Hkv, Sq): groups 1, 4, 8, 32; Sq = 1 and > 1; MT = 1 and
     (32, 32, 1), (32, 8, 1), (32, 4, 1), (32, 1, 1), (32, 4, 3), (32, 1, 2)]
 
 
-@pytest.mark.parametrize("version", [2, 1, 4, 6, 7])   # 3: test_decode_kernel, the bitwise test
+@pytest.mark.parametrize("version", [8, 2, 1, 4, 6, 7])   # 3: test_decode_kernel, the bitwise test
 @pytest.mark.parametrize("splits", [1, 100, "max"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sk", [1, 7, 113, 1000, 20000])

@@ -215,9 +215,10 @@ def test_numpy_and_other_types_are_not_cached():
 
 def test_a_decode_version_switch_is_not_served_from_an_old_record(kvfake, monkeypatch):
     """Assigning `_decode.DECODE_VERSION` moves the tables' generation on: a kvcache record of
-    version 2 misses under version 1, which launches its own kernels with its own split rule
-    (here 4 splits and the version-1 combine where version 2 takes one split), and a workspace
-    sized under version 2 is refused with the size query's name before anything is launched."""
+    the default version misses under version 1, which launches its own kernels with its own
+    split rule (here 4 splits and the version-1 combine where the default takes one split), and
+    a workspace sized under the default is refused with the size query's name before anything
+    is launched."""
     fake = kvfake
     b, hkv, h, d, smax = 32, 2, 64, 64, 256     # 64 entries of G = 32 rows, 256 keys
 
@@ -235,7 +236,7 @@ def test_a_decode_version_switch_is_not_served_from_an_old_record(kvfake, monkey
     for _ in range(2):
         n = len(fake["launches"])
         cuflash.attention_with_kvcache(*args(), workspace=ws)
-        assert [x.rsplit(",", 1)[1] for x in names(n)] == [" 2>"]   # one split, no combine
+        assert [x.rsplit(",", 1)[1] for x in names(n)] == [f" {_decode.DECODE_VERSION}>"]  # 1 split
     assert fake["kvchecks"] == 1, "the second call is a hit"
     monkeypatch.setattr(_decode, "DECODE_VERSION", 1)
     need = cuflash.attention_with_kvcache_workspace_size(*args())

@@ -82,17 +82,18 @@ def test_flags_are_where_the_readme_says():
     if FLAGS_SET:
         pytest.skip(f"flags set by --cuflash-flag: {FLAGS_SET}")
     on = README[README.index("Switched on\nafter it:"):README.index("These stay off:")]
-    for name in ("_decode.DECODE_VERSION = 2", "VARLEN_DENSE_AUTO", "VARLEN_HOPPER_AUTO",
-                 "VARLEN_HOPPER_GROUP = 4", "ALIBI_AFFINE", "direct launch"):
+    for name in ("_decode.DECODE_VERSION = 8", "_decode.DECODE_SPLIT_RULE = 4",
+                 "VARLEN_DENSE_AUTO", "VARLEN_HOPPER_AUTO", "VARLEN_HOPPER_GROUP = 4",
+                 "ALIBI_AFFINE", "direct launch"):
         assert name in on, name
-    assert _decode.DECODE_VERSION == 2
+    assert _decode.DECODE_VERSION == 8 and _decode.DECODE_SPLIT_RULE == 4
     assert _varlen.VARLEN_DENSE_AUTO and _varlen.VARLEN_HOPPER_AUTO
     assert _varlen.VARLEN_HOPPER_GROUP == 4
     assert _dispatch_variants.ALIBI_AFFINE
     off = README[README.index("These stay off:"):README.index("`benchmarks/run_gpu_suite.sh`")]
     assert "VARIANT_FUSED_SCALE" in on and "SOFTCAP_RCP_FMA" in off
     assert _dispatch_variants.VARIANT_FUSED_SCALE and not _dispatch_variants.SOFTCAP_RCP_FMA
-    assert "DECODE_SPLIT_RULE = 3" in off and _decode.DECODE_SPLIT_RULE == 2
+    assert "DECODE_SPLIT_RULE = 3" in off
     assert "FAST_EMPTY" in on
     if os.environ.get("CUFLASH_FAST_EMPTY", "1") != "0":
         assert _callcache.FAST_EMPTY
