@@ -29,9 +29,11 @@ MT = 2, the G = 32 points), `cuflash-v8` with version 8 (version 6 with combine 
 warp a packed row, up to 16 splits), so the versions are timed in one run on the same inputs;
 with them, the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3` ... `-v8`). `cuflash-rule3` is
 the default version with split rule 3 (`_decode.DECODE_SPLIT_RULE = 3`; `cuflash` has the
-default rule 2), `cuflash-rule4` with rule 4 (rule 2, one split where rule 3 picks one),
-`cuflash-v6-rule4` and `cuflash-v8-rule4` versions 6 and 8 under rule 4, checked and timed like
-the others; each decode row's label ends with the split count every cuflash implementation ran (`splits cuflash=3,cuflash-rule3=1,cuflash-s1=1`).
+default, rule 4 since session m), `cuflash-rule4` with rule 4 (rule 2, one split where rule 3
+picks one), `cuflash-v6-rule4` and `cuflash-v8-rule4` versions 6 and 8 under rule 4, checked and
+timed like the others (`cuflash-vN` runs its version under the default rule); each decode row's
+label ends with the split count every cuflash implementation ran
+(`splits cuflash=3,cuflash-rule3=1,cuflash-s1=1`).
 
 Every result is checked before it is timed: two (batch, kv head) slices of the output (the
 first and the last), with their query heads, against the float64 reference under the project's
@@ -202,8 +204,8 @@ class _ForcedSplits:
 CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v2": 2, "cuflash-v3": 3, "cuflash-v4": 4,
                  "cuflash-v5": 5, "cuflash-v6": 6,
                  "cuflash-v7": 7, "cuflash-v8": 8}
-#: cuflash's decode implementations with another split rule -> (version, rule): the default
-#: version under `_decode.DECODE_SPLIT_RULE = 3`.
+#: cuflash's decode implementations with a named split rule -> (version, rule); version None is
+#: the default version.
 CUFLASH_RULE_IMPLS = {"cuflash-rule3": (None, 3), "cuflash-rule4": (None, 4),
                       "cuflash-v6-rule4": (6, 4), "cuflash-v8-rule4": (8, 4)}
 
@@ -592,7 +594,8 @@ def main(argv=None):
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
                     help="comma-separated decode implementations: cuflash, cuflash-v1 / cuflash-v2 / "
                          "-v3 ... -v8 (the decode kernels' versions 1, 3, 4: sm_90, 5, 6, 7, 8), "
-                         "cuflash-rule3 / -rule4 (split rules 3, 4), cuflash-v6-rule4 / -v8-rule4, "
+                         "cuflash-rule3 / -rule4 (split rules 3, 4), "
+                         "cuflash-v6-rule4 / -v8-rule4, "
                          "torch-cudnn, torch-flash")
     for axis in ("b", "sk", "hkv"):
         ap.add_argument(f"--{axis}", default=None,
