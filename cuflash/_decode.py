@@ -79,8 +79,9 @@ DECODE_T_COMBINE = 3e-6
 #: geometric mean, version 6 0.96x in the same run, version 2 0.90x in session k's, and its
 #: decode-facing GPU tests passed with it as the default; benchmarks/RESULTS.md "session m"); 2
 #: was the default from 2026-12-02 (session i; session g measured it at 0.91x cuDNN, version 1
-#: 0.82x). 2 has the one-pass epilogue (per-row weights once, float4 chunks), the combine with all of a thread's
-#: partial loads in flight over a (rows, DECODE_COMBINE_CB) grid, and `choose_splits_v2`
+#: 0.82x). 2 has the one-pass epilogue (per-row weights once, float4 chunks), the combine with
+#: all of a thread's partial loads in flight over a (rows, DECODE_COMBINE_CB) grid, and
+#: `choose_splits_v2`
 #: (benchmarks/bench_inference.py --impl cuflash-v2); 1 is session f's kernels and split rule
 #: (--impl cuflash-v1); 3 is version 2 with the L2::256B prefetch hint on the K/V copies (same
 #: results; a DRAM-efficiency experiment, --impl cuflash-v3); 4 (sm_90 only: `configure` refuses it
