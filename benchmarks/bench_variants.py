@@ -25,8 +25,9 @@ pipe (_dispatch_variants.SOFTCAP_RCP_FMA), "fused" = the scale fused into the tr
 scores without one (VARIANT_FUSED_SCALE), "fma-rcp+fused" = both, "affine" = ALiBi in the
 softmax's affine units on the Hopper forward (ALIBI_AFFINE; causal), "affine+fused",
 "hopperbwd" = the variants' backward on the Hopper backward with the policy
-(HOPPER_BWD_VARIANTS; the row's bwd_label says which backward ran, and bwd_per_tile is against
-plain's Hopper backward); a form's rows only for the variants it changes (IMPLS). Each form's
+(HOPPER_BWD_VARIANTS, on by default since session n; the row's bwd_label says which backward ran,
+and bwd_per_tile is against plain's Hopper backward), "mmabwd" = the same flag off (the mma.sync
+backward that sm_90 took before); a form's rows only for the variants it changes (IMPLS). Each form's
 row is checked like every other.
 
     PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels hopper --backward 0 \
@@ -107,7 +108,10 @@ IMPLS = {"base": ({}, None), "fma-rcp": ({"SOFTCAP_RCP_FMA": True}, {"softcap"})
          # cuflash_bwd_wgmma_var) where hopper_bwd_variant_reason takes the variant; its
          # forward is base's
          "hopperbwd": ({"HOPPER_BWD_VARIANTS": True},
-                       {"softcap", "alibi", "window", "bias", "mask", "positional"})}
+                       {"softcap", "alibi", "window", "bias", "mask", "positional"}),
+         # the same backward on the mma.sync kernel (the flag off, as before session n)
+         "mmabwd": ({"HOPPER_BWD_VARIANTS": False},
+                    {"softcap", "alibi", "window", "bias", "mask", "positional"})}
 
 
 class impl_flags:

@@ -571,10 +571,12 @@ def bwd_tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, determini
 #: Whether the backward of a variant on compute capability 9.0 takes the Hopper backward
 #: (attn_bwd_wgmma.cu: cuflash_bwd_wgmma_var) where `hopper_bwd_variant_reason` allows, under
 #: kernel="auto" (before the mma.sync backward) and kernel="hopper" (which raises saying why
-#: where it does not qualify; with the flag off kernel="hopper" raises for every variant). Off
-#: until its GPU tests (tests/test_hopper_bwd_variants_gpu.py) pass on the H200 and
-#: benchmarks/bench_variants.py --backward 1 --impl base,hopperbwd measures it.
-HOPPER_BWD_VARIANTS = False
+#: where it does not qualify; with the flag off kernel="hopper" raises for every variant). On
+#: since session n (2026-12-04): its GPU tests (tests/test_hopper_bwd_variants_gpu.py) passed on
+#: the H200 and benchmarks/bench_variants.py --backward 1 --impl base,hopperbwd measured softcap,
+#: ALiBi and the window at 0.89-1.00 per visited tile of the plain Hopper backward (0.47-0.50 on
+#: the mma.sync backward; benchmarks/RESULTS.md, session k). False restores the mma.sync backward.
+HOPPER_BWD_VARIANTS = True
 
 
 def hopper_bwd_variant_plan(dtype_name: str, d: int, causal: bool, deterministic: bool,

@@ -36,3 +36,4 @@ def test_every_form_sets_existing_flags(bench):
     for impl, (flags, _) in bench.IMPLS.items():
         assert all(hasattr(DV, k) and isinstance(getattr(DV, k), bool) for k in flags), impl
     assert bench.IMPLS["hopperbwd"][0] == {"HOPPER_BWD_VARIANTS": True}
+    assert bench.IMPLS["mmabwd"][0] == {"HOPPER_BWD_VARIANTS": False}

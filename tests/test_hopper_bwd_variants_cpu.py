@@ -1,6 +1,7 @@
 """The Hopper backward with a variant's policy (attn_bwd_wgmma.cu: cuflash_bwd_wgmma_var), without
-a GPU: dispatch on a described device under _dispatch_variants.HOPPER_BWD_VARIANTS (off: every
-decision as before, kernel="hopper" raises; on: kernel="auto" takes it on compute capability
+a GPU: dispatch on a described device under _dispatch_variants.HOPPER_BWD_VARIANTS (on by
+default since session n; off: the mma.sync backward as before, kernel="hopper" raises; on:
+kernel="auto" takes it on compute capability
 9.0 where hopper_bwd_variant_reason allows, before the mma.sync backward, and kernel="hopper"
 demands it and raises saying why), its plan (the plain Hopper plan's tiles, preprocess and dq
 conversion, the policy in the kernel's name and label, the shared memory of d score / d t) and
@@ -45,13 +46,18 @@ def flag_on(monkeypatch):
     monkeypatch.setattr(_dispatch_variants, "HOPPER_BWD_VARIANTS", True)
 
 
-def test_flag_is_off_by_default():
-    assert _dispatch_variants.HOPPER_BWD_VARIANTS is False
+@pytest.fixture
+def flag_off(monkeypatch):
+    monkeypatch.setattr(_dispatch_variants, "HOPPER_BWD_VARIANTS", False)
+
+
+def test_flag_is_on_by_default():
+    assert _dispatch_variants.HOPPER_BWD_VARIANTS is True
 
 
 @pytest.mark.parametrize("var", [Variant(softcap=30.0), Variant(left=4096, right=0),
                                  Variant(left=64, right=0, softcap=30.0)])
-def test_flag_off_keeps_the_mma_sync_backward(var):
+def test_flag_off_keeps_the_mma_sync_backward(var, flag_off):
     prob = _prob(var)
     bp = variant_backward_plan_for(prob, 90)
     assert bp.label.startswith("tensorcore-bwd<float16,D128,"), bp.label

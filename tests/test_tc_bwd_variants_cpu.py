@@ -30,9 +30,13 @@ ATTRS = {"max_smem_optin": 232448, "sm_count": 132, "compute_capability": 90}
 @pytest.fixture(autouse=True)
 def base_forms(monkeypatch):
     """These tests check the policies' structure in their base form (FORM 0): the forms behind
-    _dispatch_variants' flags, on by default or not, are tests/test_variant_forms_cpu.py's."""
+    _dispatch_variants' flags, on by default or not, are tests/test_variant_forms_cpu.py's. And
+    the mma.sync backward's dispatch: on compute capability 9.0 the Hopper backward takes its
+    variants first (HOPPER_BWD_VARIANTS, tests/test_hopper_bwd_variants_cpu.py), so it is off
+    here."""
     from cuflash import _dispatch_variants
-    for name in ("SOFTCAP_RCP_FMA", "VARIANT_FUSED_SCALE", "ALIBI_AFFINE"):
+    for name in ("SOFTCAP_RCP_FMA", "VARIANT_FUSED_SCALE", "ALIBI_AFFINE",
+                 "HOPPER_BWD_VARIANTS"):
         monkeypatch.setattr(_dispatch_variants, name, False)
 
 
@@ -162,7 +166,7 @@ def _record(bp, prob, grads, mem, monkeypatch):
         ptr=mem.alloc(ws_bytes // acc, acc)))
     launches = []
 
-    def get_kernel(spec, dev, smem=0):
+    def get_kernel(spec, dev, smem=0, cluster=1):
         return lambda grid, block, args, shared_mem=0, stream=None: launches.append(
             (spec.name, grid[0], block[0], tuple(args)))
 
