@@ -26,8 +26,7 @@ one bulk copy per K/V row), `cuflash-v5` with version 5 (version 2 with the K/V 
 an evict-first L2 policy), `cuflash-v6` with version 6 (version 2 with swizzled K/V tiles in
 shared memory), `cuflash-v7` with version 7 (version 2 with three K/V stages per warp at
 MT = 2, the G = 32 points), `cuflash-v8` with version 8 (version 6 with combine version 3, a
-warp a packed row, up to 16 splits), `cuflash-v9` with version 9 (version 8 with the key splits
-merged inside thread block clusters, sm_90), so the versions are timed in one run on the same inputs;
+warp a packed row, up to 16 splits), so the versions are timed in one run on the same inputs;
 with them, the kvcache part adds `contiguous-v1`, `paged16-v1` (`-v3` ... `-v8`). `cuflash-rule3` is
 the default version with split rule 3 (`_decode.DECODE_SPLIT_RULE = 3`; `cuflash` has the
 default, rule 4 since session m), `cuflash-rule4` with rule 4 (rule 2, one split where rule 3
@@ -204,7 +203,7 @@ class _ForcedSplits:
 #: cuflash's decode implementations -> the decode kernels' version they run.
 CUFLASH_IMPLS = {"cuflash": None, "cuflash-v1": 1, "cuflash-v2": 2, "cuflash-v3": 3, "cuflash-v4": 4,
                  "cuflash-v5": 5, "cuflash-v6": 6,
-                 "cuflash-v7": 7, "cuflash-v8": 8, "cuflash-v9": 9}
+                 "cuflash-v7": 7, "cuflash-v8": 8}
 #: cuflash's decode implementations with a named split rule -> (version, rule); version None is
 #: the default version.
 CUFLASH_RULE_IMPLS = {"cuflash-rule3": (None, 3), "cuflash-rule4": (None, 4),
@@ -594,8 +593,7 @@ def main(argv=None):
                          "cuflash-vN-sN for each cuflash-vN in --impl")
     ap.add_argument("--impl", default="cuflash,torch-cudnn,torch-flash",
                     help="comma-separated decode implementations: cuflash, cuflash-v1 / cuflash-v2 / "
-                         "-v3 ... -v9 (the decode kernels' versions 1, 3, 4: sm_90, 5, 6, 7, 8, "
-                         "9: sm_90), "
+                         "-v3 ... -v8 (the decode kernels' versions 1, 3, 4: sm_90, 5, 6, 7, 8), "
                          "cuflash-rule3 / -rule4 (split rules 3, 4), "
                          "cuflash-v6-rule4 / -v8-rule4, "
                          "torch-cudnn, torch-flash")

@@ -438,7 +438,7 @@ class _Record(_RecordBase):
 class _DecodeRecord(_RecordBase):
     """A decode-kernel signature (`_decode.launch_dense`): the DecodeParams bytes after the
     seven per-call pointers, the configuration (grid, splits, the partials' layout in the
-    workspace) and both kernel objects (the combine only with more than one part)."""
+    workspace) and both kernel objects (the combine only with more than one split)."""
 
     __slots__ = ("template", "grid", "threads", "smem", "kern", "comb", "comb_grid",
                  "o_part_bytes", "splits", "label", "comb_t")
@@ -454,9 +454,9 @@ class _DecodeRecord(_RecordBase):
         self.grid_t, self.block_t = (cfg.grid,), (plan.threads,)
         self.splits, self.part_bytes, self.o_part_bytes = cfg.splits, cfg.part_bytes, \
             cfg.o_part_bytes
-        self.kern = _decode.main_kernel(plan, cfg, prob.device_id)
+        self.kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
         self.comb = None
-        if cfg.n_parts > 1:
+        if cfg.splits > 1:
             self.comb = _compile.get_kernel(_decode.combine_spec_for(plan, cfg), prob.device_id)
             self.comb_grid = cfg.comb_grid
             self.comb_t = (self.comb_grid, (_decode.COMBINE_THREADS,))

@@ -109,14 +109,12 @@ _kernels: Dict[Tuple[int, Specialisation], object] = {}
 _smem_limit: Dict[Tuple[int, Specialisation], int] = {}
 
 
-def get_kernel(spec: Specialisation, device_id: int, dynamic_smem: int = 0, cluster: int = 1):
+def get_kernel(spec: Specialisation, device_id: int, dynamic_smem: int = 0):
     """The loaded kernel (a `cupy.cuda.function.Function`, called like a RawKernel) for `spec` on
     `device_id`, compiled on first use or read from the disk cache.
 
     ``dynamic_smem`` above 48 KiB raises the kernel's dynamic shared-memory limit (once per device
-    and size), as CUDA requires before such a launch. ``cluster``: the kernel's compile-time
-    cluster size (``__cluster_dims__``); beyond the portable 8 blocks the function is allowed the
-    non-portable size when it is loaded.
+    and size), as CUDA requires before such a launch.
     """
     key = (device_id, spec)
     kern = _kernels.get(key)
@@ -129,9 +127,6 @@ def get_kernel(spec: Specialisation, device_id: int, dynamic_smem: int = 0, clus
         if kern is None:
             with cupy.cuda.Device(device_id):
                 kern = _load(spec, spec.arch or device_arch(device_id))
-                if cluster > 8:
-                    cupy.cuda.driver.funcSetAttribute(
-                        kern.ptr, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
             _kernels[key] = kern
             _smem_limit[key] = 48 * 1024
         if dynamic_smem > _smem_limit[key]:
@@ -143,7 +138,6 @@ def get_kernel(spec: Specialisation, device_id: int, dynamic_smem: int = 0, clus
 
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
 def cache_dir() -> Path:

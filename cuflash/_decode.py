@@ -11,7 +11,6 @@ allocation is the split workspace (float32 partial outputs), taken from CuPy's p
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -99,16 +98,8 @@ DECODE_T_COMBINE = 3e-6
 #: --impl cuflash-v8). Assigning it moves the call caches' generation on
 #: (_callcache._WatchedModule), so records of another version miss.
 DECODE_VERSION = 8
-#: The kernel versions `decode_plan` takes. 9 (selectable, sm_90): version 8 whose key splits
-#: merge inside a thread block cluster (`cluster_size` blocks) through distributed shared memory,
-#: so a split's partial never reaches global memory and with at most `cluster_size` splits no
-#: combine is launched (attn_decode.cu: cuflash_attn_decode_cluster; notes/INFERENCE.md
-#: "Version 9"); elsewhere, and where no cluster divides the split count, it is version 8.
-DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
-#: Version 9's largest cluster per Dpad (the blocks of a cluster run at once on one GPC; 16 is
-#: beyond the portable 8 and is allowed on the function at load; D = 256 holds one block an SM,
-#: so its clusters stop at 8, which every GPC holds).
-DECODE_CLUSTER_MAX = {64: 16, 128: 16, 256: 8}
+#: The kernel versions `decode_plan` takes.
+DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 #: Version 2's split model (`choose_splits_v2`): a block's fixed time (Q and the first tile's
 #: latency, the warp merge, the stores: version 2's epilogue is ~1/5 of version 1's
 #: instructions) and the combine's (a dependent launch, the lse pass and one round trip to the
@@ -204,10 +195,9 @@ def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 
         rule = 2      # (version 1's own rule; the label stays version 1's)
     dpad = head_dim_bucket(d, DECODE_DPADS)
     mt = row_tiles_per_block(dpad, rows)
-    # (version 9 without a cluster is version 8's kernel; `configure` picks its cluster twin)
     name = (f"cuflash::cuflash_attn_decode<{_CXX_TYPE[dtype_name]}, {dpad}, {DECODE_BN}, "
             f"{DECODE_WARPS}, {mt}, {'true' if causal else 'false'}, "
-            f"{'true' if paged else 'false'}, {8 if version == 9 else version}>")
+            f"{'true' if paged else 'false'}, {version}>")
     label = (f"decode<{dtype_name},D{dpad},BN{DECODE_BN},W{DECODE_WARPS},"
              f"{'R32,' if mt == 2 else ''}"
              f"{'paged' if paged else 'dense'},{'causal' if causal else 'full'}"
@@ -218,9 +208,8 @@ def decode_plan(dtype_name: str, d: int, causal: bool, paged: bool, rows: int = 
 
 
 def version_of(plan) -> int:
-    """The kernels' version of a decode `plan` (its label's ",vN"; none: version 2)."""
-    m = re.search(r",v(\d+)[,>]", plan.label)
-    return int(m.group(1)) if m else 2
+    """The kernels' version of a decode `plan` (its kernel name's last template argument)."""
+    return int(plan.spec.name.rsplit(",", 1)[1].strip(" >"))
 
 
 def rule_of(plan) -> int:
@@ -239,50 +228,15 @@ def combine_spec(dtype_name: str, dpad: int, version: int = 2):
 
 
 def combine_version(version: int, splits: int, dpad: int) -> int:
-    """The combine version that goes with decode kernel `version` at `splits` partials per row
-    (key splits; version 9: clusters) and head-dim bucket `dpad`: 1 for kernel version 1; 3 for
-    versions 8 and 9 when 2 <= splits <= COMBINE3_SPLITS[dpad] (one warp a packed row; above
-    that, version 2's column blocks keep more loads in flight a row); else 2 (versions 3-7
-    change only the main kernel)."""
+    """The combine version that goes with decode kernel `version` at `splits` key splits and
+    head-dim bucket `dpad`: 1 for kernel version 1; 3 for version 8 when 2 <= splits <=
+    COMBINE3_SPLITS[dpad] (one warp a packed row; above that, version 2's column blocks keep
+    more loads in flight a row); else 2 (versions 3-7 change only the main kernel)."""
     if version == 1:
         return 1
-    if version in (8, 9) and 2 <= splits <= COMBINE3_SPLITS[dpad]:
+    if version == 8 and 2 <= splits <= COMBINE3_SPLITS[dpad]:
         return 3
     return 2
-
-
-def cluster_size(version: int, splits: int, dpad: int, compute_capability: int) -> int:
-    """Blocks per thread block cluster of decode kernel `version` at `splits` key splits: for
-    version 9 on compute capability 9.0 the largest power of two up to DECODE_CLUSTER_MAX[dpad]
-    that divides `splits`, else 1 (no cluster: the split partials go through global memory)."""
-    if version != 9 or compute_capability != 90:
-        return 1
-    c = DECODE_CLUSTER_MAX[dpad]
-    while c > 1 and splits % c:
-        c //= 2
-    return c
-
-
-def cluster_spec(plan, cluster: int):
-    """The clustered main kernel of version-9 decode `plan` (attn_decode.cu:
-    cuflash_attn_decode_cluster, sm_90) with `cluster` blocks a cluster."""
-    args = plan.spec.name[plan.spec.name.index("<") + 1:plan.spec.name.rindex(",")]
-    return _compile.Specialisation("attn_decode",
-                                   f"cuflash::cuflash_attn_decode_cluster<{args}, {cluster}>",
-                                   arch="sm_90")
-
-
-def main_spec_for(plan, cfg):
-    """The main kernel that runs decode `plan` with the configuration `cfg`: the plan's own, or
-    for ``cfg.cluster > 1`` its clustered twin (`cluster_spec`)."""
-    return plan.spec if cfg.cluster == 1 else cluster_spec(plan, cfg.cluster)
-
-
-def main_kernel(plan, cfg, device_id):
-    """The loaded main kernel for `plan` and `cfg` (`main_spec_for`), its shared-memory limit
-    raised and, for clusters beyond the portable 8 blocks, the non-portable size allowed."""
-    return _compile.get_kernel(main_spec_for(plan, cfg), device_id, plan.smem_bytes,
-                               cluster=cfg.cluster)
 
 
 def combine_spec_for(plan, cfg):
@@ -319,19 +273,11 @@ def all_decode_specialisations():
         for dpad in DECODE_DPADS:
             for causal in (False, True):
                 for paged in (False, True):
-                    for ver in (2, 1, 3, 4, 5, 6, 7, 8, 9):
-                        plans = [decode_plan(dt, dpad, causal, paged, version=ver)]
+                    for ver in (2, 1, 3, 4, 5, 6, 7, 8):
+                        out.append(decode_plan(dt, dpad, causal, paged, version=ver).spec)
                         if dpad <= DECODE_MT2_MAX_DPAD:
-                            plans.append(decode_plan(dt, dpad, causal, paged, rows=32,
-                                                     version=ver))
-                        for plan in plans:
-                            if ver != 9:   # (version 9's own kernel is version 8's)
-                                out.append(plan.spec)
-                            else:
-                                c = 2
-                                while c <= DECODE_CLUSTER_MAX[dpad]:
-                                    out.append(cluster_spec(plan, c))
-                                    c *= 2
+                            out.append(decode_plan(dt, dpad, causal, paged, rows=32,
+                                                   version=ver).spec)
             out.extend(combine_spec(dt, dpad, ver) for ver in (2, 1, 3))
         out.extend(append_spec(dt, paged) for paged in (False, True))
     return out
@@ -548,14 +494,6 @@ class DecodeLaunch:
     dpad: int
     comb_cb: int = 1             # the combine's column blocks per row (`combine_columns`)
     comb_ver: int = 2            # the combine's version (`combine_version`)
-    cluster: int = 1             # blocks per cluster (version 9, `cluster_size`): splits / cluster
-                                 # partials per row reach the workspace and the combine
-
-    @property
-    def n_parts(self) -> int:
-        """Partial results per packed row that the combine merges (1: none, no combine): the
-        key splits, or with clusters the clusters per row block."""
-        return self.splits // self.cluster
 
     @property
     def comb_grid(self) -> tuple:
@@ -567,16 +505,16 @@ class DecodeLaunch:
 
     @property
     def o_part_bytes(self) -> int:
-        return _align(4 * self.entries * self.n_parts * 16 * self.n_rtiles * self.dpad)
+        return _align(4 * self.entries * self.splits * 16 * self.n_rtiles * self.dpad)
 
     @property
     def part_bytes(self) -> int:
-        """Workspace bytes of the split partials: (entries, n_parts, R, Dpad) float32 partial
-        outputs, then (entries, n_parts, R) float32 partial lse, R = 16 * n_rtiles, each section
-        WORKSPACE_ALIGN-aligned; 0 when there is one part (keys not split, or one cluster)."""
-        if self.n_parts == 1:
+        """Workspace bytes of the split partials: (entries, splits, R, Dpad) float32 partial
+        outputs, then (entries, splits, R) float32 partial lse, R = 16 * n_rtiles, each section
+        WORKSPACE_ALIGN-aligned; 0 when the keys are not split."""
+        if self.splits == 1:
             return 0
-        return self.o_part_bytes + _align(4 * self.entries * self.n_parts * 16 * self.n_rtiles)
+        return self.o_part_bytes + _align(4 * self.entries * self.splits * 16 * self.n_rtiles)
 
 
 def _align(n: int) -> int:
@@ -617,14 +555,12 @@ def configure(plan, sizes, g, sq, sk, d, attrs) -> DecodeLaunch:
     grid = entries * n_rblocks * splits
     if grid > MAX_GRID_X:
         raise ValueError(f"{plan.label}: {grid} blocks is too many for one launch")
-    cluster = cluster_size(version, splits, dpad, attrs.get("compute_capability", 90))
-    parts = splits // cluster
-    if parts > 1 and entries * rows > MAX_GRID_X:   # the combine's grid (one part: none)
+    if splits > 1 and entries * rows > MAX_GRID_X:   # the combine's grid (one split: none)
         raise ValueError(f"{plan.label}: {entries * rows} combine rows is too many for one "
                          "launch")
-    comb_ver = combine_version(version, parts, dpad)
+    comb_ver = combine_version(version, splits, dpad)
     return DecodeLaunch(entries, rows, n_rtiles, splits, split_tiles, grid, dpad,
-                        combine_columns(parts, dpad, comb_ver), comb_ver, cluster)
+                        combine_columns(splits, dpad, comb_ver), comb_ver)
 
 
 def scratch(nbytes, workspace, stream, query):
@@ -652,7 +588,7 @@ def decode_params(plan, geom, q, k, v, o, lse, *, scale, cfg, parts=None):
     the geometry (and, paged or packed, of the seqlens / block table / cu arrays' addresses),
     the configuration and the scale: `_callcache` keeps those bytes per call signature."""
     o_part = lse_part = 0
-    if cfg.n_parts > 1:
+    if cfg.splits > 1:
         if parts is None or parts.nbytes < cfg.part_bytes:
             raise ValueError(f"{plan.label}: the split partials need {cfg.part_bytes} bytes")
         o_part = parts.data.ptr
@@ -666,7 +602,7 @@ def decode_params(plan, geom, q, k, v, o, lse, *, scale, cfg, parts=None):
         0 if geom.cu_q is None else geom.cu_q.data.ptr,
         0 if geom.cu_k is None else geom.cu_k.data.ptr,
         geom.sq, geom.sk, geom.d, geom.g, *geom.sizes, *geom.q, *geom.k, *geom.v, *geom.o,
-        *geom.l, cfg.n_rtiles, cfg.n_parts, cfg.split_tiles,
+        *geom.l, cfg.n_rtiles, cfg.splits, cfg.split_tiles,
         int(geom.page).bit_length() - 1 if paged else 0,
         geom.block_table.shape[1] if paged else 0, geom.k_page if paged else 0,
         geom.v_page if paged else 0, scale * _LOG2E), dtype=DECODE_PARAMS_DTYPE)[()]
@@ -682,9 +618,9 @@ def launch(plan, geom, q, k, v, o, lse, *, scale, device_id, stream, cfg, parts=
     configuration `cfg` (`configure`). `parts`: a uint8 GPU buffer of at least
     ``cfg.part_bytes`` (required when the keys are split); `stream`: a CuPy stream object."""
     params = decode_params(plan, geom, q, k, v, o, lse, scale=scale, cfg=cfg, parts=parts)
-    kern = main_kernel(plan, cfg, device_id)
+    kern = _compile.get_kernel(plan.spec, device_id, plan.smem_bytes)
     kern((cfg.grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes, stream=stream)
-    if cfg.n_parts > 1:
+    if cfg.splits > 1:
         comb = _compile.get_kernel(combine_spec_for(plan, cfg), device_id)
         comb(cfg.comb_grid, (COMBINE_THREADS,), (params,), stream=stream)
     return cfg.splits

@@ -435,7 +435,7 @@ def kvcache_gpu(prob, call=None):
             l=(0, le[0], g * le[1], le[1], le[2]), k=k_str, v=v_str, seqlens=seqlens,
             block_table=prob.block_table, page=prob.page, k_page=ie[0] if paged else 0,
             v_page=ve[0] if paged else 0)
-        parts = ws[lens_bytes:] if cfg.n_parts > 1 else None
+        parts = ws[lens_bytes:] if cfg.splits > 1 else None
         _decode.launch(plan, geom, prob.q, kc, vc, o, lse, scale=prob.scale,
                        device_id=prob.device_id, stream=st, cfg=cfg, parts=parts)
         if call is not None:
@@ -526,15 +526,15 @@ def _kv_record(call, prob, plan, cfg, geom, o, lse, parts, lens_bytes, need):
     rec.pair_spans = None if prob.out_lse is None else (
         _checks.span_offsets(prob.out), _checks.span_offsets(prob.out_lse))
     rec.need, rec.lens_bytes, rec.b, rec.snew = need, lens_bytes, prob.b, prob.snew
-    rec.seqlens_int, rec.splits, rec.o_part_bytes = prob.seqlens_int, cfg.n_parts, \
+    rec.seqlens_int, rec.splits, rec.o_part_bytes = prob.seqlens_int, cfg.splits, \
         cfg.o_part_bytes
     params = _decode.decode_params(plan, geom, prob.q, prob.k_cache, prob.v_cache, o, lse,
                                    scale=prob.scale, cfg=cfg, parts=parts)
     rec.dec_tmpl = params.tobytes()[8 * _DEC_NPTR:]
-    rec.dec = _decode.main_kernel(plan, cfg, prob.device_id)
+    rec.dec = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
     rec.dec_t, rec.dec_smem = ((cfg.grid,), (plan.threads,)), plan.smem_bytes
     rec.comb = rec.comb_t = None
-    if cfg.n_parts > 1:
+    if cfg.splits > 1:
         rec.comb = _compile.get_kernel(_decode.combine_spec_for(plan, cfg), prob.device_id)
         rec.comb_t = (cfg.comb_grid, (_decode.COMBINE_THREADS,))
     rec.app = rec.app_t = rec.app_tmpl = None

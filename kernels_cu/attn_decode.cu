@@ -233,94 +233,6 @@ __device__ __forceinline__ void axpy4(float4& acc, float w, const float4& x) {
     acc.w += w * x.w;
 }
 
-// Version 9's epilogue at CL > 1 (decode_main, after the warp weights): this block's o of each
-// row (its warps' O weighted as for a split partial) into warp 0's O rows in place, then, after
-// a cluster barrier, block c of the cluster merges rows c, c + CL, ... of all CL blocks in rank
-// order, reading their o and lse through distributed shared memory, and writes the row (or the
-// cluster's partial); a second barrier keeps every block's shared memory alive until the
-// cluster's reads are done. `lb[r]`: the row's lse (NaN: a NaN score; -inf: no key in the
-// split), `lb[ROWS + r]` its kind (1 normal, 0 no key, NaN), `mb` the warp weights.
-template <typename T, int DPAD, int BN, int NWARPS, int MT, int CL>
-__device__ __forceinline__ void decode_cluster_merge(const DecodeParams& p, const Entry& off,
-                                                     float* ob, const float* mb, const float* lb,
-                                                     int r0, int rows, int G, unsigned int entry,
-                                                     unsigned int split) {
-    using Cfg = DecodeConfig<DPAD, BN, NWARPS, MT>;
-    constexpr int ROWS = Cfg::ROWS, C4 = DPAD / 4;
-    const int tid = threadIdx.x, d = static_cast<int>(p.d);
-    for (int i = tid; i < ROWS * C4; i += Cfg::THREADS) {
-        const int r = i / C4, col = (i % C4) * 4;
-        if (r0 + r >= rows || col >= d) continue;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int w = 0; w < NWARPS; ++w) {
-            const float4 x = *reinterpret_cast<const float4*>(ob + (w * ROWS + r) * Cfg::OS + col);
-            axpy4(acc, mb[w * ROWS + r], x);
-        }
-        const float kind = lb[ROWS + r];
-        if (kind != 1.f) {  // no key: 0; a NaN score: NaN (its lse is NaN too)
-            const float z = kind == 0.f ? 0.f : __int_as_float(0x7fc00000);
-            acc = make_float4(z, z, z, z);
-        }
-        *reinterpret_cast<float4*>(ob + r * Cfg::OS + col) = acc;  // only this thread reads it
-    }
-    cluster_sync();
-    const unsigned int rank = cluster_rank();
-    const unsigned int ob_s = smem_addr(ob), lb_s = smem_addr(lb);
-    const bool one = p.n_splits == 1;
-    for (int i = tid; i < ROWS / CL * C4; i += Cfg::THREADS) {
-        const int r = (i / C4) * CL + static_cast<int>(rank), col = (i % C4) * 4;
-        const int pr = r0 + r;
-        if (pr >= rows || col >= d) continue;
-        float ls[CL];
-        float4 x[CL];
-#pragma unroll
-        for (int c = 0; c < CL; ++c) {  // every load of the thread in flight together
-            ls[c] = dsmem_load_f32(dsmem_addr(lb_s + 4 * r, c));
-            x[c] = dsmem_load_f4(dsmem_addr(ob_s + 4 * (r * Cfg::OS + col), c));
-        }
-        float mx = neg_inf<float>();
-        bool nan_row = false;
-#pragma unroll
-        for (int c = 0; c < CL; ++c) {
-            mx = fmaxf(mx, ls[c]);
-            nan_row = nan_row || isnan(ls[c]);
-        }
-        float sum = 0.f;
-        if (mx != neg_inf<float>() && !nan_row) {
-#pragma unroll
-            for (int c = 0; c < CL; ++c) sum += expf(ls[c] - mx);
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int c = 0; c < CL; ++c) {
-            const float w = (sum > 0.f && ls[c] != neg_inf<float>()) ? expf(ls[c] - mx) * inv : 0.f;
-            axpy4(acc, w, x[c]);
-        }
-        float lse = sum > 0.f ? mx + logf(sum) : neg_inf<float>();
-        if (nan_row) {
-            lse = __int_as_float(0x7fc00000);
-            acc = make_float4(lse, lse, lse, lse);
-        }
-        const unsigned int gu = static_cast<unsigned int>(G);
-        const int qi_r = static_cast<int>(static_cast<unsigned int>(pr) / gu);
-        const int hj = pr - qi_r * G;
-        if (one) {
-            T* o = static_cast<T*>(p.o) + off.o + hj * p.o_sg + (long long)qi_r * p.o_sr;
-            *reinterpret_cast<uint2*>(o + col) =
-                make_uint2(pack2<T>(acc.x, acc.y), pack2<T>(acc.z, acc.w));
-            if (col == 0 && p.lse) p.lse[off.l + hj * p.l_sg + (long long)qi_r * p.l_sr] = lse;
-        } else {  // the cluster's partial: split / CL of the p.n_splits the combine merges
-            const long long prow = (static_cast<long long>(entry) * p.n_splits + split / CL)
-                                   * (16 * p.n_rtiles) + pr;
-            *reinterpret_cast<float4*>(p.o_part + prow * DPAD + col) = acc;
-            if (col == 0) p.lse_part[prow] = lse;
-        }
-    }
-    cluster_sync();
-}
-
 // V: the epilogue's version. 1: session f's (every thread of the block re-derives its row's
 // warp weights for each of its ROWS * DPAD / THREADS elements: 32 serial passes of ~175
 // instructions at MT = 2); 2: one thread per row derives the row's weights f_w / l and lse
@@ -337,25 +249,14 @@ __device__ __forceinline__ void decode_cluster_merge(const DecodeParams& p, cons
 // computed: a warp with few tiles, G = 32 at short keys, waits ~one tile latency less; MT = 1
 // keeps two stages, so its code is version 2's). Each warp walks the same tiles in the same
 // order, so results equal version 2's bitwise.
-// 9: version 8 whose key splits merge inside a thread block cluster of CL blocks (sm_90,
-// cuflash_attn_decode_cluster; CL = 1 is version 8's kernel): every block of a cluster works on
-// the same (entry, row block), splits split0 .. split0 + CL - 1. After the warp merge a block
-// keeps its normalised o and its lse per row in shared memory; after a cluster barrier, block c
-// merges rows c, c + CL, ... of the CL blocks in rank order through distributed shared memory
-// (the combine's operator, lse = log sum exp lse_s, o = sum exp(lse_s - lse) o_s), and writes the
-// result, or with more than CL splits the cluster's partial (o, lse) for the combine kernel
-// (p.n_splits is then the partials' count, splits / CL). No partial of a split reaches global
-// memory, and with at most CL splits no second launch is needed. Same order every run.
-template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V,
-          int CL>
-__device__ __forceinline__ void decode_main(const DecodeParams& p) {
-    static_assert(V >= 1 && V <= 9, "decode kernel versions 1 to 9");
-    static_assert(CL == 1 || (V == 9 && (CL & (CL - 1)) == 0 && CL <= 16 && 16 * MT % CL == 0),
-                  "clusters: version 9, a power of two up to 16 that divides the block's rows");
+template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V>
+__global__ void __launch_bounds__(32 * NWARPS)
+cuflash_attn_decode(const DecodeParams p) {
+    static_assert(V >= 1 && V <= 8, "decode kernel versions 1 to 8");
     constexpr bool PF = V == 3;
     constexpr bool EF = V == 5;
-    constexpr bool SW = V == 6 || V == 8 || V == 9;  // the swizzled K/V tiles (load_kv_tile); 8
-                                                     // and 9: 6's main loop
+    constexpr bool SW = V == 6 || V == 8;  // the swizzled K/V tiles (load_kv_tile); 8: 6's main
+                                           // kernel, launched with combine version 3
     static_assert(!SW || DPAD >= 64, "the swizzle needs eight 16-byte chunks a row");
     constexpr bool BULK = V == 4;
     constexpr int NS = (V == 7 && MT == 2) ? 3 : 2;  // K/V stages per warp
@@ -368,14 +269,12 @@ __device__ __forceinline__ void decode_main(const DecodeParams& p) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int gq = lane / 4, t4 = lane % 4;
-    // blockIdx.x = (entry * n_rblocks + rblock) * n_splits CL + split, n_rblocks = n_rtiles / MT
-    // (the host pads n_rtiles, the 16-row tiles per entry, to a multiple of MT; with clusters
-    // p.n_splits counts the clusters' partials, so CL consecutive blocks share a row block)
+    // blockIdx.x = (entry * n_rblocks + rblock) * n_splits + split, n_rblocks = n_rtiles / MT
+    // (the host pads n_rtiles, the 16-row tiles per entry, to a multiple of MT)
     const unsigned int flat = blockIdx.x;
     const unsigned int n_rblocks = static_cast<unsigned int>(p.n_rtiles) / MT;
-    const unsigned int nsb = static_cast<unsigned int>(p.n_splits) * CL;  // key splits
-    const unsigned int split = flat % nsb;
-    const unsigned int er = flat / nsb;
+    const unsigned int split = flat % static_cast<unsigned int>(p.n_splits);
+    const unsigned int er = flat / static_cast<unsigned int>(p.n_splits);
     const unsigned int rblock = er % n_rblocks;
     const unsigned int entry = er / n_rblocks;
     Entry off = entry_offsets(p, entry);
@@ -384,8 +283,7 @@ __device__ __forceinline__ void decode_main(const DecodeParams& p) {
     const int sq = sr.sq, sk = sr.sk;
     const int rows = G * sq;
     const int r0 = static_cast<int>(rblock) * ROWS;
-    if (r0 >= rows) return;  // a row block past this sequence's rows (the whole block, and
-                             // with it the whole cluster, leaves)
+    if (r0 >= rows) return;  // a row block past this sequence's rows (the whole block leaves)
     const T* q = static_cast<const T*>(p.q) + off.q;
     const T* k = static_cast<const T*>(p.k) + off.k;
     const T* v = static_cast<const T*>(p.v) + off.v;
@@ -649,11 +547,6 @@ __device__ __forceinline__ void decode_main(const DecodeParams& p) {
         }
         __syncthreads();
         constexpr int C4 = DPAD / 4;  // float4 chunks of a row
-        if constexpr (CL > 1) {
-            decode_cluster_merge<T, DPAD, BN, NWARPS, MT, CL>(p, off, ob, mb, lb, r0, rows, G,
-                                                              entry, split);
-            return;
-        }
         for (int i = tid; i < ROWS * C4; i += Cfg::THREADS) {
             const int r = i / C4, col = (i % C4) * 4;
             const int pr = r0 + r;
@@ -725,22 +618,6 @@ __device__ __forceinline__ void decode_main(const DecodeParams& p) {
             if (col == 0) p.lse_part[prow] = lse;
         }
     }
-}
-
-// Versions 1-9 without clusters (version 9 at CL = 1 is version 8's kernel).
-template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int V>
-__global__ void __launch_bounds__(32 * NWARPS) cuflash_attn_decode(const DecodeParams p) {
-    decode_main<T, DPAD, BN, NWARPS, MT, CAUSAL, PAGED, V, 1>(p);
-}
-
-// Version 9 with its key splits merged in clusters of CL blocks (sm_90; the grid is a multiple of
-// CL; CL = 16 needs the non-portable cluster size the host allows on the function).
-template <typename T, int DPAD, int BN, int NWARPS, int MT, bool CAUSAL, bool PAGED, int CL>
-__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(32 * NWARPS)
-cuflash_attn_decode_cluster(const DecodeParams p) {
-#if __CUDA_ARCH__ >= 900
-    decode_main<T, DPAD, BN, NWARPS, MT, CAUSAL, PAGED, 9, CL>(p);
-#endif
 }
 
 // The combine block's entry, packed row and entry offsets (blockIdx.x = entry * G * Sq + row);

@@ -782,37 +782,6 @@ __device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity)
     } while (!done);
 }
 
-// Thread block clusters (sm_90): the block's rank in its cluster, a barrier of every thread of
-// the cluster (release / acquire: shared-memory writes before it are visible to the cluster's
-// reads after it), and loads from another block's shared memory (distributed shared memory:
-// `addr` is this block's shared address of the same object, mapa moves it to block `rank`; the
-// loads are volatile, so they stay after the barrier that orders them).
-__device__ __forceinline__ unsigned int cluster_rank() {
-    unsigned int r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ unsigned int dsmem_addr(unsigned int addr, unsigned int rank) {
-    unsigned int r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ float dsmem_load_f32(unsigned int addr) {
-    float x;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(addr));
-    return x;
-}
-__device__ __forceinline__ float4 dsmem_load_f4(unsigned int addr) {
-    float4 x;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(addr));
-    return x;
-}
-
 // TMA: one box of a 5-D tensor map (coordinates innermost first) into shared memory; completion
 // is counted in bytes on the mbarrier. Out-of-range elements of the box arrive as zeros.
 __device__ __forceinline__ void tma_load_5d(unsigned int dst, const TmaDesc* map, int c0, int c1,

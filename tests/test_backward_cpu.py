@@ -328,7 +328,7 @@ class FakeArray:
 def launches(monkeypatch):
     record = []
 
-    def get_kernel(spec, dev, smem=0, cluster=1):
+    def get_kernel(spec, dev, smem=0):
         def kernel(grid, block, args, shared_mem=0, stream=None):
             record.append((spec.name, grid[0], block[0], args[0], shared_mem))
         return kernel
@@ -701,7 +701,7 @@ def _record_launches(bp, prob, grads, mem, monkeypatch):
     assert ws.data.ptr % 256 == 0
     launches = []
 
-    def get_kernel(spec, dev, smem=0, cluster=1):
+    def get_kernel(spec, dev, smem=0):
         return lambda grid, block, args, shared_mem=0, stream=None: launches.append(
             (spec.name, grid[0], block[0], args[0]))
 

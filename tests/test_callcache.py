@@ -165,7 +165,7 @@ def fake(monkeypatch, request):
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(Stream, "stack", [])
 
-    def get_kernel(spec, dev, smem=0, cluster=1):
+    def get_kernel(spec, dev, smem=0):
         def kernel(grid, block, args, shared_mem=0, stream=None):
             # stream None: CuPy's kernel call launches on the current stream's handle
             # (`get_current_stream_ptr`: under PTDS the null stream's 0 is the per-thread 2)
@@ -969,7 +969,7 @@ def test_direct_launch_sends_what_cupys_call_sends(fake, monkeypatch, case):
     monkeypatch.setattr(_callcache, "HOST_BLOCK", True)   # (the direct launch needs it)
     real_get, kernels = _compile.get_kernel, {}
 
-    def get_kernel(spec, dev, smem=0, cluster=1):
+    def get_kernel(spec, dev, smem=0):
         inner = real_get(spec, dev, smem)
 
         def kern(*a, **kw):

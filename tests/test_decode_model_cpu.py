@@ -128,8 +128,7 @@ def test_combine_columns(dpad):
 def test_versions_plans_and_specialisations():
     """Each kernel version has its own instantiation (the name's last template argument) and
     label suffix; version 1 pairs with combine version 1, versions 2-7 with 2; the compile
-    check's list has every version's kernels (version 9's own is version 8's); an unknown
-    version is refused."""
+    check's list has every version's kernels; an unknown version is refused."""
     for v, suffix in ((1, ",v1>"), (2, "full>"), (3, ",v3>"), (4, ",v4>"), (5, ",v5>"),
                       (6, ",v6>"), (7, ",v7>"), (8, ",v8>")):
         plan = _decode.decode_plan("bfloat16", 128, False, True, rows=32, version=v, rule=2)
@@ -153,77 +152,7 @@ def test_versions_plans_and_specialisations():
                           1, 1, 100, 64, dict(max_smem_optin=227 * 1024, sm_count=108,
                                               compute_capability=80))
     with pytest.raises(ValueError, match="versions"):
-        _decode.decode_plan("float16", 64, True, False, version=10)
-
-
-@pytest.mark.parametrize("b,sk,hkv", [(64, 1024, 1), (1, 1024, 1), (8, 1024, 1), (1, 8192, 1),
-                                      (1, 32768, 1), (1, 131072, 8), (64, 8192, 8)])
-def test_version_9_clusters(b, sk, hkv):
-    """Version 9 (sm_90) runs version 8's launch (same splits, grid, shared memory) with its
-    splits merged in clusters of the largest power of two up to DECODE_CLUSTER_MAX that divides
-    the split count: splits / cluster partials per row reach the workspace (none, and no
-    combine, when one cluster holds every split), the DecodeParams' n_splits is that partial
-    count, and the clustered twin of version 8's kernel runs; elsewhere (no cluster divides, or
-    not compute capability 9.0) it is version 8 exactly."""
-    g = 32 // hkv
-    p8 = _decode.decode_plan("float16", 128, False, False, rows=g, version=8)
-    p9 = _decode.decode_plan("float16", 128, False, False, rows=g, version=9)
-    assert p9.spec == p8.spec and p9.label == p8.label.replace(",v8", ",v9")
-    assert _decode.version_of(p9) == 9 and _decode.version_of(p8) == 8
-    c8 = _decode.configure(p8, (1, b, hkv), g, 1, sk, 128, H200)
-    c9 = _decode.configure(p9, (1, b, hkv), g, 1, sk, 128, H200)
-    assert (c9.splits, c9.grid, c9.split_tiles) == (c8.splits, c8.grid, c8.split_tiles)
-    assert c8.cluster == 1 and c8.n_parts == c8.splits
-    cl = 16
-    while c9.splits % cl:
-        cl //= 2
-    assert c9.cluster == cl and c9.n_parts == c9.splits // cl
-    assert c9.comb_ver == _decode.combine_version(9, c9.n_parts, 128)
-    rows = c9.entries * 16 * c9.n_rtiles
-    assert c9.part_bytes == (0 if c9.n_parts == 1 else
-                             _decode._align(4 * rows * c9.n_parts * 128)
-                             + _decode._align(4 * rows * c9.n_parts))
-    spec = _decode.main_spec_for(p9, c9)
-    if cl == 1:
-        assert spec == p8.spec
-    else:
-        assert spec.arch == "sm_90" and spec.name == p8.spec.name.replace(
-            "cuflash_attn_decode<", "cuflash_attn_decode_cluster<").replace(", 8>", f", {cl}>")
-    assert _decode.main_spec_for(p8, c8) == p8.spec
-    a100 = dict(H200, compute_capability=80, sm_count=108)
-    c9a = _decode.configure(p9, (1, b, hkv), g, 1, sk, 128, a100)
-    assert c9a.cluster == 1 and c9a == _decode.configure(p8, (1, b, hkv), g, 1, sk, 128, a100)
-
-
-def test_version_9_specialisations_and_source():
-    """Every cluster size version 9 can pick has its specialisation in the compile check's list
-    (sm_90, each dtype, head-dim bucket, MT, mask and layout), the source's cluster bound agrees
-    with DECODE_CLUSTER_MAX, and cluster_size never exceeds it nor a split count's factor."""
-    import re
-
-    from kernels_cu import SOURCE_DIR
-
-    src = (SOURCE_DIR / "attn_decode.cu").read_text()
-    assert "__global__ void __cluster_dims__(CL, 1, 1)" in src
-    assert re.search(r"CL <= (\d+) && 16 \* MT % CL == 0", src).group(1) == \
-        str(max(_decode.DECODE_CLUSTER_MAX.values()))
-    names = {s.name: s for s in _decode.all_decode_specialisations()}
-    for dt in _decode.DECODE_DTYPES:
-        for dpad in _decode.DECODE_DPADS:
-            for rows in ((1, 32) if dpad <= _decode.DECODE_MT2_MAX_DPAD else (1,)):
-                for causal in (False, True):
-                    for paged in (False, True):
-                        plan = _decode.decode_plan(dt, dpad, causal, paged, rows=rows, version=9)
-                        assert plan.spec.name in names
-                        for splits in range(1, _decode.MAX_SPLITS + 1):
-                            cl = _decode.cluster_size(9, splits, dpad, 90)
-                            assert cl <= _decode.DECODE_CLUSTER_MAX[dpad] and splits % cl == 0
-                            assert cl & (cl - 1) == 0
-                            assert _decode.cluster_size(8, splits, dpad, 90) == 1
-                            assert _decode.cluster_size(9, splits, dpad, 80) == 1
-                            if cl > 1:
-                                spec = _decode.cluster_spec(plan, cl)
-                                assert names.get(spec.name) == spec, spec.name
+        _decode.decode_plan("float16", 64, True, False, version=9)
 
 
 def test_combine_version_3_choice():

@@ -110,8 +110,7 @@ def _decode_version(monkeypatch, version):
     selectable for timing; 2: the default; 3: 2 with the L2::256B prefetch hint; 4: 2 with
     bulk copies, sm_90 only; 5: 2 with an evict-first L2 policy on the K/V copies; 6: 2 with
     swizzled K/V tiles; 7: 2 with three K/V stages per warp at MT = 2; 8: 6 with combine
-    version 3, a warp a packed row, at up to 16 splits; 9: 8 with the splits merged inside
-    thread block clusters on sm_90)."""
+    version 3, a warp a packed row, at up to 16 splits)."""
     from cuflash import _decode
 
     if version == 4 and _cc() != 90:
@@ -119,7 +118,7 @@ def _decode_version(monkeypatch, version):
     monkeypatch.setattr(_decode, "DECODE_VERSION", version)
 
 
-@pytest.mark.parametrize("version", [2, 1, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("version", [2, 1, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("b,h,hkv,sq,sk,d", DECODE_CASES)
@@ -160,7 +159,7 @@ FORCED_CASES = [  # (H, Hkv, Sq): groups 1, 4, 8, 32; Sq = 1 and > 1; MT = 1 and
     (32, 32, 1), (32, 8, 1), (32, 4, 1), (32, 1, 1), (32, 4, 3), (32, 1, 2)]
 
 
-@pytest.mark.parametrize("version", [8, 9, 2, 1, 4, 6, 7])   # 3: test_decode_kernel, the bitwise test
+@pytest.mark.parametrize("version", [8, 2, 1, 4, 6, 7])   # 3: test_decode_kernel, the bitwise test
 @pytest.mark.parametrize("splits", [1, 100, "max"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sk", [1, 7, 113, 1000, 20000])
@@ -401,62 +400,6 @@ def test_decode_v8_matches_v6_bitwise(group, sq, d, paged, causal, splits, monke
                          block_table=bt, k_new=None, v_new=None, causal=causal, dtype="float16")
 
 
-@pytest.mark.parametrize("splits", [2, 4, 8, 16, 32, 48, 256])
-@pytest.mark.parametrize("group,sq,d,paged,causal", V8_CASES)
-def test_decode_v9_clusters(group, sq, d, paged, causal, splits, monkeypatch):
-    """Version 9 merges each cluster's splits through distributed shared memory (sm_90): at
-    forced split counts on both sides of the cluster sizes (a cluster of all the splits, so no
-    combine; 32, 48 and ~250 splits: the clusters' partials through combine version 3 or 2;
-    250 splits: clusters of 2), through attention_with_kvcache with lengths 0, 1, 113 and 4000
-    (splits and a sequence with no key), contiguous and paged (page 16), causal Sq > 1,
-    NaN-poisoned outputs, against float64; bitwise equal run to run; the test checks the
-    cluster size and the combine that ran, and that without a cluster version 9 is version 8
-    bit for bit."""
-    if _cc() != 90:
-        pytest.skip("decode version 9's clusters run on compute capability 9.0")
-    from cuflash import _decode
-
-    cp = cupy()
-    monkeypatch.setattr(_decode, "choose_splits", lambda *a, **kw: splits)
-    ran = []
-    real = _decode.main_spec_for
-    monkeypatch.setattr(_decode, "main_spec_for",
-                        lambda plan, cfg: ran.append((_decode.version_of(plan), cfg.splits,
-                                                      cfg.cluster, cfg.comb_ver))
-                        or real(plan, cfg))
-    rng = _rng("decode-v9", group, sq, d, paged, causal, splits)
-    lens = np.array([0, 1, 113, 4000], np.int32)
-    q, k, v, bt, kn, vn = random_kv_problem(rng, b=4, hkv=2, group=group, sq=sq, d=d, lens=lens,
-                                            snew=0, page=16 if paged else None, dtype="float16")
-    args = (to_gpu(q, "float16"), to_gpu(k, "float16"), to_gpu(v, "float16"), cp.asarray(lens))
-    res = []
-    for version in (9, 9, 8):
-        _decode_version(monkeypatch, version)
-        out = poisoned(q.shape, "float16"), poisoned((4, 2 * group, sq), "float32")
-        res.append(cuflash.attention_with_kvcache(
-            *args, block_table=None if bt is None else cp.asarray(bt), causal=causal,
-            return_lse=True, out=out))
-    cp.cuda.get_current_stream().synchronize()
-    assert ran[0][0] == 9 and ran[-1][0] == 8, ran   # (the second call may hit the call cache)
-    _, ns, cl, comb = ran[0]
-    tiles = -(-4000 // 16)   # configure: splits of ceil(tiles / splits) tiles each
-    assert ns == -(-tiles // -(-tiles // splits)), (ns, splits)
-    expect = _decode.DECODE_CLUSTER_MAX[d]
-    while ns % expect:
-        expect //= 2
-    assert cl == expect, ran
-    parts = ns // cl
-    assert comb == _decode.combine_version(9, parts, d), ran
-    for a, b in zip(res[0], res[1]):
-        assert cp.array_equal(a.view(cp.uint16 if a.dtype == cp.float16 else cp.uint32),
-                              b.view(cp.uint16 if b.dtype == cp.float16 else cp.uint32))
-    if cl == 1:
-        assert cp.array_equal(res[0][0].view(cp.uint16), res[2][0].view(cp.uint16))
-        assert cp.array_equal(res[0][1].view(cp.uint32), res[2][1].view(cp.uint32))
-    check_kvcache_result(to_host64(res[0][0]), to_host64(res[0][1]), q, k, v, lens,
-                         block_table=bt, k_new=None, v_new=None, causal=causal, dtype="float16")
-
-
 def test_kvcache_paged_matches_contiguous_bitwise():
     """The same keys in a contiguous and in a paged (page 16) cache give identical results."""
     if _cc() < 80:
@@ -510,7 +453,7 @@ def test_varlen_gpu(h, hkv, d, lens_q, lens_k, dtype, causal):
                         dtype=dtype)
 
 
-@pytest.mark.parametrize("version", [2, 1, 4, 6, 8, 9])
+@pytest.mark.parametrize("version", [2, 1, 4, 6, 8])
 @pytest.mark.parametrize("h,hkv", [(8, 2), (32, 1)])   # MT = 1; MT = 2 (32 rows a block)
 @pytest.mark.parametrize("sk", [64, 8192])       # one split; many splits (the combine)
 @pytest.mark.parametrize("where", ["q-head3", "k-key200-inf", "v-key100-nan", "v-key100-inf"])

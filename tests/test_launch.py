@@ -31,7 +31,7 @@ def launches(monkeypatch):
         record["launches"].append((grid, block, args[0], shared_mem))
 
     monkeypatch.setattr(_tma, "encode_tiled", encode)
-    monkeypatch.setattr(_compile, "get_kernel", lambda spec, dev, smem, cluster=1: kernel)
+    monkeypatch.setattr(_compile, "get_kernel", lambda spec, dev, smem: kernel)
     monkeypatch.setattr(_launch, "_stream_ptr", lambda s: None)
     monkeypatch.setattr(_launch, "_PARAM_CACHE", type(_launch._PARAM_CACHE)())
     return record

@@ -166,7 +166,7 @@ def _record(bp, prob, grads, mem, monkeypatch):
         ptr=mem.alloc(ws_bytes // acc, acc)))
     launches = []
 
-    def get_kernel(spec, dev, smem=0, cluster=1):
+    def get_kernel(spec, dev, smem=0):
         return lambda grid, block, args, shared_mem=0, stream=None: launches.append(
             (spec.name, grid[0], block[0], tuple(args)))
 

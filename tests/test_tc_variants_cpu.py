@@ -122,7 +122,7 @@ def test_forward_launch_passes_variant_params_to_the_tensorcore_kernel(launches)
 
     comp_get = _compile.get_kernel
     try:
-        _compile.get_kernel = lambda spec, dev, smem, cluster=1: kernel
+        _compile.get_kernel = lambda spec, dev, smem: kernel
         plan = tensorcore_variant_plan("float16", d, False, 90, prob.variant)
         _launch.launch_forward(plan, prob, o, None, ATTRS)
     finally:

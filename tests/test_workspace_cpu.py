@@ -395,7 +395,7 @@ def fakecp(monkeypatch):
                                    get_current_stream=lambda: (current or [default])[-1])
     monkeypatch.setitem(sys.modules, "cupy", cp)
 
-    def get_kernel(spec, dev, smem=0, cluster=1):
+    def get_kernel(spec, dev, smem=0):
         def kernel(grid, block, args, shared_mem=0, stream=None):
             log.append(("launch", spec.name, grid[0], args[0], stream.ptr))
         return kernel
