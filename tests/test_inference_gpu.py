@@ -133,8 +133,15 @@ def test_decode_kernel(b, h, hkv, sq, sk, d, dtype, causal, version, monkeypatch
     qg = to_gpu(q, dtype)
     kg = to_gpu(np.ascontiguousarray(k.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
     vg = to_gpu(np.ascontiguousarray(v.transpose(0, 2, 1, 3)), dtype).transpose(0, 2, 1, 3)
+    from cuflash import _decode
+
     info = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel="decode")
-    assert info.startswith("decode") and info.endswith("l>" if version == 2 else f",v{version}>")
+    # the label names the version (",vN"; none for 2) and then the split rule (",rule4" under
+    # the default rule; version 1 keeps its own rule and no suffix)
+    rule = _decode.DECODE_SPLIT_RULE
+    want = ("" if version == 2 else f",v{version}") + \
+        ("" if version == 1 or rule == 2 else f",rule{rule}")
+    assert info.startswith("decode<") and info.endswith(want + ">"), (info, want)
     o, lse = poisoned((b, h, sq, d), dtype), poisoned((b, h, sq), "float32")
     cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, out=(o, lse), kernel="decode")
     o2 = cuflash.attention(qg, kg, vg, causal=causal, kernel="decode")
