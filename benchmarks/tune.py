@@ -12,7 +12,8 @@ Python's launch time is not timed, median of --repeats such timings. Candidates:
   values of `cuflash._dispatch.HOPPER_TABLE`, printed as "BN<keys> S<stages> Q<Q buffers>
   C<consumer warpgroups> [ov: overlapped softmax] [pp: ping-pong] [aO: O sent out through shared
   memory by bulk copies, HopperTiles.async_o] [P: persistent]". The aO candidates are the A/B of
-  `cuflash._dispatch.HOPPER_ASYNC_O` (off by default): each beside the same tiles without it.
+  `cuflash._dispatch.HOPPER_ASYNC_O` (on by default since session n; a candidate runs with the
+  flag off, so its own async_o decides): each beside the same tiles without it.
 
     PYTHONPATH=. python benchmarks/tune.py --kernel hopper [--d 64,128,256] [--s 512,2048,8192]
     PYTHONPATH=. python benchmarks/tune.py --shapes 32x12x197x64,64x16x256x64 --causal 0
@@ -137,12 +138,14 @@ def _apply(dispatch, kernel, d, cfg):
         def undo():
             dispatch.TC_CONFIGS = saved
     else:
-        saved, gain = dispatch.HOPPER_TABLE, dispatch.HOPPER_C3_GAIN
+        saved, gain, ao = dispatch.HOPPER_TABLE, dispatch.HOPPER_C3_GAIN, dispatch.HOPPER_ASYNC_O
         dispatch.HOPPER_TABLE = {key: (cfg if key[0] == d else val) for key, val in saved.items()}
         dispatch.HOPPER_C3_GAIN = float("inf")  # the candidate as given, whatever Sq is
+        dispatch.HOPPER_ASYNC_O = False  # the candidate's own async_o says which epilogue runs
 
         def undo():
             dispatch.HOPPER_TABLE, dispatch.HOPPER_C3_GAIN = saved, gain
+            dispatch.HOPPER_ASYNC_O = ao
     return undo
 
 

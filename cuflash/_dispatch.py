@@ -484,10 +484,13 @@ def hopper_f32_head_dims(precision: str, form: Optional[str] = None):
 #: Whether the plain 16-bit Hopper forward sends O out through shared memory and bulk copies
 #: (HopperTiles.async_o, attn_wgmma.cu: cuflash_fwd_wgmma_ao) wherever the staging rows fit
 #: (hopper_async_o_fits): issue 13's small problems, where an item has one or two key tiles and
-#: its epilogue sits on the consumers' path (notes/PERF.md, "h5"). Off: not yet measured on a GPU
-#: (benchmarks/tune.py's "aO" candidates are the A/B). The variants' and varlen twins keep the
-#: direct stores.
-HOPPER_ASYNC_O = False
+#: its epilogue sits on the consumers' path (notes/PERF.md, "h5"). On since session n
+#: (2026-12-04): on the H200 the Hopper forward's 366 16-bit GPU tests passed with it (session k:
+#: its own 158), the small problems ran 0.4-5% faster, the forward grid's D = 128 points 0.3-2%
+#: and D = 64 without causal 1-2%, D = 64 causal at S = 1k and 4k 0.8% slower (twice);
+#: benchmarks/RESULTS.md "session n". False restores the direct stores. The variants' and varlen
+#: twins keep the direct stores.
+HOPPER_ASYNC_O = True
 
 
 def hopper_async_o_fits(cfg: HopperTiles, dpad: int) -> bool:

@@ -90,9 +90,10 @@ def _hopper_schedule_specs():
 
 
 def _hopper_async_o_specs():
-    """The Hopper forward with the async O epilogue (_dispatch.HOPPER_ASYNC_O, off by default:
+    """The Hopper forward with the async O epilogue (_dispatch.HOPPER_ASYNC_O, on by default:
     cuflash_fwd_wgmma_ao) for every HOPPER_TABLE entry it fits, float16 and bfloat16, with the
-    consumer counts tests/test_gpu.py::test_hopper_async_o forces (two and three at D = 64)."""
+    consumer counts tests/test_gpu.py::test_hopper_async_o forces (two and three at D = 64); and
+    the direct-store kernels the same entries take with the flag off."""
     specs = set()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_dispatch, "HOPPER_ASYNC_O", True)
@@ -109,6 +110,14 @@ def _hopper_async_o_specs():
                                                  _dispatch.HOPPER_LONG_SK + long_keys)
                     assert "_ao<" in plan.spec.name, plan.spec.name
                     specs.add(plan.spec)
+        mp.undo()   # the table and the gain as they were, then the flag off
+        mp.setattr(_dispatch, "HOPPER_ASYNC_O", False)
+        for dpad, causal, long_keys in list(_dispatch.HOPPER_TABLE):
+            for dt in _dispatch.HOPPER_DTYPES:
+                plan = _dispatch.hopper_plan(dt, dpad, causal,
+                                             _dispatch.HOPPER_LONG_SK + long_keys)
+                assert "_ao<" not in plan.spec.name, plan.spec.name
+                specs.add(plan.spec)
     return sorted(specs, key=lambda s: s.name)
 
 

@@ -1,5 +1,5 @@
 """The Hopper forward's async O epilogue (attn_wgmma.cu: cuflash_fwd_wgmma_ao, ASYNC_O) on the
-host, without a GPU: the dispatch flag `_dispatch.HOPPER_ASYNC_O` (off by default) and a table
+host, without a GPU: the dispatch flag `_dispatch.HOPPER_ASYNC_O` (on by default since session n) and a table
 entry with `HopperTiles.async_o` select it where its staging rows fit, its plans name the kernel
 of their own and say so in the label, the twins (variants, varlen) and float32 keep the direct
 stores, and benchmarks/tune.py's "aO" candidates are what they say."""
@@ -24,20 +24,23 @@ def _stage_bytes(consumers, dpad):
     return 128 + 4 * consumers * 16 * (2 * dpad + 64)
 
 
-def test_off_by_default_and_plans_unchanged():
+def test_on_by_default_where_it_fits():
+    """The default plans take the async epilogue at exactly the table entries it fits (FITS),
+    the others keep the direct stores, and the compile set holds what the default dispatches."""
     from conftest import FLAGS_SET
 
     if FLAGS_SET:
         pytest.skip(f"flags set by --cuflash-flag: {FLAGS_SET}")
-    assert _dispatch.HOPPER_ASYNC_O is False
-    assert not any(t.async_o for t, _ in _dispatch.HOPPER_TABLE.values())
+    assert _dispatch.HOPPER_ASYNC_O is True
+    assert not any(t.async_o for t, _ in _dispatch.HOPPER_TABLE.values())   # the flag does it
+    names = {plan.spec.name for plan in _dispatch.all_specialisations(90)}
     for key in _dispatch.HOPPER_TABLE:
         for dt in _dispatch.HOPPER_DTYPES:
             plan = _plan(key, dt)
-            assert plan.spec.name.startswith("cuflash::cuflash_fwd_wgmma<"), plan.spec.name
-            assert "asyncO" not in plan.label
-    for plan in _dispatch.all_specialisations(90):
-        assert "_ao<" not in plan.spec.name and "asyncO" not in plan.label
+            kern = "cuflash_fwd_wgmma_ao<" if key in FITS else "cuflash_fwd_wgmma<"
+            assert plan.spec.name.startswith("cuflash::" + kern), plan.spec.name
+            assert ("asyncO" in plan.label) == (key in FITS), plan.label
+            assert plan.spec.name in names
 
 
 @pytest.mark.parametrize("key", sorted(_dispatch.HOPPER_TABLE))

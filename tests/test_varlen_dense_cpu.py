@@ -387,7 +387,10 @@ def test_hopper_dispatch(monkeypatch):
     monkeypatch.setattr(_tma, "available", lambda: True)
     for causal in (False, True):
         plan = _varlen.varlen_plan_for(_hopper_prob(causal=causal), 90)
-        dense = _dispatch.hopper_plan("float16", 128, causal, 3000, sq=1000)
+        assert "asyncO" not in plan.label   # the twin keeps the direct stores (HOPPER_ASYNC_O)
+        with monkeypatch.context() as mp:   # ... so its plan is the dense one without it
+            mp.setattr(_dispatch, "HOPPER_ASYNC_O", False)
+            dense = _dispatch.hopper_plan("float16", 128, causal, 3000, sq=1000)
         assert plan.label == "varlen-" + dense.label.replace("persistent,", "")
         assert plan.spec.name == dense.spec.name.replace("cuflash_fwd_wgmma<",
                                                          "cuflash_fwd_wgmma_varlen<")
