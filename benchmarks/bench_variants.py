@@ -379,6 +379,12 @@ def main(argv=None):
         if torch is not None and args.flex:
             try:
                 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+                # the backward is timed by replaying one graph (retain_graph=True), which a
+                # compiled backward with donated buffers refuses (torch 2.11 did so for the mask
+                # row's FlexAttention, whose mask_mod reads a tensor: H200, 2026-12-05)
+                import torch._functorch.config as _fconfig
+                if hasattr(_fconfig, "donated_buffer"):
+                    _fconfig.donated_buffer = False
                 flex = torch.compile(flex_attention)
             except Exception:   # pragma: no cover - torch without FlexAttention
                 flex = None
