@@ -9,6 +9,7 @@ float64 SciPy ground truth; ``cuflash-check`` audits the kernels against it.
 from ._api import (attention, attention_backward, attention_backward_workspace_size,
                    attention_workspace_size, backward_dispatch_info, dispatch_info,
                    gpu_available, merge_states)
+from ._mask_blocks import BlockMask, block_mask
 from ._kvcache import attention_with_kvcache, attention_with_kvcache_workspace_size
 from ._varlen import attention_varlen, attention_varlen_workspace_size, varlen_dispatch_info
 from ._varlen_backward import (attention_varlen_backward, attention_varlen_backward_workspace_size,
@@ -23,4 +24,4 @@ __all__ = ["attention", "attention_backward", "attention_backward_workspace_size
            "attention_with_kvcache_workspace_size", "attention_varlen_workspace_size",
            "attention_varlen_backward", "attention_varlen_backward_workspace_size",
            "varlen_backward_dispatch_info", "varlen_dispatch_info",
-           "ScoreMod", "MaskMod", "__version__"]
+           "ScoreMod", "MaskMod", "block_mask", "BlockMask", "__version__"]

@@ -116,9 +116,14 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         not enlarge it), float16, bfloat16, float32 or float64, on the inputs' device; read one
         tile at a time, never materialised. ``-inf`` entries mask (under a score_mod only where
         the hook keeps them ``-inf``: the bias is its input).
-    mask : array of bool, optional
+    mask : array of bool or cuflash.BlockMask, optional
         Broadcastable to ``(..., Sq, Sk)``; True = keep. Rows that the variant leaves with no
         key give 0 and ``lse = -inf`` (never NaN). All variant semantics: `cuflash.variants`.
+        The tensor-core kernels compute a tile whose 64 x 64 mask blocks keep every entry
+        without reading the mask (the same result): for a plain GPU array the block summary is
+        made on every call (one pass over the mask on the call's stream and
+        ``prod(batch of mask) * ceil(R / 64) * ceil(C / 64)`` bytes from CuPy's pool, R x C the
+        mask's last two axes); `cuflash.block_mask` makes it once, for reuse and CUDA graphs.
     score_mod : cuflash.ScoreMod, optional
         A user score modification (CUDA C for the GPU, a NumPy callable for the CPU path and the
         references; :mod:`cuflash.mods`), applied to the score after softcap, alibi and bias.
@@ -432,7 +437,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, determi
         while `cuflash._dispatch.TC_BWD_F32_AUTO` is set (the default), else the generic
         backward.
     window, softcap, alibi_slopes, bias, mask : optional
-        The forward's variant, as in `attention` (pass the same values). Under softcap the
+        The forward's variant, as in `attention` (pass the same values; ``mask`` a bool array,
+        summarised per call on the tensor-core backwards, or a `cuflash.BlockMask`). Under softcap the
         gradient of the scaled score is ``dS * (1 - tanh(t / c)^2)``.
     score_mod, mask_mod, mod_args : optional
         The forward's hooks (:mod:`cuflash.mods`); a score_mod needs its derivative

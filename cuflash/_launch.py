@@ -113,7 +113,11 @@ def launch_forward(plan, prob, o, lse, device_attrs):
         kern((grid,), (plan.threads,), (params,), shared_mem=plan.smem_bytes,
              stream=_stream_ptr(prob.stream))
         return
-    params, grid, (q, k, v), vparams = forward_params(plan, prob, q, k, v, o, lse, device_attrs)
+    if variant is not None:   # the mask's block summary, made now unless the caller's
+        from ._launch_variants import with_mask_blocks
+        variant = with_mask_blocks(variant, (plan.spec.family,), prob.device_id, prob.stream)
+    params, grid, (q, k, v), vparams = forward_params(plan, prob, q, k, v, o, lse, device_attrs,
+                                                      variant=variant)
     kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
     if vparams is not None:  # a variant's kernels take its VariantParams as a second argument
         kern((grid,), (plan.threads,), (params, vparams), shared_mem=plan.smem_bytes,
@@ -127,8 +131,10 @@ def launch_forward(plan, prob, o, lse, device_attrs):
          stream=_stream_ptr(prob.stream))
 
 
-def forward_params(plan, prob, q, k, v, o, lse, device_attrs):
+def forward_params(plan, prob, q, k, v, o, lse, device_attrs, variant=None):
     """The forward's parameter block for these buffers, after the launch-configuration checks.
+    ``variant``: the problem's variant as launched (`_launch_variants.with_mask_blocks`; default
+    `prob.variant`).
 
     Returns ``(params, grid, (q, k, v), vparams)``: the block (a NumPy structured scalar), the
     number of blocks, the inputs it points at (contiguous full-batch copies when more than three
@@ -141,7 +147,7 @@ def forward_params(plan, prob, q, k, v, o, lse, device_attrs):
     vparams = None
     if getattr(prob, "variant", None) is not None:
         from ._launch_variants import collapse_with_variant
-        sizes, bstr, rstr, vparams = collapse_with_variant(prob, q, k, v, o)
+        sizes, bstr, rstr, vparams = collapse_with_variant(prob, q, k, v, o, variant=variant)
     else:
         sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
     if len(sizes) > 3:
@@ -357,8 +363,10 @@ def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
     bufs = list(targets)
     variant = getattr(prob, "variant", None)   # window/softcap/alibi/bias/mask: _launch_variants
     extra = []
-    if variant is not None:
+    if variant is not None:   # with the mask's block summary (made now unless the caller's)
         from . import _launch_variants as lv
+        variant = lv.with_mask_blocks(variant, [pl.spec.family for _, pl in bplan.passes],
+                                      prob.device_id, prob.stream)
         extra = lv.variant_tensors(variant)
 
     def collapse():
@@ -395,7 +403,7 @@ def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
         if getattr(prob, "return_dbias", False):   # ds per (batch entry, row, key): summed below
             acc = np.float64 if prob.dtype_name == "float64" else np.float32
             dscores = cupy.zeros(full + (prob.sq, prob.sk), dtype=acc)
-        vparams = lv.fill_params(prob, bstr[9:], dscores)
+        vparams = lv.fill_params(prob, bstr[9:], dscores, variant=variant)
     owners = {red: math.prod(n for a, n in enumerate(sizes) if not (red >> a) & 1)
               for red in (0, q_red, kv_red)}
 

@@ -15,12 +15,14 @@ _VP_DBL = ("softcap", "inv_softcap")
 _VP_INTS2 = tuple(f"{t}_{s}" for t in ("bias", "mask") for s in ("s0", "s1", "s2", "sr", "sc")) \
     + ("sl_s0", "sl_s1", "sl_s2", "dscores")
 _VP_MODS = ("mod_args", "mod_h", "mod_s0", "mod_s1", "mod_s2")   # user hooks (UserVariant)
+_VP_BLOCKS = ("mask_blocks", "mb_s0", "mb_s1", "mb_s2", "mb_sr", "mb_sc")   # the mask's summary
 VARIANT_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _VP_PTRS]
                                 + [(f, np.int64) for f in _VP_INTS1]
                                 + [(f, np.float64) for f in _VP_DBL]
                                 + [(f, np.int64) for f in _VP_INTS2]
-                                + [(f, np.int64) for f in _VP_MODS])
-assert VARIANT_PARAMS_DTYPE.itemsize == 26 * 8  # static_assert in kernels_cu/variants.cuh
+                                + [(f, np.int64) for f in _VP_MODS]
+                                + [(f, np.int64) for f in _VP_BLOCKS])
+assert VARIANT_PARAMS_DTYPE.itemsize == 32 * 8  # static_assert in kernels_cu/variants.cuh
 
 
 class _FlatIndex:
@@ -39,14 +41,33 @@ class _FlatIndex:
         self.itemsize, self.ndim = 1, len(self.shape)
 
 
+def with_mask_blocks(variant, families, device_id, stream):
+    """`variant` with its mask's block summary (`_mask_blocks`) for kernels of ``families``
+    (names): the caller's (a `cuflash.BlockMask`), else one made now on ``stream`` when one of
+    them reads it (the tensor-core kernels); the variant unchanged otherwise."""
+    from . import _mask_blocks
+    if not _mask_blocks.ENABLED and variant.mask_blocks is not None:
+        import dataclasses
+        return dataclasses.replace(variant, mask_blocks=None)
+    if not _mask_blocks.ENABLED or variant.mask is None or variant.mask_blocks is not None \
+            or not set(families) & set(_mask_blocks.READERS):
+        return variant
+    import dataclasses
+    blocks = _mask_blocks.summarise(variant.mask, device_id, stream)
+    return dataclasses.replace(variant, mask_blocks=blocks)
+
+
 def variant_tensors(variant):
     """The variant's tensors, each with (..., rows, cols) axes, in the order fill_params reads
-    their collapsed strides: bias, mask, slopes (as (..., 1, 1)), those present."""
+    their collapsed strides: bias, mask, the mask's summary, slopes (as (..., 1, 1)), those
+    present."""
     out = []
     if variant.bias is not None:
         out.append(variant.bias)
     if variant.mask is not None:
         out.append(variant.mask)
+        if variant.mask_blocks is not None:
+            out.append(variant.mask_blocks)
     if variant.alibi_slopes is not None:
         out.append(variant.alibi_slopes[..., None, None])
     if variant.has_mods:
@@ -54,16 +75,19 @@ def variant_tensors(variant):
     return out
 
 
-def fill_params(prob, extra_bstr, dscores=None):
-    """VariantParams (a NumPy scalar) for `prob.variant`, with the collapsed batch strides of
-    its tensors (``extra_bstr``, padded to three, in `variant_tensors` order)."""
-    var = prob.variant
+def fill_params(prob, extra_bstr, dscores=None, variant=None):
+    """VariantParams (a NumPy scalar) for ``variant`` (default `prob.variant`), with the
+    collapsed batch strides of its tensors (``extra_bstr``, padded to three, in
+    `variant_tensors` order)."""
+    var = prob.variant if variant is None else variant
     vp = np.zeros((), dtype=VARIANT_PARAMS_DTYPE)
     vp["left"] = var.left if var.has_window else -1
     vp["right"] = var.right_eff(prob.causal) if var.has_window else -1
     if var.softcap:
         vp["softcap"], vp["inv_softcap"] = var.softcap, 1.0 / var.softcap
-    names = [n for n, x in (("bias", var.bias), ("mask", var.mask), ("sl", var.alibi_slopes))
+    names = [n for n, x in (("bias", var.bias), ("mask", var.mask),
+                            ("mb", var.mask_blocks if var.mask is not None else None),
+                            ("sl", var.alibi_slopes))
              if x is not None]
     if var.has_mods:
         names.append("mod")
@@ -75,6 +99,10 @@ def fill_params(prob, extra_bstr, dscores=None):
             vp[name] = x.data.ptr
             vp[f"{name}_sr"] = 0 if x.shape[-2] == 1 else x.strides[-2] // x.itemsize
             vp[f"{name}_sc"] = 0 if x.shape[-1] == 1 else x.strides[-1] // x.itemsize
+        elif name == "mb":   # (mask batch..., RB, CB) contiguous; 0 where the mask broadcasts
+            vp["mask_blocks"] = x.data.ptr
+            vp["mb_sr"] = 0 if var.mask.shape[-2] == 1 else x.shape[-1]
+            vp["mb_sc"] = 0 if var.mask.shape[-1] == 1 else 1
         elif name == "sl":
             vp["slopes"] = x.data.ptr
     vp["dscores"] = 0 if dscores is None else dscores.data.ptr
@@ -94,17 +122,19 @@ TOO_MANY_AXES = ("the batch axes of the inputs and of bias / mask / alibi_slopes
                  "C-contiguous arrays")
 
 
-def collapse_with_variant(prob, *tensors):
+def collapse_with_variant(prob, *tensors, variant=None):
     """`collapse_batch` over ``tensors`` (q, k, v, o as the forward passes them) and the
-    variant's tensors; returns (sizes padded to 3, bstr, rstr of ``tensors``, VariantParams as a
-    NumPy scalar). Raises ValueError when the batch axes do not collapse to three."""
-    extra = variant_tensors(prob.variant)
+    tensors of ``variant`` (default `prob.variant`); returns (sizes padded to 3, bstr, rstr of
+    ``tensors``, VariantParams as a NumPy scalar). Raises ValueError when the batch axes do not
+    collapse to three."""
+    variant = prob.variant if variant is None else variant
+    extra = variant_tensors(variant)
     sizes, bstr, rstr = collapse_batch(prob.batch_shape, *tensors, *extra)
     if len(sizes) > 3:
         raise ValueError(TOO_MANY_AXES)
     pad3(sizes, bstr)
     n = len(tensors)
-    return sizes, bstr[:n], rstr[:n], fill_params(prob, bstr[n:])
+    return sizes, bstr[:n], rstr[:n], fill_params(prob, bstr[n:], variant=variant)
 
 
 def is_variant_kernel(plan) -> bool:

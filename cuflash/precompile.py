@@ -2,7 +2,7 @@
 
 Every specialisation the dispatcher can pick on a device of a given architecture (the forward
 kernels of every dtype, head-dim bucket and mask, the backward's, the decode family's, the
-variants' and the merge kernel) is compiled through NVRTC into ``$CUFLASH_CACHE_DIR`` (default
+variants', the merge kernel and the mask summary's) is compiled through NVRTC into ``$CUFLASH_CACHE_DIR`` (default
 ``~/.cache/cuflash``), where `cuflash._compile.get_kernel` finds it on first use instead of
 compiling (about a second per specialisation). No GPU is needed: name the architecture. The cache
 key holds the NVRTC version, so precompile with the NVRTC the target machine will load (the
@@ -55,6 +55,8 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))
+    from ._mask_blocks import compile_specs as mask_block_specs
+    specs += mask_block_specs()   # cuflash.block_mask and the per-call mask summary
     return list(dict.fromkeys(specs))  # unique, in order
 
 

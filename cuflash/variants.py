@@ -72,6 +72,10 @@ class Variant:
     score_mod, mask_mod : cuflash.mods.ScoreMod, cuflash.mods.MaskMod or None
         User hooks; ``mod_args`` their float32 1-D array (or None), ``mod_batch`` the inputs'
         batch shape (b and h are counted in it).
+    mask_blocks : array or None
+        The mask's block summary (uint8, `cuflash._mask_blocks`) when the caller passed a
+        `cuflash.BlockMask`; None otherwise (the GPU launch then summarises the mask per call).
+        A function of ``mask``: it never changes the result.
     """
 
     left: int = -1
@@ -84,6 +88,7 @@ class Variant:
     mask_mod: Any = None
     mod_args: Any = None
     mod_batch: Tuple[int, ...] = ()
+    mask_blocks: Any = None
 
     @property
     def is_plain(self) -> bool:
@@ -344,7 +349,19 @@ def variant_from_kwargs(*, window=None, softcap=None, alibi_slopes=None, bias=No
         return x
 
     b_arr = score_tensor("bias", bias, BIAS_DTYPES, "one of " + ", ".join(BIAS_DTYPES))
+    from ._mask_blocks import BlockMask, summary_shape
+    blocks = None
+    if isinstance(mask, BlockMask):
+        mask, blocks = mask.mask, mask.blocks
     m_arr = score_tensor("mask", mask, ("bool",), "bool (True = keep)")
+    if blocks is not None:
+        blocks = array("mask (its block summary)", blocks)
+        if tuple(blocks.shape) != summary_shape(m_arr.shape) or dtype_name(blocks.dtype) != \
+                "uint8" or not blocks.flags.c_contiguous:
+            raise ValueError(f"mask is a BlockMask whose summary has shape "
+                             f"{tuple(blocks.shape)} and dtype {dtype_name(blocks.dtype)}; "
+                             f"expected C-contiguous uint8 of shape "
+                             f"{summary_shape(m_arr.shape)} (make it with cuflash.block_mask)")
     from .mods import MaskMod, ScoreMod
     for name, x, cls in (("score_mod", score_mod, ScoreMod), ("mask_mod", mask_mod, MaskMod)):
         if x is not None and not isinstance(x, cls):
@@ -368,7 +385,8 @@ def variant_from_kwargs(*, window=None, softcap=None, alibi_slopes=None, bias=No
                              "kernels do not check its bounds)")
     v = Variant(left=left, right=right, softcap=cap, alibi_slopes=slopes, bias=b_arr, mask=m_arr,
                 score_mod=score_mod, mask_mod=mask_mod, mod_args=args,
-                mod_batch=tuple(int(n) for n in batch) if (score_mod or mask_mod) else ())
+                mod_batch=tuple(int(n) for n in batch) if (score_mod or mask_mod) else (),
+                mask_blocks=blocks)
     return PLAIN if v.is_plain else v
 
 
@@ -390,6 +408,11 @@ def variant_of(kwargs, q=None, k=None, v=None) -> Variant:
         raise TypeError(f"unexpected keyword argument(s) {', '.join(bad)}; variant arguments "
                         f"are {', '.join(VARIANT_ARGS)}")
     kw = {n: kwargs.get(n) for n in VARIANT_ARGS}
+    from ._mask_blocks import BlockMask
+    if isinstance(kw["mask"], BlockMask):   # the references read the mask itself
+        kw["mask"] = kw["mask"].mask
+        if not isinstance(kw["mask"], np.ndarray):
+            kw["mask"] = kw["mask"].get()
     for n in ("alibi_slopes", "bias", "mask", "mod_args"):
         if kw[n] is not None:
             kw[n] = np.asarray(kw[n])

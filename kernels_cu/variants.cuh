@@ -21,8 +21,10 @@
 //   dscore(t)                       d score / d t (softcap: 1 - tanh^2(t / c); else 1)
 //   key_range(r0, r1, sq, sk, &j0, &j1)   keys [j0, j1) rows [r0, r1) can see by position
 //   row_range(j0, j1, sq, sk, &r0, &r1)   rows [r0, r1) that can see keys [j0, j1) by position
-//   tile_kind(r0, r1, j0, j1, sq, sk)     TILE_EMPTY / TILE_FULL / TILE_PARTIAL (by position;
-//                                          a mask tensor makes every non-empty tile partial)
+//   tile_kind(r0, r1, j0, j1)       TILE_EMPTY / TILE_FULL / TILE_PARTIAL (by position; with a
+//                                    mask tensor FULL only where its block summary says every
+//                                    entry of the tile's blocks is kept, else PARTIAL, never
+//                                    EMPTY: mask_blocks.cu)
 // Parameters live in `VariantParams`, a separate kernel argument after AttnParams / BwdParams
 // (their layouts stay as they are), mirrored by VARIANT_PARAMS_DTYPE in cuflash/_launch.py.
 #pragma once
@@ -48,8 +50,14 @@ struct VariantParams {
     // the flat batch index's strides over the three collapsed axes (b = n / H, h = n % H).
     const float* mod_args;
     long long mod_h, mod_s0, mod_s1, mod_s2;
+    // The mask's block summary (mask_blocks.cu): one byte per MASK_BLOCK x MASK_BLOCK block of
+    // the mask's own rows and keys (MASK_BLOCK_KEPT: every entry kept), (mask batch..., RB, CB)
+    // contiguous; batch strides over the collapsed axes, mb_sr = CB or 0 (rows broadcast), mb_sc
+    // = 1 or 0 (keys broadcast). Null: no summary (every masked tile is partial).
+    const unsigned char* mask_blocks;
+    long long mb_s0, mb_s1, mb_s2, mb_sr, mb_sc;
 };
-static_assert(sizeof(VariantParams) == 26 * 8, "VariantParams must match cuflash/_launch.py");
+static_assert(sizeof(VariantParams) == 32 * 8, "VariantParams must match cuflash/_launch.py");
 
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
@@ -132,6 +140,11 @@ __device__ __forceinline__ bool ldg_tc_nonzero(const unsigned char* p) {
 
 enum TileKind { TILE_EMPTY = 0, TILE_FULL = 1, TILE_PARTIAL = 2 };
 
+// The mask's block summary (mask_blocks.cu): the block edge and the byte values.
+constexpr int MASK_BLOCK = 64;
+constexpr int MASK_BLOCK_SHIFT = 6;
+enum MaskBlockKind { MASK_BLOCK_MIXED = 0, MASK_BLOCK_KEPT = 1, MASK_BLOCK_HIDDEN = 2 };
+
 struct NoBias {};   // BiasT of a policy without a bias tensor
 
 template <typename B> struct IsNoBias { static constexpr bool value = false; };
@@ -166,7 +179,9 @@ struct Variant {
     // Bound per batch entry (left unset for the parts that are off: never read then).
     const BiasT* bias;
     const unsigned char* mask;
+    const unsigned char* mask_blocks;   // the bound entry's block summary, or null
     long long bias_sr, bias_sc, mask_sr, mask_sc, left, right, off;
+    long long mb_sr, mb_sc, mb_sq, mb_sk;
     float slope;
     double cap, inv_cap;
     float cap_f, inv_f, k_f;   // the tensor-core form (score_tc): c, 1 / c, 2 log2(e) / c
@@ -196,6 +211,13 @@ struct Variant {
             mask_sr = vp.mask_sr;
             mask_sc = vp.mask_sc;
             mask_cm = vp.mask_sc != 0 ? -1 : 0;
+            mask_blocks = vp.mask_blocks == nullptr
+                              ? nullptr
+                              : vp.mask_blocks + i0 * vp.mb_s0 + i1 * vp.mb_s1 + i2 * vp.mb_s2;
+            mb_sr = vp.mb_sr;
+            mb_sc = vp.mb_sc;
+            mb_sq = sq;
+            mb_sk = sk;
         }
     }
 
@@ -378,9 +400,31 @@ struct Variant {
         }
     }
     // Whether a (rows [r0, r1)) x (keys [j0, j1)) tile is empty, full or partial by position.
+    // Whether every entry of the mask over rows [r0, r1) and keys [j0, j1) (clamped to Sq, Sk:
+    // the callers' tail tests cover the rest) is kept, by the blocks of the summary it overlaps
+    // (1-3 per axis: a tile need not be block-aligned). False without a summary.
+    __device__ __forceinline__ bool mask_all_kept(long long r0, long long r1, long long j0,
+                                                  long long j1) const {
+        if constexpr (!MASK) return true;
+        r1 = min(r1, mb_sq);
+        j1 = min(j1, mb_sk);
+        if (mask_blocks == nullptr || r0 >= r1 || j0 >= j1) return false;
+        const long long b1 = mb_sr ? ((r1 - 1) >> MASK_BLOCK_SHIFT) : 0;
+        const long long c0 = mb_sc ? (j0 >> MASK_BLOCK_SHIFT) : 0;
+        const long long c1 = mb_sc ? ((j1 - 1) >> MASK_BLOCK_SHIFT) : 0;
+        bool kept = true;
+        for (long long b = mb_sr ? (r0 >> MASK_BLOCK_SHIFT) : 0; b <= b1; ++b)
+            for (long long c = c0; c <= c1; ++c)
+                kept = kept && mask_blocks[b * mb_sr + c * mb_sc] == MASK_BLOCK_KEPT;
+        return kept;
+    }
+
     __device__ __forceinline__ int tile_kind(long long r0, long long r1, long long j0,
                                              long long j1) const {
-        if constexpr (!WINDOW) return MASK ? TILE_PARTIAL : TILE_FULL;
+        if constexpr (!WINDOW) {
+            if constexpr (MASK) return mask_all_kept(r0, r1, j0, j1) ? TILE_FULL : TILE_PARTIAL;
+            return TILE_FULL;
+        }
         long long a0, a1;
         key_range(r0, r1, a0, a1, j1);
         if (a0 >= j1 || a1 <= j0) return TILE_EMPTY;
@@ -389,7 +433,7 @@ struct Variant {
         key_range(r1 - 1, r1, f0, f1, j1);
         key_range(r0, r0 + 1, g0, g1, j1);
         const bool full = f0 <= j0 && g1 >= j1;
-        return (full && !MASK) ? TILE_FULL : TILE_PARTIAL;
+        return (full && mask_all_kept(r0, r1, j0, j1)) ? TILE_FULL : TILE_PARTIAL;
     }
 };
 

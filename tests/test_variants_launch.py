@@ -24,7 +24,7 @@ def test_variant_params_mirror_the_struct():
         names.append(parts[0].split()[-1].lstrip("*"))
         names += [x.lstrip("*") for x in parts[1:]]
     assert names == list(VARIANT_PARAMS_DTYPE.names)
-    assert VARIANT_PARAMS_DTYPE.itemsize == 26 * 8
+    assert VARIANT_PARAMS_DTYPE.itemsize == 32 * 8
 
 
 def _launch_args(q, k, v, o, batch, sq, sk, d, var, causal):

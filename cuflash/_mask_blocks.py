@@ -1,0 +1,222 @@
+"""The block summary of a boolean mask, and `cuflash.block_mask` (issue 15; notes/VARIANTS.md,
+"A block mask").
+
+A mask of shape ``(batch..., R, C)`` (``R`` = Sq or 1, ``C`` = Sk or 1) is summarised per
+``BLOCK x BLOCK`` block of its own rows and keys, one byte each (``KEPT``: every entry of the
+block is True; ``HIDDEN``: every one is False; ``MIXED``: otherwise), in an array of shape
+``(batch..., ceil(R / BLOCK), ceil(C / BLOCK))``. The tensor-core kernels look up the blocks a
+tile overlaps (``Variant::tile_kind`` in kernels_cu/variants.cuh): a tile whose blocks are all
+KEPT is computed as if there were no mask, without reading it; every other tile reads the mask
+per element as before. The summary changes which code computes a tile, never its result: a FULL
+tile's masking test would keep every entry anyway.
+
+On the GPU the summary is one pass over the mask (kernels_cu/mask_blocks.cu) on the call's
+stream. `attention` and `attention_backward` compute it per call for a plain bool mask (one
+read of the mask and a small allocation from CuPy's pool), or take it from a `BlockMask` that
+`block_mask` made once. NumPy masks get the NumPy summary (`numpy_summary`, also the tests'
+reference); the NumPy path of attention does not read it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: The block edge (MASK_BLOCK in kernels_cu/variants.cuh) and the byte values (MaskBlockKind).
+BLOCK = 64
+MIXED, KEPT, HIDDEN = 0, 1, 2
+
+#: False: the launches pass no summary (every masked tile is read per element, as before the
+#: summary existed), whatever the caller gave; for the tests' and benchmarks' comparisons.
+ENABLED = True
+
+#: Families whose kernels read the summary (the tensor-core ones; the generic kernels test
+#: every element through Variant::visible).
+READERS = ("attn_mma", "attn_wgmma", "attn_bwd_mma", "attn_bwd_wgmma")
+
+
+def summary_shape(shape):
+    """The summary's shape for a mask of shape ``(batch..., R, C)``."""
+    *batch, r, c = (int(n) for n in shape)
+    return tuple(batch) + (-(-r // BLOCK), -(-c // BLOCK))
+
+
+def numpy_summary(mask):
+    """The summary of a NumPy bool array ``mask`` (batch..., R, C) (the reference the GPU
+    kernel is tested against). Returns uint8 of `summary_shape(mask.shape)`."""
+    mask = np.asarray(mask, dtype=bool)
+    *batch, r, c = mask.shape
+    rb, cb = summary_shape(mask.shape)[-2:]
+    # Pad with a neutral value per reduction: True for "all", False for "any".
+    pad = [(0, 0)] * len(batch) + [(0, rb * BLOCK - r), (0, cb * BLOCK - c)]
+    blocks = tuple(batch) + (rb, BLOCK, cb, BLOCK)
+    every = np.pad(mask, pad, constant_values=True).reshape(blocks).all(axis=(-3, -1))
+    some = np.pad(mask, pad, constant_values=False).reshape(blocks).any(axis=(-3, -1))
+    out = np.full(every.shape, MIXED, dtype=np.uint8)
+    out[every] = KEPT
+    out[~some] = HIDDEN
+    return out
+
+
+def spec(vec):
+    """The summary kernel's specialisation (VEC: 16-byte row loads)."""
+    from . import _compile
+    return _compile.Specialisation("mask_blocks",
+                                   f"cuflash::cuflash_mask_blocks<{'true' if vec else 'false'}>")
+
+
+def compile_specs():
+    return [spec(True), spec(False)]
+
+
+def _batch_layout(mask):
+    """The mask's batch axes collapsed (``_launch.collapse_batch``) and padded to four:
+    (sizes, strides in elements), or None when they do not collapse to four."""
+    from ._launch import collapse_batch
+    sizes, bstr, _ = collapse_batch(tuple(mask.shape[:-2]), mask)
+    if len(sizes) > 4:
+        return None
+    st = bstr[0]
+    while len(sizes) < 4:
+        sizes.insert(0, 1)
+        st.insert(0, 0)
+    return sizes, st
+
+
+def launch(mask, out, device_id, stream=None):
+    """Write the summary of the CuPy bool array ``mask`` (batch..., R, C) into the C-contiguous
+    uint8 array ``out`` of `summary_shape` on ``stream``."""
+    import cupy
+
+    from . import _compile
+    from ._launch import MAX_GRID_X, _stream_ptr
+
+    if out.shape != summary_shape(mask.shape) or out.dtype != np.uint8 or \
+            not out.flags.c_contiguous:
+        raise ValueError(f"the summary must be C-contiguous uint8 of shape "
+                         f"{summary_shape(mask.shape)}")
+    if out.size == 0:
+        return
+    layout = _batch_layout(mask)
+    if layout is None:   # more than four unmergeable batch axes: summarise a contiguous copy
+        mask = cupy.ascontiguousarray(mask)
+        layout = _batch_layout(mask)
+    sizes, st = layout
+    rows, cols = (int(n) for n in mask.shape[-2:])
+    sr = 0 if rows == 1 else mask.strides[-2]
+    sc = 0 if cols == 1 else mask.strides[-1]
+    vec = (sc == 1 and sr % 16 == 0 and mask.data.ptr % 16 == 0
+           and all(s % 16 == 0 for s in st))
+    nrb, ncb = out.shape[-2:]
+    grid = int(out.size)
+    if grid > MAX_GRID_X:
+        raise ValueError(f"block_mask: {grid} blocks is too many for one launch")
+    kern = _compile.get_kernel(spec(vec), device_id)
+    kern((grid,), (256,), (mask, out, *(np.int64(x) for x in (
+        sizes[1], sizes[2], sizes[3], *st, sr, sc, rows, cols, nrb, ncb))),
+        stream=_stream_ptr(stream))
+
+
+def summarise(mask, device_id, stream=None):
+    """The summary of a CuPy bool mask as a new array from CuPy's pool (made on ``stream``)."""
+    import cupy
+
+    from ._launch import _stream_ptr
+    with cupy.cuda.Device(device_id), _stream_ptr(stream):
+        out = cupy.empty(summary_shape(mask.shape), dtype=np.uint8)
+    launch(mask, out, device_id, stream)
+    return out
+
+
+class BlockMask:
+    """A boolean mask with its block summary, made by `cuflash.block_mask`; pass it as
+    ``mask=`` to `cuflash.attention` or `cuflash.attention_backward` (and the references).
+
+    Attributes
+    ----------
+    mask : array of bool, shape (..., R, C)
+        The mask itself (the caller's array, not a copy).
+    blocks : array of uint8, shape (..., ceil(R / 64), ceil(C / 64))
+        Per 64 x 64 block of ``mask``: 1 = every entry True, 2 = every entry False, 0 = mixed.
+
+    The summary describes ``mask`` as it was when it was made: after writing into ``mask``,
+    call `refresh` (a stale summary that calls a block all True where it no longer is gives
+    wrong results).
+    """
+
+    __slots__ = ("mask", "blocks", "_device")
+
+    def __init__(self, mask, blocks, device):
+        self.mask, self.blocks, self._device = mask, blocks, device
+
+    @property
+    def shape(self):
+        return tuple(self.mask.shape)
+
+    @property
+    def ndim(self):
+        return self.mask.ndim
+
+    @property
+    def dtype(self):
+        return self.mask.dtype
+
+    def refresh(self, stream=None):
+        """Recompute the summary in place (after the mask was written), on ``stream``."""
+        if self._device is None:
+            self.blocks[...] = numpy_summary(self.mask)
+        else:
+            launch(self.mask, self.blocks, self._device, stream)
+        return self
+
+    def __repr__(self):
+        kinds = "numpy" if self._device is None else f"cupy, device {self._device}"
+        return f"BlockMask(shape={self.shape}, blocks={tuple(self.blocks.shape)}, {kinds})"
+
+
+def block_mask(mask, *, stream=None):
+    """A boolean mask with its block summary, to pass as ``mask=`` more than once.
+
+    `cuflash.attention` and `cuflash.attention_backward` summarise a plain bool mask on every
+    call (one read of the mask, on the call's stream, and a small array from CuPy's pool) so
+    that the tensor-core kernels can compute the tiles where the mask keeps everything without
+    reading it (a padding mask: all but the last key blocks). A `BlockMask` carries the summary
+    from call to call: no per-call pass or allocation, as a CUDA graph capture needs.
+
+    Parameters
+    ----------
+    mask : array of bool, shape (..., R, C)
+        CuPy (or another DLPack GPU array, viewed without a copy) or NumPy; ``R`` is Sq or 1 and
+        ``C`` is Sk or 1 of the calls it is passed to (the rules of ``mask=``).
+    stream : cupy.cuda.Stream, int or None
+        The stream the summary is computed on (None: CuPy's current stream).
+
+    Returns
+    -------
+    BlockMask
+        ``.mask`` (the array, not a copy) and ``.blocks``, uint8 of shape
+        ``(..., ceil(R / 64), ceil(C / 64))``. Writing into the mask afterwards needs
+        ``.refresh()``.
+
+    Raises
+    ------
+    TypeError
+        ``mask`` is not a bool array.
+    ValueError
+        ``mask`` has fewer than two dimensions.
+    """
+    from . import _interop
+    from ._checks import _refuse_subclass, dtype_name
+
+    if isinstance(mask, BlockMask):
+        return mask
+    _refuse_subclass("mask", mask)
+    backend, device = _interop.backend_of(mask, "mask")
+    mask = _interop.as_backend_array(mask, backend)
+    if dtype_name(mask.dtype) != "bool":
+        raise TypeError(f"block_mask: mask has dtype {dtype_name(mask.dtype)}; expected bool "
+                        "(True = keep)")
+    if mask.ndim < 2:
+        raise ValueError(f"block_mask: mask has shape {tuple(mask.shape)}; expected at least two "
+                         "dimensions (..., R, C)")
+    if backend == "cpu":
+        return BlockMask(mask, numpy_summary(mask), None)
+    return BlockMask(mask, summarise(mask, device, stream), device)

@@ -1,0 +1,89 @@
+// mask_blocks.cu: the block summary of a boolean mask (cuflash.block_mask; issue 15).
+//
+// For a mask of shape (batch..., R, C) (R = Sq or 1, C = Sk or 1: the mask's own, unbroadcast
+// axes) the summary holds one byte per MASK_BLOCK x MASK_BLOCK block (variants.cuh):
+//   MASK_BLOCK_KEPT   every in-bounds entry of the block is true,
+//   MASK_BLOCK_HIDDEN every one is false,
+//   MASK_BLOCK_MIXED  otherwise,
+// laid out (batch..., ceil(R / 64), ceil(C / 64)) contiguous. The tensor-core kernels read it in
+// Variant::tile_kind: a tile whose blocks are all KEPT is TILE_FULL and reads no mask element.
+//
+// One 256-thread block per summary byte; it reads the 64 x 64 bytes once (memory-bound: one pass
+// over the mask) and reduces with __syncthreads_and / __syncthreads_or. VEC: the mask's keys are
+// contiguous and every row starts 16-byte aligned, so each thread reads its row's 16 bytes in one
+// load (the launch checks the alignment); otherwise each thread reads 16 bytes one at a time,
+// 64 threads along a row so that a warp's loads cover 32 consecutive keys.
+// The mask's batch axes arrive collapsed to four (sizes n1..n3 of the inner three; the outer
+// size follows from the grid), strides in elements (bytes), 0 where an axis broadcasts.
+#include "common.cuh"
+#include "variants.cuh"
+
+namespace cuflash {
+
+template <bool VEC>
+__global__ void __launch_bounds__(256)
+cuflash_mask_blocks(const unsigned char* __restrict__ mask, unsigned char* __restrict__ out,
+                    long long n1, long long n2, long long n3, long long s0, long long s1,
+                    long long s2, long long s3, long long sr, long long sc, long long rows,
+                    long long cols, long long nrb, long long ncb) {
+    const long long blk = blockIdx.x;
+    const long long cb = blk % ncb;
+    const long long rb = (blk / ncb) % nrb;
+    long long n = blk / (ncb * nrb);
+    const long long i3 = n % n3;
+    n /= n3;
+    const long long i2 = n % n2;
+    n /= n2;
+    const long long i1 = n % n1;
+    const long long i0 = n / n1;
+    const unsigned char* base = mask + i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3;
+    const long long r0 = rb * MASK_BLOCK, c0 = cb * MASK_BLOCK;
+    const int t = threadIdx.x;
+    bool any_true = false, all_true = true;
+    if constexpr (VEC) {
+        // Thread t: row t / 4 of the block, keys (t % 4) * 16 .. + 16.
+        const long long r = r0 + (t >> 2);
+        const long long c = c0 + (t & 3) * 16;
+        if (r < rows && c < cols) {
+            const unsigned char* p = base + r * sr + c;
+            if (c + 16 <= cols) {
+                const uint4 w = *reinterpret_cast<const uint4*>(p);
+                const unsigned int word[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    // All four bytes nonzero iff no byte is zero (the zero-byte test on a word).
+                    const unsigned int zero_byte = (word[q] - 0x01010101u) & ~word[q] & 0x80808080u;
+                    any_true = any_true || word[q] != 0u;
+                    all_true = all_true && zero_byte == 0u;
+                }
+            } else {
+                for (long long x = c; x < cols; ++x) {
+                    const bool b = p[x - c] != 0;
+                    any_true = any_true || b;
+                    all_true = all_true && b;
+                }
+            }
+        }
+    } else {
+        // Thread t: key t % 64 of the block, rows t / 64 + 4 q.
+        const long long c = c0 + (t & 63);
+        if (c < cols) {
+#pragma unroll 4
+            for (int q = 0; q < MASK_BLOCK / 4; ++q) {
+                const long long r = r0 + (t >> 6) + 4 * q;
+                if (r < rows) {
+                    const bool b = base[r * sr + c * sc] != 0;
+                    any_true = any_true || b;
+                    all_true = all_true && b;
+                }
+            }
+        }
+    }
+    // Threads past the mask's edge hold (false, true): neutral for both reductions.
+    const int every = __syncthreads_and(all_true);
+    const int some = __syncthreads_or(any_true);
+    if (t == 0)
+        out[blk] = every ? MASK_BLOCK_KEPT : (some ? MASK_BLOCK_MIXED : MASK_BLOCK_HIDDEN);
+}
+
+}  // namespace cuflash
