@@ -27,7 +27,8 @@ softmax's affine units on the Hopper forward (ALIBI_AFFINE; causal), "affine+fus
 "hopperbwd" = the variants' backward on the Hopper backward with the policy
 (HOPPER_BWD_VARIANTS, on by default since session n; the row's bwd_label says which backward ran,
 and bwd_per_tile is against plain's Hopper backward), "mmabwd" = the same flag off (the mma.sync
-backward that sm_90 took before); a form's rows only for the variants it changes (IMPLS). Each form's
+backward that sm_90 took before), "noblocks" = the mask without its block summary
+(`_mask_blocks.ENABLED` off: every masked tile read per element); a form's rows only for the variants it changes (IMPLS). Each form's
 row is checked like every other.
 
     PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels hopper --backward 0 \
@@ -111,7 +112,17 @@ IMPLS = {"base": ({}, None), "fma-rcp": ({"SOFTCAP_RCP_FMA": True}, {"softcap"})
                        {"softcap", "alibi", "window", "bias", "mask", "positional"}),
          # the same backward on the mma.sync kernel (the flag off, as before session n)
          "mmabwd": ({"HOPPER_BWD_VARIANTS": False},
-                    {"softcap", "alibi", "window", "bias", "mask", "positional"})}
+                    {"softcap", "alibi", "window", "bias", "mask", "positional"}),
+         # no block summary of the mask (cuflash._mask_blocks.ENABLED off): every masked tile
+         # read per element, as before session q
+         "noblocks": ({"_mask_blocks.ENABLED": False}, {"mask"})}
+
+
+def _flag_home(key):
+    """(module, attribute) of an --impl flag: `_dispatch_variants` unless ``module.attr``."""
+    import importlib
+    mod, _, attr = key.rpartition(".")
+    return importlib.import_module("cuflash." + (mod or "_dispatch_variants")), attr
 
 
 class impl_flags:
@@ -125,15 +136,13 @@ class impl_flags:
         self.saved = []
 
     def __enter__(self):
-        from cuflash import _dispatch_variants as DV
-        self.saved.append({k: getattr(DV, k) for k in self.flags})
+        self.saved.append({k: getattr(*_flag_home(k)) for k in self.flags})
         for k, v in self.flags.items():
-            setattr(DV, k, v)
+            setattr(*_flag_home(k), v)
 
     def __exit__(self, *exc):
-        from cuflash import _dispatch_variants as DV
         for k, v in self.saved.pop().items():
-            setattr(DV, k, v)
+            setattr(*_flag_home(k), v)
 
 
 def time_ms(fn, warmup, repeats):

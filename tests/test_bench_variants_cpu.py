@@ -31,9 +31,16 @@ def test_nested_form_context_restores_the_flags(bench, impl, monkeypatch):
 
 
 def test_every_form_sets_existing_flags(bench):
-    """A form's flags are _dispatch_variants' own (a misspelt one would set a new attribute and
-    time the base form under the form's name)."""
+    """A form's flags exist (_dispatch_variants' own, or ``module.attr`` of cuflash; a misspelt
+    one would set a new attribute and time the base form under the form's name)."""
     for impl, (flags, _) in bench.IMPLS.items():
-        assert all(hasattr(DV, k) and isinstance(getattr(DV, k), bool) for k in flags), impl
+        for k in flags:
+            mod, attr = bench._flag_home(k)
+            assert hasattr(mod, attr) and isinstance(getattr(mod, attr), bool), (impl, k)
+    assert bench.IMPLS["noblocks"][0] == {"_mask_blocks.ENABLED": False}
+    from cuflash import _mask_blocks
+    with bench.impl_flags("noblocks"):
+        assert _mask_blocks.ENABLED is False
+    assert _mask_blocks.ENABLED is True
     assert bench.IMPLS["hopperbwd"][0] == {"HOPPER_BWD_VARIANTS": True}
     assert bench.IMPLS["mmabwd"][0] == {"HOPPER_BWD_VARIANTS": False}
