@@ -15,7 +15,7 @@ _VP_DBL = ("softcap", "inv_softcap")
 _VP_INTS2 = tuple(f"{t}_{s}" for t in ("bias", "mask") for s in ("s0", "s1", "s2", "sr", "sc")) \
     + ("sl_s0", "sl_s1", "sl_s2", "dscores")
 _VP_MODS = ("mod_args", "mod_h", "mod_s0", "mod_s1", "mod_s2")   # user hooks (UserVariant)
-_VP_BLOCKS = ("mask_blocks", "mb_s0", "mb_s1", "mb_s2", "mb_sr", "mb_sc")   # the mask's summary
+_VP_BLOCKS = ("mask_blocks", "mb_s0", "mb_s1", "mb_s2", "mb_sr", "mb_cmax")   # the mask's summary
 VARIANT_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _VP_PTRS]
                                 + [(f, np.int64) for f in _VP_INTS1]
                                 + [(f, np.float64) for f in _VP_DBL]
@@ -99,10 +99,10 @@ def fill_params(prob, extra_bstr, dscores=None, variant=None):
             vp[name] = x.data.ptr
             vp[f"{name}_sr"] = 0 if x.shape[-2] == 1 else x.strides[-2] // x.itemsize
             vp[f"{name}_sc"] = 0 if x.shape[-1] == 1 else x.strides[-1] // x.itemsize
-        elif name == "mb":   # (mask batch..., RB, CB) contiguous; 0 where the mask broadcasts
-            vp["mask_blocks"] = x.data.ptr
+        elif name == "mb":   # (mask batch..., RB, CB) contiguous; the row stride 0 where the
+            vp["mask_blocks"] = x.data.ptr   # mask broadcasts rows, the last column CB - 1
             vp["mb_sr"] = 0 if var.mask.shape[-2] == 1 else x.shape[-1]
-            vp["mb_sc"] = 0 if var.mask.shape[-1] == 1 else 1
+            vp["mb_cmax"] = x.shape[-1] - 1
         elif name == "sl":
             vp["slopes"] = x.data.ptr
     vp["dscores"] = 0 if dscores is None else dscores.data.ptr

@@ -52,10 +52,10 @@ struct VariantParams {
     long long mod_h, mod_s0, mod_s1, mod_s2;
     // The mask's block summary (mask_blocks.cu): one byte per MASK_BLOCK x MASK_BLOCK block of
     // the mask's own rows and keys (MASK_BLOCK_KEPT: every entry kept), (mask batch..., RB, CB)
-    // contiguous; batch strides over the collapsed axes, mb_sr = CB or 0 (rows broadcast), mb_sc
-    // = 1 or 0 (keys broadcast). Null: no summary (every masked tile is partial).
+    // contiguous; batch strides over the collapsed axes, mb_sr = CB or 0 (rows broadcast),
+    // mb_cmax = CB - 1 (0 when keys broadcast). Null: no summary (every masked tile is partial).
     const unsigned char* mask_blocks;
-    long long mb_s0, mb_s1, mb_s2, mb_sr, mb_sc;
+    long long mb_s0, mb_s1, mb_s2, mb_sr, mb_cmax;
 };
 static_assert(sizeof(VariantParams) == 32 * 8, "VariantParams must match cuflash/_launch.py");
 
@@ -181,7 +181,7 @@ struct Variant {
     const unsigned char* mask;
     const unsigned char* mask_blocks;   // the bound entry's block summary, or null
     long long bias_sr, bias_sc, mask_sr, mask_sc, left, right, off;
-    long long mb_sr, mb_sc, mb_sq, mb_sk;
+    int mb_sr, mb_cmax;   // the summary's row stride (0: rows broadcast), its last column
     float slope;
     double cap, inv_cap;
     float cap_f, inv_f, k_f;   // the tensor-core form (score_tc): c, 1 / c, 2 log2(e) / c
@@ -214,10 +214,8 @@ struct Variant {
             mask_blocks = vp.mask_blocks == nullptr
                               ? nullptr
                               : vp.mask_blocks + i0 * vp.mb_s0 + i1 * vp.mb_s1 + i2 * vp.mb_s2;
-            mb_sr = vp.mb_sr;
-            mb_sc = vp.mb_sc;
-            mb_sq = sq;
-            mb_sk = sk;
+            mb_sr = static_cast<int>(vp.mb_sr);
+            mb_cmax = static_cast<int>(vp.mb_cmax);
         }
     }
 
@@ -400,22 +398,26 @@ struct Variant {
         }
     }
     // Whether a (rows [r0, r1)) x (keys [j0, j1)) tile is empty, full or partial by position.
-    // Whether every entry of the mask over rows [r0, r1) and keys [j0, j1) (clamped to Sq, Sk:
-    // the callers' tail tests cover the rest) is kept, by the blocks of the summary it overlaps
-    // (1-3 per axis: a tile need not be block-aligned). False without a summary.
+    // Whether every entry of the mask over rows [r0, r1) and keys [j0, j1) is kept, by the blocks
+    // of the summary the tile overlaps (1-3 per axis: a tile need not be block-aligned). The
+    // callers clamp r1 to Sq; the key blocks are clamped to the summary's last column (keys past
+    // Sk are partial by the callers' own tail tests, whatever this says). False without a summary.
+    // 32-bit indices and no copies of Sq / Sk: the fp32 mma.sync forward with every part at
+    // D = 128 spilled 72 bytes under NVRTC 13.5 with 64-bit ones.
     __device__ __forceinline__ bool mask_all_kept(long long r0, long long r1, long long j0,
                                                   long long j1) const {
         if constexpr (!MASK) return true;
-        r1 = min(r1, mb_sq);
-        j1 = min(j1, mb_sk);
         if (mask_blocks == nullptr || r0 >= r1 || j0 >= j1) return false;
-        const long long b1 = mb_sr ? ((r1 - 1) >> MASK_BLOCK_SHIFT) : 0;
-        const long long c0 = mb_sc ? (j0 >> MASK_BLOCK_SHIFT) : 0;
-        const long long c1 = mb_sc ? ((j1 - 1) >> MASK_BLOCK_SHIFT) : 0;
+        const int b0 = static_cast<int>(r0 >> MASK_BLOCK_SHIFT);
+        const int b1 = static_cast<int>((r1 - 1) >> MASK_BLOCK_SHIFT);
+        const int c0 = min(static_cast<int>(j0 >> MASK_BLOCK_SHIFT), mb_cmax);
+        const int c1 = min(static_cast<int>((j1 - 1) >> MASK_BLOCK_SHIFT), mb_cmax);
         bool kept = true;
-        for (long long b = mb_sr ? (r0 >> MASK_BLOCK_SHIFT) : 0; b <= b1; ++b)
-            for (long long c = c0; c <= c1; ++c)
-                kept = kept && mask_blocks[b * mb_sr + c * mb_sc] == MASK_BLOCK_KEPT;
+#pragma unroll 1
+        for (int b = b0; b <= b1; ++b)
+#pragma unroll 1
+            for (int c = c0; c <= c1; ++c)
+                kept = kept && mask_blocks[b * mb_sr + c] == MASK_BLOCK_KEPT;
         return kept;
     }
 

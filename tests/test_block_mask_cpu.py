@@ -124,9 +124,9 @@ class _Prob:
         self.variant = var
 
 
-@pytest.mark.parametrize("mshape,sr,sc", [((2, 1, 300, 500), 8, 1), ((1, 500), 0, 1),
-                                          ((300, 1), 1, 0)])
-def test_fill_params_passes_the_summary(mshape, sr, sc):
+@pytest.mark.parametrize("mshape,sr,cmax", [((2, 1, 300, 500), 8, 7), ((1, 500), 0, 7),
+                                            ((300, 1), 1, 0)])
+def test_fill_params_passes_the_summary(mshape, sr, cmax):
     """VariantParams' mask_blocks fields: the pointer, the collapsed batch strides (from the
     same collapse as the mask's) and the row / key strides, 0 where the mask broadcasts."""
     mst = []
@@ -147,7 +147,7 @@ def test_fill_params_passes_the_summary(mshape, sr, sc):
     assert vp.dtype == VARIANT_PARAMS_DTYPE
     assert int(vp["mask_blocks"]) == 0x7000 and int(vp["mask"]) == 0x6000
     assert [int(vp[f"mb_s{i}"]) for i in range(3)] == [0, 0, 11]
-    assert (int(vp["mb_sr"]), int(vp["mb_sc"])) == (sr, sc)
+    assert (int(vp["mb_sr"]), int(vp["mb_cmax"])) == (sr, cmax)
     plain = fill_params(_Prob(Variant(mask=mask)), [[0, 0, 1]])
     assert int(plain["mask_blocks"]) == 0   # no summary: every masked tile partial
 
