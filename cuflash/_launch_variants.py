@@ -45,14 +45,15 @@ def with_mask_blocks(variant, families, device_id, stream):
     """`variant` with its mask's block summary (`_mask_blocks`) for kernels of ``families``
     (names): the caller's (a `cuflash.BlockMask`), else one made now on ``stream`` when one of
     them reads it (the tensor-core kernels); the variant unchanged otherwise."""
+    import dataclasses
+
     from . import _mask_blocks
-    if not _mask_blocks.ENABLED and variant.mask_blocks is not None:
-        import dataclasses
-        return dataclasses.replace(variant, mask_blocks=None)
-    if not _mask_blocks.ENABLED or variant.mask is None or variant.mask_blocks is not None \
+    if not _mask_blocks.ENABLED:   # (tests, bench --impl noblocks) no summary at all
+        return variant if variant.mask_blocks is None else \
+            dataclasses.replace(variant, mask_blocks=None)
+    if variant.mask is None or variant.mask_blocks is not None \
             or not set(families) & set(_mask_blocks.READERS):
         return variant
-    import dataclasses
     blocks = _mask_blocks.summarise(variant.mask, device_id, stream)
     return dataclasses.replace(variant, mask_blocks=blocks)
 
