@@ -340,7 +340,9 @@ def test_variant_forms(form, kern, name, causal, dtype, d, sq, sk, monkeypatch):
     if d <= 128:   # the mma.sync backward: fused below D = 128 or with at most one transform
         cp = cupy()
         n_tr = sum(x in kw for x in ("softcap", "alibi_slopes", "bias"))
-        fused = "VARIANT_FUSED_SCALE" in FORMS[form] and (
+        # The flag as it is now (this form's setting, else its default: on since session j),
+        # not whether the form names it: "fma-rcp" and "affine" run with the default too.
+        fused = DV.VARIANT_FUSED_SCALE and (
             d < DV.TC_BWD_FUSED_LIMIT_D or n_tr <= DV.TC_BWD_FUSED_MAX_TRANSFORMS)
         blabel = cuflash.backward_dispatch_info(
             qg, qg, kg, vg, qg, cp.zeros(qg.shape[:-1], cp.float32), causal=causal,
