@@ -4,7 +4,12 @@ relative-position bias as score_mod, and a document mask as mask_mod with a tanh
 a window and ALiBi): each built-in variant alone and all combined, with and without causal,
 forward on the audited device in each audited dtype, judged by the project's pass rule
 (`reference.pass_threshold` with the same variant arguments), plus the gradients (dbias
-included) under `reference.grad_pass_threshold`."""
+included) under `reference.grad_pass_threshold`.
+
+The block mask (`cuflash.block_mask`, cuflash/_mask_blocks.py) gets its own shape, several
+64 x 64 blocks on each axis, with a document-and-padding mask whose blocks are of all three
+kinds (kept, hidden, mixed): there the tensor-core kernels compute the tiles whose blocks are
+all kept without reading the mask, and the audit shows that this changes no result."""
 from __future__ import annotations
 
 from typing import List, Sequence
@@ -43,6 +48,41 @@ def hook_cases(rng, batch, sq, sk):
          dict(mask_mod=ex["document"], score_mod=ex["tanh_cap"], mod_args=docs, window=(9, 2),
               alibi_slopes=rng.uniform(0.02, 0.3, (h,)).astype(np.float32))),
     ]
+
+
+#: The block-mask case's shape: query and key blocks of cuflash._mask_blocks.BLOCK = 64, with
+#: tails on both axes (150 = 2 x 64 + 22, 200 = 3 x 64 + 8).
+BLOCK_MASK_SHAPE = (150, 200)
+
+
+def block_mask_cases(rng, batch, sq, sk):
+    """(name, keyword arguments) of the block-mask case: a `cuflash.BlockMask` of a NumPy mask
+    (the references read its ``.mask``; the audit makes the device's own `block_mask` of it),
+    documents [0, 128) and [128, Sk) (the 64 x 64 blocks inside the first document are kept,
+    those across documents hidden) with per-entry padding of the keys from a random length on
+    and random holes in the second document (mixed blocks); the loop's causal pass adds causal
+    on top."""
+    from ._mask_blocks import block_mask
+
+    doc_q = (np.arange(sq) >= 128)[:, None]
+    doc_k = (np.arange(sk) >= 128)[None, :]
+    m = np.broadcast_to(doc_q == doc_k, batch + (sq, sk)).copy()
+    lens = rng.integers(sk - 60, sk + 1, size=batch)        # padding from a key on
+    m &= np.arange(sk) < lens[..., None, None]
+    holes = rng.random(batch + (sq, sk)) < 0.01            # mixed blocks in the second document
+    holes[..., :128, :] = False                            # (the first one's blocks stay kept)
+    m &= ~holes
+    return [("block_mask(documents+padding)", dict(mask=block_mask(m)))]
+
+
+def _on_device(device, x):
+    """A case's argument on the audited device: arrays moved, a BlockMask summarised again there
+    (by the device's own summary, the code the audit is about)."""
+    from ._mask_blocks import BlockMask, block_mask
+
+    if isinstance(x, BlockMask):
+        return block_mask(device.to_device(np.asarray(x.mask)))
+    return device.to_device(x) if isinstance(x, np.ndarray) else x
 
 
 def _mask(rng, batch, sq, sk):
@@ -106,17 +146,17 @@ def variant_audits(device, dtypes: Sequence[str], rng, property_result, numpy_dt
     from ._audit import lse_check
 
     out = []
-    batch, sq, sk, d = (2, 3), 37, 45, 32
+    batch, d = (2, 3), 32
+    shapes = ((37, 45, variant_cases), BLOCK_MASK_SHAPE + (block_mask_cases,))
     for dtype in dtypes:
         npdt = numpy_dtype(dtype)
-        for causal in (False, True):
+        for (sq, sk, cases), causal in ((sh, c) for sh in shapes for c in (False, True)):
             q, k, v = (reference.round_to(rng.standard_normal(batch + (n, d)), dtype)
                        for n in (sq, sk, sk))
             do = reference.round_to(rng.standard_normal(batch + (sq, d)), dtype)
-            for name, kw in variant_cases(rng, batch, sq, sk):
+            for name, kw in cases(rng, batch, sq, sk):
                 where = f"{device.name}, {dtype}{', causal' if causal else ''}"
-                dkw = {n: (device.to_device(x) if isinstance(x, np.ndarray) else x)
-                       for n, x in kw.items()}
+                dkw = {n: _on_device(device, x) for n, x in kw.items()}
                 dev = [device.to_device(x.astype(npdt)) for x in (q, k, v)]
                 try:
                     o, lse = attention(*dev, causal=causal, return_lse=True, **dkw)

@@ -253,6 +253,28 @@ def test_variant_audit_passes_cuflash_and_reports_its_worst_bar():
     assert all(0 < p.measured <= 1 and p.limit == 1.0 and "lse at" in p.detail for p in res)
 
 
+def test_variant_audit_covers_a_block_mask_of_every_block_kind():
+    """The audit's block-mask case spans several 64 x 64 blocks with kept, hidden and mixed ones
+    in every batch entry (so a GPU audit runs tiles the kernels compute without the mask), is
+    audited causal and not, and the device gets a BlockMask of its own (a summary made there)."""
+    from cuflash import BlockMask, _mask_blocks
+    from cuflash._audit_variants import BLOCK_MASK_SHAPE, _on_device, block_mask_cases
+
+    batch = (2, 3)
+    (name, kw), = block_mask_cases(case_rng(SEED, "block-mask"), batch, *BLOCK_MASK_SHAPE)
+    bm = kw["mask"]
+    assert isinstance(bm, BlockMask) and bm.mask.shape == batch + BLOCK_MASK_SHAPE
+    blocks = bm.blocks.reshape(-1, *bm.blocks.shape[-2:])
+    assert all({_mask_blocks.KEPT, _mask_blocks.HIDDEN, _mask_blocks.MIXED} <= set(b.ravel())
+               for b in blocks), blocks
+    np.testing.assert_array_equal(bm.blocks, _mask_blocks.numpy_summary(bm.mask))
+    moved = _on_device(_audit.Device(), bm)
+    assert isinstance(moved, BlockMask) and moved is not bm
+    res = [p for p in _variant_audit() if p.name == f"variant {name}"]
+    assert sorted(p.where for p in res) == ["cpu, float32", "cpu, float32, causal"]
+    assert all(p.passed and 0 < p.measured <= 1 for p in res), res
+
+
 def test_grad_verdict_never_passes_nan_or_an_error_over_a_zero_threshold():
     from cuflash._audit_variants import grad_verdict
 
