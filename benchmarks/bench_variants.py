@@ -17,7 +17,11 @@ FlexAttention's) runs once per variant and --impl form, on the first kernel's ro
 depend on the forward's kernel. --variants: plain, softcap, alibi, window, bias, mask and
 "positional" (window, softcap and ALiBi together: under VARIANT_FUSED_SCALE the forwards take the
 fused form and, at D = 128, the mma.sync backward the unfused one, _dispatch_variants.fused_form;
-its backward label says which).
+its backward label says which), and the user hooks of issue 15's FlexAttention target (HOOKS):
+"mod-alibi" (ALiBi as a score_mod, its slopes in mod_args), "mod-document" (a document mask as a
+mask_mod, `doc_ids`), "mod-window" (the sliding window of --window as a mask_mod), each with the
+same expression as FlexAttention's score_mod / mask_mod and no SDPA peer. Their checked rows are
+the first ones, not the last (`_checked_rows`: a hook sees the rows' own q_idx).
 
 --impl: forms of the variant kernels to time against each other in the same run (default
 "base"): "base" = the dispatcher's flags as they are, "fma-rcp" = softcap's reciprocal on the FMA
@@ -169,6 +173,8 @@ def variant_kwargs(name, rng, b, h, s, args):
     if name == "bias":   # one float16 (S, S) bias shared by every batch entry and head
         return dict(bias=cupy.random.standard_normal((1, s, s), dtype=cupy.float32)
                     .astype(cupy.float16))
+    if name in HOOKS:   # user hooks (cuflash.mods), the expressions FlexAttention gets too
+        return hook_kwargs(name, h, s, args)
     if name == "mask":   # a padding-like mask per batch entry, (B, 1, S, S), built on the device
         # (a host array is B S^2 bytes: 512 MiB at S = 16k, copied over and back per check)
         j = cupy.arange(s)
@@ -180,9 +186,52 @@ def variant_kwargs(name, rng, b, h, s, args):
     raise ValueError(name)
 
 
+#: The user-hook rows (issue 15's FlexAttention target: "ALiBi-as-score_mod, a document mask and
+#: a sliding window as mask_mod"): cuflash.mods hooks with the same expressions as flex_mods'.
+HOOKS = ("mod-alibi", "mod-document", "mod-window")
+
+
+def doc_ids(s):
+    """Document ids of the S positions (float32, one per position, the mask_mod's args): two
+    short documents first (positions 0-99, 100-199: the checked first rows cross a boundary),
+    then lengths drawn from 500..4000 with a fixed seed."""
+    rng = np.random.default_rng(1234)
+    lens = [100, 100]
+    while sum(lens) < s:
+        lens.append(int(rng.integers(500, 4001)))
+    ids = np.repeat(np.arange(len(lens)), lens)[:s]
+    return ids.astype(np.float32)
+
+
+def hook_kwargs(name, h, s, args):
+    """cuflash's arguments of a HOOKS row (the hooks and their mod_args on the device)."""
+    import cupy
+
+    from cuflash.mods import MaskMod, ScoreMod
+    if name == "mod-alibi":   # ALiBi's slopes per head in args (the alibi row's slopes)
+        slopes = (2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)
+        mod = ScoreMod.additive("score - args[h] * Acc(llabs(q_idx - kv_idx))",
+                                lambda sc, b, hh, qi, kj, a: sc - a[hh] * np.abs(qi - kj))
+        return dict(score_mod=mod, mod_args=cupy.asarray(slopes))
+    if name == "mod-document":
+        mod = MaskMod("args[q_idx] == args[kv_idx]",
+                      numpy=lambda b, hh, qi, kj, a: a[qi] == a[kj])
+        return dict(mask_mod=mod, mod_args=cupy.asarray(doc_ids(s)))
+    if name == "mod-window":
+        left = int(args.window)
+        mod = MaskMod(f"kv_idx >= q_idx - {left}",
+                      numpy=lambda b, hh, qi, kj, a: kj >= qi - left)
+        return dict(mask_mod=mod)
+    raise ValueError(name)
+
+
 def visible_pairs(name, s, causal, args):
     full = s * (s + 1) / 2 if causal else float(s) * s
-    if name not in ("window", "positional"):
+    if name == "mod-document":
+        _, lens = np.unique(doc_ids(s), return_counts=True)
+        lens = lens.astype(np.float64)
+        return float(np.sum(lens * (lens + 1) / 2 if causal else lens * lens))
+    if name not in ("window", "positional", "mod-window"):
         return full
     i = np.arange(s, dtype=np.float64)
     lo = np.maximum(0, i - args.window)
@@ -194,8 +243,8 @@ def torch_mask(name, kw, b, h, s, causal, dtype, left):
     """The same variant as an SDPA attn_mask (bool or additive float), or None (plain)."""
     import torch
     dev = "cuda"
-    if name in ("plain", "softcap", "positional"):   # (softcap: no SDPA form)
-        return None
+    if name in ("plain", "softcap", "positional") or name in HOOKS:   # (softcap: no SDPA form;
+        return None                                                 # the hooks: Flex's target)
     i = torch.arange(s, device=dev)[:, None]
     j = torch.arange(s, device=dev)[None, :]
     tdt = getattr(torch, dtype)
@@ -230,7 +279,9 @@ def _sub_kwargs(kw, q, bi, hi, r0):
     import cupy
     sub = {}
     for n, x in kw.items():
-        if isinstance(x, cupy.ndarray):
+        if isinstance(x, cupy.ndarray) and n == "mod_args":   # indexed by q_idx, kv_idx, h:
+            x = cupy.asnumpy(x)                                 # whole (see _checked_rows)
+        elif isinstance(x, cupy.ndarray):
             if n == "alibi_slopes":
                 x = x[hi:hi + 1]
             else:   # broadcast to (B, H, ...) then take the slice, keeping a (1, 1) batch; on
@@ -248,18 +299,30 @@ def _host64(x):
     return cupy.asnumpy(cupy.asarray(x).astype(cupy.float32)).astype(np.float64)
 
 
+def _checked_rows(kw, sq, sk, causal, rows):
+    """(r0, r1, k1): the checked query rows [r0, r1) and the keys [0, k1) of their sub-problem.
+    The built-in variants align on i + Sk - Sq, so the last rows with every key are rows of
+    their own Sq' problem. User hooks see the rows' own q_idx (cuflash.mods), so their rows are
+    the first ones: with every key, or under causal with keys [0, r1) (the rest is hidden), the
+    sub-problem's q_idx and kv_idx are the full problem's."""
+    if "score_mod" in kw or "mask_mod" in kw:
+        r1 = min(rows, sq)
+        return 0, r1, (r1 if causal and sq == sk else sk)
+    return max(0, sq - rows), sq, sk
+
+
 def check(o, q, k, v, causal, kw, dtype, slices, rows=256):
-    """o against the float64 reference on a few (batch, head) slices, by the pass rule, on the
-    last `rows` query rows (`_sub_kwargs`)."""
+    """o against the float64 reference on a few (batch, head) slices, by the pass rule, on
+    `rows` query rows (`_checked_rows`, `_sub_kwargs`)."""
     import cupy
     from cuflash import reference as R
-    r0 = max(0, q.shape[-2] - rows)
+    r0, r1, k1 = _checked_rows(kw, q.shape[-2], k.shape[-2], causal, rows)
     for bi, hi in slices:
         sub = _sub_kwargs(kw, q, bi, hi, r0)
-        qs = cupy.asnumpy(q[bi:bi + 1, hi:hi + 1, r0:]).astype(np.float64)
-        ks, vs = (cupy.asnumpy(t[bi:bi + 1, hi:hi + 1]).astype(np.float64) for t in (k, v))
+        qs = cupy.asnumpy(q[bi:bi + 1, hi:hi + 1, r0:r1]).astype(np.float64)
+        ks, vs = (cupy.asnumpy(t[bi:bi + 1, hi:hi + 1, :k1]).astype(np.float64) for t in (k, v))
         rule = R.pass_threshold(qs, ks, vs, causal=causal, dtype=dtype, **sub)
-        got = np.asarray(o[bi:bi + 1, hi:hi + 1, r0:].get(), dtype=np.float64)
+        got = np.asarray(o[bi:bi + 1, hi:hi + 1, r0:r1].get(), dtype=np.float64)
         verdict = rule.judge(got)
         if not verdict.passed:
             return f"slice ({bi}, {hi}): {verdict.reasons}"
@@ -275,15 +338,16 @@ def check_backward(dq, q, k, v, do, causal, kw, dtype, slices, rows=256, run_sub
 
     import cuflash
     from cuflash import reference as R
-    r0 = max(0, q.shape[-2] - rows)
+    r0, r1, k1 = _checked_rows(kw, q.shape[-2], k.shape[-2], causal, rows)
     for bi, hi in slices:
         sub = _sub_kwargs(kw, q, bi, hi, r0)
-        qs = q[bi:bi + 1, hi:hi + 1, r0:]
-        ks, vs, dos = k[bi:bi + 1, hi:hi + 1], v[bi:bi + 1, hi:hi + 1], do[bi:bi + 1, hi:hi + 1, r0:]
+        qs = q[bi:bi + 1, hi:hi + 1, r0:r1]
+        ks, vs = k[bi:bi + 1, hi:hi + 1, :k1], v[bi:bi + 1, hi:hi + 1, :k1]
+        dos = do[bi:bi + 1, hi:hi + 1, r0:r1]
         h = [_host64(t) for t in (dos, qs, ks, vs)]
         ref = R.attention_backward_ref(*h, causal=causal, **sub)
         tols, _ = R.grad_pass_threshold(*h, causal=causal, dtype=dtype, ref=ref, **sub)
-        got = _host64(dq[bi:bi + 1, hi:hi + 1, r0:])
+        got = _host64(dq[bi:bi + 1, hi:hi + 1, r0:r1])
         err = float(np.abs(got - ref[0]).max())
         if not np.isfinite(got).all() or err > tols[0]:
             return f"slice ({bi}, {hi}): dq error {err:.3g} > {tols[0]:.3g}"
@@ -326,10 +390,20 @@ def flex_mods(name, kw, causal, left):
 
         def score_mod(score, b, h, qi, kj):
             return score + bias[0, qi, kj]
+    elif name == "mod-alibi":   # the slopes are the mod's args
+        sl = torch.as_tensor(kw["mod_args"], device=dev)
+
+        def score_mod(score, b, h, qi, kj):
+            return score - sl[h] * (qi - kj).abs()
     keep = None
-    if name in ("window", "positional"):
+    if name in ("window", "positional", "mod-window"):
         def keep(b, h, qi, kj):
             return kj >= qi - left
+    elif name == "mod-document":
+        doc = torch.as_tensor(kw["mod_args"], device=dev)
+
+        def keep(b, h, qi, kj):
+            return doc[qi] == doc[kj]
     elif name == "mask":
         m = torch.as_tensor(kw["mask"], device=dev)
 
@@ -456,7 +530,7 @@ def main(argv=None):
                             row["bwd_per_tile"] = (plain_bwd_ms / visible_pairs(
                                 "plain", s, causal, args)) / (row["bwd_ms"] / pairs)
             if (torch is not None and args.torch and name not in ("softcap", "positional")
-                    and first):
+                    and name not in HOOKS and first):
                 tm = torch_mask(name, kw, b, h, s, causal, args.dtype, args.window)
                 for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
                     try:

@@ -44,3 +44,46 @@ def test_every_form_sets_existing_flags(bench):
     assert _mask_blocks.ENABLED is True
     assert bench.IMPLS["hopperbwd"][0] == {"HOPPER_BWD_VARIANTS": True}
     assert bench.IMPLS["mmabwd"][0] == {"HOPPER_BWD_VARIANTS": False}
+
+
+def _hook_kwargs_on_host(bench, name, h, s, window, monkeypatch):
+    import types
+
+    import numpy as np
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(cupy, "asarray", np.asarray)   # no GPU here: the args stay NumPy
+    return bench.hook_kwargs(name, h, s, types.SimpleNamespace(window=window))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hook_rows_are_the_builtin_variants_they_stand_for(bench, causal, monkeypatch):
+    """The user-hook rows' NumPy forms give what the built-in ALiBi and window give (the
+    expressions FlexAttention gets are the same), on a problem whose first rows cross the
+    document boundaries `doc_ids` puts at 100 and 200."""
+    import numpy as np
+
+    from cuflash import reference as R
+    h, s, left = 3, 260, 37
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, h, s, 16)) for _ in range(3))
+    al = _hook_kwargs_on_host(bench, "mod-alibi", h, s, left, monkeypatch)
+    np.testing.assert_array_equal(
+        R.attention_ref(q, k, v, causal=causal, **al)[0],
+        R.attention_ref(q, k, v, causal=causal, alibi_slopes=al["mod_args"])[0])
+    win = _hook_kwargs_on_host(bench, "mod-window", h, s, left, monkeypatch)
+    np.testing.assert_array_equal(R.attention_ref(q, k, v, causal=causal, **win)[0],
+                                  R.attention_ref(q, k, v, causal=causal, window=(left, -1))[0])
+    doc = _hook_kwargs_on_host(bench, "mod-document", h, s, left, monkeypatch)
+    ids = doc["mod_args"]
+    assert list(ids[[0, 99, 100, 199, 200]]) == [0, 0, 1, 1, 2]
+    np.testing.assert_array_equal(
+        R.attention_ref(q, k, v, causal=causal, **doc)[0],
+        R.attention_ref(q, k, v, causal=causal, mask=ids[:, None] == ids[None, :])[0])
+
+
+def test_hook_rows_check_their_first_rows(bench):
+    """A hook sees the rows' own q_idx, so its check takes the first rows (keys [0, r1) under
+    causal); the built-in variants keep the last rows with every key."""
+    assert bench._checked_rows({"mask_mod": 1}, 4096, 4096, True, 256) == (0, 256, 256)
+    assert bench._checked_rows({"score_mod": 1}, 4096, 4096, False, 256) == (0, 256, 4096)
+    assert bench._checked_rows({"window": (1, 0)}, 4096, 4096, True, 256) == (3840, 4096, 4096)
