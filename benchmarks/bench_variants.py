@@ -272,14 +272,31 @@ def torch_mask(name, kw, b, h, s, causal, dtype, left):
     raise ValueError(name)
 
 
-def _sub_kwargs(kw, q, bi, hi, r0):
+def _shifted_hook(hook, bi, hi):
+    """A hook whose NumPy form sees batch entry (b + bi, h + hi): the (bi, hi) slice's reference
+    (a (1, 1) batch) then computes what the full problem's hook computes there. Only the
+    references run it: its CUDA code still reads the slice's own b and h."""
+    from cuflash.mods import MaskMod, ScoreMod
+    if isinstance(hook, ScoreMod):
+        f, g = hook.numpy, hook.grad_numpy
+        return ScoreMod(hook.cuda, lambda sc, b, h, qi, kj, a: f(sc, b + bi, h + hi, qi, kj, a),
+                        grad_cuda=hook.grad_cuda, lipschitz=hook.lipschitz,
+                        grad_numpy=None if g is None else
+                        (lambda sc, b, h, qi, kj, a: g(sc, b + bi, h + hi, qi, kj, a)))
+    return MaskMod(hook.cuda, lambda b, h, qi, kj, a: hook.numpy(b + bi, h + hi, qi, kj, a))
+
+
+def _sub_kwargs(kw, q, bi, hi, r0, shift_hooks=True):
     """The variant's arguments (NumPy) of the (bi, hi) slice's query rows r0.. with the keys kept
     whole: rows i of that Sq' problem are rows i + r0 of the full one under every variant (each
-    aligns on i + Sk - Sq)."""
+    aligns on i + Sk - Sq); user hooks see the slice's batch entry (`_shifted_hook`) unless
+    `shift_hooks` is False (cuflash run on the slice itself)."""
     import cupy
     sub = {}
     for n, x in kw.items():
-        if isinstance(x, cupy.ndarray) and n == "mod_args":   # indexed by q_idx, kv_idx, h:
+        if n in ("score_mod", "mask_mod") and x is not None and shift_hooks:
+            x = _shifted_hook(x, bi, hi)
+        elif isinstance(x, cupy.ndarray) and n == "mod_args":   # indexed by q_idx, kv_idx, h:
             x = cupy.asnumpy(x)                                 # whole (see _checked_rows)
         elif isinstance(x, cupy.ndarray):
             if n == "alibi_slopes":
@@ -352,8 +369,12 @@ def check_backward(dq, q, k, v, do, causal, kw, dtype, slices, rows=256, run_sub
         if not np.isfinite(got).all() or err > tols[0]:
             return f"slice ({bi}, {hi}): dq error {err:.3g} > {tols[0]:.3g}"
         if run_sub:
+            own = _sub_kwargs(kw, q, bi, hi, r0, shift_hooks=False)
+            if any(n in kw for n in ("score_mod", "mask_mod")):   # the slice's own b, h
+                ref = R.attention_backward_ref(*h, causal=causal, **own)
+                tols, _ = R.grad_pass_threshold(*h, causal=causal, dtype=dtype, ref=ref, **own)
             dkw = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) else x)
-                   for n, x in sub.items()}
+                   for n, x in own.items()}
             qc, kc, vc, doc = (cupy.ascontiguousarray(t) for t in (qs, ks, vs, dos))
             o, lse = cuflash.attention(qc, kc, vc, causal=causal, return_lse=True, **dkw)
             grads = cuflash.attention_backward(doc, qc, kc, vc, o, lse, causal=causal, **dkw)

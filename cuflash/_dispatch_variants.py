@@ -67,6 +67,18 @@ ALIBI_AFFINE = True
 TC_BWD_FUSED_LIMIT_D = 128
 TC_BWD_FUSED_MAX_TRANSFORMS = 1
 
+#: User hooks (score_mod / mask_mod) on the Hopper backward, D = 65..256, under the built-in
+#: parts' rules of `hopper_bwd_variant_reason` (session r, 2026-12-06). Before, every hook at
+#: D > 64 on sm_90 went to the generic scalar backward: S = 16k, B = 2, H = 16, D = 128, causal,
+#: float16 on an H100, a window or a document mask as mask_mod took 1180-1202 ms there against
+#: FlexAttention's 6.1 / 3.4 ms (benchmarks/RESULTS.md, "session r"). The kernel's registers sit
+#: at 236-255 with a hook, and a hook's own code can spill: under NVRTC 13.5 the example hooks
+#: compile clean except rel_bias at D = 128 causal (12 B) and tanh_cap at D = 256 non-causal
+#: deterministic (4 B); tanh_cap + document + window + ALiBi at D = 256 spills 12-40 B. A spill
+#: costs speed, not correctness, and the generic kernel it replaces is ~100x slower, so the
+#: hook is taken all the same; the compile set holds the forms that compile clean.
+HOPPER_BWD_HOOKS = True
+
 
 def transforms(variant) -> int:
     """How many of the score's transforms the variant has (softcap, ALiBi, a bias: variants.cuh's
@@ -630,16 +642,15 @@ def hopper_bwd_variant_reason(prob, compute_capability) -> "str | None":
     compile set, hopper_bwd_variant_compile_specs, has no spills under NVRTC 13.0 and 13.5):
     D = 128 the positional parts (window, softcap, ALiBi) in any combination, D = 256 every
     built-in part (without causal in deterministic mode only those that read no tensor: ALiBi
-    and window + bias spilled 12-24 bytes there), no user hooks, nothing at D <= 64 (BM = 128:
-    the plain kernel's registers are at 252-255)."""
+    and window + bias spilled 12-24 bytes there), user hooks with either (HOPPER_BWD_HOOKS),
+    nothing at D <= 64 (BM = 128: the plain kernel's registers are at 252-255)."""
     from ._dispatch import HOPPER_BWD_CONFIGS, bwd_hopper_reason, head_dim_bucket
     why = bwd_hopper_reason(prob, compute_capability)
     if why is not None:
         return why
     var = prob.variant
-    if getattr(var, "has_mods", False):
-        return ("user hooks are not taken there yet (beside its dK and dV accumulators a hook's "
-                "registers spill)")
+    if getattr(var, "has_mods", False) and not HOPPER_BWD_HOOKS:
+        return ("user hooks are not taken there (_dispatch_variants.HOPPER_BWD_HOOKS is off)")
     dpad = head_dim_bucket(prob.d, HOPPER_BWD_CONFIGS)
     if dpad < 128:
         return (f"with a variant it takes head dims from 65 (got {prob.d}: at D = {dpad} its "
@@ -686,6 +697,15 @@ def hopper_bwd_variant_compile_specs():
     for pol in (_Spec(window=True, softcap=True), _Spec(softcap=True, alibi=True),
                 _Spec(window=True, alibi=True)):
         add("float16", 128, True, False, pol)
+    # user hooks (HOPPER_BWD_HOOKS): the example hooks' forms that compile without spills
+    from .mods import example_hooks
+    ex = example_hooks()
+    for causal in (False, True):
+        for det in (False, True):
+            add("float16", 128, causal, det, _with_mods(_Spec(), None, ex["document"]))
+            add("float16", 128, causal, det, _with_mods(_Spec(), ex["tanh_cap"], None))
+            add("bfloat16", 256, causal, det, _with_mods(_Spec(), ex["rel_bias"], None))
+        add("float16", 256, causal, False, _with_mods(_Spec(), ex["tanh_cap"], ex["prefix_lm"]))
     return out
 
 

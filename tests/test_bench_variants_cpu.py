@@ -87,3 +87,22 @@ def test_hook_rows_check_their_first_rows(bench):
     assert bench._checked_rows({"mask_mod": 1}, 4096, 4096, True, 256) == (0, 256, 256)
     assert bench._checked_rows({"score_mod": 1}, 4096, 4096, False, 256) == (0, 256, 4096)
     assert bench._checked_rows({"window": (1, 0)}, 4096, 4096, True, 256) == (3840, 4096, 4096)
+
+
+def test_a_slice_reference_sees_the_slice_heads_hook(bench, monkeypatch):
+    """The check's (bi, hi) slice is a (1, 1) batch: a hook that reads args[h] must see head hi
+    there (the H100 run of session r failed both cuflash and FlexAttention on slice (1, 15) of
+    ALiBi as score_mod, whose reference had used head 0's slope)."""
+    import numpy as np
+
+    from cuflash import reference as R
+    h, s = 4, 50
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, h, s, 16)) for _ in range(3))
+    kw = _hook_kwargs_on_host(bench, "mod-alibi", h, s, 8, monkeypatch)
+    full = R.attention_ref(q, k, v, causal=True, **kw)[0]
+    sub = dict(kw, score_mod=bench._shifted_hook(kw["score_mod"], 1, 3))
+    part = R.attention_ref(q[1:2, 3:4], k[1:2, 3:4], v[1:2, 3:4], causal=True, **sub)[0]
+    np.testing.assert_array_equal(part, full[1:2, 3:4])
+    plain = R.attention_ref(q[1:2, 3:4], k[1:2, 3:4], v[1:2, 3:4], causal=True, **kw)[0]
+    assert not np.array_equal(plain, full[1:2, 3:4])

@@ -145,11 +145,45 @@ def test_other_devices_hooks_and_dtypes_are_refused(flag_on):
     assert "float16" in hopper_bwd_variant_reason(prob, 90)
     ex = example_hooks()
     hooked = Variant(score_mod=ex["tanh_cap"], mod_batch=(2, 3))
-    prob = _prob(hooked, d=64)
-    assert "user hooks" in hopper_bwd_variant_reason(prob, 90)
+    prob = _prob(hooked, d=64)   # D <= 64: no policy there, hooks neither
+    assert "head dims from 65" in hopper_bwd_variant_reason(prob, 90)
     assert variant_backward_plan_for(prob, 90).label.startswith("tensorcore-bwd<float16,D64,")
-    with pytest.raises(ValueError, match=r"kernel='hopper'.*user hook score_mod: user hooks"):
+    with pytest.raises(ValueError, match=r"kernel='hopper'.*user hook score_mod: with a variant"):
         variant_backward_plan_for(_prob(hooked, d=64, kernel="hopper"), 90)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("hooks", ["score_mod", "mask_mod", "both"])
+def test_hooks_take_the_hopper_backward_from_d65(flag_on, d, hooks, monkeypatch):
+    """HOPPER_BWD_HOOKS: a hook at D = 65..256 takes the Hopper backward under auto (it went to
+    the generic scalar kernel: ~100x slower, session r), named in the label by its hash; the
+    flag off sends it back there and kernel="hopper" then says why; a hook with a mask tensor at
+    D = 128 stays refused by the tensor rule."""
+    ex = example_hooks()
+    kw = dict(score_mod=ex["tanh_cap"] if hooks != "mask_mod" else None,
+              mask_mod=ex["prefix_lm"] if hooks != "score_mod" else None)
+    var = Variant(**kw, mod_batch=(2, 3))
+    prob = _prob(var, d=d)
+    assert hopper_bwd_variant_reason(prob, 90) is None
+    label = variant_backward_plan_for(prob, 90).label
+    assert label.startswith(f"hopper-bwd<float16,D{d},") and "_mod[" in label, label
+    spec = hopper_bwd_variant_plan("float16", d, True, False, var).passes[0][1].spec
+    assert "UserVariant" in spec.name and "cuflash_user" in spec.extra_source
+    masked = Variant(**kw, mask=np.ones((100, 120), bool), mod_batch=(2, 3))
+    if d == 128:
+        assert "positional parts only" in hopper_bwd_variant_reason(_prob(masked, d=d), 90)
+    monkeypatch.setattr(_dispatch_variants, "HOPPER_BWD_HOOKS", False)
+    assert "HOPPER_BWD_HOOKS" in hopper_bwd_variant_reason(prob, 90)
+    assert not variant_backward_plan_for(prob, 90).label.startswith("hopper-bwd<")
+    with pytest.raises(ValueError, match=r"kernel='hopper'.*HOPPER_BWD_HOOKS is off"):
+        variant_backward_plan_for(_prob(var, d=d, kernel="hopper"), 90)
+
+
+def test_compile_set_holds_clean_hook_forms():
+    names = [s.name for s in hopper_bwd_variant_compile_specs()]
+    hooked = [n for n in names if "UserVariant" in n]
+    assert len(hooked) == 14, hooked
+    assert any(", 128, " in n for n in hooked) and any(", 256, " in n for n in hooked)
 
 
 def test_compile_set_holds_the_benchmarked_forms():

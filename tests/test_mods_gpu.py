@@ -1,7 +1,8 @@
 """GPU tests of the user hooks (score_mod / mask_mod, cuflash/mods.py), forward on the generic and
 the mma.sync tensor-core kernels (float64: generic only) and, for a few cases, the Hopper kernel
 (sm_90), backward on the same family (the tensor-core backward for float16 / bfloat16, the
-generic one for float32 / float64; after the Hopper forward the same), against the float64
+generic one for float32 / float64; after the Hopper forward the same, and the Hopper backward
+at D = 128 / 256: test_hooks_hopper_backward), against the float64
 references under the project's pass rule (reference.pass_threshold / grad_pass_threshold), on fresh random inputs with every output
 poisoned with NaN: tails, Sq != Sk, causal on and off, broadcast kv heads, a strided q, rows
 without keys, hooks composed with built-in parts. Skipped without a GPU."""
@@ -125,6 +126,41 @@ def test_hooks_tensorcore_backward_deterministic(name, causal, dtype, d):
     check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
                        seed=SEED, kernel="tensorcore", bwd_kernel="tensorcore",
                        deterministic=True)
+
+
+# The hooks on the Hopper backward (_dispatch_variants.HOPPER_BWD_HOOKS: D = 65..256, sm_90), after
+# the Hopper forward: a score hook, a score hook reading args, a mask hook reading args, rows
+# without keys, hooks on window and ALiBi (D = 128: the positional parts), deterministic mode
+# (bitwise twice), a head dim below its bucket (D = 200 runs the D = 256 form) and tails.
+HOPPER_BWD_CASES = [("tanh_cap", True, "float16", 128, False),
+                    ("rel_bias", False, "bfloat16", 128, True),
+                    ("document", True, "float16", 128, False),
+                    ("document", False, "float16", 256, True),
+                    ("empty_rows", False, "float16", 128, False),
+                    ("composed", True, "float16", 128, True),
+                    ("rel_bias", True, "float16", 200, False),
+                    ("prefix_lm", False, "bfloat16", 256, False)]
+
+
+@pytest.mark.parametrize("sq,sk", [(113, 250), (7, 7), (1, 40), (250, 113)])
+@pytest.mark.parametrize("name,causal,dtype,d,det", HOPPER_BWD_CASES)
+def test_hooks_hopper_backward(name, causal, dtype, d, det, sq, sk):
+    if int(cupy().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper backward runs on compute capability 9.0 only")
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes")
+    rng = _rng("hopper-bwd", name, causal, dtype, d, det, sq, sk)
+    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, dtype)
+    q = q * 2.0
+    kw = _host_hooks(name, rng, sq, sk)
+    dkw = _to_device(kw)
+    qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
+    label, o, lse = check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype,
+                                       rng=rng, seed=SEED, kernel="hopper", bwd_kernel="hopper",
+                                       deterministic=det)
+    assert "_mod[" in label, label
+    if name == "empty_rows":
+        assert np.all(o[..., 1::2, :] == 0) and np.all(np.isneginf(lse[..., 1::2]))
 
 
 def test_hook_compile_error_before_any_launch():
