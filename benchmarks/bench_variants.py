@@ -32,7 +32,9 @@ softmax's affine units on the Hopper forward (ALIBI_AFFINE; causal), "affine+fus
 (HOPPER_BWD_VARIANTS, on by default since session n; the row's bwd_label says which backward ran,
 and bwd_per_tile is against plain's Hopper backward), "mmabwd" = the same flag off (the mma.sync
 backward that sm_90 took before), "noblocks" = the mask without its block summary
-(`_mask_blocks.ENABLED` off: every masked tile read per element); a form's rows only for the variants it changes (IMPLS). Each form's
+(`_mask_blocks.ENABLED` off: every masked tile read per element), "narrowhooks" = the hook
+rows' Hopper forward on 32-key tiles (HOPPER_HOOK_WIDE off); a form's rows only for the variants
+it changes (IMPLS). Each form's
 row is checked like every other.
 
     PYTHONPATH=. python benchmarks/bench_variants.py --s 16384 --kernels hopper --backward 0 \
@@ -119,7 +121,10 @@ IMPLS = {"base": ({}, None), "fma-rcp": ({"SOFTCAP_RCP_FMA": True}, {"softcap"})
                     {"softcap", "alibi", "window", "bias", "mask", "positional"}),
          # no block summary of the mask (cuflash._mask_blocks.ENABLED off): every masked tile
          # read per element, as before session q
-         "noblocks": ({"_mask_blocks.ENABLED": False}, {"mask"})}
+         "noblocks": ({"_mask_blocks.ENABLED": False}, {"mask"}),
+         # the hook policies' Hopper forward on the 32-key tiles of before session r
+         # (_dispatch_variants.HOPPER_HOOK_WIDE off)
+         "narrowhooks": ({"HOPPER_HOOK_WIDE": False}, {"mod-alibi", "mod-window", "mod-document"})}
 
 
 def _flag_home(key):

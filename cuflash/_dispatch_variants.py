@@ -306,6 +306,33 @@ HOPPER_VARIANT_F32_TILES = {(64, "high", False): dict(bn=64),
 #: softmax) under NVRTC 13.0, none with 32-key tiles; D = 64 and D = 256 fit the reads' tiles.
 HOPPER_HOOK_TILES = {128: dict(bn=32)}
 
+#: Wider tiles for the lighter hook policies on the 16-bit Hopper forward (`hook_tiles`; session
+#: r, 2026-12-06): a mask_mod with no built-in part and no score_mod takes the tiles of a policy
+#: that reads nothing (128 keys at D = 64 and 128), and at D = 128 a policy with a score_mod or
+#: positional parts (window, softcap, ALiBi) but no bias or mask tensor 64 keys. Compiled under
+#: NVRTC 13.0 and 13.5 (sm_90a, float16 and bfloat16, causal and not), none spilled: document
+#: and prefix_lm alone at 128 keys (D = 64, 128), tanh_cap, rel_bias, rel_bias + document,
+#: tanh_cap + document + window + softcap + ALiBi and rel_bias + prefix_lm + the same at 64 keys
+#: (D = 128); what did spill is why the rule stops there: a mask_mod with the positional parts
+#: at 128 keys (92-300 B), ALiBi as a score_mod at 128 keys and D = 128 (36-64 B). Off: every hook
+#: policy at D = 128 takes 32-key tiles, as before (bench_variants.py --impl narrowhooks).
+HOPPER_HOOK_WIDE = True
+
+
+def hook_tiles(dtype_name: str, dpad: int, variant) -> "tuple[bool, dict]":
+    """(reads, HopperTiles fields) of a hook policy's Hopper forward tiles: `reads` picks the
+    HOPPER_VARIANT_TILES row, the fields are replaced after it (HOPPER_HOOK_WIDE's rule, else
+    HOPPER_HOOK_TILES)."""
+    tensors = variant.bias is not None or variant.mask is not None
+    builtin = (tensors or variant.has_window or bool(variant.softcap)
+               or variant.alibi_slopes is not None)
+    if HOPPER_HOOK_WIDE and dtype_name != "float32":
+        if variant.score_mod is None and not builtin and dpad in (64, 128):
+            return False, {}
+        if dpad == 128 and not tensors:
+            return True, dict(bn=64)
+    return True, HOPPER_HOOK_TILES.get(dpad, {})
+
 
 def hopper_variant_plan(dtype_name: str, d: int, causal: bool, sk: int, variant,
                         precision: str = "highest", sq=None) -> Plan:
@@ -321,13 +348,12 @@ def hopper_variant_plan(dtype_name: str, d: int, causal: bool, sk: int, variant,
     hooks = getattr(variant, "has_mods", False)
 
     def choose(dpad, cfg, persistent):
+        tile_reads, hook_fields = hook_tiles(dtype_name, dpad, variant) if hooks else (reads, {})
         if dtype_name == "float32":
             cfg = cfg._replace(**HOPPER_VARIANT_F32_TILES.get((dpad, precision, reads), {}))
         else:
-            cfg = cfg._replace(**HOPPER_VARIANT_TILES.get((dpad, reads), {}))
-        if hooks:
-            cfg = cfg._replace(**HOPPER_HOOK_TILES.get(dpad, {}))
-        return cfg, persistent
+            cfg = cfg._replace(**HOPPER_VARIANT_TILES.get((dpad, tile_reads), {}))
+        return cfg._replace(**hook_fields), persistent
 
     base = hopper_plan(dtype_name, d, causal, sk, precision, sq=sq, choose=choose)
     name = base.spec.name.replace("cuflash_fwd_wgmma<", "cuflash_fwd_wgmma_var<")
@@ -409,6 +435,20 @@ def hopper_variant_compile_specs():
     add("float16", 64, True, _with_mods(_Spec(), rel, None))
     add("float16", 256, True, _with_mods(_Spec(window=True, softcap=True, alibi=True,
                                                bias="float32", mask=True), cap, doc))
+    # HOPPER_HOOK_WIDE's tiles at D = 128 (and D = 64's mask_mod alone), as
+    # test_mods_gpu.py::test_hooks_hopper_backward runs them, and the bench's hook rows
+    pre = ex["prefix_lm"]
+    for dt, causal, pol in (("float16", True, _with_mods(_Spec(), cap, None)),
+                            ("bfloat16", False, _with_mods(_Spec(), rel, None)),
+                            ("float16", True, _with_mods(_Spec(), None, doc)),
+                            ("float16", False, _with_mods(_Spec(), None, doc)),
+                            ("float16", True, _with_mods(_Spec(window=True, alibi=True),
+                                                         cap, doc)),
+                            ("bfloat16", True, _with_mods(_Spec(), rel, doc))):
+        add(dt, 128, causal, pol)
+    add("float16", 64, False, _with_mods(_Spec(), None, pre))
+    add("float16", 256, True, _with_mods(_Spec(), rel, None))
+    add("bfloat16", 256, False, _with_mods(_Spec(), None, pre))
     return out
 
 

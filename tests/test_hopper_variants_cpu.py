@@ -69,8 +69,27 @@ def test_hooks_on_the_hopper_kernel(tma):
     assert plan.spec.name.startswith("cuflash::cuflash_fwd_wgmma_var<cuflash::fp16_t, 1, 64, 64,")
     assert "cuflash::UserVariant<" in plan.spec.name and "struct Mod_" in plan.spec.extra_source
     assert f"score_mod[{ex['tanh_cap'].digest[:8]}]" in plan.label
-    # D128: 32-key tiles (HOPPER_HOOK_TILES)
+    # D128 (HOPPER_HOOK_WIDE): 64-key tiles without bias or mask tensors, 32 with (the old
+    # HOPPER_HOOK_TILES), 128 for a mask_mod alone; float32 keeps HOPPER_HOOK_TILES
+    assert hopper_variant_plan("float16", 128, True, 1024, var).block_n == 64
+    masked = Variant(score_mod=ex["tanh_cap"], mask=np.ones((100, 120), bool), mod_batch=(2, 3))
+    assert hopper_variant_plan("float16", 128, True, 1024, masked).block_n == 32
+    alone = Variant(mask_mod=ex["prefix_lm"], mod_batch=(2, 3))
+    assert hopper_variant_plan("bfloat16", 128, False, 1024, alone).block_n == 128
+    assert hopper_variant_plan("float16", 64, True, 1024, alone).block_n == 128
+    assert hopper_variant_plan("float32", 128, True, 1024, var).block_n == 32
+    positional = Variant(mask_mod=ex["prefix_lm"], left=10, right=0, mod_batch=(2, 3))
+    assert hopper_variant_plan("float16", 128, True, 1024, positional).block_n == 64
+
+
+def test_hook_tiles_follow_their_flag(tma, monkeypatch):
+    ex = example_hooks()
+    var = Variant(score_mod=ex["tanh_cap"], mod_batch=(2, 3))
+    alone = Variant(mask_mod=ex["prefix_lm"], mod_batch=(2, 3))
+    monkeypatch.setattr(_dispatch_variants, "HOPPER_HOOK_WIDE", False)
     assert hopper_variant_plan("float16", 128, True, 1024, var).block_n == 32
+    assert hopper_variant_plan("float16", 128, True, 1024, alone).block_n == 32
+    assert hopper_variant_plan("float16", 64, True, 1024, alone).block_n == 64
 
 
 def test_hopper_refusals_say_why(tma):
