@@ -604,6 +604,8 @@ def record(call, prob, plan, attrs, o, lse, pub_o, pub_lse):
         return
     if tuple(x.data.ptr for x in (prob.q, prob.k, prob.v)) != tuple(call[PTRS]):
         return  # the checks copied an input: the kernels must read the caller's buffers
+    if _launch.is_presplit(plan):
+        return  # its kernel reads the split K and V of each call (_launch.presplit_kv)
     if plan.spec.family == "attn_decode":
         try:
             rec = _DecodeRecord(prob, plan, attrs, o, lse, pub_o, pub_lse)

@@ -526,9 +526,20 @@ def hopper_choice(dpad: int, causal: bool, sk: int, sq: Optional[int] = None):
     return cfg, persistent
 
 
+#: The 3xfp16 Hopper forward with K and V split once per call (attn_wgmma.cu: cuflash_split16_kv,
+#: OP = cuflash::fp16pre_t; notes/FLOAT32.md, "Where the 3xfp16 Hopper forward waits"): ncu on
+#: the H100 (session r) put 40-54% of the consumers' stall samples in the waits for the producer's
+#: per-tile split, which repeats for every query block that visits a tile. The plain forward only
+#: (variants and the varlen twin keep the in-place split). Off until measured on the GPU; label
+#: `presplit`; the launch allocates two (..., Sk, 2 DPAD + 64) float16 arrays (K's and V's size)
+#: from CuPy's pool per call (`_launch.presplit_kv`).
+HOPPER_F32_PRESPLIT = False
+
+
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
                 precision: str = "highest", form: Optional[str] = None,
-                sq: Optional[int] = None, choose=None, f16split_table=None) -> Plan:
+                sq: Optional[int] = None, choose=None, f16split_table=None,
+                presplit: bool = False) -> Plan:
     """The Hopper kernel for these inputs; float32 takes the form HOPPER_F32_FORM gives
     `precision` ("3xfp16": HOPPER_F16SPLIT_TABLE; else the TF32 form with the products of
     F32_TERMS, HOPPER_F32_TABLE), or `form` ("3xfp16", or F32_TERMS' mode of `precision`: "3xtf32"
@@ -567,12 +578,14 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
         cfg, persistent = choose(dpad, cfg, persistent)
     cxx_bool = {True: "true", False: "false"}
     kernel = "cuflash_fwd_wgmma_ao" if cfg.async_o else "cuflash_fwd_wgmma"
+    presplit = bool(presplit and f16split)
+    op = ", cuflash::fp16pre_t" if presplit else ", cuflash::fp16_t" if f16split else ""
     name = (f"cuflash::{kernel}<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {cfg.bn}, "
             f"{cfg.stages}, {cfg.q_stages}, {cfg.consumers}, {cxx_bool[bool(cfg.overlap)]}, "
-            f"{cxx_bool[bool(cfg.pingpong)]}, {cxx_bool[bool(causal)]}"
-            f"{', cuflash::fp16_t' if f16split else ''}>")
+            f"{cxx_bool[bool(cfg.pingpong)]}, {cxx_bool[bool(causal)]}{op}>")
     label = (f"hopper<{dtype_name},{mode + ',' if mode else ''}D{dpad},BM{cfg.bm},BN{cfg.bn},"
              f"S{cfg.stages},Q{cfg.q_stages},{'hsplit,' if cfg.hsplit else ''}"
+             f"{'presplit,' if presplit else ''}"
              f"{'overlap,' if cfg.overlap else ''}{'pingpong,' if cfg.pingpong else ''}"
              f"{'asyncO,' if cfg.async_o else ''}"
              f"{'persistent,' if persistent else ''}{'causal' if causal else 'full'}>")
@@ -581,6 +594,19 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
                 smem_bytes=cfg.smem_bytes(dpad, 4 if f32 else 2, terms, f16split),
                 persistent=persistent,
                 pairs=bool(causal))
+
+
+def presplit_spec(dpad: int, bn: int) -> Specialisation:
+    """The once-per-call split of K and V for a HOPPER_F32_PRESPLIT plan of padded head dim
+    `dpad` and key tiles of `bn` (attn_wgmma.cu: cuflash_split16_kv; `_launch.presplit_kv`)."""
+    return Specialisation("attn_wgmma", f"cuflash::cuflash_split16_kv<{dpad}, {bn}>",
+                          arch="sm_90a")
+
+
+def presplit_kernel_specs():
+    """The split kernels of every 3xfp16 Hopper table entry (the compile set)."""
+    tables = {**HOPPER_F16SPLIT_TABLE, **HOPPER_F16SPLIT_D256}
+    return list(dict.fromkeys(presplit_spec(dpad, cfg.bn) for dpad, cfg in tables.items()))
 
 
 def hopper_reason(prob, compute_capability: Optional[int]) -> Optional[str]:
@@ -669,7 +695,7 @@ def plan_for(prob, compute_capability: Optional[int]) -> Plan:
         why_not = hopper_reason(prob, compute_capability)
         if why_not is None:
             return hopper_plan(prob.dtype_name, prob.d, prob.causal, prob.sk, prob.precision,
-                               sq=prob.sq)
+                               sq=prob.sq, presplit=HOPPER_F32_PRESPLIT)
         if prob.kernel == "hopper":
             raise ValueError(f"kernel='hopper' cannot run these inputs: {why_not}")
     why_not = tensorcore_reason(prob, compute_capability)
@@ -720,8 +746,10 @@ def all_specialisations(compute_capability: int = 90):
         f16split = {**HOPPER_F16SPLIT_TABLE, **HOPPER_F16SPLIT_D256}  # D = 256 with the flag off too
         for dpad in f16split:
             for causal in (False, True):
-                plans.append(hopper_plan("float32", dpad, causal, 1024, "highest", form="3xfp16",
-                                         f16split_table=f16split))
+                for presplit in (False, True):   # HOPPER_F32_PRESPLIT on or off
+                    plans.append(hopper_plan("float32", dpad, causal, 1024, "highest",
+                                             form="3xfp16", f16split_table=f16split,
+                                             presplit=presplit))
     return plans
 
 

@@ -116,6 +116,8 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     if variant is not None:   # the mask's block summary, made now unless the caller's
         from ._launch_variants import with_mask_blocks
         variant = with_mask_blocks(variant, (plan.spec.family,), prob.device_id, prob.stream)
+    if is_presplit(plan):   # K and V split once, into arrays of this call (never cached below)
+        k, v = (presplit_kv(plan, prob, x) for x in (k, v))
     params, grid, (q, k, v), vparams = forward_params(plan, prob, q, k, v, o, lse, device_attrs,
                                                       variant=variant)
     kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
@@ -210,6 +212,55 @@ _PARAM_CACHE = collections.OrderedDict()
 _PARAM_CACHE_SIZE = 64
 
 
+def is_presplit(plan) -> bool:
+    """Whether `plan` is the 3xfp16 Hopper forward that reads K and V split once per call
+    (_dispatch.HOPPER_F32_PRESPLIT)."""
+    return "cuflash::fp16pre_t" in plan.spec.name
+
+
+def presplit_dpad(plan) -> int:
+    return int(plan.spec.name.split("<", 1)[1].split(",")[2])
+
+
+def presplit_kv(plan, prob, x):
+    """``x`` (k or v: float32, shape (..., Sk, D), any strides) split for `plan` by
+    attn_wgmma.cu's cuflash_split16_kv on the call's stream: a new contiguous float16 array of
+    shape x.shape[:-1] + (2 DPAD + 64,) from CuPy's pool (row r: for each 64 columns the fp16 hi
+    then lo parts of x 2^e, e the exponent of r's key tile of BN keys, stored as int32 at columns
+    2 DPAD of the tile's first row)."""
+    import cupy
+
+    dpad, bn = presplit_dpad(plan), plan.block_n
+    sk, d = int(x.shape[-2]), int(x.shape[-1])
+    out = cupy.empty(tuple(x.shape[:-1]) + (2 * dpad + 64,), dtype=cupy.float16)
+    sizes, bstr, rstr = collapse_batch(tuple(x.shape[:-2]), x)
+    if len(sizes) > 3:
+        x = cupy.ascontiguousarray(x)
+        sizes, bstr, rstr = collapse_batch(tuple(x.shape[:-2]), x)
+    while len(sizes) < 3:
+        sizes.insert(0, 1)
+        bstr[0].insert(0, 0)
+    n_tiles = -(-sk // bn)
+    blocks = sizes[0] * sizes[1] * sizes[2] * n_tiles
+    if blocks > MAX_GRID_X or sk == 0:
+        raise ValueError(f"presplit: {blocks} key tiles is too many for one launch")
+    a = np.zeros((), dtype=SPLIT16_PARAMS_DTYPE)
+    a["x"], a["out"] = x.data.ptr, out.data.ptr
+    a["s0"], a["s1"], a["s2"] = bstr[0]
+    a["sr"], a["n1"], a["n2"] = rstr[0] if sk > 1 else d, sizes[1], sizes[2]
+    a["sk"], a["d"], a["n_tiles"] = sk, d, n_tiles
+    from ._dispatch import presplit_spec
+    kern = _compile.get_kernel(presplit_spec(dpad, bn), prob.device_id)
+    kern((blocks,), (128,), (a[()],), stream=_stream_ptr(prob.stream))
+    return out
+
+
+#: attn_wgmma.cu's Split16Params.
+SPLIT16_PARAMS_DTYPE = np.dtype([("x", np.uint64), ("out", np.uint64)]
+                                + [(f, np.int64) for f in ("s0", "s1", "s2", "sr", "n1", "n2",
+                                                           "sk", "d", "n_tiles")])
+
+
 def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):
     """The Hopper kernel's tensor maps: one per input, 5-D (D, rows, batch axes 2, 1, 0), boxes of
     128 bytes of columns (64 16-bit or 32 float32 elements) x BM (q) or BN (k, v) rows. A batch axis the tensor broadcasts over (stride 0)
@@ -218,11 +269,14 @@ def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):
 
     bn = plan.block_n
     mask = 0
+    pre = is_presplit(plan)   # k and v: presplit_kv's float16 arrays, 2 DPAD columns mapped
     for t, (x, rows, box_rows) in enumerate(zip(tensors, (prob.sq, prob.sk, prob.sk),
                                                 (plan.block_m, bn, bn))):
         item = x.itemsize
-        row_bytes = rstr[t] * item if rows > 1 else -(-prob.d * item // 16) * 16
-        dims, strides = [prob.d, rows], [row_bytes]
+        cols, dtype_name = ((2 * presplit_dpad(plan), "float16") if pre and t > 0
+                            else (prob.d, prob.dtype_name))
+        row_bytes = rstr[t] * item if rows > 1 else -(-int(x.shape[-1]) * item // 16) * 16
+        dims, strides = [cols, rows], [row_bytes]
         span = row_bytes * rows  # any valid stride for a size-1 dim (its coordinate is always 0)
         for ax in (2, 1, 0):
             if bstr[t][ax] != 0:
@@ -233,7 +287,7 @@ def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):
                 dims.append(1)
                 strides.append(span)
         p[("tm_q", "tm_k", "tm_v")[t]] = np.frombuffer(
-            _tma.encode_tiled(prob.dtype_name, x.data.ptr, dims, strides,
+            _tma.encode_tiled(dtype_name, x.data.ptr, dims, strides,
                               [128 // item, box_rows, 1, 1, 1]),
             dtype=np.uint8)
     p["coord_mask"] = mask

@@ -43,6 +43,7 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
     specs += _dispatch.varlen_forward_kernel_specs(cc)  # attention_varlen's dense path
     if cc == 90:
         specs += _dispatch.varlen_hopper_kernel_specs()  # and its Hopper form (sm_90a)
+        specs += _dispatch.presplit_kernel_specs()  # K, V split once (HOPPER_F32_PRESPLIT)
     specs += _decode.all_decode_specialisations()
     if cc == 90:  # the variants' compile set is built for the H200's architecture (VARIANTS.md)
         specs += variant_compile_specs() + variant_backward_compile_specs()

@@ -109,10 +109,17 @@ static_assert(sizeof(HopperParams) == 640, "HopperParams layout");
 // lo parts of x * 2^e (one power of two e per tile, published next to the barriers), panel by
 // panel: the float32 panels 2 p and 2 p + 1 (columns 64 p ...) become the fp16 hi and lo panels of
 // those 64 columns, in the 16-bit kernel's layout (so V stays N-major, no transpose).
+// OP = fp16pre_t: the 3xfp16 form with K and V split once per call (cuflash_split16_kv below)
+// instead of per tile by the producer; the tensor cores see fp16_t.
+struct alignas(2) fp16pre_t { unsigned short bits; };
+template <typename X> struct OperandOf { using type = X; static constexpr bool PRE = false; };
+template <> struct OperandOf<fp16pre_t> { using type = fp16_t; static constexpr bool PRE = true; };
+
 template <typename T, int TERMS, int DPAD, int BN, int STAGES, int QSTAGES, int CONSUMERS_,
           typename OP = T>
 struct WgmmaConfig {
-    using Op = OP;
+    using Op = typename OperandOf<OP>::type;
+    static constexpr bool PRESPLIT = OperandOf<OP>::PRE;  // K, V split before the launch
     static constexpr bool F32 = sizeof(T) == 4;
     static constexpr bool F16S = F32 && sizeof(OP) == 2;  // the fp16-split form
     static constexpr bool TF32 = F32 && !F16S;
@@ -157,7 +164,7 @@ struct WgmmaConfig {
     // flight: NVRTC 13.0 spilled 12-32 bytes there with 56 or 64), the consumers share the rest
     // of the pool (a multiple of 8, at most 240): 240 with two consumers, 160 with three (float:
     // 224 with two; 3xfp16 with three stages 216).
-    static constexpr int PRODUCER_REGS = (F16S && STAGES > 2) ? 72 : F32 ? 56 : 24;
+    static constexpr int PRODUCER_REGS = (F16S && (STAGES > 2 || PRESPLIT)) ? 72 : F32 ? 56 : 24;
     // The pool setmaxnreg moves registers within: what the block was launched with, ptxas's
     // count for 128 (CONSUMERS + 1) threads at one block per SM (168 a thread with two
     // consumers, 128 with three), not the SM's 65536. A consumer's setmaxnreg.inc waits until
@@ -177,6 +184,7 @@ struct WgmmaConfig {
                   "setmaxnreg budgets within the block's launch registers");
     static_assert(TERMS == 1 || (F32 && TERMS == 3), "TERMS: 1, or 3 for float");
     static_assert(sizeof(OP) == sizeof(T) || (F16S && TERMS == 3), "OP: T, or fp16_t for 3xfp16");
+    static_assert(!PRESPLIT || F16S, "fp16pre_t: the 3xfp16 form only");
     static_assert(!TF32 || (BN % 32 == 0 && (DPAD / 4) * (BN / 4) % 128 == 0),
                   "float: V^T panels of 32 keys, whole transpose passes");
     static_assert(SMEM <= 232448, "shared memory of one block (227 KiB)");
@@ -404,6 +412,54 @@ __device__ __forceinline__ void split16_tile(unsigned int tile, unsigned int red
         sts_u4(dst + PANEL, l[0], l[1], l[2], l[3]);
     }
 }
+// ---- The once-per-call split of K and V (OP = fp16pre_t; notes/FLOAT32.md, "Where the 3xfp16
+// Hopper forward waits"). Block blockIdx.x = b * n_tiles + t splits key tile t (rows BN t ...) of
+// batch entry b of x (float32, batch strides s0, s1, s2 over sizes (., n1, n2), row stride sr,
+// Sk x D) into out ((entries, Sk, 2 DPAD + 64) fp16, contiguous): row r holds, for each 64
+// columns q, the fp16 hi then lo parts of x 2^e (columns 128 q ... and 128 q + 64 ...), i.e.
+// what split16_tile leaves in a stage, panel for panel, once a 16-bit tensor map with 128-byte
+// swizzle loads panels of 64 columns; the tile's e is the int32 at columns 2 DPAD, 2 DPAD + 1 of
+// its first row. The same finite_key / split16_exponent / split16_pair over the same values
+// (zeros past Sk and D, as TMA fills the tile) give bitwise the in-place split's operands.
+struct Split16Params {
+    const float* x;
+    unsigned short* out;
+    long long s0, s1, s2, sr, n1, n2, sk, d, n_tiles;
+};
+template <int DPAD, int BN>
+__global__ void __launch_bounds__(128) cuflash_split16_kv(const Split16Params a) {
+    constexpr int W = 2 * DPAD + 64;
+    const long long b = blockIdx.x / a.n_tiles;
+    const int r0 = static_cast<int>(blockIdx.x % a.n_tiles) * BN;
+    const long long i2 = b % a.n2, i1 = (b / a.n2) % a.n1, i0 = b / a.n2 / a.n1;
+    const float* x = a.x + i0 * a.s0 + i1 * a.s1 + i2 * a.s2;
+    unsigned short* out = a.out + b * a.sk * W;
+    const int tid = threadIdx.x, rows = static_cast<int>(min(static_cast<long long>(BN), a.sk - r0));
+    const int d = static_cast<int>(a.d);
+    __shared__ unsigned int red[4];
+    unsigned int mx = FINITE_KEY0;
+    for (int e = tid; e < rows * d; e += 128)
+        mx = max(mx, finite_key(x[(r0 + e / d) * a.sr + e % d]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (tid % 32 == 0) red[tid / 32] = mx;
+    __syncthreads();
+    mx = max(max(red[0], red[1]), max(red[2], red[3]));
+    const int e = split16_exponent(mx);
+    const float sc = pow2f(e);
+    if (tid == 0) *reinterpret_cast<int*>(out + static_cast<long long>(r0) * W + 2 * DPAD) = e;
+    for (int u = tid; u < rows * (DPAD / 2); u += 128) {
+        const int r = u / (DPAD / 2), c = 2 * (u % (DPAD / 2));
+        const float* xr = x + (r0 + r) * a.sr;
+        const float va = c < d ? xr[c] : 0.f, vb = c + 1 < d ? xr[c + 1] : 0.f;
+        unsigned int hi, lo;
+        split16_pair(va * sc, vb * sc, hi, lo);
+        unsigned short* o = out + static_cast<long long>(r0 + r) * W + (c / 64) * 128 + c % 64;
+        *reinterpret_cast<unsigned int*>(o) = hi;
+        *reinterpret_cast<unsigned int*>(o + 64) = lo;
+    }
+}
+
 // The work items (batch entry, query block) of one block, in order. Items are grouped into slots;
 // block b takes slots b, b + gridDim.x, ... (the grid may be smaller than the number of slots:
 // persistent launch). Without PAIRS a slot is one query block, heaviest first within a batch
@@ -660,6 +716,49 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
             if (n_tiles == 0) {
                 load_q();
                 prep_q();
+            }
+            if constexpr (Cfg::PRESPLIT) {
+                // K and V come split (cuflash_split16_kv): the issuer loads their 16-bit panels
+                // straight into the stages ("full" completes on the bytes, as for 16-bit inputs)
+                // after writing the tile's exponent to its slot; the arrive.expect_tx (release)
+                // orders that store before the consumers' wait (acquire). Q is split here, once
+                // per item, as before.
+                // The exponent of K (t = 1) or V (t = 2) tile row / BN: read where it is needed
+                // (the producer's 56 registers spilled with both base pointers kept live).
+                const auto tile_exp = [&](int t, int row) {
+                    const unsigned short* base = static_cast<const unsigned short*>(
+                        t == 1 ? p.k : p.v);
+                    const long long off = t == 1
+                        ? ix[0] * p.k_s0 + ix[1] * p.k_s1 + ix[2] * p.k_s2 + row * p.k_sr
+                        : ix[0] * p.v_s0 + ix[1] * p.v_s1 + ix[2] * p.v_s2 + row * p.v_sr;
+                    return *reinterpret_cast<const int*>(base + off + 2 * DPAD);
+                };
+                const auto load16 = [&](unsigned int dst, const TmaDesc* map, int t, int row,
+                                        unsigned int bar) {
+                    mbar_arrive_expect_tx(bar, Cfg::KV_BYTES);
+#pragma unroll
+                    for (int pn = 0; pn < Cfg::RAW_PANELS; ++pn)
+                        tma_load_5d(dst + pn * Cfg::KV_PANEL, map, pn * 64, row + k_row0,
+                                    c[t][0], c[t][1], c[t][2], bar);
+                };
+                for (int j = 0; j < n_tiles; ++j, ++it) {
+                    const int st = it % STAGES;
+                    const unsigned int use = it / STAGES;
+                    const int row = (jt0 + j) * BN;
+                    if (issuer) {
+                        if (it >= STAGES) mbar_wait(k_empty(st), (use - 1) & 1);
+                        st_shared_s32(k_exp(st), tile_exp(1, row));
+                        load16(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, row, k_full(st));
+                    }
+                    if (j == 0) load_q();
+                    if (issuer) {
+                        if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
+                        st_shared_s32(v_exp(st), tile_exp(2, row));
+                        load16(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, row, v_full(st));
+                    }
+                    if (j == 0) prep_q();
+                }
+                continue;
             }
             if constexpr (F16S && STAGES > 2) {
                 // 3xfp16 with three or more stages (version 5): the loads run LOOK = STAGES - 1 tiles ahead of the splits.

@@ -514,3 +514,25 @@ def test_precompile_rejects_a_bad_arch():
 
     r = CliRunner().invoke(precompile.main, ["--arch", "ampere", "--list"])
     assert r.exit_code != 0 and "expected sm_<compute capability>" in r.output
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_presplit_loads_split_tiles(d, monkeypatch):
+    """HOPPER_F32_PRESPLIT: the same warpgroup MMAs per tile as the in-place 3xfp16 form, TMA
+    loads, and no split of K and V left in the producer (fewer fp16 packs: Q's split and P's
+    remain); the split kernel itself is plain CUDA (no HGMMA, no TMA)."""
+    import re
+
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", True)
+    sass = {}
+    for pre in (False, True):
+        plan = _dispatch.hopper_plan("float32", d, True, 1024, "highest", presplit=pre)
+        assert ("presplit" in plan.label) == pre and ("fp16pre_t" in plan.spec.name) == pre
+        sass[pre] = _sass(_report(plan.spec).cubin)
+    count = {pre: len(re.findall(r"HGMMA\.64x\d+x16\.F32", s)) for pre, s in sass.items()}
+    assert count[True] == count[False] > 0, count
+    assert "UTMALDG" in sass[True]
+    packs = {pre: s.count("F2FP.F16.F32.PACK_AB") for pre, s in sass.items()}
+    assert packs[True] < packs[False], packs
+    split = _sass(_report(_dispatch.presplit_spec(d, plan.block_n)).cubin)
+    assert "HGMMA" not in split and "UTMALDG" not in split and "F2FP.F16.F32.PACK_AB" in split

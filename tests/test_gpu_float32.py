@@ -832,3 +832,82 @@ def test_hopper_d256_follows_the_flag(monkeypatch):
     monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", True)
     o, lse = _hsplit_run(q, k, v, causal=False)
     _check(o, lse, q, k, v, causal=False, scale=1 / 16, precision="highest")
+
+
+# ---- HOPPER_F32_PRESPLIT: K and V split once per call (attn_wgmma.cu: cuflash_split16_kv, OP =
+# fp16pre_t; notes/FLOAT32.md, "Where the 3xfp16 Hopper forward waits"). The same finite_key /
+# split16_exponent / split16_pair on the same values as the in-place split, so o and lse must be
+# bitwise the in-place form's; a few cases also against float64. Tails, Sq != Sk, causal, D = 64,
+# 128, 200 and 256 (the head-dim split form), key/value heads broadcast, a strided (B, S, H, D)
+# k and v, NaN and inf in K and V (the tile exponent ignores them), an all-zero key tile.
+
+PRESPLIT_SHAPES = [(1, 1), (7, 7), (113, 250), (250, 113), (1000, 1000), (64, 65), (1, 1000)]
+
+
+def _presplit_pair(qg, kg, vg, *, causal, monkeypatch, scale=None):
+    """(o, lse) of the in-place and the pre-split forms on the same device arrays, each into
+    NaN-poisoned buffers, with the labels checked."""
+    outs = []
+    batch = np.broadcast_shapes(qg.shape[:-2], kg.shape[:-2])
+    for pre in (False, True):
+        monkeypatch.setattr(_dispatch, "HOPPER_F32_PRESPLIT", pre)
+        label = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel="hopper")
+        assert label.startswith("hopper<float32,3xfp16,") and ("presplit" in label) == pre, label
+        o = poisoned(batch + (qg.shape[-2], vg.shape[-1]), "float32")
+        lse = poisoned(batch + (qg.shape[-2],), "float32")
+        cuflash.attention(qg, kg, vg, causal=causal, scale=scale, return_lse=True, out=(o, lse),
+                          kernel="hopper")
+        outs.append((o, lse))
+    cupy().cuda.get_current_stream().synchronize()
+    return outs
+
+
+def _assert_bitwise(a, b):
+    cp = cupy()
+    for x, y in zip(a, b):
+        assert cp.array_equal(x.view(cp.uint32), y.view(cp.uint32)), \
+            float(cp.nanmax(cp.abs(x - y)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 200, 256])
+@pytest.mark.parametrize("sq,sk", PRESPLIT_SHAPES)
+def test_hopper_presplit_is_bitwise_the_inplace_split(sq, sk, d, causal, monkeypatch):
+    _needs_hopper(d)
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", True)
+    rng = _rng("presplit", sq, sk, d, causal)
+    q, k, v = random_inputs(rng, (2, 3), (2, 3), sq, sk, d, d, "float32")
+    qg, kg, vg = (to_gpu(x, "float32") for x in (q, k, v))
+    inplace, pre = _presplit_pair(qg, kg, vg, causal=causal, monkeypatch=monkeypatch)
+    _assert_bitwise(inplace, pre)
+    if sq * sk <= 250 * 250:
+        _check(*pre, q, k, v, causal=causal, scale=None, precision="highest")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_presplit_broadcast_strided_and_nonfinite(d, monkeypatch):
+    _needs_hopper(d)
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_D256", True)
+    cp = cupy()
+    rng = _rng("presplit-odd", d)
+    b, h, sq, sk = 2, 3, 150, 300
+    q, k, v = random_inputs(rng, (b, h), (b, 1), sq, sk, d, d, "float32")
+    qg = to_gpu(q, "float32")
+    # k, v broadcast over the heads, stored (B, S, 1, D) and seen as (B, 1, S, D)
+    kg, vg = (to_gpu(np.ascontiguousarray(np.swapaxes(x, 1, 2)), "float32").swapaxes(1, 2)
+              for x in (k, v))
+    for causal in (False, True):
+        _assert_bitwise(*_presplit_pair(qg, kg, vg, causal=causal, monkeypatch=monkeypatch))
+    _check(*_presplit_pair(qg, kg, vg, causal=True, monkeypatch=monkeypatch)[1], q, k, v,
+           causal=True, scale=None, precision="highest")
+    # NaN and inf in K and V, an all-zero key tile (keys 64..127), tiles of mixed magnitude
+    k2, v2 = k.copy(), v.copy()
+    k2[0, 0, 5, 3], k2[1, 0, 70, 0] = np.nan, np.inf
+    v2[0, 0, 200, d - 1] = -np.inf
+    k2[:, :, 64:128] = 0.0
+    v2[:, :, 256:] *= 2.0 ** 20
+    k2g, v2g = (to_gpu(x, "float32") for x in (k2, v2))
+    for causal in (False, True):
+        inplace, pre = _presplit_pair(qg, k2g, v2g, causal=causal, monkeypatch=monkeypatch)
+        assert bool(cp.isnan(pre[0]).any())   # the NaN key reaches its rows
+        _assert_bitwise(inplace, pre)
