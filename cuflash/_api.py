@@ -145,8 +145,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
         kv heads), ``R`` packed rows: ``G * Sq`` (``G`` query heads per kv head) rounded up to
         a multiple of 16, or of 32 when ``G * Sq > 16`` and ``Dpad <= 128`` (two row tiles a
         block), and ``Dpad`` the head dim rounded up to 64, 128 or 256; s comes from the
-        problem and the SM count (notes/INFERENCE.md). Other kernels need none (size 0) and ignore
-        it.
+        problem and the SM count (notes/INFERENCE.md). With `_dispatch.HOPPER_F32_PRESPLIT`
+        (float32 "highest" on the Hopper kernel, K and V split once per call) it holds the split
+        K, then (256-byte aligned) the split V: float16 arrays of K's and V's batch and key axes
+        by ``2 * Dpad + 64`` columns. Other kernels need none (size 0) and ignore it; without it
+        the decode kernel's partials and the split K and V come from CuPy's pool on the call's
+        stream.
         Without it the partials come from CuPy's memory pool, allocated per call on the launch
         stream. With ``out=`` and ``workspace=`` a call whose inputs need no copy (contiguous
         last axes, collapsible batch axes) allocates nothing and never synchronises, so it can
@@ -301,8 +305,9 @@ def attention_workspace_size(q, k, v, *, causal=False, return_lse=False, out=Non
                              kernel="auto", precision=None, window=None, softcap=None,
                              alibi_slopes=None, bias=None, mask=None):
     """Bytes of GPU workspace `attention` needs for these arguments (0 for NumPy inputs and for
-    every kernel but the decode kernel when it splits the keys; the layout is under
-    ``workspace`` there). ``return_lse`` and ``out`` matter because they shape the launch's
+    every kernel but the decode kernel when it splits the keys and the float32 Hopper form that
+    splits K and V once per call, `_dispatch.HOPPER_F32_PRESPLIT`: K's and V's size; the layout
+    is under ``workspace`` there). ``return_lse`` and ``out`` matter because they shape the launch's
     batch layout; pass what the call will. Validates like `attention`; launches, allocates and
     synchronises nothing."""
     prob = _checks.check_attention(q, k, v, causal=causal, scale=None, return_lse=return_lse,
@@ -315,6 +320,8 @@ def attention_workspace_size(q, k, v, *, causal=False, return_lse=False, out=Non
 
     attrs = _launch.device_attributes(prob.device_id)
     plan = _dispatch.plan_for(prob, attrs["compute_capability"])
+    if _launch.is_presplit(plan):   # float32 on Hopper with K and V split once per call
+        return sum(_launch.presplit_sections(plan, prob))
     if plan.spec.family != "attn_decode":
         return 0
     return _decode.dense_workspace_bytes(plan, prob, attrs)

@@ -117,7 +117,12 @@ def launch_forward(plan, prob, o, lse, device_attrs):
         from ._launch_variants import with_mask_blocks
         variant = with_mask_blocks(variant, (plan.spec.family,), prob.device_id, prob.stream)
     if is_presplit(plan):   # K and V split once, into arrays of this call (never cached below)
-        k, v = (presplit_kv(plan, prob, x) for x in (k, v))
+        from ._decode import scratch
+        sizes = presplit_sections(plan, prob)
+        buf = scratch(sum(sizes), getattr(prob, "workspace", None), _stream_ptr(prob.stream),
+                      "attention_workspace_size")
+        k = presplit_kv(plan, prob, k, buf, 0)
+        v = presplit_kv(plan, prob, v, buf, sizes[0])
     params, grid, (q, k, v), vparams = forward_params(plan, prob, q, k, v, o, lse, device_attrs,
                                                       variant=variant)
     kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
@@ -222,17 +227,27 @@ def presplit_dpad(plan) -> int:
     return int(plan.spec.name.split("<", 1)[1].split(",")[2])
 
 
-def presplit_kv(plan, prob, x):
+def presplit_sections(plan, prob):
+    """Bytes of the split K and of the split V (`presplit_kv`), each rounded up to
+    WORKSPACE_ALIGN: the workspace a HOPPER_F32_PRESPLIT plan's call needs."""
+    w = 2 * presplit_dpad(plan) + 64
+    return [-(-math.prod(x.shape[:-1]) * w * 2 // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+            for x in (prob.k, prob.v)]
+
+
+def presplit_kv(plan, prob, x, buf, offset):
     """``x`` (k or v: float32, shape (..., Sk, D), any strides) split for `plan` by
-    attn_wgmma.cu's cuflash_split16_kv on the call's stream: a new contiguous float16 array of
-    shape x.shape[:-1] + (2 DPAD + 64,) from CuPy's pool (row r: for each 64 columns the fp16 hi
-    then lo parts of x 2^e, e the exponent of r's key tile of BN keys, stored as int32 at columns
-    2 DPAD of the tile's first row)."""
+    attn_wgmma.cu's cuflash_split16_kv on the call's stream into a contiguous float16 array of
+    shape x.shape[:-1] + (2 DPAD + 64,) at byte `offset` of the flat buffer `buf` (the caller's
+    workspace, or a pool block on the call's stream: `presplit_sections`). Row r holds, for each
+    64 columns, the fp16 hi then lo parts of x 2^e, e the exponent of r's key tile of BN keys,
+    stored as int32 at columns 2 DPAD of the tile's first row."""
     import cupy
 
     dpad, bn = presplit_dpad(plan), plan.block_n
     sk, d = int(x.shape[-2]), int(x.shape[-1])
-    out = cupy.empty(tuple(x.shape[:-1]) + (2 * dpad + 64,), dtype=cupy.float16)
+    out = cupy.ndarray(tuple(x.shape[:-1]) + (2 * dpad + 64,), dtype=cupy.float16,
+                       memptr=buf.data + offset)
     sizes, bstr, rstr = collapse_batch(tuple(x.shape[:-2]), x)
     if len(sizes) > 3:
         x = cupy.ascontiguousarray(x)
