@@ -44,6 +44,8 @@ class Plan:
     smem_bytes: int        # dynamic shared memory per block
     persistent: bool = False  # launch at most one block per SM; each loops over work items
     pairs: bool = False    # a block's work item is a pair of query blocks (attn_wgmma.cu: WorkWalk)
+    presplit_dpad: int = 0  # > 0: reads K, V split once per call at this padded head dim
+    #                         (HOPPER_F32_PRESPLIT; _launch.presplit_kv)
 
 
 def head_dim_bucket(n: int, buckets=(32, 64, 128, 256)) -> int:
@@ -593,7 +595,7 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
                 block_m=cfg.bm, block_n=cfg.bn, threads=128 * (cfg.consumers + 1),
                 smem_bytes=cfg.smem_bytes(dpad, 4 if f32 else 2, terms, f16split),
                 persistent=persistent,
-                pairs=bool(causal))
+                pairs=bool(causal), presplit_dpad=dpad if presplit else 0)
 
 
 def presplit_spec(dpad: int, bn: int) -> Specialisation:

@@ -220,11 +220,11 @@ _PARAM_CACHE_SIZE = 64
 def is_presplit(plan) -> bool:
     """Whether `plan` is the 3xfp16 Hopper forward that reads K and V split once per call
     (_dispatch.HOPPER_F32_PRESPLIT)."""
-    return "cuflash::fp16pre_t" in plan.spec.name
+    return plan.presplit_dpad > 0
 
 
 def presplit_dpad(plan) -> int:
-    return int(plan.spec.name.split("<", 1)[1].split(",")[2])
+    return plan.presplit_dpad
 
 
 def presplit_sections(plan, prob):

@@ -334,7 +334,7 @@ def test_parameter_block_on_the_memory_model(lens, heads, causal, family, group,
                            nseq=len(lens[0]), h=h, hkv=hkv, d=d, dv=d, scale=0.3, causal=causal,
                            dtype_name="float16")
     hopper = family == "attn_wgmma"
-    plan = SimpleNamespace(block_m=bm, block_n=16, pairs=hopper and causal,
+    plan = SimpleNamespace(block_m=bm, block_n=16, pairs=hopper and causal, presplit_dpad=0,
                            spec=SimpleNamespace(family=family))
     encoded = []
 
