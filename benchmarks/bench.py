@@ -81,14 +81,15 @@ DEFAULT_WARMUP = 5
 # cuflash-hopper-3xtf32 its 3xTF32 wgmma form; cuflash-hopper-high its one-pass TF32 form;
 # cuflash-hopper-hsplit the same with _dispatch.HOPPER_F32_D256 on: float32 "highest" at
 # D = 129..256 in the 3xfp16 form whose two consumers share the head dim; cuflash-hopper-presplit
-# that form with K and V split once per call, _dispatch.HOPPER_F32_PRESPLIT, and D = 256 on),
+# that form with K and V split once per call, _dispatch.HOPPER_F32_PRESPLIT, and D = 256 on;
+# cuflash-hopper-inplace the 3xfp16 form splitting K and V per tile, HOPPER_F32_PRESPLIT off),
 # cuflash-tc-3xtf32 the mma.sync kernel's 3xTF32 form of "highest" (cuflash-tensorcore runs its
 # fp16-split form, 3xfp16: _dispatch.TC_F32_FORM), cuflash-generic the scalar audit kernel: all
 # off by default.
 IMPLS = ("cuflash", "cuflash-det", "cuflash-high", "cuflash-tensorcore", "cuflash-tc-3xtf32",
          "cuflash-tensorcore-det", "cuflash-hopper", "cuflash-hopper-det",
          "cuflash-hopper-3xtf32", "cuflash-hopper-high", "cuflash-hopper-hsplit",
-         "cuflash-hopper-presplit", "cuflash-hopper-ov",
+         "cuflash-hopper-presplit", "cuflash-hopper-inplace", "cuflash-hopper-ov",
          "cuflash-hopper-ov-det", "cuflash-generic",
          "torch-flash",
          "torch-cudnn",
@@ -1168,9 +1169,10 @@ def make_impls(env, args):
             impl = CuflashImpl(env, args, "hopper", settings={"HOPPER_F32_D256": True})
             impl.name = name
             impls.append(impl)
-        elif name == "cuflash-hopper-presplit":  # float32 3xfp16 with K, V split once a call
-            impl = CuflashImpl(env, args, "hopper", settings={"HOPPER_F32_D256": True,
-                                                              "HOPPER_F32_PRESPLIT": True})
+        elif name in ("cuflash-hopper-presplit", "cuflash-hopper-inplace"):  # float32 3xfp16,
+            # K and V split once a call or per tile
+            impl = CuflashImpl(env, args, "hopper", settings={
+                "HOPPER_F32_D256": True, "HOPPER_F32_PRESPLIT": name.endswith("presplit")})
             impl.name = name
             impls.append(impl)
         elif name in ("cuflash-hopper-ov", "cuflash-hopper-ov-det"):  # --pass backward, D = 256

@@ -532,9 +532,12 @@ def hopper_choice(dpad: int, causal: bool, sk: int, sq: Optional[int] = None):
 #: OP = cuflash::fp16pre_t; notes/FLOAT32.md, "Where the 3xfp16 Hopper forward waits"): ncu on
 #: the H100 (session r) put 40-54% of the consumers' stall samples in the waits for the producer's
 #: per-tile split, which repeats for every query block that visits a tile. The plain forward only
-#: (variants and the varlen twin keep the in-place split). Off until measured on the GPU; label
-#: `presplit`; the launch allocates two (..., Sk, 2 DPAD + 64) float16 arrays (K's and V's size)
-#: from CuPy's pool per call (`_launch.presplit_kv`).
+#: (variants and the varlen twin keep the in-place split). Label `presplit`; the split K and V,
+#: two (..., Sk, 2 DPAD + 64) float16 arrays (about K's and V's size again), live in the caller's
+#: `workspace=` (attention_workspace_size counts them) or else in a block of CuPy's pool on the
+#: call's stream (`_launch.presplit_kv`). Off until the float32 GPU suites (JAX command buffers,
+#: workspace, call cache) have run with it on; tests/test_gpu_float32.py -k presplit passed
+#: (H200, session r), bitwise equal to the in-place form; devrun script: session s's s1.sh.
 HOPPER_F32_PRESPLIT = False
 
 

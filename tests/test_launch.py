@@ -235,8 +235,10 @@ def test_float32_d256_hopper_follows_its_flag(launches, monkeypatch, flag):
         plan = _dispatch.plan_for(_f32_prob(d, "hopper"), 90)
         assert plan.label.startswith("hopper<float32,3xfp16,D256,BM64,BN64,S1,Q1,hsplit,"), \
             plan.label
+        op = "fp16pre_t" if _dispatch.HOPPER_F32_PRESPLIT else "fp16_t"  # K, V split per call
         assert plan.spec.name == ("cuflash::cuflash_fwd_wgmma<float, 3, 256, 64, 1, 1, 2, false, "
-                                  "false, false, cuflash::fp16_t>"), plan.spec.name
+                                  f"false, false, cuflash::{op}>"), plan.spec.name
+        assert ("presplit," in plan.label) == _dispatch.HOPPER_F32_PRESPLIT, plan.label
         assert (plan.block_m, plan.block_n, plan.threads, plan.smem_bytes) == (64, 64, 384, 230512)
         assert plan.smem_bytes <= ATTRS["max_smem_optin"]
     from cuflash._dispatch_variants import hopper_variant_reason
