@@ -537,7 +537,7 @@ def hopper_choice(dpad: int, causal: bool, sk: int, sq: Optional[int] = None):
 #: `workspace=` (attention_workspace_size counts them) or else in a block of CuPy's pool on the
 #: call's stream (`_launch.presplit_kv`). Off until the float32 GPU suites (JAX command buffers,
 #: workspace, call cache) have run with it on; tests/test_gpu_float32.py -k presplit passed
-#: (H200, session r), bitwise equal to the in-place form; devrun script: session s's s1.sh.
+#: (H200, session r), bitwise equal to the in-place form (notes/FLOAT32.md: what is left).
 HOPPER_F32_PRESPLIT = False
 
 
