@@ -67,6 +67,14 @@ def compile_specs():
     return [spec(True), spec(False)]
 
 
+def hook_compile_specs():
+    """The mask_mod summary kernel for the example mask hooks (`cuflash.mods.example_hooks`),
+    for the compile check."""
+    from .mods import example_hooks
+    ex = example_hooks()
+    return [hook_spec(ex[name]) for name in ("document", "prefix_lm")]
+
+
 def _batch_layout(mask):
     """The mask's batch axes collapsed (``_launch.collapse_batch``) and padded to four:
     (sizes, strides in elements), or None when they do not collapse to four."""
@@ -220,3 +228,87 @@ def block_mask(mask, *, stream=None):
     if backend == "cpu":
         return BlockMask(mask, numpy_summary(mask), None)
     return BlockMask(mask, summarise(mask, device, stream), device)
+
+
+# ---- the summary of a user mask_mod (cuflash/mods.py: MaskMod) -----------------------------
+# The bool mask's byte format over the hook's own (Sq, Sk) grid, one summary per batch entry
+# the hook can tell apart: `MaskMod.batch_names` says whether its code names b and h; where it
+# names neither, one (Sq, Sk) summary serves the whole batch. Not read by the attention kernels
+# yet (notes/VARIANTS.md, "The block summary of a mask_mod"): the building block for skipping the
+# tiles a mask_mod hides.
+
+def hook_summary_shape(mask_mod, batch_shape, sq, sk):
+    """``(nb, nh, ceil(Sq / 64), ceil(Sk / 64))``: ``nh`` the last batch axis's size (the heads,
+    the hook's ``h``) if the hook's code names ``h``, else 1; ``nb`` the product of the batch
+    axes before it (the hook's flat ``b``) if it names ``b``, else 1."""
+    batch_shape = tuple(int(n) for n in batch_shape)
+    names = mask_mod.batch_names
+    nh = batch_shape[-1] if batch_shape and "h" in names else 1
+    nb = int(np.prod(batch_shape[:-1], dtype=np.int64)) if batch_shape and "b" in names else 1
+    return (nb, nh, -(-int(sq) // BLOCK), -(-int(sk) // BLOCK))
+
+
+def _hook_args(mask_mod, args):
+    """``args`` checked: a 1-D float32 array, non-empty where the hook's code reads it."""
+    if args is not None and (args.dtype != np.float32 or args.ndim != 1):
+        raise TypeError(f"mod_args must be a 1-D float32 array, got {args.dtype} of shape "
+                        f"{tuple(args.shape)}")
+    if mask_mod.reads_args and (args is None or args.size == 0):
+        raise ValueError("the mask_mod's code reads args: give mod_args (a non-empty 1-D "
+                         "float32 array)")
+    return args
+
+
+def numpy_hook_summary(mask_mod, batch_shape, sq, sk, args=None):
+    """The summary of ``mask_mod`` by its NumPy callable, evaluated over every (b, h, q_idx,
+    kv_idx) of `hook_summary_shape` (the definition the GPU kernel is tested against; memory
+    ``nb nh Sq Sk`` bytes, for tests). Returns uint8 of that shape."""
+    args = _hook_args(mask_mod, None if args is None else np.asarray(args))
+    args = np.zeros(0, np.float32) if args is None else args
+    nb, nh, _, _ = shape = hook_summary_shape(mask_mod, batch_shape, sq, sk)
+    b = np.repeat(np.arange(nb, dtype=np.int64), nh).reshape(-1, 1, 1)
+    h = np.tile(np.arange(nh, dtype=np.int64), nb).reshape(-1, 1, 1)
+    qi = np.arange(sq, dtype=np.int64).reshape(-1, 1)
+    kj = np.arange(sk, dtype=np.int64).reshape(1, -1)
+    view = args.view()
+    view.flags.writeable = False
+    keep = mask_mod.evaluate(b, h, qi, kj, view, (nb * nh, int(sq), int(sk)))
+    return numpy_summary(keep).reshape(shape)
+
+
+def hook_spec(mask_mod):
+    """The summary kernel for ``mask_mod`` (mask_blocks.cu: cuflash_hook_blocks), with the hook's
+    generated struct appended to the family's source (compiled once per hook code)."""
+    from . import _compile
+    from .mods import hook_source, hook_type
+    return _compile.Specialisation(
+        "mask_blocks", f"cuflash::cuflash_hook_blocks<{hook_type(None, mask_mod)}>",
+        extra_source=hook_source(None, mask_mod))
+
+
+def hook_summary(mask_mod, batch_shape, sq, sk, device_id, args=None, stream=None, out=None):
+    """The summary of ``mask_mod`` on the GPU (`hook_summary_shape`): ``nb nh Sq Sk`` hook
+    evaluations on ``stream``, into ``out`` (C-contiguous uint8 of that shape) or a new array
+    from CuPy's pool. ``args``: the call's ``mod_args`` (a CuPy float32 vector) or None."""
+    import cupy
+
+    from . import _compile
+    from ._launch import MAX_GRID_X, _stream_ptr
+
+    args = _hook_args(mask_mod, args)
+    shape = hook_summary_shape(mask_mod, batch_shape, sq, sk)
+    if out is None:
+        with cupy.cuda.Device(device_id), _stream_ptr(stream):
+            out = cupy.empty(shape, dtype=np.uint8)
+    elif tuple(out.shape) != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"the summary must be C-contiguous uint8 of shape {shape}")
+    if out.size == 0:
+        return out
+    if out.size > MAX_GRID_X:
+        raise ValueError(f"hook_summary: {out.size} blocks is too many for one launch")
+    kern = _compile.get_kernel(hook_spec(mask_mod), device_id)
+    kern((int(out.size),), (256,),
+         (np.uint64(0) if args is None else args, out,
+          *(np.int64(x) for x in (shape[1], sq, sk, shape[2], shape[3]))),
+         stream=_stream_ptr(stream))
+    return out

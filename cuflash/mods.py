@@ -197,7 +197,20 @@ class _Hook:
         # (the code is fixed from here on, so what it reads is decided once, not per call)
         object.__setattr__(self, "_reads_args",
                            any(_ARGS.search(_code_only(t)) for t in self._texts()[1:]))
+        words = set()
+        for t in self._texts()[1:]:
+            words.update(_WORD.findall(_code_only(t)))
+        object.__setattr__(self, "_batch_names", frozenset(words & {"b", "h"}))
         object.__setattr__(self, "_frozen", True)
+
+    @property
+    def batch_names(self) -> frozenset:
+        """Which of the batch indices ``b`` and ``h`` the CUDA code names. A hook whose code
+        names neither has the same value for every batch entry (the code can reach them only
+        through those names: no macros, globals or types may be declared in it), so its block
+        summary (`cuflash._mask_blocks.hook_summary`) is one for the whole batch. Conservative:
+        a local variable called ``b`` counts as naming it."""
+        return self._batch_names
 
     @property
     def reads_args(self) -> bool:

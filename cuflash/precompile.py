@@ -48,6 +48,8 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
     if cc == 90:  # the variants' compile set is built for the H200's architecture (VARIANTS.md)
         specs += variant_compile_specs() + variant_backward_compile_specs()
         specs += mod_compile_specs()  # user hooks of the compile check's examples (mods.py)
+        from ._mask_blocks import hook_compile_specs
+        specs += hook_compile_specs()  # and their mask_mod summaries (mask_blocks.cu)
         specs += tensorcore_variant_compile_specs(cc)  # the mma.sync forward's policies
         specs += hopper_variant_compile_specs()  # the Hopper forward's policies (sm_90a)
         specs += tensorcore_variant_backward_compile_specs(cc)  # and the mma.sync backward's

@@ -20,6 +20,16 @@
 
 namespace cuflash {
 
+// The block's byte from every thread's (all kept, some kept) over its entries; every thread of
+// the block calls it (two barriers).
+__device__ __forceinline__ void store_block_kind(unsigned char* out, bool all_true,
+                                                 bool any_true) {
+    const int every = __syncthreads_and(all_true);
+    const int some = __syncthreads_or(any_true);
+    if (threadIdx.x == 0)
+        *out = every ? MASK_BLOCK_KEPT : (some ? MASK_BLOCK_MIXED : MASK_BLOCK_HIDDEN);
+}
+
 template <bool VEC>
 __global__ void __launch_bounds__(256)
 cuflash_mask_blocks(const unsigned char* __restrict__ mask, unsigned char* __restrict__ out,
@@ -80,10 +90,43 @@ cuflash_mask_blocks(const unsigned char* __restrict__ mask, unsigned char* __res
         }
     }
     // Threads past the mask's edge hold (false, true): neutral for both reductions.
-    const int every = __syncthreads_and(all_true);
-    const int some = __syncthreads_or(any_true);
-    if (t == 0)
-        out[blk] = every ? MASK_BLOCK_KEPT : (some ? MASK_BLOCK_MIXED : MASK_BLOCK_HIDDEN);
+    store_block_kind(out + blk, all_true, any_true);
+}
+
+// The same summary for a user mask_mod (cuflash/mods.py: MaskMod; Hook = the generated struct
+// cuflash_user::Mod_<hash>, appended to this file's source): one byte per 64 x 64 block of
+// (Sq, Sk) for each of the summary's entries e = b' * nh + h' (b' over nb batch indices, h' over
+// nh heads: nb = 1 or nh = 1 where the hook's code does not name b or h, whose value it then
+// cannot depend on, so one summary serves every entry), laid out (nb, nh, ceil(Sq / 64),
+// ceil(Sk / 64)) contiguous. One 256-thread block per byte, as above: thread t evaluates row
+// t / 4 of the block at keys (t % 4) * 16 .. + 16 (keys past Sk and rows past Sq are neutral),
+// then the block reduces. Compute-bound (no tensor is read but the hook's args): Sq Sk nb nh
+// evaluations of the hook.
+template <typename Hook>
+__global__ void __launch_bounds__(256)
+cuflash_hook_blocks(const float* __restrict__ args, unsigned char* __restrict__ out,
+                    long long nh, long long sq, long long sk, long long nrb, long long ncb) {
+    const long long blk = blockIdx.x;
+    const long long cb = blk % ncb;
+    const long long rb = (blk / ncb) % nrb;
+    const long long e = blk / (ncb * nrb);
+    const long long b = e / nh, h = e % nh;
+    const int t = threadIdx.x;
+    const long long r = rb * MASK_BLOCK + (t >> 2);
+    const long long c0 = cb * MASK_BLOCK + (t & 3) * 16;
+    bool any_true = false, all_true = true;
+    if (r < sq) {
+#pragma unroll 4
+        for (int x = 0; x < 16; ++x) {
+            const long long c = c0 + x;
+            if (c < sk) {
+                const bool keep = Hook::mask_mod(b, h, r, c, args);
+                any_true = any_true || keep;
+                all_true = all_true && keep;
+            }
+        }
+    }
+    store_block_kind(out + blk, all_true, any_true);
 }
 
 }  // namespace cuflash

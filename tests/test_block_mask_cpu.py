@@ -163,3 +163,64 @@ def test_no_summary_for_the_generic_kernels_or_when_off(monkeypatch):
     monkeypatch.setattr(_mask_blocks, "ENABLED", False)
     assert with_mask_blocks(given, ("attn_mma",), 0, None).mask_blocks is None
     assert with_mask_blocks(var, ("attn_mma",), 0, None) is var
+
+
+# ---- the summary of a user mask_mod (_mask_blocks.hook_summary) ------------------------------
+
+def _per_head_window():
+    from cuflash.mods import MaskMod
+    # names b and h: a window whose width depends on the head, shifted per batch entry
+    return MaskMod("kv_idx <= q_idx && q_idx - kv_idx < 8 * (h + 1) + b",
+                   numpy=lambda b, h, q, kv, a: (kv <= q) & (q - kv < 8 * (h + 1) + b))
+
+
+def test_hook_batch_names():
+    """Which of b and h a hook's code names (comments do not count; a local called b does)."""
+    from cuflash.mods import MaskMod, ScoreMod, example_hooks
+    ex = example_hooks()
+    assert ex["document"].batch_names == frozenset()
+    assert ex["prefix_lm"].batch_names == frozenset()
+    assert ex["rel_bias"].batch_names == frozenset({"h"})
+    assert _per_head_window().batch_names == frozenset({"b", "h"})
+    m = MaskMod("// b and h here are only words in a comment\nreturn kv_idx <= q_idx;",
+                numpy=lambda b, h, q, kv, a: kv <= q)
+    assert m.batch_names == frozenset()
+    s = ScoreMod.additive("score + args[hb]", lambda s, b, h, q, kv, a: s)
+    assert s.batch_names == frozenset()   # `hb` is not `h` or `b`
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 130), (113, 64), (200, 257)])
+@pytest.mark.parametrize("batch", [(), (3,), (2, 3)])
+def test_numpy_hook_summary_is_the_masks(sq, sk, batch):
+    """numpy_hook_summary is the bool mask's summary (numpy_summary, the definition) of the mask
+    the hook gives per batch entry, one entry per index the code names."""
+    from cuflash.mods import example_hooks
+    ex = example_hooks()
+    rng = np.random.default_rng(sq * 1000 + sk + len(batch))
+    ids = np.sort(rng.integers(0, 4, max(sq, sk))).astype(np.float32)
+    qi, kj = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    H = batch[-1] if batch else 1
+    B = int(np.prod(batch[:-1])) if len(batch) > 1 else 1
+    for hook, args, dense in (
+            (ex["document"], ids, lambda b, h: ids[qi] == ids[kj]),
+            (ex["prefix_lm"], None, lambda b, h: (kj < 16) | (kj <= qi)),
+            (_per_head_window(), None,
+             lambda b, h: (kj <= qi) & (qi - kj < 8 * (h + 1) + b))):
+        got = _mask_blocks.numpy_hook_summary(hook, batch, sq, sk, args)
+        nb, nh = got.shape[:2]
+        assert got.shape == _mask_blocks.hook_summary_shape(hook, batch, sq, sk)
+        assert (nb, nh) == ((B, H) if hook.batch_names else (1, 1))
+        for b in range(nb):
+            for h in range(nh):
+                want = _mask_blocks.numpy_summary(np.broadcast_to(dense(b, h), (sq, sk)))
+                np.testing.assert_array_equal(got[b, h], want)
+
+
+def test_hook_summary_checks_args():
+    from cuflash.mods import example_hooks
+    doc = example_hooks()["document"]
+    for args in (None, np.zeros(0, np.float32)):
+        with pytest.raises(ValueError, match="reads args"):
+            _mask_blocks.numpy_hook_summary(doc, (2,), 8, 8, args)
+    with pytest.raises(TypeError, match="1-D float32"):
+        _mask_blocks.numpy_hook_summary(doc, (2,), 8, 8, np.zeros(8))

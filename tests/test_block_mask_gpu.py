@@ -57,6 +57,33 @@ def test_summary_matches_numpy(rows, cols, batch, density):
     np.testing.assert_array_equal(got, _mask_blocks.numpy_summary(m))
 
 
+# ---- the summary of a user mask_mod (mask_blocks.cu: cuflash_hook_blocks) ---------------------
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 130), (113, 64), (200, 1000), (1000, 7)])
+@pytest.mark.parametrize("hook", ["document", "prefix_lm", "per_head_window"])
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+def test_hook_summary_matches_numpy(sq, sk, hook, batch):
+    """The mask_mod summary kernel equals `_mask_blocks.numpy_hook_summary` byte for byte (the
+    output poisoned first, so an unwritten byte fails): tails, one summary for the batch where
+    the code names neither b nor h, one per (b, h) where it names both."""
+    from cuflash.mods import MaskMod, example_hooks
+    cp = cupy()
+    ex = example_hooks()
+    ex["per_head_window"] = MaskMod(
+        "kv_idx <= q_idx && q_idx - kv_idx < 8 * (h + 1) + b",
+        numpy=lambda b, h, q, kv, a: (kv <= q) & (q - kv < 8 * (h + 1) + b))
+    mm = ex[hook]
+    rng = _rng("hook-summary", sq, sk, hook, batch)
+    args = (np.sort(rng.integers(0, 5, max(sq, sk))).astype(np.float32)
+            if mm.reads_args else None)
+    want = _mask_blocks.numpy_hook_summary(mm, batch, sq, sk, args)
+    out = cp.full(want.shape, 0xAB, dtype=np.uint8)   # no valid kind
+    got = _mask_blocks.hook_summary(mm, batch, sq, sk, 0,
+                                    None if args is None else cp.asarray(args), out=out)
+    assert got is out
+    np.testing.assert_array_equal(cp.asnumpy(got), want)
+
+
 @pytest.mark.parametrize("view", ["keys-strided", "rows-strided", "transposed", "offset",
                                   "broadcast-rows", "broadcast-keys", "broadcast-batch",
                                   "odd-row-stride", "torch-like-values"])
