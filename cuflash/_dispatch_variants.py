@@ -105,13 +105,34 @@ def _affine(variant, fast, hopper) -> bool:
             and not getattr(variant, "has_mods", False))
 
 
-def policy_name(variant, fast: bool = True, hopper: bool = False, bwd_dpad=None) -> str:
+#: Whether the forwards (generic, mma.sync, Hopper) narrow the key tiles of a policy with a
+#: mask_mod to the keys its block summary does not hide (variants.cuh: UserVariant's BLOCKS;
+#: `_mask_blocks.hook_summary` and `hook_ranges`, made per call on its stream): a document or
+#: window mask_mod then costs about its visible pairs, not every pair under the causal limit.
+#: The backwards keep the full walk. Off: built and compile-checked in session s without a GPU
+#: (no device time); tests/test_mods_gpu.py::test_hook_blocks_forward is its GPU test.
+HOOK_BLOCKS = False
+
+
+def hook_blocks(variant) -> bool:
+    """Whether a forward policy for `variant` takes UserVariant's BLOCKS (HOOK_BLOCKS)."""
+    return HOOK_BLOCKS and getattr(variant, "mask_mod", None) is not None
+
+
+def reads_hook_ranges(plan) -> bool:
+    """Whether `plan`'s kernel reads a mask_mod's key ranges (VariantParams::mod_ranges)."""
+    return "hook-blocks" in plan.label
+
+
+def policy_name(variant, fast: bool = True, hopper: bool = False, bwd_dpad=None,
+                blocks: bool = False) -> str:
     """The C++ policy type of a `cuflash.variants.Variant`, e.g.
     ``cuflash::Variant<true, false, false, cuflash::NoBias, false>`` (with softcap under
     SOFTCAP_RCP_FMA and / or VARIANT_FUSED_SCALE a sixth argument, the FORM bits 1 / 2 of
     variants.cuh; not for the generic kernels, ``fast=False``, whose softcap is tanh in the
     accumulator type and whose scores are scaled in it). `bwd_dpad`: the mma.sync backward's
-    padded head dim, where `fused_form` may keep the unfused form."""
+    padded head dim, where `fused_form` may keep the unfused form. `blocks`: a forward's,
+    which narrows its tiles by the mask_mod's ranges where `hook_blocks` says so."""
     b = "true" if variant.has_window else "false"
     s = "true" if variant.softcap else "false"
     a = "true" if variant.alibi_slopes is not None else "false"
@@ -129,8 +150,9 @@ def policy_name(variant, fast: bool = True, hopper: bool = False, bwd_dpad=None)
     from .mods import hook_type   # user hooks wrap the built-in policy (variants.cuh)
     sm = "true" if variant.score_mod is not None else "false"
     mm = "true" if variant.mask_mod is not None else "false"
+    nb = ", true" if blocks and hook_blocks(variant) else ""
     return (f"cuflash::UserVariant<{base}, {hook_type(variant.score_mod, variant.mask_mod)}, "
-            f"{sm}, {mm}>")
+            f"{sm}, {mm}{nb}>")
 
 
 def _hook_source(variant) -> str:
@@ -146,7 +168,8 @@ def _dtype_name(dt):
     return np.dtype(dt).name
 
 
-def policy_label(variant, fast: bool = True, hopper: bool = False, bwd_dpad=None) -> str:
+def policy_label(variant, fast: bool = True, hopper: bool = False, bwd_dpad=None,
+                 blocks: bool = False) -> str:
     """The variant's parts for a plan label, e.g. ``window,softcap,bias<float16>`` (and the forms
     `policy_name` gives the same arguments, e.g. ``fused-scale``)."""
     parts = []
@@ -163,6 +186,8 @@ def policy_label(variant, fast: bool = True, hopper: bool = False, bwd_dpad=None
     for name, hook in (("score_mod", variant.score_mod), ("mask_mod", variant.mask_mod)):
         if hook is not None:   # user hooks, named by their code's hash
             parts.append(f"{name}[{hook.digest[:8]}]")
+    if blocks and hook_blocks(variant):
+        parts.append("hook-blocks")
     if fast and fused_form(variant, bwd_dpad):
         parts.append("fused-scale")
     if _affine(variant, fast, hopper):
@@ -180,8 +205,8 @@ def generic_variant_plan(dtype_name: str, d: int, dv: int, causal: bool, variant
 
     base = generic_plan(dtype_name, d, dv, causal)
     name = (base.spec.name.replace("cuflash_fwd_generic<", "cuflash_fwd_generic_var<")[:-1]
-            + f", {policy_name(variant, fast=False)}>")
-    label = (base.label[:-1] + f",{policy_label(variant, fast=False)}>"
+            + f", {policy_name(variant, fast=False, blocks=True)}>")
+    label = (base.label[:-1] + f",{policy_label(variant, fast=False, blocks=True)}>"
              + (f" ({reason})" if reason else ""))
     return dataclasses.replace(base, label=label, spec=Specialisation(
         base.spec.family, name, extra_source=_hook_source(variant)))
@@ -239,8 +264,8 @@ def tensorcore_variant_plan(dtype_name: str, d: int, causal: bool, compute_capab
     base = tensorcore_plan(dtype_name, d, causal, compute_capability, precision, config=config,
                            form=form)
     name = (base.spec.name.replace("cuflash_fwd_mma<", "cuflash_fwd_mma_var<")[:-1]
-            + f", {policy_name(variant)}>")
-    label = base.label[:-1] + f",{policy_label(variant)}>"
+            + f", {policy_name(variant, blocks=True)}>")
+    label = base.label[:-1] + f",{policy_label(variant, blocks=True)}>"
     return dataclasses.replace(base, label=label, spec=Specialisation(
         base.spec.family, name, extra_source=_hook_source(variant)))
 
@@ -327,7 +352,10 @@ def hook_tiles(dtype_name: str, dpad: int, variant) -> "tuple[bool, dict]":
     builtin = (tensors or variant.has_window or bool(variant.softcap)
                or variant.alibi_slopes is not None)
     if HOPPER_HOOK_WIDE and dtype_name != "float32":
-        if variant.score_mod is None and not builtin and dpad in (64, 128):
+        # (HOOK_BLOCKS' narrowed walk at D = 128 and 128 keys spilled 68-72 B under causal:
+        # such a mask_mod takes 64 keys there)
+        if variant.score_mod is None and not builtin and dpad in (64, 128) \
+                and not (dpad == 128 and hook_blocks(variant)):
             return False, {}
         if dpad == 128 and not tensors:
             return True, dict(bn=64)
@@ -359,9 +387,9 @@ def hopper_variant_plan(dtype_name: str, d: int, causal: bool, sk: int, variant,
     name = base.spec.name.replace("cuflash_fwd_wgmma<", "cuflash_fwd_wgmma_var<")
     op = ", cuflash::fp16_t>"
     aff = causal and dtype_name != "float32"   # where ALIBI_AFFINE's form applies (attn_wgmma.cu)
-    pol = policy_name(variant, hopper=aff)
+    pol = policy_name(variant, hopper=aff, blocks=True)
     name = (name[:-len(op)] + f", {pol}{op}" if name.endswith(op) else name[:-1] + f", {pol}>")
-    label = base.label[:-1] + f",{policy_label(variant, hopper=aff)}>"
+    label = base.label[:-1] + f",{policy_label(variant, hopper=aff, blocks=True)}>"
     return dataclasses.replace(base, label=label, spec=Specialisation(
         base.spec.family, name, arch=base.spec.arch, extra_source=_hook_source(variant)))
 
@@ -908,6 +936,38 @@ def form_compile_specs(compute_capability: int = 90):
     finally:
         SOFTCAP_RCP_FMA, VARIANT_FUSED_SCALE, ALIBI_AFFINE = was
     return out
+
+
+def hook_blocks_compile_specs(compute_capability: int = 90):
+    """The forwards with HOOK_BLOCKS' narrowed tile walks (UserVariant's BLOCKS), built with the
+    flag on whatever its value, for the example mask hooks as tests/test_mods_gpu.py's
+    test_hook_blocks_forward runs them: the Hopper forward (float16 D64, D128, D256 and bfloat16
+    D128, causal or not), the mma.sync forward (float16, bfloat16 D64, D128) and the generic
+    forward (float16, float32 D64), each with the document mask_mod alone, the prefix-LM one
+    alone, and the document one beside a score_mod, a window and ALiBi."""
+    global HOOK_BLOCKS
+    from .mods import example_hooks
+    ex = example_hooks()
+    doc, pre, cap = ex["document"], ex["prefix_lm"], ex["tanh_cap"]
+    pols = (_with_mods(_Spec(), None, doc), _with_mods(_Spec(), None, pre),
+            _with_mods(_Spec(window=True, alibi=True), cap, doc))
+    was, HOOK_BLOCKS = HOOK_BLOCKS, True
+    out = []
+    try:
+        for pol in pols:
+            for causal in (False, True):
+                for dt, d in (("float16", 64), ("float16", 128), ("float16", 256),
+                              ("bfloat16", 128)):
+                    out.append(hopper_variant_plan(dt, d, causal, 1024, pol).spec)
+                for dt in ("float16", "bfloat16"):
+                    for d in (64, 128):
+                        out.append(tensorcore_variant_plan(dt, d, causal, compute_capability,
+                                                           pol).spec)
+                for dt in ("float16", "float32"):
+                    out.append(generic_variant_plan(dt, 64, 64, causal, pol).spec)
+    finally:
+        HOOK_BLOCKS = was
+    return list(dict.fromkeys(out))
 
 
 def _has_form(spec) -> bool:

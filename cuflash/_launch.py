@@ -114,8 +114,9 @@ def launch_forward(plan, prob, o, lse, device_attrs):
              stream=_stream_ptr(prob.stream))
         return
     if variant is not None:   # the mask's block summary, made now unless the caller's
-        from ._launch_variants import with_mask_blocks
+        from ._launch_variants import with_hook_ranges, with_mask_blocks
         variant = with_mask_blocks(variant, (plan.spec.family,), prob.device_id, prob.stream)
+        variant = with_hook_ranges(variant, plan, prob)   # a mask_mod's tiles (HOOK_BLOCKS)
     if is_presplit(plan):   # K and V split once, into arrays of this call (never cached below)
         from ._decode import scratch
         sizes = presplit_sections(plan, prob)

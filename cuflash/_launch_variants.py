@@ -16,13 +16,15 @@ _VP_INTS2 = tuple(f"{t}_{s}" for t in ("bias", "mask") for s in ("s0", "s1", "s2
     + ("sl_s0", "sl_s1", "sl_s2", "dscores")
 _VP_MODS = ("mod_args", "mod_h", "mod_s0", "mod_s1", "mod_s2")   # user hooks (UserVariant)
 _VP_BLOCKS = ("mask_blocks", "mb_s0", "mb_s1", "mb_s2", "mb_sr", "mb_cmax")   # the mask's summary
+_VP_RANGES = ("mod_ranges", "mr_eb", "mr_eh")   # a mask_mod's key ranges (UserVariant, BLOCKS)
 VARIANT_PARAMS_DTYPE = np.dtype([(f, np.uint64) for f in _VP_PTRS]
                                 + [(f, np.int64) for f in _VP_INTS1]
                                 + [(f, np.float64) for f in _VP_DBL]
                                 + [(f, np.int64) for f in _VP_INTS2]
                                 + [(f, np.int64) for f in _VP_MODS]
-                                + [(f, np.int64) for f in _VP_BLOCKS])
-assert VARIANT_PARAMS_DTYPE.itemsize == 32 * 8  # static_assert in kernels_cu/variants.cuh
+                                + [(f, np.int64) for f in _VP_BLOCKS]
+                                + [(f, np.int64) for f in _VP_RANGES])
+assert VARIANT_PARAMS_DTYPE.itemsize == 35 * 8  # static_assert in kernels_cu/variants.cuh
 
 
 class _FlatIndex:
@@ -56,6 +58,24 @@ def with_mask_blocks(variant, families, device_id, stream):
         return variant
     blocks = _mask_blocks.summarise(variant.mask, device_id, stream)
     return dataclasses.replace(variant, mask_blocks=blocks)
+
+
+def with_hook_ranges(variant, plan, prob):
+    """`variant` with its mask_mod's key ranges (`_mask_blocks.hook_summary`, then
+    `hook_ranges`: two launches and two small arrays from CuPy's pool, on the call's stream)
+    when `plan`'s policy narrows its tiles by them (`_dispatch_variants.reads_hook_ranges`);
+    the variant unchanged otherwise."""
+    import dataclasses
+
+    from . import _mask_blocks
+    from ._dispatch_variants import reads_hook_ranges
+    if variant.mask_mod is None or variant.hook_ranges is not None \
+            or not reads_hook_ranges(plan):
+        return variant
+    summary = _mask_blocks.hook_summary(variant.mask_mod, variant.mod_batch, prob.sq, prob.sk,
+                                        prob.device_id, variant.mod_args, prob.stream)
+    ranges = _mask_blocks.hook_ranges(summary, prob.sk, prob.device_id, prob.stream)
+    return dataclasses.replace(variant, hook_ranges=ranges)
 
 
 def variant_tensors(variant):
@@ -106,6 +126,11 @@ def fill_params(prob, extra_bstr, dscores=None, variant=None):
             vp["mb_cmax"] = x.shape[-1] - 1
         elif name == "sl":
             vp["slopes"] = x.data.ptr
+    if var.hook_ranges is not None:   # (nb, nh, RB, 2) int32 contiguous: entry strides in ints
+        nb, nh, rb = var.hook_ranges.shape[:3]
+        vp["mod_ranges"] = var.hook_ranges.data.ptr
+        vp["mr_eb"] = nh * rb * 2 if nb > 1 else 0
+        vp["mr_eh"] = rb * 2 if nh > 1 else 0
     vp["dscores"] = 0 if dscores is None else dscores.data.ptr
     return vp[()]
 

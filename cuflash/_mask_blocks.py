@@ -63,8 +63,14 @@ def spec(vec):
                                    f"cuflash::cuflash_mask_blocks<{'true' if vec else 'false'}>")
 
 
+def ranges_spec():
+    """The kernel that turns a mask_mod's summary into key ranges (cuflash_hook_ranges)."""
+    from . import _compile
+    return _compile.Specialisation("mask_blocks", "cuflash::cuflash_hook_ranges")
+
+
 def compile_specs():
-    return [spec(True), spec(False)]
+    return [spec(True), spec(False), ranges_spec()]
 
 
 def hook_compile_specs():
@@ -233,9 +239,9 @@ def block_mask(mask, *, stream=None):
 # ---- the summary of a user mask_mod (cuflash/mods.py: MaskMod) -----------------------------
 # The bool mask's byte format over the hook's own (Sq, Sk) grid, one summary per batch entry
 # the hook can tell apart: `MaskMod.batch_names` says whether its code names b and h; where it
-# names neither, one (Sq, Sk) summary serves the whole batch. Not read by the attention kernels
-# yet (notes/VARIANTS.md, "The block summary of a mask_mod"): the building block for skipping the
-# tiles a mask_mod hides.
+# names neither, one (Sq, Sk) summary serves the whole batch. The forwards read its key ranges
+# per 64-row block (`hook_ranges`; variants.cuh: UserVariant with BLOCKS) while
+# _dispatch_variants.HOOK_BLOCKS is on (notes/VARIANTS.md, "The block summary of a mask_mod").
 
 def hook_summary_shape(mask_mod, batch_shape, sq, sk):
     """``(nb, nh, ceil(Sq / 64), ceil(Sk / 64))``: ``nh`` the last batch axis's size (the heads,
@@ -311,4 +317,48 @@ def hook_summary(mask_mod, batch_shape, sq, sk, device_id, args=None, stream=Non
          (np.uint64(0) if args is None else args, out,
           *(np.int64(x) for x in (shape[1], sq, sk, shape[2], shape[3]))),
          stream=_stream_ptr(stream))
+    return out
+
+
+#: The sentinel of a row block the hook hides entirely: (lo, hi) = (EMPTY_LO, 0).
+EMPTY_LO = 0x7FFFFFFF
+
+
+def numpy_hook_ranges(summary, sk):
+    """Key ranges from a summary (uint8, (..., RB, CB)): int32 (..., RB, 2), per row block
+    [64 c0, min(Sk, 64 (c1 + 1))) with c0 / c1 its first / last block that is not HIDDEN, or
+    (EMPTY_LO, 0) where every block is (the definition cuflash_hook_ranges is tested against)."""
+    summary = np.asarray(summary)
+    seen = summary != HIDDEN
+    cb = summary.shape[-1]
+    any_seen = seen.any(axis=-1)
+    c0 = np.argmax(seen, axis=-1)
+    c1 = cb - 1 - np.argmax(seen[..., ::-1], axis=-1)
+    out = np.empty(summary.shape[:-1] + (2,), dtype=np.int32)
+    out[..., 0] = np.where(any_seen, c0 * BLOCK, EMPTY_LO)
+    out[..., 1] = np.where(any_seen, np.minimum(int(sk), (c1 + 1) * BLOCK), 0)
+    return out
+
+
+def hook_ranges(summary, sk, device_id, stream=None):
+    """`numpy_hook_ranges` on the GPU: a new int32 array from CuPy's pool, on ``stream``, for
+    the C-contiguous CuPy summary ``summary``."""
+    import cupy
+
+    from . import _compile
+    from ._launch import MAX_GRID_X, _stream_ptr
+
+    if summary.dtype != np.uint8 or not summary.flags.c_contiguous or summary.ndim < 2:
+        raise ValueError("the summary must be C-contiguous uint8 of shape (..., RB, CB)")
+    with cupy.cuda.Device(device_id), _stream_ptr(stream):
+        out = cupy.empty(tuple(summary.shape[:-1]) + (2,), dtype=np.int32)
+    rows = int(np.prod(summary.shape[:-1], dtype=np.int64))
+    if rows == 0:
+        return out
+    grid = -(-rows // 128)
+    if grid > MAX_GRID_X:
+        raise ValueError(f"hook_ranges: {rows} row blocks is too many for one launch")
+    kern = _compile.get_kernel(ranges_spec(), device_id)
+    kern((grid,), (128,), (summary, out, np.int64(rows), np.int64(summary.shape[-1]),
+                           np.int64(sk)), stream=_stream_ptr(stream))
     return out

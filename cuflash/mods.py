@@ -347,8 +347,11 @@ class MaskMod(_Hook):
         ``numpy(b, h, q_idx, kv_idx, args) -> bool array`` broadcastable to ``(n, rows, cols)``
         (argument shapes as in `ScoreMod`).
 
-    Every tile stays partial for the kernels (no tile is skipped on a user mask), so a sparse
-    mask costs as much as a dense one; a row it leaves empty gives ``o = 0``, ``lse = -inf``.
+    Every tile stays partial for the kernels (its mask is tested per element), and no tile is
+    skipped on a user mask unless ``_dispatch_variants.HOOK_BLOCKS`` is on (off by default; the
+    forwards then narrow their key tiles per 64 rows to the blocks the hook does not hide:
+    `cuflash._mask_blocks.hook_summary`), so a sparse mask costs as much as a dense one; a row
+    it leaves empty gives ``o = 0``, ``lse = -inf``.
     """
 
     kind = "mask_mod"

@@ -55,6 +55,8 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
         specs += tensorcore_variant_backward_compile_specs(cc)  # and the mma.sync backward's
         specs += hopper_bwd_variant_compile_specs()  # the Hopper backward's (sm_90a)
         specs += form_compile_specs(cc)  # the forms behind flags (off by default)
+        from ._dispatch_variants import hook_blocks_compile_specs
+        specs += hook_blocks_compile_specs(cc)  # HOOK_BLOCKS' narrowed forwards (off)
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))

@@ -76,6 +76,11 @@ class Variant:
         The mask's block summary (uint8, `cuflash._mask_blocks`) when the caller passed a
         `cuflash.BlockMask`; None otherwise (the GPU launch then summarises the mask per call).
         A function of ``mask``: it never changes the result.
+    hook_ranges : array or None
+        The mask_mod's key ranges per 64-row block (int32, `cuflash._mask_blocks.hook_ranges`)
+        that the GPU forward made for its launch (`_dispatch_variants.HOOK_BLOCKS`); None
+        otherwise. A function of the hook, ``mod_args`` and the shapes: it never changes the
+        result.
     """
 
     left: int = -1
@@ -89,6 +94,7 @@ class Variant:
     mod_args: Any = None
     mod_batch: Tuple[int, ...] = ()
     mask_blocks: Any = None
+    hook_ranges: Any = None
 
     @property
     def is_plain(self) -> bool:

@@ -129,4 +129,26 @@ cuflash_hook_blocks(const float* __restrict__ args, unsigned char* __restrict__ 
     store_block_kind(out + blk, all_true, any_true);
 }
 
+// A mask_mod's key ranges from its summary (UserVariant with BLOCKS, VariantParams::mod_ranges):
+// for each of the `rows` = entries x row blocks rows of `ncb` summary bytes, int32 [lo, hi) =
+// [64 c0, min(Sk, 64 (c1 + 1))) with c0 / c1 the first / last block that is not HIDDEN, or
+// (0x7fffffff, 0) where every block is. One thread per row (ncb <= a few thousand bytes).
+__global__ void __launch_bounds__(128)
+cuflash_hook_ranges(const unsigned char* __restrict__ blocks, int* __restrict__ ranges,
+                    long long rows, long long ncb, long long sk) {
+    const long long r = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const unsigned char* row = blocks + r * ncb;
+    long long c0 = -1, c1 = -1;
+#pragma unroll 1
+    for (long long c = 0; c < ncb; ++c) {
+        if (row[c] != MASK_BLOCK_HIDDEN) {
+            if (c0 < 0) c0 = c;
+            c1 = c;
+        }
+    }
+    ranges[2 * r] = c0 < 0 ? 0x7fffffff : static_cast<int>(c0 * MASK_BLOCK);
+    ranges[2 * r + 1] = c0 < 0 ? 0 : static_cast<int>(min(sk, (c1 + 1) * MASK_BLOCK));
+}
+
 }  // namespace cuflash

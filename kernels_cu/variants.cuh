@@ -56,8 +56,14 @@ struct VariantParams {
     // mb_cmax = CB - 1 (0 when keys broadcast). Null: no summary (every masked tile is partial).
     const unsigned char* mask_blocks;
     long long mb_s0, mb_s1, mb_s2, mb_sr, mb_cmax;
+    // A mask_mod's key ranges (UserVariant with BLOCKS; mask_blocks.cu: cuflash_hook_ranges):
+    // per summary entry and 64-row block, int32 [lo, hi), the keys of the blocks the hook does
+    // not hide entirely ((0x7fffffff, 0) where it hides every key); the entry of (b, h) starts at
+    // b * mr_eb + h * mr_eh ints (0 where the hook's code does not name b or h). Null: no ranges.
+    const int* mod_ranges;
+    long long mr_eb, mr_eh;
 };
-static_assert(sizeof(VariantParams) == 32 * 8, "VariantParams must match cuflash/_launch.py");
+static_assert(sizeof(VariantParams) == 35 * 8, "VariantParams must match cuflash/_launch.py");
 
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
@@ -447,9 +453,15 @@ using PlainVariant = Variant<false, false, false, NoBias, false>;
 // mask_mod(b, h, q_idx, kv_idx, args). The score hook runs on the score Base produces (after
 // softcap, alibi, bias); the mask hook is one more visibility condition. Same interface as
 // Variant; every tile with a mask hook is partial (nothing about it is known by position).
-template <typename Base, typename Hook, bool SCORE_MOD, bool MASK_MOD>
+// BLOCKS (the forwards only; cuflash/_dispatch_variants.py: HOOK_BLOCKS): the call's key ranges
+// of the mask_mod per 64-row block (VariantParams::mod_ranges) narrow key_range, and with it the
+// key tiles a forward's block visits, as a window's do (HAS_WINDOW); the keys left out are hidden
+// from every row of the block, so each row's result is that of the full walk.
+template <typename Base, typename Hook, bool SCORE_MOD, bool MASK_MOD, bool BLOCKS = false>
 struct UserVariant : Base {
+    static_assert(MASK_MOD || !BLOCKS, "BLOCKS narrows by a mask_mod's ranges");
     static constexpr bool PLAIN = false;
+    static constexpr bool HAS_WINDOW = Base::HAS_WINDOW || BLOCKS;
     static constexpr bool MASKS = Base::MASKS || MASK_MOD;
     static constexpr bool READS = true;   // args, and b / h exist only for real rows and keys
     static constexpr bool DSCORE = Base::DSCORE || SCORE_MOD;
@@ -458,6 +470,7 @@ struct UserVariant : Base {
 
     const float* mod_args;
     long long mod_b, mod_h;
+    const int* ranges;   // BLOCKS: the bound entry's (lo, hi) per 64-row block, or null
 
     __device__ __forceinline__ void bind(const VariantParams& vp, long long sq, long long sk,
                                          long long i0, long long i1, long long i2) {
@@ -466,6 +479,34 @@ struct UserVariant : Base {
         mod_h = n % vp.mod_h;
         mod_b = n / vp.mod_h;
         mod_args = vp.mod_args;
+        if constexpr (BLOCKS)
+            ranges = vp.mod_ranges == nullptr
+                         ? nullptr
+                         : vp.mod_ranges + mod_b * vp.mr_eb + mod_h * vp.mr_eh;
+    }
+
+    // Base's key range, narrowed (BLOCKS) to the union of the mask_mod's ranges over the 1-3
+    // row blocks of [r0, r1) (the callers clamp r1 to Sq). Where the hook hides every key of
+    // those rows the range comes out empty (j1 = j0), which the forwards take as no tile.
+    __device__ __forceinline__ void key_range(long long r0, long long r1, long long& j0,
+                                              long long& j1, long long sk) const {
+        Base::key_range(r0, r1, j0, j1, sk);
+        if constexpr (BLOCKS) {
+            if (ranges == nullptr || r0 >= r1) return;
+            int lo = 0x7fffffff, hi = 0;
+#pragma unroll 1
+            for (int b = static_cast<int>(r0 >> MASK_BLOCK_SHIFT);
+                 b <= static_cast<int>((r1 - 1) >> MASK_BLOCK_SHIFT); ++b) {
+                lo = min(lo, ranges[2 * b]);
+                hi = max(hi, ranges[2 * b + 1]);
+            }
+            if (lo >= hi) {
+                j1 = j0;
+            } else {
+                j0 = max(j0, static_cast<long long>(lo));
+                j1 = min(j1, static_cast<long long>(hi));
+            }
+        }
     }
 
     __device__ __forceinline__ bool visible(long long i, long long j) const {

@@ -191,3 +191,70 @@ def test_hooks_dispatch():
     label = cuflash.dispatch_info(q, q, q, mask_mod=EX["prefix_lm"])
     auto = "hopper<" if hopper and _dispatch_variants.HOPPER_VARIANTS_AUTO else "tensorcore<"
     assert label.startswith(auto) and "mask_mod[" in label, label
+
+
+# ---- HOOK_BLOCKS: the forwards narrow their key tiles to a mask_mod's ranges -------------------
+PADDED_DOCS = MaskMod("args[q_idx] == args[kv_idx] && args[q_idx] >= 0",
+                      numpy=lambda b, h, qi, kj, a: (a[qi] == a[kj]) & (a[qi] >= 0))
+
+
+def _blocks_hooks(name, rng, n):
+    ids = _doc_ids(rng, n)
+    if name == "document":
+        return dict(mask_mod=EX["document"], mod_args=ids)
+    if name == "padded_docs":   # a tail of rows with id -1: whole row blocks see no key
+        ids[-max(1, n // 4):] = -1
+        return dict(mask_mod=PADDED_DOCS, mod_args=ids)
+    return dict(window=(300, -1), alibi_slopes=rng.uniform(0.01, 0.3, (BATCH_Q[-1],))
+                .astype(np.float32), score_mod=EX["tanh_cap"], mask_mod=EX["document"],
+                mod_args=ids)
+
+
+@pytest.mark.parametrize("sq,sk", [(300, 700), (700, 300), (7, 130)])
+@pytest.mark.parametrize("name", ["document", "padded_docs", "composed"])
+@pytest.mark.parametrize("kernel,dtype,d,causal", [("generic", "float32", 64, False),
+                                                   ("tensorcore", "float16", 64, True),
+                                                   ("tensorcore", "bfloat16", 128, False),
+                                                   ("hopper", "float16", 64, False),
+                                                   ("hopper", "float16", 128, True),
+                                                   ("hopper", "bfloat16", 128, False)])
+def test_hook_blocks_forward(monkeypatch, kernel, dtype, d, causal, name, sq, sk):
+    """_dispatch_variants.HOOK_BLOCKS: the forward visits only the key tiles of the blocks the
+    mask_mod does not hide (its summary's ranges per 64-row block; the case asserts that they
+    narrow): against the float64 references under the pass rule with NaN-poisoned outputs
+    (and the backward, which keeps the full walk, from that forward), rows whose every key is
+    hidden give o = 0 and lse = -inf, and where the plan differs from the flag-off one only by
+    the narrowing, o and lse equal the full walk's bit for bit."""
+    from cuflash import _dispatch_variants, _mask_blocks
+    if kernel == "hopper" and int(cupy().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper kernel runs on compute capability 9.0 only")
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes")
+    cp = cupy()
+    rng = _rng("hook-blocks", kernel, dtype, d, causal, name, sq, sk)
+    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, dtype)
+    kw = _blocks_hooks(name, rng, max(sq, sk))
+    dkw = _to_device(kw)
+    qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
+    ranges = _mask_blocks.numpy_hook_ranges(_mask_blocks.numpy_hook_summary(
+        kw["mask_mod"], BATCH_Q, sq, sk, kw["mod_args"]), sk)
+    assert ranges.shape[:2] == (1, 1)   # batch-free hooks: one summary
+    if sk > 64:
+        assert np.any(ranges[..., 1] - np.minimum(ranges[..., 0], sk) < sk), ranges
+    off = cuflash.dispatch_info(qg, kg, vg, causal=causal, kernel=kernel, **dkw)
+    monkeypatch.setattr(_dispatch_variants, "HOOK_BLOCKS", True)
+    label, o, lse = check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype,
+                                       rng=rng, seed=SEED, kernel=kernel)
+    assert "hook-blocks" in label and "hook-blocks" not in off, (label, off)
+    if name == "padded_docs":
+        pad = kw["mod_args"][:sq] < 0
+        assert np.all(o[..., pad, :] == 0) and np.all(np.isneginf(lse[..., pad]))
+    if label.replace(",hook-blocks", "") == off:
+        monkeypatch.setattr(_dispatch_variants, "HOOK_BLOCKS", False)
+        o2, lse2 = cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, kernel=kernel,
+                                     **dkw)
+        np.testing.assert_array_equal(cp.asnumpy(o2).view(np.uint16 if o2.itemsize == 2
+                                                           else np.uint32),
+                                      np.asarray(o).view(np.uint16 if o2.itemsize == 2
+                                                         else np.uint32))
+        np.testing.assert_array_equal(cp.asnumpy(lse2), lse)

@@ -24,7 +24,7 @@ def test_variant_params_mirror_the_struct():
         names.append(parts[0].split()[-1].lstrip("*"))
         names += [x.lstrip("*") for x in parts[1:]]
     assert names == list(VARIANT_PARAMS_DTYPE.names)
-    assert VARIANT_PARAMS_DTYPE.itemsize == 32 * 8
+    assert VARIANT_PARAMS_DTYPE.itemsize == 35 * 8
 
 
 def _launch_args(q, k, v, o, batch, sq, sk, d, var, causal):
@@ -94,3 +94,65 @@ def test_launch_passes_the_hook_parameters(launches):  # noqa: F811
         assert [int(params[f"nb{i}"]) for i in range(3)] == nb
         assert int(vp["mod_args"]) == 0x7000 and int(vp["mod_h"]) == h
         assert [int(vp[f"mod_s{i}"]) for i in range(3)] == mod_s
+
+
+def test_launch_passes_a_mask_mods_ranges(launches, monkeypatch):  # noqa: F811
+    """_dispatch_variants.HOOK_BLOCKS: a forward plan with a mask_mod takes UserVariant's BLOCKS
+    (named in the kernel and the label) and its launch makes the hook's summary and ranges on the
+    call's stream and passes them (entry strides in ints: 0 on an axis the hook's code does not
+    name); flag off, none is made and the pointer is null. The backward's policies never narrow."""
+    from cuflash import _dispatch_variants as DV
+    from cuflash import _mask_blocks
+    from cuflash.mods import MaskMod
+
+    b, h, sq, sk, d = 2, 3, 100, 120, 64
+    q = FakeArray((b, h, sq, d), (h * sq * d, sq * d, d, 1), 0x1000)
+    k = FakeArray((b, h, sk, d), (h * sk * d, sk * d, d, 1), 0x2000)
+    v = FakeArray((b, h, sk, d), (h * sk * d, sk * d, d, 1), 0x3000)
+    o = FakeArray((b, h, sq, d), (h * sq * d, sq * d, d, 1), 0x4000)
+    per_head = MaskMod("kv_idx <= q_idx + 8 * h", numpy=lambda b, h, qi, kj, a: kj <= qi + 8 * h)
+    made = []
+
+    def contiguous(shape, ptr, itemsize):
+        return FakeArray(shape, tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))),
+                         ptr, itemsize)
+
+    def fake_summary(mm, batch, sq_, sk_, dev, args=None, stream=None):
+        made.append((batch, sq_, sk_))
+        return contiguous(_mask_blocks.hook_summary_shape(mm, batch, sq_, sk_), 0x8000, 1)
+
+    def fake_ranges(summary, sk_, dev, stream=None):
+        return contiguous(tuple(summary.shape[:-1]) + (2,), 0x9000, 4)
+
+    monkeypatch.setattr(_mask_blocks, "hook_summary", fake_summary)
+    monkeypatch.setattr(_mask_blocks, "hook_ranges", fake_ranges)
+    var = Variant(mask_mod=per_head, mod_batch=(b, h))
+    for flag in (False, True):
+        monkeypatch.setattr(DV, "HOOK_BLOCKS", flag)
+        made.clear()
+        plan, (params, vp) = _launch_args(q, k, v, o, (b, h), sq, sk, d, var, False)
+        assert ("hook-blocks" in plan.label) == flag, plan.label
+        assert plan.spec.name.endswith(", false, true, true>>" if flag else ", false, true>>")
+        if not flag:
+            assert not made and int(vp["mod_ranges"]) == 0
+            continue
+        assert made == [((b, h), sq, sk)]
+        rb = -(-sq // 64)
+        assert int(vp["mod_ranges"]) == 0x9000
+        assert (int(vp["mr_eb"]), int(vp["mr_eh"])) == (0, 2 * rb)   # names h, not b
+        for _, p in DV.bwd_generic_variant_plan("float16", d, d, False, var).passes:
+            assert "hook-blocks" not in p.label and p.spec.name.endswith(", false, true>>")
+
+
+def test_hook_blocks_hopper_tiles(monkeypatch):
+    """A mask_mod alone on the 16-bit Hopper forward keeps the read-nothing tiles (128 keys) at
+    D = 64 with HOOK_BLOCKS; at D = 128 the narrowed walk takes 64 keys (128 spilled 68-72 B
+    under causal), as before the flag where it is off."""
+    from cuflash import _dispatch_variants as DV
+    from cuflash.mods import example_hooks
+    var = Variant(mask_mod=example_hooks()["prefix_lm"], mod_batch=(2, 3))
+    for flag, bn128, bn64 in ((False, "BN128", "BN128"), (True, "BN64", "BN128")):
+        monkeypatch.setattr(DV, "HOOK_BLOCKS", flag)
+        for d, bn in ((128, bn128), (64, bn64)):
+            label = DV.hopper_variant_plan("float16", d, True, 1024, var).label
+            assert f",{bn}," in label and ("hook-blocks" in label) == flag, label
