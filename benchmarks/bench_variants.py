@@ -33,7 +33,9 @@ softmax's affine units on the Hopper forward (ALIBI_AFFINE; causal), "affine+fus
 and bwd_per_tile is against plain's Hopper backward), "mmabwd" = the same flag off (the mma.sync
 backward that sm_90 took before), "noblocks" = the mask without its block summary
 (`_mask_blocks.ENABLED` off: every masked tile read per element), "narrowhooks" = the hook
-rows' Hopper forward on 32-key tiles (HOPPER_HOOK_WIDE off); a form's rows only for the variants
+rows' Hopper forward on 32-key tiles (HOPPER_HOOK_WIDE off), "hookblocks" = the mask_mod rows'
+forwards narrowed to the key tiles the hook's block summary does not hide (HOOK_BLOCKS; the
+summary pass is inside the timed call); a form's rows only for the variants
 it changes (IMPLS). Each form's
 row is checked like every other.
 
@@ -124,7 +126,10 @@ IMPLS = {"base": ({}, None), "fma-rcp": ({"SOFTCAP_RCP_FMA": True}, {"softcap"})
          "noblocks": ({"_mask_blocks.ENABLED": False}, {"mask"}),
          # the hook policies' Hopper forward on the 32-key tiles of before session r
          # (_dispatch_variants.HOPPER_HOOK_WIDE off)
-         "narrowhooks": ({"HOPPER_HOOK_WIDE": False}, {"mod-alibi", "mod-window", "mod-document"})}
+         "narrowhooks": ({"HOPPER_HOOK_WIDE": False}, {"mod-alibi", "mod-window", "mod-document"}),
+         # the forwards with a mask_mod narrowed to the tiles its summary does not hide
+         # (_dispatch_variants.HOOK_BLOCKS, off by default since session s)
+         "hookblocks": ({"HOOK_BLOCKS": True}, {"mod-window", "mod-document"})}
 
 
 def _flag_home(key):
