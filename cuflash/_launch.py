@@ -224,14 +224,10 @@ def is_presplit(plan) -> bool:
     return plan.presplit_dpad > 0
 
 
-def presplit_dpad(plan) -> int:
-    return plan.presplit_dpad
-
-
 def presplit_sections(plan, prob):
     """Bytes of the split K and of the split V (`presplit_kv`), each rounded up to
     WORKSPACE_ALIGN: the workspace a HOPPER_F32_PRESPLIT plan's call needs."""
-    w = 2 * presplit_dpad(plan) + 64
+    w = 2 * plan.presplit_dpad + 64
     return [-(-math.prod(x.shape[:-1]) * w * 2 // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
             for x in (prob.k, prob.v)]
 
@@ -245,7 +241,7 @@ def presplit_kv(plan, prob, x, buf, offset):
     stored as int32 at columns 2 DPAD of the tile's first row."""
     import cupy
 
-    dpad, bn = presplit_dpad(plan), plan.block_n
+    dpad, bn = plan.presplit_dpad, plan.block_n
     sk, d = int(x.shape[-2]), int(x.shape[-1])
     out = cupy.ndarray(tuple(x.shape[:-1]) + (2 * dpad + 64,), dtype=cupy.float16,
                        memptr=buf.data + offset)
@@ -289,7 +285,7 @@ def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):
     for t, (x, rows, box_rows) in enumerate(zip(tensors, (prob.sq, prob.sk, prob.sk),
                                                 (plan.block_m, bn, bn))):
         item = x.itemsize
-        cols, dtype_name = ((2 * presplit_dpad(plan), "float16") if pre and t > 0
+        cols, dtype_name = ((2 * plan.presplit_dpad, "float16") if pre and t > 0
                             else (prob.d, prob.dtype_name))
         row_bytes = rstr[t] * item if rows > 1 else -(-int(x.shape[-1]) * item // 16) * 16
         dims, strides = [cols, rows], [row_bytes]

@@ -94,7 +94,6 @@ _FORBIDDEN_PATTERNS = ((re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"),
                        (re.compile(r"/\*|\*/"), "block comments (use //)"))
 _WORD = re.compile(r"[A-Za-z_]\w*")
 _RETURN = re.compile(r"\breturn\b")
-_ARGS = re.compile(r"\bargs\b")
 
 
 def _code_only(text: str) -> str:
@@ -195,11 +194,10 @@ class _Hook:
 
     def _freeze(self):
         # (the code is fixed from here on, so what it reads is decided once, not per call)
-        object.__setattr__(self, "_reads_args",
-                           any(_ARGS.search(_code_only(t)) for t in self._texts()[1:]))
         words = set()
         for t in self._texts()[1:]:
             words.update(_WORD.findall(_code_only(t)))
+        object.__setattr__(self, "_reads_args", "args" in words)
         object.__setattr__(self, "_batch_names", frozenset(words & {"b", "h"}))
         object.__setattr__(self, "_frozen", True)
 
