@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._launch import collapse_batch
+from ._mask_blocks import RANGE_INTS
 
 _VP_PTRS = ("bias", "mask", "slopes")
 _VP_INTS1 = ("left", "right")
@@ -126,11 +127,11 @@ def fill_params(prob, extra_bstr, dscores=None, variant=None):
             vp["mb_cmax"] = x.shape[-1] - 1
         elif name == "sl":
             vp["slopes"] = x.data.ptr
-    if var.hook_ranges is not None:   # (nb, nh, RB, 2) int32 contiguous: entry strides in ints
+    if var.hook_ranges is not None:   # (nb, nh, RB, 4) int32 contiguous: entry strides in ints
         nb, nh, rb = var.hook_ranges.shape[:3]
         vp["mod_ranges"] = var.hook_ranges.data.ptr
-        vp["mr_eb"] = nh * rb * 2 if nb > 1 else 0
-        vp["mr_eh"] = rb * 2 if nh > 1 else 0
+        vp["mr_eb"] = nh * rb * RANGE_INTS if nb > 1 else 0
+        vp["mr_eh"] = rb * RANGE_INTS if nh > 1 else 0
     vp["dscores"] = 0 if dscores is None else dscores.data.ptr
     return vp[()]
 

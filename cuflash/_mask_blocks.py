@@ -322,21 +322,36 @@ def hook_summary(mask_mod, batch_shape, sq, sk, device_id, args=None, stream=Non
 
 #: The sentinel of a row block the hook hides entirely: (lo, hi) = (EMPTY_LO, 0).
 EMPTY_LO = 0x7FFFFFFF
+#: int32 per row block of the ranges, (lo, hi, klo, khi) (UserVariant reads them at that stride).
+RANGE_INTS = 4
 
 
 def numpy_hook_ranges(summary, sk):
-    """Key ranges from a summary (uint8, (..., RB, CB)): int32 (..., RB, 2), per row block
-    [64 c0, min(Sk, 64 (c1 + 1))) with c0 / c1 its first / last block that is not HIDDEN, or
-    (EMPTY_LO, 0) where every block is (the definition cuflash_hook_ranges is tested against)."""
+    """Key ranges from a summary (uint8, (..., RB, CB)): int32 (..., RB, 4), per row block
+    (lo, hi, klo, khi): [lo, hi) = [64 c0, min(Sk, 64 (c1 + 1))) with c0 / c1 its first / last
+    block that is not HIDDEN, or (EMPTY_LO, 0) where every block is; [klo, khi) the longest run of
+    KEPT blocks (the first of equal ones) in the same units, or (0, 0) where none is KEPT (the
+    definition cuflash_hook_ranges is tested against)."""
     summary = np.asarray(summary)
     seen = summary != HIDDEN
     cb = summary.shape[-1]
     any_seen = seen.any(axis=-1)
     c0 = np.argmax(seen, axis=-1)
     c1 = cb - 1 - np.argmax(seen[..., ::-1], axis=-1)
-    out = np.empty(summary.shape[:-1] + (2,), dtype=np.int32)
+    out = np.empty(summary.shape[:-1] + (RANGE_INTS,), dtype=np.int32)
     out[..., 0] = np.where(any_seen, c0 * BLOCK, EMPTY_LO)
     out[..., 1] = np.where(any_seen, np.minimum(int(sk), (c1 + 1) * BLOCK), 0)
+    # Runs of KEPT blocks: the length of the run ending at each block, its maximum and where.
+    kept = (summary == KEPT).reshape(-1, cb)
+    run = np.zeros(kept.shape, dtype=np.int64)
+    for c in range(cb):
+        run[:, c] = np.where(kept[:, c], (run[:, c - 1] if c else 0) + 1, 0)
+    best = run.max(axis=-1, initial=0)
+    end = np.argmax(run == best[:, None], axis=-1) + 1   # the first run of the longest length
+    klo = np.where(best > 0, (end - best) * BLOCK, 0)
+    khi = np.where(best > 0, np.minimum(int(sk), end * BLOCK), 0)
+    out[..., 2] = klo.reshape(summary.shape[:-1])
+    out[..., 3] = khi.reshape(summary.shape[:-1])
     return out
 
 
@@ -351,7 +366,7 @@ def hook_ranges(summary, sk, device_id, stream=None):
     if summary.dtype != np.uint8 or not summary.flags.c_contiguous or summary.ndim < 2:
         raise ValueError("the summary must be C-contiguous uint8 of shape (..., RB, CB)")
     with cupy.cuda.Device(device_id), _stream_ptr(stream):
-        out = cupy.empty(tuple(summary.shape[:-1]) + (2,), dtype=np.int32)
+        out = cupy.empty(tuple(summary.shape[:-1]) + (RANGE_INTS,), dtype=np.int32)
     rows = int(np.prod(summary.shape[:-1], dtype=np.int64))
     if rows == 0:
         return out

@@ -130,9 +130,12 @@ cuflash_hook_blocks(const float* __restrict__ args, unsigned char* __restrict__ 
 }
 
 // A mask_mod's key ranges from its summary (UserVariant with BLOCKS, VariantParams::mod_ranges):
-// for each of the `rows` = entries x row blocks rows of `ncb` summary bytes, int32 [lo, hi) =
-// [64 c0, min(Sk, 64 (c1 + 1))) with c0 / c1 the first / last block that is not HIDDEN, or
-// (0x7fffffff, 0) where every block is. One thread per row (ncb <= a few thousand bytes).
+// for each of the `rows` = entries x row blocks rows of `ncb` summary bytes, four int32:
+//   [lo, hi) = [64 c0, min(Sk, 64 (c1 + 1))), c0 / c1 the first / last block that is not HIDDEN,
+//              or (0x7fffffff, 0) where every block is: the keys the row block may see;
+//   [klo, khi) = the longest run of KEPT blocks (the first of equal ones) in the same units, or
+//              (0, 0) where no block is KEPT: keys every row of the block sees.
+// One thread per row (ncb <= a few thousand bytes).
 __global__ void __launch_bounds__(128)
 cuflash_hook_ranges(const unsigned char* __restrict__ blocks, int* __restrict__ ranges,
                     long long rows, long long ncb, long long sk) {
@@ -140,15 +143,26 @@ cuflash_hook_ranges(const unsigned char* __restrict__ blocks, int* __restrict__ 
     if (r >= rows) return;
     const unsigned char* row = blocks + r * ncb;
     long long c0 = -1, c1 = -1;
+    long long run0 = 0, best0 = 0, best = 0;   // the current run of KEPT blocks starts at run0
 #pragma unroll 1
     for (long long c = 0; c < ncb; ++c) {
-        if (row[c] != MASK_BLOCK_HIDDEN) {
+        const unsigned char k = row[c];
+        if (k != MASK_BLOCK_HIDDEN) {
             if (c0 < 0) c0 = c;
             c1 = c;
         }
+        if (k != MASK_BLOCK_KEPT) {
+            run0 = c + 1;
+        } else if (c + 1 - run0 > best) {
+            best = c + 1 - run0;
+            best0 = run0;
+        }
     }
-    ranges[2 * r] = c0 < 0 ? 0x7fffffff : static_cast<int>(c0 * MASK_BLOCK);
-    ranges[2 * r + 1] = c0 < 0 ? 0 : static_cast<int>(min(sk, (c1 + 1) * MASK_BLOCK));
+    int* out = ranges + 4 * r;
+    out[0] = c0 < 0 ? 0x7fffffff : static_cast<int>(c0 * MASK_BLOCK);
+    out[1] = c0 < 0 ? 0 : static_cast<int>(min(sk, (c1 + 1) * MASK_BLOCK));
+    out[2] = best == 0 ? 0 : static_cast<int>(best0 * MASK_BLOCK);
+    out[3] = best == 0 ? 0 : static_cast<int>(min(sk, (best0 + best) * MASK_BLOCK));
 }
 
 }  // namespace cuflash

@@ -456,7 +456,10 @@ using PlainVariant = Variant<false, false, false, NoBias, false>;
 // BLOCKS (the forwards only; cuflash/_dispatch_variants.py: HOOK_BLOCKS): the call's key ranges
 // of the mask_mod per 64-row block (VariantParams::mod_ranges) narrow key_range, and with it the
 // key tiles a forward's block visits, as a window's do (HAS_WINDOW); the keys left out are hidden
-// from every row of the block, so each row's result is that of the full walk.
+// from every row of the block, so each row's result is that of the full walk. The same ranges'
+// runs of KEPT blocks make a tile inside them TILE_FULL (tile_kind), where the hook is not
+// evaluated: the kept elements are those the hook would keep, so the results are bitwise those
+// of the flag off.
 template <typename Base, typename Hook, bool SCORE_MOD, bool MASK_MOD, bool BLOCKS = false>
 struct UserVariant : Base {
     static_assert(MASK_MOD || !BLOCKS, "BLOCKS narrows by a mask_mod's ranges");
@@ -470,7 +473,7 @@ struct UserVariant : Base {
 
     const float* mod_args;
     long long mod_b, mod_h;
-    const int* ranges;   // BLOCKS: the bound entry's (lo, hi) per 64-row block, or null
+    const int* ranges;   // BLOCKS: the bound entry's (lo, hi, klo, khi) per 64-row block, or null
 
     __device__ __forceinline__ void bind(const VariantParams& vp, long long sq, long long sk,
                                          long long i0, long long i1, long long i2) {
@@ -497,8 +500,8 @@ struct UserVariant : Base {
 #pragma unroll 1
             for (int b = static_cast<int>(r0 >> MASK_BLOCK_SHIFT);
                  b <= static_cast<int>((r1 - 1) >> MASK_BLOCK_SHIFT); ++b) {
-                lo = min(lo, ranges[2 * b]);
-                hi = max(hi, ranges[2 * b + 1]);
+                lo = min(lo, ranges[4 * b]);
+                hi = max(hi, ranges[4 * b + 1]);
             }
             if (lo >= hi) {
                 j1 = j0;
@@ -580,7 +583,21 @@ struct UserVariant : Base {
     __device__ __forceinline__ int tile_kind(long long r0, long long r1, long long j0,
                                              long long j1) const {
         const int kind = Base::tile_kind(r0, r1, j0, j1);
-        return (MASK_MOD && kind == TILE_FULL) ? TILE_PARTIAL : kind;
+        if (!MASK_MOD || kind != TILE_FULL) return kind;
+        if constexpr (BLOCKS) {
+            // Full where every row block of [r0, r1) keeps all of [j0, j1) (its run of KEPT
+            // blocks, klo / khi, brackets the tile): the mask_mod is not evaluated there. A
+            // tile reaching past Sk is never inside a run (khi <= Sk), as the callers' tail
+            // tests want.
+            if (ranges == nullptr || r0 >= r1) return TILE_PARTIAL;
+            bool full = true;
+#pragma unroll 1
+            for (int b = static_cast<int>(r0 >> MASK_BLOCK_SHIFT);
+                 b <= static_cast<int>((r1 - 1) >> MASK_BLOCK_SHIFT); ++b)
+                full = full && ranges[4 * b + 2] <= j0 && j1 <= ranges[4 * b + 3];
+            return full ? TILE_FULL : TILE_PARTIAL;
+        }
+        return TILE_PARTIAL;
     }
 };
 

@@ -216,6 +216,48 @@ def test_numpy_hook_summary_is_the_masks(sq, sk, batch):
                 np.testing.assert_array_equal(got[b, h], want)
 
 
+def _ranges_by_loop(summary, sk):
+    """numpy_hook_ranges' definition, one row block at a time."""
+    B, K, H = _mask_blocks.BLOCK, _mask_blocks.KEPT, _mask_blocks.HIDDEN
+    out = np.zeros(summary.shape[:-1] + (4,), dtype=np.int64)
+    for idx in np.ndindex(*summary.shape[:-1]):
+        row = list(summary[idx])
+        seen = [c for c, x in enumerate(row) if x != H]
+        out[idx][:2] = ((seen[0] * B, min(sk, (seen[-1] + 1) * B)) if seen
+                        else (_mask_blocks.EMPTY_LO, 0))
+        best, start = 0, 0
+        for c0 in range(len(row)):
+            n = 0
+            while c0 + n < len(row) and row[c0 + n] == K:
+                n += 1
+            if n > best:
+                best, start = n, c0
+        out[idx][2:] = (start * B, min(sk, (start + best) * B)) if best else (0, 0)
+    return out
+
+
+@pytest.mark.parametrize("sk", [1, 64, 100, 1000])
+def test_numpy_hook_ranges_matches_a_loop(sk):
+    """(lo, hi): the hull of the blocks that are not HIDDEN; (klo, khi): the longest run of KEPT
+    blocks, the first of equal ones, clamped to Sk; the sentinels where there is none."""
+    rng = np.random.default_rng(sk)
+    cb = -(-sk // _mask_blocks.BLOCK)
+    for trial in range(20):
+        summary = rng.choice(np.array([_mask_blocks.MIXED, _mask_blocks.KEPT,
+                                       _mask_blocks.HIDDEN], np.uint8), size=(2, 3, 5, cb),
+                             p=rng.dirichlet(np.ones(3)))
+        got = _mask_blocks.numpy_hook_ranges(summary, sk)
+        assert got.dtype == np.int32 and got.shape == (2, 3, 5, 4)
+        np.testing.assert_array_equal(got, _ranges_by_loop(summary, sk))
+    # documents of 200 keys: every row block inside one sees a run of kept blocks
+    ids = np.arange(1000) // 200
+    summary = _mask_blocks.numpy_summary(ids[:, None] == ids[None, :])
+    got = _mask_blocks.numpy_hook_ranges(summary, 1000)
+    assert got[0].tolist() == got[1].tolist() == got[2].tolist() == [0, 256, 0, 192]
+    assert got[3].tolist() == [0, 448, 0, 0]   # rows of two documents: no block kept
+    assert got[4].tolist() == [192, 448, 256, 384]
+
+
 def test_hook_summary_checks_args():
     from cuflash.mods import example_hooks
     doc = example_hooks()["document"]

@@ -82,6 +82,9 @@ def test_hook_summary_matches_numpy(sq, sk, hook, batch):
                                     None if args is None else cp.asarray(args), out=out)
     assert got is out
     np.testing.assert_array_equal(cp.asnumpy(got), want)
+    # and its key ranges (cuflash_hook_ranges) equal numpy_hook_ranges' of the same summary
+    ranges = _mask_blocks.hook_ranges(got, sk, 0)
+    np.testing.assert_array_equal(cp.asnumpy(ranges), _mask_blocks.numpy_hook_ranges(want, sk))
 
 
 @pytest.mark.parametrize("view", ["keys-strided", "rows-strided", "transposed", "offset",

@@ -202,6 +202,9 @@ def _blocks_hooks(name, rng, n):
     ids = _doc_ids(rng, n)
     if name == "document":
         return dict(mask_mod=EX["document"], mod_args=ids)
+    if name == "long_docs":   # documents of ~200 tokens: tiles inside one are FULL
+        return dict(mask_mod=EX["document"],
+                    mod_args=np.cumsum(rng.random(n) < 0.005).astype(np.float32))
     if name == "padded_docs":   # a tail of rows with id -1: whole row blocks see no key
         ids[-max(1, n // 4):] = -1
         return dict(mask_mod=PADDED_DOCS, mod_args=ids)
@@ -211,7 +214,7 @@ def _blocks_hooks(name, rng, n):
 
 
 @pytest.mark.parametrize("sq,sk", [(300, 700), (700, 300), (7, 130)])
-@pytest.mark.parametrize("name", ["document", "padded_docs", "composed"])
+@pytest.mark.parametrize("name", ["document", "long_docs", "padded_docs", "composed"])
 @pytest.mark.parametrize("kernel,dtype,d,causal", [("generic", "float32", 64, False),
                                                    ("tensorcore", "float16", 64, True),
                                                    ("tensorcore", "bfloat16", 128, False),

@@ -122,7 +122,7 @@ def test_launch_passes_a_mask_mods_ranges(launches, monkeypatch):  # noqa: F811
         return contiguous(_mask_blocks.hook_summary_shape(mm, batch, sq_, sk_), 0x8000, 1)
 
     def fake_ranges(summary, sk_, dev, stream=None):
-        return contiguous(tuple(summary.shape[:-1]) + (2,), 0x9000, 4)
+        return contiguous(tuple(summary.shape[:-1]) + (_mask_blocks.RANGE_INTS,), 0x9000, 4)
 
     monkeypatch.setattr(_mask_blocks, "hook_summary", fake_summary)
     monkeypatch.setattr(_mask_blocks, "hook_ranges", fake_ranges)
@@ -139,7 +139,7 @@ def test_launch_passes_a_mask_mods_ranges(launches, monkeypatch):  # noqa: F811
         assert made == [((b, h), sq, sk)]
         rb = -(-sq // 64)
         assert int(vp["mod_ranges"]) == 0x9000
-        assert (int(vp["mr_eb"]), int(vp["mr_eh"])) == (0, 2 * rb)   # names h, not b
+        assert (int(vp["mr_eb"]), int(vp["mr_eh"])) == (0, 4 * rb)   # names h, not b
         for _, p in DV.bwd_generic_variant_plan("float16", d, d, False, var).passes:
             assert "hook-blocks" not in p.label and p.spec.name.endswith(", false, true>>")
 
