@@ -540,6 +540,23 @@ def hopper_choice(dpad: int, causal: bool, sk: int, sq: Optional[int] = None):
 #: (H200, session r), bitwise equal to the in-place form (notes/FLOAT32.md: what is left).
 HOPPER_F32_PRESPLIT = False
 
+#: Where HOPPER_F32_PRESPLIT pays: the split pass (one read and one write of K and V) is repaid by
+#: the query blocks that visit each key tile (`presplit_reuse`: ceil(Sq / BM), halved under the
+#: causal mask). Measured on the H200 (session t, 2026-12-06, the float32 grid): at S = 512 causal
+#: (a reuse of 2 at BM = 128) the in-place form was as fast at D = 64 (60.2 against 59.6 TFLOP/s)
+#: and 18% faster at D = 128 (72.8 against 61.9); at a reuse of 4 and more the pre-split form was
+#: as fast or faster at every point (+3% to +100%). 0: always (the bitwise tests' tails).
+HOPPER_F32_PRESPLIT_MIN_REUSE = 3
+
+
+def presplit_reuse(block_m: int, sq: Optional[int], causal: bool) -> float:
+    """How many query blocks visit a key tile, on average (`HOPPER_F32_PRESPLIT_MIN_REUSE`);
+    infinite where Sq is not known."""
+    if sq is None:
+        return math.inf
+    n = -(-int(sq) // block_m)
+    return n / 2 if causal else float(n)
+
 
 def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
                 precision: str = "highest", form: Optional[str] = None,
@@ -583,7 +600,8 @@ def hopper_plan(dtype_name: str, d: int, causal: bool, sk: int,
         cfg, persistent = choose(dpad, cfg, persistent)
     cxx_bool = {True: "true", False: "false"}
     kernel = "cuflash_fwd_wgmma_ao" if cfg.async_o else "cuflash_fwd_wgmma"
-    presplit = bool(presplit and f16split)
+    presplit = bool(presplit and f16split
+                    and presplit_reuse(cfg.bm, sq, causal) >= HOPPER_F32_PRESPLIT_MIN_REUSE)
     op = ", cuflash::fp16pre_t" if presplit else ", cuflash::fp16_t" if f16split else ""
     name = (f"cuflash::{kernel}<{_CXX_TYPE[dtype_name]}, {terms}, {dpad}, {cfg.bn}, "
             f"{cfg.stages}, {cfg.q_stages}, {cfg.consumers}, {cxx_bool[bool(cfg.overlap)]}, "

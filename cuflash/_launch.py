@@ -26,12 +26,15 @@ VARLEN_PARAMS_DTYPE = np.dtype([("cu_q", np.uint64), ("cu_k", np.uint64), ("lse_
 #: The Hopper kernel's `HopperParams` (kernels_cu/attn_wgmma.cu): three 128-byte tensor maps
 #: (64-byte aligned, so the struct's size rounds up to a multiple of 64), `AttnParams`, and the
 #: batch-coordinate mask.
+#: The pre-split K and V of a HOPPER_F32_PRESPLIT launch (HopperParams::kx ..; zero otherwise).
+_PRESPLIT_FIELDS = ([("kx", np.uint64), ("vx", np.uint64)]
+                    + [(f"{t}x_{s}", np.int64) for t in "kv" for s in ("s0", "s1", "s2", "sr")])
+_HOPPER_TAIL = [("coord_mask", np.int64)] + _PRESPLIT_FIELDS
 HOPPER_PARAMS_DTYPE = np.dtype({
-    "names": ["tm_q", "tm_k", "tm_v"] + [f for f, _ in _PARAMS_FIELDS] + ["coord_mask"],
-    "formats": [(np.uint8, 128)] * 3 + [t for _, t in _PARAMS_FIELDS] + [np.int64],
-    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(len(_PARAMS_FIELDS))]
-               + [384 + 8 * len(_PARAMS_FIELDS)],
-    "itemsize": -(-(384 + 8 * len(_PARAMS_FIELDS) + 8) // 64) * 64,
+    "names": ["tm_q", "tm_k", "tm_v"] + [f for f, _ in _PARAMS_FIELDS + _HOPPER_TAIL],
+    "formats": [(np.uint8, 128)] * 3 + [t for _, t in _PARAMS_FIELDS + _HOPPER_TAIL],
+    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(len(_PARAMS_FIELDS + _HOPPER_TAIL))],
+    "itemsize": -(-(384 + 8 * len(_PARAMS_FIELDS + _HOPPER_TAIL)) // 64) * 64,
 })
 
 MAX_GRID_X = 2**31 - 1
@@ -117,21 +120,21 @@ def launch_forward(plan, prob, o, lse, device_attrs):
         from ._launch_variants import with_hook_ranges, with_mask_blocks
         variant = with_mask_blocks(variant, (plan.spec.family,), prob.device_id, prob.stream)
         variant = with_hook_ranges(variant, plan, prob)   # a mask_mod's tiles (HOOK_BLOCKS)
+    split_kv = None
     if is_presplit(plan):   # K and V split once, into arrays of this call (never cached below)
         from ._decode import scratch
         sizes = presplit_sections(plan, prob)
         buf = scratch(sum(sizes), getattr(prob, "workspace", None), _stream_ptr(prob.stream),
                       "attention_workspace_size")
-        k = presplit_kv(plan, prob, k, buf, 0)
-        v = presplit_kv(plan, prob, v, buf, sizes[0])
+        split_kv = (presplit_kv(plan, prob, k, buf, 0), presplit_kv(plan, prob, v, buf, sizes[0]))
     params, grid, (q, k, v), vparams = forward_params(plan, prob, q, k, v, o, lse, device_attrs,
-                                                      variant=variant)
+                                                      variant=variant, split_kv=split_kv)
     kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
     if vparams is not None:  # a variant's kernels take its VariantParams as a second argument
         kern((grid,), (plan.threads,), (params, vparams), shared_mem=plan.smem_bytes,
              stream=_stream_ptr(prob.stream))
         return
-    if q is prob.q and k is prob.k and v is prob.v:  # no copies were made for this call
+    if q is prob.q and k is prob.k and v is prob.v and split_kv is None:   # nothing of this call
         _PARAM_CACHE[key] = (params, grid)
         if len(_PARAM_CACHE) > _PARAM_CACHE_SIZE:
             _PARAM_CACHE.popitem(last=False)
@@ -139,10 +142,12 @@ def launch_forward(plan, prob, o, lse, device_attrs):
          stream=_stream_ptr(prob.stream))
 
 
-def forward_params(plan, prob, q, k, v, o, lse, device_attrs, variant=None):
+def forward_params(plan, prob, q, k, v, o, lse, device_attrs, variant=None, split_kv=None):
     """The forward's parameter block for these buffers, after the launch-configuration checks.
     ``variant``: the problem's variant as launched (`_launch_variants.with_mask_blocks`; default
-    `prob.variant`).
+    `prob.variant`). ``split_kv``: a HOPPER_F32_PRESPLIT plan's split K and V (`presplit_kv`),
+    which the tensor maps and HopperParams::kx, vx point at; k and v themselves (the float32
+    inputs) stay in the block for the kernel's exact row path.
 
     Returns ``(params, grid, (q, k, v), vparams)``: the block (a NumPy structured scalar), the
     number of blocks, the inputs it points at (contiguous full-batch copies when more than three
@@ -156,15 +161,18 @@ def forward_params(plan, prob, q, k, v, o, lse, device_attrs, variant=None):
     if getattr(prob, "variant", None) is not None:
         from ._launch_variants import collapse_with_variant
         sizes, bstr, rstr, vparams = collapse_with_variant(prob, q, k, v, o, variant=variant)
-    else:
-        sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
+    else:   # (the split K and V collapse with the rest: one set of batch sizes for all six)
+        sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o, *(split_kv or ()))
     if len(sizes) > 3:
         # More than three batch axes that no stride pattern merges: materialise the inputs once
         # as contiguous full-batch arrays (documented in `attention`), then they collapse to one.
         full = prob.batch_shape
         q, k, v = (cupy.ascontiguousarray(cupy.broadcast_to(t, full + t.shape[-2:]))
                    for t in (q, k, v))
-        sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o)
+        if split_kv is not None:
+            split_kv = tuple(cupy.ascontiguousarray(cupy.broadcast_to(t, full + t.shape[-2:]))
+                             for t in split_kv)
+        sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o, *(split_kv or ()))
         if len(sizes) > 3:  # o itself was given with an unmergeable layout
             raise ValueError("out has a batch layout with more than three non-mergeable axes; "
                              "pass a C-contiguous out")
@@ -200,7 +208,14 @@ def forward_params(plan, prob, q, k, v, o, lse, device_attrs, variant=None):
     p["n_mblocks"] = n_mblocks
     p["scale_log2"] = prob.scale * _LOG2E
     p["scale"] = prob.scale
-    if hopper:
+    if hopper and split_kv is not None:
+        p["kx"], p["vx"] = (x.data.ptr for x in split_kv)
+        for t, i in (("k", 4), ("v", 5)):
+            p[f"{t}x_s0"], p[f"{t}x_s1"], p[f"{t}x_s2"] = bstr[i]
+            p[f"{t}x_sr"] = rstr[i]
+        _fill_tensor_maps(p, plan, prob, (q, *split_kv), sizes,
+                          [bstr[0], bstr[4], bstr[5]], [rstr[0], rstr[4], rstr[5]])
+    elif hopper:
         _fill_tensor_maps(p, plan, prob, (q, k, v), sizes, bstr, rstr)
 
     if plan.pairs:  # query blocks nm - 1 - r and r go to one block (attn_wgmma.cu: WorkWalk)

@@ -88,14 +88,21 @@ struct HopperParams {
     TmaDesc tm_q, tm_k, tm_v;
     AttnParams a;
     long long coord_mask;
+    // OP = fp16pre_t: the split K and V (cuflash_split16_kv's float16 arrays, which tm_k / tm_v
+    // map; each key tile's exponent at column 2 DPAD of its first row), batch and row strides in
+    // 16-bit elements. a.k and a.v stay the float32 inputs, which the exact row path reads.
+    const void* kx;
+    const void* vx;
+    long long kx_s0, kx_s1, kx_s2, kx_sr, vx_s0, vx_s1, vx_s2, vx_sr;
 };
 // The host mirrors this layout byte for byte (cuflash/_launch.py: HOPPER_PARAMS_DTYPE): a at 384,
-// coord_mask right after it. (Checked through sizes: NVRTC 13.0 has no __builtin_offsetof.)
+// coord_mask right after it, then kx.. vx_sr (ten 8-byte fields), padded to 64 bytes. (Checked
+// through sizes: NVRTC 13.0 has no __builtin_offsetof.)
 static_assert(sizeof(TmaDesc) == 128 && alignof(AttnParams) <= 64 && sizeof(AttnParams) % 8 == 0,
               "HopperParams layout");
 static_assert(3 * sizeof(TmaDesc) + sizeof(AttnParams) + sizeof(long long) == 640,
               "HopperParams layout");
-static_assert(sizeof(HopperParams) == 640, "HopperParams layout");
+static_assert(sizeof(HopperParams) == 768, "HopperParams layout");
 
 // T = float (TERMS = 1: one-pass TF32, 3: 3xTF32 split products; notes/FLOAT32.md, "Hopper wgmma
 // form"): the producer warpgroup prepares every tile before the consumers see it. TMA lands Q, K
@@ -727,10 +734,10 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                 // (the producer's 56 registers spilled with both base pointers kept live).
                 const auto tile_exp = [&](int t, int row) {
                     const unsigned short* base = static_cast<const unsigned short*>(
-                        t == 1 ? p.k : p.v);
+                        t == 1 ? hp.kx : hp.vx);
                     const long long off = t == 1
-                        ? ix[0] * p.k_s0 + ix[1] * p.k_s1 + ix[2] * p.k_s2 + row * p.k_sr
-                        : ix[0] * p.v_s0 + ix[1] * p.v_s1 + ix[2] * p.v_s2 + row * p.v_sr;
+                        ? ix[0] * hp.kx_s0 + ix[1] * hp.kx_s1 + ix[2] * hp.kx_s2 + row * hp.kx_sr
+                        : ix[0] * hp.vx_s0 + ix[1] * hp.vx_s1 + ix[2] * hp.vx_s2 + row * hp.vx_sr;
                     return *reinterpret_cast<const int*>(base + off + 2 * DPAD);
                 };
                 const auto load16 = [&](unsigned int dst, const TmaDesc* map, int t, int row,

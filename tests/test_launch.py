@@ -49,8 +49,9 @@ def test_param_dtypes_match_the_structs():
     """The sizes the kernels static_assert (common.cuh, attn_wgmma.cu)."""
     assert _launch.PARAMS_DTYPE.itemsize == 31 * 8
     hp = _launch.HOPPER_PARAMS_DTYPE
-    assert hp.itemsize == 640
+    assert hp.itemsize == 768
     assert hp.fields["q"][1] == 384 and hp.fields["coord_mask"][1] == 384 + 31 * 8
+    assert hp.fields["kx"][1] == 640 and hp.fields["vx_sr"][1] == 640 + 9 * 8
     assert [hp.fields[f"tm_{t}"][1] for t in "qkv"] == [0, 128, 256]
 
 
@@ -333,3 +334,65 @@ def test_encode_tiled_refuses_negative_strides():
     with pytest.raises(ValueError, match="must not be negative"):
         _tma.encode_tiled("float16", 1 << 20, [128, 512, 4, 2, 1], [256, -131072, 524288, 0],
                           [64, 128, 1, 1, 1])
+
+
+def test_presplit_params_keep_the_float32_inputs(launches, monkeypatch):
+    """A HOPPER_F32_PRESPLIT launch: the tensor maps and HopperParams::kx / vx (with the split
+    arrays' own strides) point at the split K and V, while a.k / a.v keep the float32 inputs and
+    their strides, which the kernel's exact row path reads (a NaN in V at a key a causal row
+    cannot see; the row is recomputed from the inputs). Broadcast key/value heads: stride 0 in
+    both."""
+    monkeypatch.setattr(_tma, "available", lambda: True)
+    B, H, S, D = 2, 3, 200, 128
+    plan = _dispatch.hopper_plan("float32", D, True, S, "highest", presplit=True)
+    w = 2 * plan.presplit_dpad + 64
+    q = FakeArray((B, H, S, D), (H * S * D, S * D, D, 1), 1 << 20, 4)
+    k = FakeArray((B, 1, S, D), (S * D * 2, 0, 2 * D, 1), 2 << 20, 4)   # every other row
+    v = FakeArray((B, 1, S, D), (S * D, 0, D, 1), 3 << 20, 4)
+    o = FakeArray((B, H, S, D), (H * S * D, S * D, D, 1), 4 << 20, 4)
+    ks = FakeArray((B, 1, S, w), (S * w, S * w, w, 1), 5 << 20, 2)
+    vs = FakeArray((B, 1, S, w), (S * w, S * w, w, 1), 6 << 20, 2)
+    prob = types.SimpleNamespace(q=q, k=k, v=v, batch_shape=(B, H), sq=S, sk=S, d=D, dv=D,
+                                 dtype_name="float32", scale=0.125, stream=None, device_id=0)
+    p, grid, (q2, k2, v2), _ = _launch.forward_params(plan, prob, q, k, v, o, None, ATTRS,
+                                                      split_kv=(ks, vs))
+    assert (q2, k2, v2) == (q, k, v)
+    assert (int(p["k"]), int(p["v"])) == (2 << 20, 3 << 20)
+    assert (int(p["kx"]), int(p["vx"])) == (5 << 20, 6 << 20)
+    assert int(p["k_sr"]) == 2 * D and int(p["v_sr"]) == D
+    assert int(p["kx_sr"]) == int(p["vx_sr"]) == w
+    # batch (B, H): the kernel's axes 1 (B) and 2 (H); heads broadcast for k, v and their splits
+    assert [int(p[f"k_s{i}"]) for i in (1, 2)] == [S * D * 2, 0]
+    assert [int(p[f"kx_s{i}"]) for i in (1, 2)] == [S * w, 0]
+    assert [int(p[f"vx_s{i}"]) for i in (1, 2)] == [S * w, 0]
+    maps = launches["maps"]
+    assert [m[0] for m in maps] == [1 << 20, 5 << 20, 6 << 20]
+    assert maps[1][1][0] == maps[2][1][0] == 2 * plan.presplit_dpad   # 16-bit columns mapped
+    assert maps[1][2][0] == w * 2   # the split rows' byte pitch
+    # without the split the block has zeros there and maps k and v themselves
+    launches["maps"].clear()
+    plain = _dispatch.hopper_plan("float32", D, True, S, "highest", presplit=False)
+    p, *_ = _launch.forward_params(plain, prob, q, k, v, o, None, ATTRS)
+    assert int(p["kx"]) == int(p["vx"]) == 0
+    assert [m[0] for m in launches["maps"]] == [1 << 20, 2 << 20, 3 << 20]
+
+
+def test_presplit_only_where_key_tiles_are_reused(monkeypatch):
+    """HOPPER_F32_PRESPLIT_MIN_REUSE: the split pass is taken where a key tile is visited by at
+    least that many query blocks on average (ceil(Sq / BM), halved under the causal mask); Sq
+    unknown (the compile set) counts as reused; 0 takes it everywhere."""
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_PRESPLIT_MIN_REUSE", 3)
+
+    def pre(d, causal, sq):
+        plan = _dispatch.hopper_plan("float32", d, causal, 4096, "highest", sq=sq, presplit=True)
+        assert ("presplit," in plan.label) == (plan.presplit_dpad > 0), plan.label
+        return plan.presplit_dpad > 0
+
+    assert not pre(128, True, 512) and not pre(64, True, 512)   # BM = 128: 4 blocks, causal 2
+    assert pre(128, False, 512) and pre(128, True, 1024) and pre(64, True, 1024)
+    assert pre(256, True, 512)   # BM = 64: 8 blocks, causal 4
+    assert not pre(128, False, 256) and pre(128, False, 384)
+    assert pre(128, True, None)
+    assert _dispatch.presplit_reuse(128, 1000, True) == 4.0
+    monkeypatch.setattr(_dispatch, "HOPPER_F32_PRESPLIT_MIN_REUSE", 0)
+    assert pre(128, True, 1)
