@@ -202,9 +202,12 @@ def _blocks_hooks(name, rng, n):
     ids = _doc_ids(rng, n)
     if name == "document":
         return dict(mask_mod=EX["document"], mod_args=ids)
-    if name == "long_docs":   # documents of ~200 tokens: tiles inside one are FULL
+    if name == "long_docs":   # a first document of 100 tokens, then 256-token ones: 64-row
+        # blocks inside one see a run of kept key blocks (FULL tiles at 64 and 128 keys), and
+        # every shape below narrows (the first rows see keys 0..99 only)
+        pos = np.arange(n)
         return dict(mask_mod=EX["document"],
-                    mod_args=np.cumsum(rng.random(n) < 0.005).astype(np.float32))
+                    mod_args=np.where(pos < 100, 0, 1 + (pos - 100) // 256).astype(np.float32))
     if name == "padded_docs":   # a tail of rows with id -1: whole row blocks see no key
         ids[-max(1, n // 4):] = -1
         return dict(mask_mod=PADDED_DOCS, mod_args=ids)
