@@ -14,6 +14,11 @@
 # The H200 machine reported nproc = 2 on 2026-12-02 (session i): precompile then takes ~5 min and
 # the shards are CPU-bound; size SHARDS and the limits to `nproc`, not to the machine's name.
 # (PYTHONPATH points at the checkout, so no install is needed; torch is optional.)
+# CACHE_TAR: a .tar.xz of a kernel cache made on another machine with the device's NVRTC
+# (benchmarks/pack_cache.sh), unpacked before the precompile, which then only checks it (all 1249
+# specialisations in 0.1 s on the H200 machine of session t, whose nproc was 2: there a precompile
+# takes ~8 minutes). ARCHIVE=1: every log also in one $OUT/logs.tgz (the device tool returns a
+# limited number of files; session t lost its failure logs to that limit).
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-out}
@@ -39,6 +44,11 @@ if [ "${PRECOMPILE:-1}" = 1 ]; then
   # shard compiling its own at first use.
   echo "== precompile"
   export CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-$PWD/.devcache}
+  if [ -n "${CACHE_TAR:-}" ] && [ -f "$CACHE_TAR" ]; then
+    mkdir -p "$CUFLASH_CACHE_DIR"
+    tar xJf "$CACHE_TAR" -C "$CUFLASH_CACHE_DIR" --strip-components=1
+    echo "cache from $CACHE_TAR: $(ls "$CUFLASH_CACHE_DIR" | wc -l) files"
+  fi
   timeout "${PRECOMPILE_LIMIT:-300}" python3 -m cuflash.precompile --jobs "$(nproc)" \
     > "$OUT/precompile.txt" 2>&1
   echo "precompile exit $?: $(tail -1 "$OUT/precompile.txt")"
@@ -125,4 +135,8 @@ if [ "${BENCH:-1}" = 1 ] && [ "${BF16:-1}" = 1 ]; then
   echo "== benchmark, bfloat16, D = 128"
   python3 benchmarks/bench.py --dtype bfloat16 --d 128 --markdown "$OUT/bench_bf16.md" > /dev/null 2>&1
   echo "bench bf16 exit $?"; grep -E "geomean|every point" "$OUT/bench_bf16.md"
+fi
+
+if [ "${ARCHIVE:-0}" = 1 ]; then
+  ( cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz . ) && echo "logs in $OUT/logs.tgz"
 fi
