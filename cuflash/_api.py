@@ -132,13 +132,14 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     mask_mod : cuflash.MaskMod, optional
         A user mask ``keep(b, h, q_idx, kv_idx, args)``, one more visibility condition.
         Every tile under the causal limit (and a window's reach) is visited, unless
-        ``cuflash._dispatch_variants.HOOK_BLOCKS`` is on (off by default, not yet run on a
-        GPU): then the GPU forwards first run the hook over every (row, key) on the call's
-        stream (``nb * nh * Sq * Sk`` evaluations, ``nb`` / ``nh`` the batch entries / heads
-        if its code names ``b`` / ``h``, else 1) and visit per 64 rows only the key tiles
-        between the first and the last 64 x 64 block it does not hide; two arrays of
-        ``nb * nh * ceil(Sq / 64) * ceil(Sk / 64)`` bytes and twice that many int32 from
-        CuPy's pool per call. The same result either way.
+        ``cuflash._dispatch_variants.HOOK_BLOCKS`` is on (off by default; its GPU tests have
+        not passed yet): then the GPU forwards first run the hook over every (row, key) on
+        the call's stream (``nb * nh * Sq * Sk`` evaluations, ``nb`` / ``nh`` the batch entries
+        / heads if its code names ``b`` / ``h``, else 1), visit per 64 rows only the key tiles
+        between the first and the last 64 x 64 block it does not hide, and skip the hook on
+        tiles inside a run of blocks it keeps entirely; two arrays from CuPy's pool per call
+        (``nb * nh * RB * CB`` bytes and ``nb * nh * (4 RB + 2 CB)`` int32, RB = ceil(Sq / 64),
+        CB = ceil(Sk / 64)). The same result either way.
     mod_args : array, shape (n,), float32, optional
         The hooks' ``args`` (per-head constants, tables, document ids), on the inputs' device;
         needed, non-empty, when a hook's CUDA code reads ``args`` (else ValueError).

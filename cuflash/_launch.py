@@ -448,6 +448,8 @@ def launch_backward(bplan, prob, dq, dk, dv, workspace, device_attrs):
         from . import _launch_variants as lv
         variant = lv.with_mask_blocks(variant, [pl.spec.family for _, pl in bplan.passes],
                                       prob.device_id, prob.stream)
+        # a mask_mod's ranges (HOOK_BLOCKS_BWD: the passes' row ranges and full tiles)
+        variant = lv.with_hook_ranges(variant, [pl for _, pl in bplan.passes], prob)
         extra = lv.variant_tensors(variant)
 
     def collapse():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 
 from ._launch import collapse_batch
-from ._mask_blocks import RANGE_INTS
 
 _VP_PTRS = ("bias", "mask", "slopes")
 _VP_INTS1 = ("left", "right")
@@ -61,21 +60,22 @@ def with_mask_blocks(variant, families, device_id, stream):
     return dataclasses.replace(variant, mask_blocks=blocks)
 
 
-def with_hook_ranges(variant, plan, prob):
-    """`variant` with its mask_mod's key ranges (`_mask_blocks.hook_summary`, then
-    `hook_ranges`: two launches and two small arrays from CuPy's pool, on the call's stream)
-    when `plan`'s policy narrows its tiles by them (`_dispatch_variants.reads_hook_ranges`);
-    the variant unchanged otherwise."""
+def with_hook_ranges(variant, plans, prob):
+    """`variant` with its mask_mod's ranges (`_mask_blocks.hook_summary`, then `hook_ranges`:
+    three launches and two small arrays from CuPy's pool, on the call's stream) when the policy
+    of one of `plans` (a plan or a sequence of them: a backward's passes) narrows its tiles by
+    them (`_dispatch_variants.reads_hook_ranges`); the variant unchanged otherwise."""
     import dataclasses
 
     from . import _mask_blocks
     from ._dispatch_variants import reads_hook_ranges
+    plans = plans if isinstance(plans, (list, tuple)) else (plans,)
     if variant.mask_mod is None or variant.hook_ranges is not None \
-            or not reads_hook_ranges(plan):
+            or not any(reads_hook_ranges(p) for p in plans):
         return variant
     summary = _mask_blocks.hook_summary(variant.mask_mod, variant.mod_batch, prob.sq, prob.sk,
                                         prob.device_id, variant.mod_args, prob.stream)
-    ranges = _mask_blocks.hook_ranges(summary, prob.sk, prob.device_id, prob.stream)
+    ranges = _mask_blocks.hook_ranges(summary, prob.sq, prob.sk, prob.device_id, prob.stream)
     return dataclasses.replace(variant, hook_ranges=ranges)
 
 
@@ -127,11 +127,11 @@ def fill_params(prob, extra_bstr, dscores=None, variant=None):
             vp["mb_cmax"] = x.shape[-1] - 1
         elif name == "sl":
             vp["slopes"] = x.data.ptr
-    if var.hook_ranges is not None:   # (nb, nh, RB, 4) int32 contiguous: entry strides in ints
-        nb, nh, rb = var.hook_ranges.shape[:3]
+    if var.hook_ranges is not None:   # (nb, nh, 4 RB + 2 CB) int32 contiguous: entry strides
+        nb, nh, per = var.hook_ranges.shape   # in ints (_mask_blocks.numpy_hook_record)
         vp["mod_ranges"] = var.hook_ranges.data.ptr
-        vp["mr_eb"] = nh * rb * RANGE_INTS if nb > 1 else 0
-        vp["mr_eh"] = rb * RANGE_INTS if nh > 1 else 0
+        vp["mr_eb"] = nh * per if nb > 1 else 0
+        vp["mr_eh"] = per if nh > 1 else 0
     vp["dscores"] = 0 if dscores is None else dscores.data.ptr
     return vp[()]
 

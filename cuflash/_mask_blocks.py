@@ -63,14 +63,18 @@ def spec(vec):
                                    f"cuflash::cuflash_mask_blocks<{'true' if vec else 'false'}>")
 
 
-def ranges_spec():
-    """The kernel that turns a mask_mod's summary into key ranges (cuflash_hook_ranges)."""
+RANGE_KERNELS = ("cuflash_hook_ranges", "cuflash_hook_col_ranges")
+
+
+def ranges_spec(name="cuflash_hook_ranges"):
+    """A kernel that turns a mask_mod's summary into ranges (`RANGE_KERNELS`: the row blocks'
+    key ranges, the key blocks' row ranges; `hook_ranges`)."""
     from . import _compile
-    return _compile.Specialisation("mask_blocks", "cuflash::cuflash_hook_ranges")
+    return _compile.Specialisation("mask_blocks", f"cuflash::{name}")
 
 
 def compile_specs():
-    return [spec(True), spec(False), ranges_spec()]
+    return [spec(True), spec(False)] + [ranges_spec(n) for n in RANGE_KERNELS]
 
 
 def hook_compile_specs():
@@ -355,9 +359,29 @@ def numpy_hook_ranges(summary, sk):
     return out
 
 
-def hook_ranges(summary, sk, device_id, stream=None):
-    """`numpy_hook_ranges` on the GPU: a new int32 array from CuPy's pool, on ``stream``, for
-    the C-contiguous CuPy summary ``summary``."""
+def numpy_hook_col_ranges(summary, sq):
+    """Row ranges from a summary (uint8, (..., RB, CB)): int32 (..., CB, 2), per key block
+    [64 r0, min(Sq, 64 (r1 + 1))) with r0 / r1 the first / last row block whose block in that
+    column is not HIDDEN, or (EMPTY_LO, 0) where every one is (cuflash_hook_col_ranges'
+    definition)."""
+    return numpy_hook_ranges(np.swapaxes(np.asarray(summary), -1, -2), sq)[..., :2]
+
+
+def numpy_hook_record(summary, sq, sk):
+    """The ranges the kernels read, one int32 record per summary entry: (..., 4 RB + 2 CB), the
+    row blocks' (lo, hi, klo, khi) (`numpy_hook_ranges`) then the key blocks' (rlo, rhi)
+    (`numpy_hook_col_ranges`); `hook_ranges` is tested against it."""
+    summary = np.asarray(summary)
+    lead = summary.shape[:-2]
+    return np.concatenate([numpy_hook_ranges(summary, sk).reshape(lead + (-1,)),
+                           numpy_hook_col_ranges(summary, sq).reshape(lead + (-1,))], axis=-1)
+
+
+def hook_ranges(summary, sq, sk, device_id, stream=None, out=None):
+    """`numpy_hook_record` on the GPU (cuflash_hook_ranges and cuflash_hook_col_ranges, two
+    launches on ``stream``) for the C-contiguous CuPy summary ``summary`` of shape (..., RB, CB):
+    into ``out`` (C-contiguous int32 of shape (..., 4 RB + 2 CB)) or a new array from CuPy's
+    pool."""
     import cupy
 
     from . import _compile
@@ -365,15 +389,25 @@ def hook_ranges(summary, sk, device_id, stream=None):
 
     if summary.dtype != np.uint8 or not summary.flags.c_contiguous or summary.ndim < 2:
         raise ValueError("the summary must be C-contiguous uint8 of shape (..., RB, CB)")
-    with cupy.cuda.Device(device_id), _stream_ptr(stream):
-        out = cupy.empty(tuple(summary.shape[:-1]) + (RANGE_INTS,), dtype=np.int32)
-    rows = int(np.prod(summary.shape[:-1], dtype=np.int64))
-    if rows == 0:
+    nrb, ncb = (int(n) for n in summary.shape[-2:])
+    stride = RANGE_INTS * nrb + 2 * ncb
+    shape = tuple(summary.shape[:-2]) + (stride,)
+    if out is None:
+        with cupy.cuda.Device(device_id), _stream_ptr(stream):
+            out = cupy.empty(shape, dtype=np.int32)
+    elif tuple(out.shape) != shape or out.dtype != np.int32 or not out.flags.c_contiguous:
+        raise ValueError(f"the ranges must be C-contiguous int32 of shape {shape}")
+    entries = int(np.prod(summary.shape[:-2], dtype=np.int64))
+    if entries * nrb * ncb == 0:
         return out
-    grid = -(-rows // 128)
-    if grid > MAX_GRID_X:
-        raise ValueError(f"hook_ranges: {rows} row blocks is too many for one launch")
-    kern = _compile.get_kernel(ranges_spec(), device_id)
-    kern((grid,), (128,), (summary, out, np.int64(rows), np.int64(summary.shape[-1]),
-                           np.int64(sk)), stream=_stream_ptr(stream))
+    for name, n, args in (
+            ("cuflash_hook_ranges", entries * nrb, (np.int64(ncb), np.int64(sk), np.int64(nrb))),
+            ("cuflash_hook_col_ranges", entries * ncb, (np.int64(nrb), np.int64(ncb),
+                                                         np.int64(sq)))):
+        grid = -(-n // 128)
+        if grid > MAX_GRID_X:
+            raise ValueError(f"hook_ranges: {n} blocks is too many for one launch")
+        kern = _compile.get_kernel(ranges_spec(name), device_id)
+        kern((grid,), (128,), (summary, out, np.int64(n), *args, np.int64(stride)),
+             stream=_stream_ptr(stream))
     return out

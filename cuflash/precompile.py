@@ -56,7 +56,7 @@ def specialisations(compute_capability: int) -> List[_compile.Specialisation]:
         specs += hopper_bwd_variant_compile_specs()  # the Hopper backward's (sm_90a)
         specs += form_compile_specs(cc)  # the forms behind flags (off by default)
         from ._dispatch_variants import hook_blocks_compile_specs
-        specs += hook_blocks_compile_specs(cc)  # HOOK_BLOCKS' narrowed forwards (off)
+        specs += hook_blocks_compile_specs(cc)  # HOOK_BLOCKS' narrowed walks (off)
     for t, acc in (("cuflash::fp16_t", "float"), ("cuflash::bf16_t", "float"),
                    ("float", "float"), ("double", "double")):
         specs.append(_compile.Specialisation("merge", f"cuflash::cuflash_merge_states<{t}, {acc}>"))

@@ -77,9 +77,9 @@ class Variant:
         `cuflash.BlockMask`; None otherwise (the GPU launch then summarises the mask per call).
         A function of ``mask``: it never changes the result.
     hook_ranges : array or None
-        The mask_mod's key ranges and kept runs per 64-row block (int32 (..., RB, 4),
-        `cuflash._mask_blocks.hook_ranges`)
-        that the GPU forward made for its launch (`_dispatch_variants.HOOK_BLOCKS`); None
+        The mask_mod's ranges per summary entry (int32 (nb, nh, 4 RB + 2 CB): the row blocks'
+        key ranges and kept runs, the key blocks' row ranges; `cuflash._mask_blocks.hook_ranges`)
+        that the GPU launch made for its kernels (`_dispatch_variants.HOOK_BLOCKS`); None
         otherwise. A function of the hook, ``mod_args`` and the shapes: it never changes the
         result.
     """

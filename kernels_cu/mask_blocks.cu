@@ -129,16 +129,20 @@ cuflash_hook_blocks(const float* __restrict__ args, unsigned char* __restrict__ 
     store_block_kind(out + blk, all_true, any_true);
 }
 
-// A mask_mod's key ranges from its summary (UserVariant with BLOCKS, VariantParams::mod_ranges):
-// for each of the `rows` = entries x row blocks rows of `ncb` summary bytes, four int32:
+// A mask_mod's ranges from its summary (UserVariant with BLOCKS, VariantParams::mod_ranges), one
+// int32 record per summary entry of `stride` ints: first, per 64-row block (nrb of them), four
+// int32 (cuflash_hook_ranges):
 //   [lo, hi) = [64 c0, min(Sk, 64 (c1 + 1))), c0 / c1 the first / last block that is not HIDDEN,
 //              or (0x7fffffff, 0) where every block is: the keys the row block may see;
 //   [klo, khi) = the longest run of KEPT blocks (the first of equal ones) in the same units, or
-//              (0, 0) where no block is KEPT: keys every row of the block sees.
-// One thread per row (ncb <= a few thousand bytes).
+//              (0, 0) where no block is KEPT: keys every row of the block sees;
+// then, at 4 nrb, per 64-key block two int32 (cuflash_hook_col_ranges): [rlo, rhi) = [64 r0,
+// min(Sq, 64 (r1 + 1))), r0 / r1 the first / last row block whose block in that column is not
+// HIDDEN, or (0x7fffffff, 0): the rows that may see the key block (the backwards' row_range).
+// One thread per row block (ncb <= a few thousand bytes), resp. per key block.
 __global__ void __launch_bounds__(128)
 cuflash_hook_ranges(const unsigned char* __restrict__ blocks, int* __restrict__ ranges,
-                    long long rows, long long ncb, long long sk) {
+                    long long rows, long long ncb, long long sk, long long nrb, long long stride) {
     const long long r = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     const unsigned char* row = blocks + r * ncb;
@@ -158,11 +162,32 @@ cuflash_hook_ranges(const unsigned char* __restrict__ blocks, int* __restrict__ 
             best0 = run0;
         }
     }
-    int* out = ranges + 4 * r;
+    int* out = ranges + (r / nrb) * stride + 4 * (r % nrb);
     out[0] = c0 < 0 ? 0x7fffffff : static_cast<int>(c0 * MASK_BLOCK);
     out[1] = c0 < 0 ? 0 : static_cast<int>(min(sk, (c1 + 1) * MASK_BLOCK));
     out[2] = best == 0 ? 0 : static_cast<int>(best0 * MASK_BLOCK);
     out[3] = best == 0 ? 0 : static_cast<int>(min(sk, (best0 + best) * MASK_BLOCK));
+}
+
+__global__ void __launch_bounds__(128)
+cuflash_hook_col_ranges(const unsigned char* __restrict__ blocks, int* __restrict__ ranges,
+                        long long cols, long long nrb, long long ncb, long long sq,
+                        long long stride) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= cols) return;
+    const long long e = i / ncb, c = i % ncb;
+    const unsigned char* col = blocks + e * nrb * ncb + c;
+    long long r0 = -1, r1 = -1;
+#pragma unroll 1
+    for (long long r = 0; r < nrb; ++r) {
+        if (col[r * ncb] != MASK_BLOCK_HIDDEN) {
+            if (r0 < 0) r0 = r;
+            r1 = r;
+        }
+    }
+    int* out = ranges + e * stride + 4 * nrb + 2 * c;
+    out[0] = r0 < 0 ? 0x7fffffff : static_cast<int>(r0 * MASK_BLOCK);
+    out[1] = r0 < 0 ? 0 : static_cast<int>(min(sq, (r1 + 1) * MASK_BLOCK));
 }
 
 }  // namespace cuflash

@@ -56,10 +56,12 @@ struct VariantParams {
     // mb_cmax = CB - 1 (0 when keys broadcast). Null: no summary (every masked tile is partial).
     const unsigned char* mask_blocks;
     long long mb_s0, mb_s1, mb_s2, mb_sr, mb_cmax;
-    // A mask_mod's key ranges (UserVariant with BLOCKS; mask_blocks.cu: cuflash_hook_ranges):
-    // per summary entry and 64-row block, int32 [lo, hi), the keys of the blocks the hook does
-    // not hide entirely ((0x7fffffff, 0) where it hides every key); the entry of (b, h) starts at
-    // b * mr_eb + h * mr_eh ints (0 where the hook's code does not name b or h). Null: no ranges.
+    // A mask_mod's ranges (UserVariant with BLOCKS; mask_blocks.cu: cuflash_hook_ranges): per
+    // summary entry, per 64-row block int32 (lo, hi, klo, khi) (the keys of the blocks the hook
+    // does not hide entirely, (0x7fffffff, 0) where it hides every key; the run of blocks it
+    // keeps entirely), then per 64-key block (rlo, rhi) (the rows of the blocks it does not hide);
+    // the entry of (b, h) starts at b * mr_eb + h * mr_eh ints (0 where the hook's code does not
+    // name b or h). Null: no ranges.
     const int* mod_ranges;
     long long mr_eb, mr_eh;
 };
@@ -453,7 +455,8 @@ using PlainVariant = Variant<false, false, false, NoBias, false>;
 // mask_mod(b, h, q_idx, kv_idx, args). The score hook runs on the score Base produces (after
 // softcap, alibi, bias); the mask hook is one more visibility condition. Same interface as
 // Variant; every tile with a mask hook is partial (nothing about it is known by position).
-// BLOCKS (the forwards only; cuflash/_dispatch_variants.py: HOOK_BLOCKS): the call's key ranges
+// BLOCKS (cuflash/_dispatch_variants.py: HOOK_BLOCKS, and HOOK_BLOCKS_BWD for the backwards
+// without deterministic turns, whose row_range it narrows the same way): the call's key ranges
 // of the mask_mod per 64-row block (VariantParams::mod_ranges) narrow key_range, and with it the
 // key tiles a forward's block visits, as a window's do (HAS_WINDOW); the keys left out are hidden
 // from every row of the block, so each row's result is that of the full walk. The same ranges'
@@ -473,7 +476,8 @@ struct UserVariant : Base {
 
     const float* mod_args;
     long long mod_b, mod_h;
-    const int* ranges;   // BLOCKS: the bound entry's (lo, hi, klo, khi) per 64-row block, or null
+    const int* ranges;    // BLOCKS: the bound entry's (lo, hi, klo, khi) per 64-row block, or null
+    const int* cranges;   // BLOCKS: the bound entry's (rlo, rhi) per 64-key block (after ranges)
 
     __device__ __forceinline__ void bind(const VariantParams& vp, long long sq, long long sk,
                                          long long i0, long long i1, long long i2) {
@@ -482,10 +486,37 @@ struct UserVariant : Base {
         mod_h = n % vp.mod_h;
         mod_b = n / vp.mod_h;
         mod_args = vp.mod_args;
-        if constexpr (BLOCKS)
+        if constexpr (BLOCKS) {
             ranges = vp.mod_ranges == nullptr
                          ? nullptr
                          : vp.mod_ranges + mod_b * vp.mr_eb + mod_h * vp.mr_eh;
+            cranges = ranges == nullptr ? nullptr
+                                        : ranges + 4 * ((sq + MASK_BLOCK - 1) >> MASK_BLOCK_SHIFT);
+        }
+    }
+
+    // Base's row range, narrowed (BLOCKS) to the union of the mask_mod's row ranges over the 1-3
+    // key blocks of [j0, j1) (the callers clamp j1 to Sk): the backwards' query tiles of a key
+    // block. Empty (r1 = r0) where the hook hides those keys from every row.
+    __device__ __forceinline__ void row_range(long long j0, long long j1, long long& r0,
+                                              long long& r1, long long sq) const {
+        Base::row_range(j0, j1, r0, r1, sq);
+        if constexpr (BLOCKS) {
+            if (cranges == nullptr || j0 >= j1) return;
+            int lo = 0x7fffffff, hi = 0;
+#pragma unroll 1
+            for (int c = static_cast<int>(j0 >> MASK_BLOCK_SHIFT);
+                 c <= static_cast<int>((j1 - 1) >> MASK_BLOCK_SHIFT); ++c) {
+                lo = min(lo, cranges[2 * c]);
+                hi = max(hi, cranges[2 * c + 1]);
+            }
+            if (lo >= hi) {
+                r1 = r0;
+            } else {
+                r0 = max(r0, static_cast<long long>(lo));
+                r1 = min(r1, static_cast<long long>(hi));
+            }
+        }
     }
 
     // Base's key range, narrowed (BLOCKS) to the union of the mask_mod's ranges over the 1-3

@@ -258,6 +258,29 @@ def test_numpy_hook_ranges_matches_a_loop(sk):
     assert got[4].tolist() == [192, 448, 256, 384]
 
 
+@pytest.mark.parametrize("sq,sk", [(1, 1), (64, 100), (300, 1000), (1000, 7)])
+def test_numpy_hook_col_ranges_and_record(sq, sk):
+    """(rlo, rhi) per key block: the hull of the row blocks that are not HIDDEN in its column,
+    clamped to Sq, the sentinel where all are; the record the kernels read is each entry's row
+    part (4 ints a row block) followed by its column part (2 a key block)."""
+    rng = np.random.default_rng(sq + sk)
+    rb, cb = -(-sq // _mask_blocks.BLOCK), -(-sk // _mask_blocks.BLOCK)
+    summary = rng.choice(np.array([_mask_blocks.MIXED, _mask_blocks.KEPT, _mask_blocks.HIDDEN],
+                                  np.uint8), size=(2, 3, rb, cb), p=[0.2, 0.2, 0.6])
+    got = _mask_blocks.numpy_hook_col_ranges(summary, sq)
+    assert got.shape == (2, 3, cb, 2) and got.dtype == np.int32
+    for idx in np.ndindex(2, 3, cb):
+        seen = [r for r in range(rb) if summary[idx[0], idx[1], r, idx[2]] != _mask_blocks.HIDDEN]
+        want = ((seen[0] * 64, min(sq, (seen[-1] + 1) * 64)) if seen
+                else (_mask_blocks.EMPTY_LO, 0))
+        assert tuple(got[idx]) == want, (idx, got[idx], want)
+    rec = _mask_blocks.numpy_hook_record(summary, sq, sk)
+    assert rec.shape == (2, 3, 4 * rb + 2 * cb) and rec.dtype == np.int32
+    np.testing.assert_array_equal(rec[..., :4 * rb].reshape(2, 3, rb, 4),
+                                  _mask_blocks.numpy_hook_ranges(summary, sk))
+    np.testing.assert_array_equal(rec[..., 4 * rb:].reshape(2, 3, cb, 2), got)
+
+
 def test_hook_summary_checks_args():
     from cuflash.mods import example_hooks
     doc = example_hooks()["document"]

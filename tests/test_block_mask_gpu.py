@@ -82,9 +82,11 @@ def test_hook_summary_matches_numpy(sq, sk, hook, batch):
                                     None if args is None else cp.asarray(args), out=out)
     assert got is out
     np.testing.assert_array_equal(cp.asnumpy(got), want)
-    # and its key ranges (cuflash_hook_ranges) equal numpy_hook_ranges' of the same summary
-    ranges = _mask_blocks.hook_ranges(got, sk, 0)
-    np.testing.assert_array_equal(cp.asnumpy(ranges), _mask_blocks.numpy_hook_ranges(want, sk))
+    # and its ranges (cuflash_hook_ranges, cuflash_hook_col_ranges) equal numpy_hook_record's
+    # of the same summary (poisoned first: every int written)
+    rec = _mask_blocks.numpy_hook_record(want, sq, sk)
+    ranges = _mask_blocks.hook_ranges(got, sq, sk, 0, out=cp.full(rec.shape, -7, np.int32))
+    np.testing.assert_array_equal(cp.asnumpy(ranges), rec)
 
 
 @pytest.mark.parametrize("view", ["keys-strided", "rows-strided", "transposed", "offset",

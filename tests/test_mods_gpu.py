@@ -266,3 +266,50 @@ def test_hook_blocks_forward(monkeypatch, kernel, dtype, d, causal, name, sq, sk
         np.testing.assert_array_equal(got.view(bits), o.astype(got.dtype).view(bits))
         np.testing.assert_array_equal(cp.asnumpy(lse2).view(np.uint32),
                                       lse.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("sq,sk", [(300, 700), (700, 300), (7, 130)])
+@pytest.mark.parametrize("name", ["document", "long_docs", "padded_docs", "composed"])
+@pytest.mark.parametrize("fwd,bwd,dtype,d,causal", [("generic", "generic", "float32", 64, False),
+                                                    ("tensorcore", "tensorcore", "float16", 64,
+                                                     True),
+                                                    ("hopper", "hopper", "float16", 128, True),
+                                                    ("hopper", "hopper", "bfloat16", 256,
+                                                     False)])
+def test_hook_blocks_backward(monkeypatch, fwd, bwd, dtype, d, causal, name, sq, sk):
+    """_dispatch_variants.HOOK_BLOCKS_BWD: the backwards without deterministic turns visit per
+    key block only the query tiles of rows the mask_mod's summary does not hide from it, and skip
+    the hook on tiles it keeps entirely: dq, dk, dv against the float64 references under the
+    rule, with NaN-poisoned outputs, after the flagged forward (check_variant_case); the
+    deterministic Hopper and mma.sync backwards keep the full walk (their labels); the generic
+    backward (no atomics) gives the flag-off gradients bit for bit."""
+    from cuflash import _dispatch_variants
+    if fwd == "hopper" and int(cupy().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes")
+    cp = cupy()
+    rng = _rng("hook-blocks-bwd", fwd, dtype, d, causal, name, sq, sk)
+    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, dtype)
+    kw = _blocks_hooks(name, rng, max(sq, sk))
+    dkw = _to_device(kw)
+    qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
+    monkeypatch.setattr(_dispatch_variants, "HOOK_BLOCKS", True)
+    monkeypatch.setattr(_dispatch_variants, "HOOK_BLOCKS_BWD", True)
+    check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
+                       seed=SEED, kernel=fwd, bwd_kernel=bwd)
+    o, lse = cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, kernel=fwd, **dkw)
+    do = to_gpu(rng.standard_normal(o.shape), dtype)
+    for det in (False, True):
+        label = cuflash.backward_dispatch_info(do, qg, kg, vg, o, lse, causal=causal,
+                                               deterministic=det, kernel=bwd, **dkw)
+        assert ("hook-blocks" in label) == (bwd == "generic" or not det), label
+    if bwd == "generic":
+        grads = [cuflash.attention_backward(do, qg, kg, vg, o, lse, causal=causal, kernel=bwd,
+                                            **dkw)]
+        monkeypatch.setattr(_dispatch_variants, "HOOK_BLOCKS_BWD", False)
+        grads.append(cuflash.attention_backward(do, qg, kg, vg, o, lse, causal=causal,
+                                                kernel=bwd, **dkw))
+        for a, b in zip(*grads):
+            np.testing.assert_array_equal(cp.asnumpy(a).view(np.uint32),
+                                          cp.asnumpy(b).view(np.uint32))

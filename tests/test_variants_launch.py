@@ -121,8 +121,10 @@ def test_launch_passes_a_mask_mods_ranges(launches, monkeypatch):  # noqa: F811
         made.append((batch, sq_, sk_))
         return contiguous(_mask_blocks.hook_summary_shape(mm, batch, sq_, sk_), 0x8000, 1)
 
-    def fake_ranges(summary, sk_, dev, stream=None):
-        return contiguous(tuple(summary.shape[:-1]) + (_mask_blocks.RANGE_INTS,), 0x9000, 4)
+    def fake_ranges(summary, sq_, sk_, dev, stream=None):
+        rb, cb = summary.shape[-2:]
+        return contiguous(tuple(summary.shape[:-2]) + (_mask_blocks.RANGE_INTS * rb + 2 * cb,),
+                          0x9000, 4)
 
     monkeypatch.setattr(_mask_blocks, "hook_summary", fake_summary)
     monkeypatch.setattr(_mask_blocks, "hook_ranges", fake_ranges)
@@ -139,9 +141,23 @@ def test_launch_passes_a_mask_mods_ranges(launches, monkeypatch):  # noqa: F811
         assert made == [((b, h), sq, sk)]
         rb = -(-sq // 64)
         assert int(vp["mod_ranges"]) == 0x9000
-        assert (int(vp["mr_eb"]), int(vp["mr_eh"])) == (0, 4 * rb)   # names h, not b
+        cb = -(-sk // 64)
+        assert (int(vp["mr_eb"]), int(vp["mr_eh"])) == (0, 4 * rb + 2 * cb)   # names h, not b
         for _, p in DV.bwd_generic_variant_plan("float16", d, d, False, var).passes:
             assert "hook-blocks" not in p.label and p.spec.name.endswith(", false, true>>")
+    # HOOK_BLOCKS_BWD: the backwards without deterministic turns take BLOCKS too (the generic
+    # one has none: always); the deterministic mma.sync and Hopper ones keep the full walk
+    monkeypatch.setattr(DV, "HOOK_BLOCKS", True)
+    monkeypatch.setattr(DV, "HOOK_BLOCKS_BWD", True)
+    for det in (False, True):
+        plans = [DV.bwd_generic_variant_plan("float16", d, d, False, var),
+                 DV.bwd_tensorcore_variant_plan("float16", d, False, det, 90, var),
+                 DV.hopper_bwd_variant_plan("float16", 128, False, det, var)]
+        for i, bp in enumerate(plans):
+            narrowed = [p for _, p in bp.passes if "hook-blocks" in p.label]
+            assert bool(narrowed) == (i == 0 or not det), (det, bp.label)
+            assert all(p.spec.name.endswith(", false, true, true>>") for p in narrowed)
+            assert ("hook-blocks" in bp.label) == bool(narrowed), bp.label
 
 
 def test_hook_blocks_hopper_tiles(monkeypatch):
