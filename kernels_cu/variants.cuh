@@ -495,52 +495,45 @@ struct UserVariant : Base {
         }
     }
 
-    // Base's row range, narrowed (BLOCKS) to the union of the mask_mod's row ranges over the 1-3
-    // key blocks of [j0, j1) (the callers clamp j1 to Sk): the backwards' query tiles of a key
-    // block. Empty (r1 = r0) where the hook hides those keys from every row.
-    __device__ __forceinline__ void row_range(long long j0, long long j1, long long& r0,
-                                              long long& r1, long long sq) const {
-        Base::row_range(j0, j1, r0, r1, sq);
-        if constexpr (BLOCKS) {
-            if (cranges == nullptr || j0 >= j1) return;
-            int lo = 0x7fffffff, hi = 0;
+    // [x0, x1) intersected with the union of the (lo, hi) pairs at r[STEP i], r[STEP i + 1]
+    // over the 64-blocks i of [a0, a1) (1-3 of them; the callers clamp a1): empty (x1 = x0)
+    // where every pair is empty. Both sides of the summary's ranges go through here.
+    template <int STEP>
+    static __device__ __forceinline__ void narrow(const int* r, long long a0, long long a1,
+                                                  long long& x0, long long& x1) {
+        int lo = 0x7fffffff, hi = 0;
 #pragma unroll 1
-            for (int c = static_cast<int>(j0 >> MASK_BLOCK_SHIFT);
-                 c <= static_cast<int>((j1 - 1) >> MASK_BLOCK_SHIFT); ++c) {
-                lo = min(lo, cranges[2 * c]);
-                hi = max(hi, cranges[2 * c + 1]);
-            }
-            if (lo >= hi) {
-                r1 = r0;
-            } else {
-                r0 = max(r0, static_cast<long long>(lo));
-                r1 = min(r1, static_cast<long long>(hi));
-            }
+        for (int i = static_cast<int>(a0 >> MASK_BLOCK_SHIFT);
+             i <= static_cast<int>((a1 - 1) >> MASK_BLOCK_SHIFT); ++i) {
+            lo = min(lo, r[STEP * i]);
+            hi = max(hi, r[STEP * i + 1]);
+        }
+        if (lo >= hi) {
+            x1 = x0;
+        } else {
+            x0 = max(x0, static_cast<long long>(lo));
+            x1 = min(x1, static_cast<long long>(hi));
         }
     }
 
-    // Base's key range, narrowed (BLOCKS) to the union of the mask_mod's ranges over the 1-3
-    // row blocks of [r0, r1) (the callers clamp r1 to Sq). Where the hook hides every key of
-    // those rows the range comes out empty (j1 = j0), which the forwards take as no tile.
+    // Base's row range, narrowed (BLOCKS) to the union of the mask_mod's row ranges over the
+    // key blocks of [j0, j1): the backwards' query tiles of a key block; empty where the hook
+    // hides those keys from every row.
+    __device__ __forceinline__ void row_range(long long j0, long long j1, long long& r0,
+                                              long long& r1, long long sq) const {
+        Base::row_range(j0, j1, r0, r1, sq);
+        if constexpr (BLOCKS)
+            if (cranges != nullptr && j0 < j1) narrow<2>(cranges, j0, j1, r0, r1);
+    }
+
+    // Base's key range, narrowed (BLOCKS) to the union of the mask_mod's key ranges over the row
+    // blocks of [r0, r1); empty where the hook hides every key of those rows, which the forwards
+    // take as no tile.
     __device__ __forceinline__ void key_range(long long r0, long long r1, long long& j0,
                                               long long& j1, long long sk) const {
         Base::key_range(r0, r1, j0, j1, sk);
-        if constexpr (BLOCKS) {
-            if (ranges == nullptr || r0 >= r1) return;
-            int lo = 0x7fffffff, hi = 0;
-#pragma unroll 1
-            for (int b = static_cast<int>(r0 >> MASK_BLOCK_SHIFT);
-                 b <= static_cast<int>((r1 - 1) >> MASK_BLOCK_SHIFT); ++b) {
-                lo = min(lo, ranges[4 * b]);
-                hi = max(hi, ranges[4 * b + 1]);
-            }
-            if (lo >= hi) {
-                j1 = j0;
-            } else {
-                j0 = max(j0, static_cast<long long>(lo));
-                j1 = min(j1, static_cast<long long>(hi));
-            }
-        }
+        if constexpr (BLOCKS)
+            if (ranges != nullptr && r0 < r1) narrow<4>(ranges, r0, r1, j0, j1);
     }
 
     __device__ __forceinline__ bool visible(long long i, long long j) const {

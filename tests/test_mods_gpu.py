@@ -216,6 +216,19 @@ def _blocks_hooks(name, rng, n):
                 mod_args=ids)
 
 
+def _blocks_case(tag, kernel, dtype, d, causal, name, sq, sk):
+    """The inputs of a HOOK_BLOCKS case (skipped where the GPU cannot run it): (rng, host q, k,
+    v, device q, k, v, the hooks on the host and on the device)."""
+    if kernel == "hopper" and int(cupy().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
+    if dtype == "bfloat16" and bf16_dtype() is None:
+        pytest.skip("bfloat16 on the GPU needs ml_dtypes")
+    rng = _rng(tag, kernel, dtype, d, causal, name, sq, sk)
+    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, dtype)
+    kw = _blocks_hooks(name, rng, max(sq, sk))
+    return (rng, (q, k, v), tuple(to_gpu(x, dtype) for x in (q, k, v)), kw, _to_device(kw))
+
+
 @pytest.mark.parametrize("sq,sk", [(300, 700), (700, 300), (7, 130)])
 @pytest.mark.parametrize("name", ["document", "long_docs", "padded_docs", "composed"])
 @pytest.mark.parametrize("kernel,dtype,d,causal", [("generic", "float32", 64, False),
@@ -232,16 +245,9 @@ def test_hook_blocks_forward(monkeypatch, kernel, dtype, d, causal, name, sq, sk
     hidden give o = 0 and lse = -inf, and where the plan differs from the flag-off one only by
     the narrowing, o and lse equal the full walk's bit for bit."""
     from cuflash import _dispatch_variants, _mask_blocks
-    if kernel == "hopper" and int(cupy().cuda.Device().compute_capability) != 90:
-        pytest.skip("the Hopper kernel runs on compute capability 9.0 only")
-    if dtype == "bfloat16" and bf16_dtype() is None:
-        pytest.skip("bfloat16 on the GPU needs ml_dtypes")
+    rng, (q, k, v), (qg, kg, vg), kw, dkw = _blocks_case("hook-blocks", kernel, dtype, d, causal,
+                                                         name, sq, sk)
     cp = cupy()
-    rng = _rng("hook-blocks", kernel, dtype, d, causal, name, sq, sk)
-    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, dtype)
-    kw = _blocks_hooks(name, rng, max(sq, sk))
-    dkw = _to_device(kw)
-    qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
     ranges = _mask_blocks.numpy_hook_ranges(_mask_blocks.numpy_hook_summary(
         kw["mask_mod"], BATCH_Q, sq, sk, kw["mod_args"]), sk)
     assert ranges.shape[:2] == (1, 1)   # batch-free hooks: one summary
@@ -284,16 +290,9 @@ def test_hook_blocks_backward(monkeypatch, fwd, bwd, dtype, d, causal, name, sq,
     deterministic Hopper and mma.sync backwards keep the full walk (their labels); the generic
     backward (no atomics) gives the flag-off gradients bit for bit."""
     from cuflash import _dispatch_variants
-    if fwd == "hopper" and int(cupy().cuda.Device().compute_capability) != 90:
-        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
-    if dtype == "bfloat16" and bf16_dtype() is None:
-        pytest.skip("bfloat16 on the GPU needs ml_dtypes")
+    rng, (q, k, v), (qg, kg, vg), kw, dkw = _blocks_case("hook-blocks-bwd", fwd, dtype, d,
+                                                         causal, name, sq, sk)
     cp = cupy()
-    rng = _rng("hook-blocks-bwd", fwd, dtype, d, causal, name, sq, sk)
-    q, k, v = random_inputs(rng, BATCH_Q, BATCH_KV, sq, sk, d, d, dtype)
-    kw = _blocks_hooks(name, rng, max(sq, sk))
-    dkw = _to_device(kw)
-    qg, kg, vg = (to_gpu(x, dtype) for x in (q, k, v))
     monkeypatch.setattr(_dispatch_variants, "HOOK_BLOCKS", True)
     monkeypatch.setattr(_dispatch_variants, "HOOK_BLOCKS_BWD", True)
     check_variant_case(q, k, v, qg, kg, vg, kw, dkw, causal=causal, dtype=dtype, rng=rng,
