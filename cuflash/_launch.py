@@ -119,7 +119,7 @@ def launch_forward(plan, prob, o, lse, device_attrs):
     if variant is not None:   # the mask's block summary, made now unless the caller's
         from ._launch_variants import with_hook_ranges, with_mask_blocks
         variant = with_mask_blocks(variant, (plan.spec.family,), prob.device_id, prob.stream)
-        variant = with_hook_ranges(variant, plan, prob)   # a mask_mod's tiles (HOOK_BLOCKS)
+        variant = with_hook_ranges(variant, (plan,), prob)   # a mask_mod's tiles (HOOK_BLOCKS)
     split_kv = None
     if is_presplit(plan):   # K and V split once, into arrays of this call (never cached below)
         from ._decode import scratch
@@ -167,12 +167,10 @@ def forward_params(plan, prob, q, k, v, o, lse, device_attrs, variant=None, spli
         # More than three batch axes that no stride pattern merges: materialise the inputs once
         # as contiguous full-batch arrays (documented in `attention`), then they collapse to one.
         full = prob.batch_shape
-        q, k, v = (cupy.ascontiguousarray(cupy.broadcast_to(t, full + t.shape[-2:]))
-                   for t in (q, k, v))
-        if split_kv is not None:
-            split_kv = tuple(cupy.ascontiguousarray(cupy.broadcast_to(t, full + t.shape[-2:]))
-                             for t in split_kv)
-        sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o, *(split_kv or ()))
+        q, k, v, *split = (cupy.ascontiguousarray(cupy.broadcast_to(t, full + t.shape[-2:]))
+                           for t in (q, k, v, *(split_kv or ())))
+        split_kv = tuple(split) or None
+        sizes, bstr, rstr = collapse_batch(prob.batch_shape, q, k, v, o, *split)
         if len(sizes) > 3:  # o itself was given with an unmergeable layout
             raise ValueError("out has a batch layout with more than three non-mergeable axes; "
                              "pass a C-contiguous out")
@@ -208,15 +206,16 @@ def forward_params(plan, prob, q, k, v, o, lse, device_attrs, variant=None, spli
     p["n_mblocks"] = n_mblocks
     p["scale_log2"] = prob.scale * _LOG2E
     p["scale"] = prob.scale
-    if hopper and split_kv is not None:
-        p["kx"], p["vx"] = (x.data.ptr for x in split_kv)
-        for t, i in (("k", 4), ("v", 5)):
-            p[f"{t}x_s0"], p[f"{t}x_s1"], p[f"{t}x_s2"] = bstr[i]
-            p[f"{t}x_sr"] = rstr[i]
-        _fill_tensor_maps(p, plan, prob, (q, *split_kv), sizes,
-                          [bstr[0], bstr[4], bstr[5]], [rstr[0], rstr[4], rstr[5]])
-    elif hopper:
-        _fill_tensor_maps(p, plan, prob, (q, k, v), sizes, bstr, rstr)
+    if hopper:   # the maps of q and k, v, or of q and the split K, V (tensors 4 and 5)
+        mapped = (0, 1, 2)
+        if split_kv is not None:
+            mapped = (0, 4, 5)
+            p["kx"], p["vx"] = (x.data.ptr for x in split_kv)
+            for t, i in (("k", 4), ("v", 5)):
+                p[f"{t}x_s0"], p[f"{t}x_s1"], p[f"{t}x_s2"] = bstr[i]
+                p[f"{t}x_sr"] = rstr[i]
+        _fill_tensor_maps(p, plan, prob, [(q, k, v, o, *(split_kv or ()))[i] for i in mapped],
+                          sizes, [bstr[i] for i in mapped], [rstr[i] for i in mapped])
 
     if plan.pairs:  # query blocks nm - 1 - r and r go to one block (attn_wgmma.cu: WorkWalk)
         grid = -(-n_mblocks // 2) * nbatch

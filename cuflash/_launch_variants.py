@@ -63,13 +63,12 @@ def with_mask_blocks(variant, families, device_id, stream):
 def with_hook_ranges(variant, plans, prob):
     """`variant` with its mask_mod's ranges (`_mask_blocks.hook_summary`, then `hook_ranges`:
     three launches and two small arrays from CuPy's pool, on the call's stream) when the policy
-    of one of `plans` (a plan or a sequence of them: a backward's passes) narrows its tiles by
-    them (`_dispatch_variants.reads_hook_ranges`); the variant unchanged otherwise."""
+    of one of `plans` (the forward's plan, or a backward's passes) narrows its tiles by them
+    (`_dispatch_variants.reads_hook_ranges`); the variant unchanged otherwise."""
     import dataclasses
 
     from . import _mask_blocks
     from ._dispatch_variants import reads_hook_ranges
-    plans = plans if isinstance(plans, (list, tuple)) else (plans,)
     if variant.mask_mod is None or variant.hook_ranges is not None \
             or not any(reads_hook_ranges(p) for p in plans):
         return variant
