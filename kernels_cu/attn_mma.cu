@@ -313,9 +313,9 @@ struct Mma32Ops {
 //   float32 (promoted: the tensor cores' accumulation truncates; notes/FLOAT32.md), the small
 //   ones chain over the tile in s2; S = (S + s2) 2^-(eq + ek) (scale_pow2: exact);
 // - P V: P (<= 2^8) split as P 2^P16_LOG2 in registers (pack_p_f16split); per k16 step and n8
-//   tile of O the hi hi product from zero goes into O through one FFMA by 2^-(P16_LOG2 + ev)
-//   (a power of two: exact), the small ones chain over the tile per group of OG n8 tiles and
-//   follow with the same FFMA after the tile.
+//   tile of O the hi hi product from zero is added to the tile's sum in IEEE float32, the small
+//   ones chain over the tile per group of OG n8 tiles; after the tile both go into O through one
+//   FFMA by 2^-(P16_LOG2 + ev) (a power of two: exact).
 template <int DPAD, int BN, int NWARPS, int MT>
 struct Mma16SplitOps {
     using Cfg = MmaConfig<float, DPAD, BN, NWARPS, MT, true>;
@@ -395,7 +395,16 @@ struct Mma16SplitOps {
     // memory.
     __device__ __forceinline__ void pv(float (&acc_o)[MT][Cfg::NT_O][4],
                                        const float (&p)[MT][Cfg::NT_S][4], int ev) const {
-        constexpr int OG = Cfg::OG;
+        // TILE_SUM: each k16 step's large product is added to the tile's sum in IEEE float32
+        // and O takes the tile in one FFMA (one rounding of O a tile); promoting each step
+        // straight into O rounded it BN / 16 + 1 times, about twice the error on long rows
+        // (notes/FLOAT32.md, "O rounded once per tile"). From D = 192 on (BN = 32 and 16: two
+        // steps and one a tile) the sum's registers spilled, so each step goes into O there
+        // (the same at D = 256, one step a tile; one rounding more at D = 192).
+        constexpr bool TILE_SUM = DPAD <= 128;
+        // Groups of OG n8 tiles of O: the tile's large and small products of a group take
+        // 2 MT OG 4 registers, so at D = 128 (O: 64) a group is two n8 tiles.
+        constexpr int OG = TILE_SUM && DPAD >= 128 ? 2 : Cfg::OG;
         static_assert(OG % 2 == 0, "ldmatrix.trans gives two n8 tiles of V");
         unsigned int ph[MT][BN / 16][4], pl[MT][BN / 16][4];
 #pragma unroll
@@ -407,13 +416,14 @@ struct Mma16SplitOps {
             // move instructions across a branch, so each group's V loads and products stay in
             // the group. Without it ptxas issued the later groups' loads and from-zero products
             // early: 255 registers and spills at D = 128.
-            // From DPAD = 192 on the test differs per group (f's bits are never a small integer:
+            // From DPAD = 128 on the test differs per group (f's bits are never a small integer:
             // f >= 2^-133, bits >= 2^16): the same test in every group was merged into one (one
             // branch before the first group) and ptxas issued 12 of the V ldmatrix loads of later
-            // groups at once (spills).
-            if (DPAD >= 192 ? __float_as_uint(f) == static_cast<unsigned int>(og) : f == 0.f)
+            // groups at once (spills; DPAD = 192).
+            if (DPAD >= 128 ? __float_as_uint(f) == static_cast<unsigned int>(og) : f == 0.f)
                 asm volatile("trap;");
-            float small[MT][OG][4] = {};  // the tile's small products of this group
+            float small[MT][OG][4] = {};              // the tile's small products of this group
+            float big[MT][TILE_SUM ? OG : 1][4];      // TILE_SUM: its large products' sum
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
 #pragma unroll
@@ -428,9 +438,15 @@ struct Mma16SplitOps {
                             float t[4];
                             step(t, small[mt][2 * n2 + h], ph[mt][kk], pl[mt][kk], bh + 2 * h,
                                  bl + 2 * h);
+                            if constexpr (TILE_SUM) {
+                                float(&b)[4] = big[mt][2 * n2 + h];
 #pragma unroll
-                            for (int e = 0; e < 4; ++e)
-                                acc_o[mt][nt + h][e] = fmaf(t[e], f, acc_o[mt][nt + h][e]);
+                                for (int e = 0; e < 4; ++e) b[e] = kk == 0 ? t[e] : b[e] + t[e];
+                            } else {
+#pragma unroll
+                                for (int e = 0; e < 4; ++e)
+                                    acc_o[mt][nt + h][e] = fmaf(t[e], f, acc_o[mt][nt + h][e]);
+                            }
                         }
                 }
             }
@@ -441,7 +457,9 @@ struct Mma16SplitOps {
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
                         acc_o[mt][og * OG + i][e] =
-                            fmaf(small[mt][i][e], f, acc_o[mt][og * OG + i][e]);
+                            fmaf(TILE_SUM ? big[mt][TILE_SUM ? i : 0][e] + small[mt][i][e]
+                                          : small[mt][i][e],
+                                 f, acc_o[mt][og * OG + i][e]);
         }
     }
 };

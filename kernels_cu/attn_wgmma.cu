@@ -331,6 +331,21 @@ __device__ __forceinline__ void steps_in_flight(float (&t)[2][N], const Issue& i
     }
 }
 
+// A zero that ptxas cannot prove is zero, made from every x[i]: an instruction that takes it
+// waits for all of x (ptxas orders plain arithmetic by its data only; an empty asm taking x
+// binds NVVM alone). x's bits ANDed, exponent cleared, are a finite float: times 0 it is +0,
+// whose integer is 0.
+template <int N>
+__device__ __forceinline__ unsigned int zero_after(const float* x) {
+    unsigned int b = 0x007fffffu;
+#pragma unroll
+    for (int i = 0; i < N; ++i) b &= __float_as_uint(x[i]);
+    unsigned int z;
+    asm("{\n.reg .f32 t;\nmul.rn.f32 t, %1, 0f00000000;\ncvt.rzi.u32.f32 %0, t;\n}"
+        : "=r"(z) : "f"(__uint_as_float(b)));
+    return z;
+}
+
 // P (the scores' accumulator fragment after the softmax) as the A operand of the tf32 P V
 // wgmmas: k8 step i is n8 tile i; the thread holds keys 8 i + 2 t4 (+1) of rows g and g + 8,
 // which the A layout (columns t4 and t4 + 4 of rows g and g + 8) takes as columns t4 and t4 + 4:
@@ -1038,46 +1053,74 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     const auto scores_in = [&]() { products_in<TERMS>(s_flat, s2_flat); };
     const auto pv_in = [&]() { products_in<TERMS>(o_flat, ot_flat); };
     // F16S: O += P V from stage st, complete on return (the producer's V tile holds V 2^ev, P is
-    // split as P 2^P16_LOG2: every product reaches O through one FFMA by 2^-(P16_LOG2 + ev), a
-    // power of two from 2^-133 to 2^107: exact, subnormal included). Per 64 columns of O (one hi/lo panel pair of V) and k16
-    // step, the hi hi product is formed from zero (pv_t, two steps in flight) and goes into O
-    // promoted, as S's large products do; the small products (hi lo, lo hi) chain over the
-    // tile's steps in pv_s and follow after the tile. The tile's chain of large products that
+    // split as P 2^P16_LOG2: the tile's sum reaches O through one FFMA by 2^-(P16_LOG2 + ev), a
+    // power of two from 2^-133 to 2^107: exact, subnormal included). Per 64 columns of O (one
+    // hi/lo panel pair of V) and k16 step, the hi hi product is formed from zero and summed over
+    // the tile in IEEE float32 (promoted, as S's large products are): steps 0 and 1 go out
+    // together into pv_t[0] and pv_t[1], whose sum stays in pv_t[0], and each later step goes
+    // into pv_t[1] and is added once it is in. The small products (hi lo, lo hi) chain over the
+    // tile's steps in pv_s and join the sum after the tile; then O = fma(sum, f, O), one
+    // rounding of O per tile. The tile's chain of large products through the tensor cores that
     // the 3xTF32 form keeps (attn_wgmma.cu above) is what the model puts at up to 7x the naive
-    // error on short rows (tests/fp16split_model.py, notes/FLOAT32.md: "fp16 split"). 64
-    // columns at a time: at D = 128 the accumulators of O, a whole tile's small products and two
-    // steps would not fit beside P in the consumers' 224 registers.
-    constexpr int PVC = 64;                  // columns per pass
+    // error on short rows (tests/fp16split_model.py, notes/FLOAT32.md: "fp16 split"); each step
+    // promoted straight into O (version 5, two steps always in flight) rounded O at its own
+    // magnitude BN / 16 + 1 times a tile: about twice the error of one rounding a tile on long
+    // rows (notes/FLOAT32.md, "O rounded once per tile"). A third buffer for the sum (two steps
+    // always in flight) spilled at D = 128 and 256. 64 columns at a time: at D = 128 the
+    // accumulators of O, a whole tile's small products and two steps would not fit beside P in
+    // the consumers' 224 registers.
+    // PV_PIN (the causal head-dim split form with the split per tile, whose consumers' registers
+    // are at their limit): ptxas (NVRTC 13.0) issued each pass's first wgmmas before the FFMAs
+    // into O of the pass before, holding that pass's 32 sums in fresh registers beside the new
+    // products, and spilled 12 bytes. There each later pass's first descriptor takes a zero made
+    // from those FFMAs' results (zero_after), so its wgmmas wait for them: about 20 instructions
+    // a tile, no value changes (its pre-split twin, which did not spill, computes the same).
+    constexpr int PVC = 64;  // columns per pass
+    constexpr bool PV_PIN = Cfg::HSPLIT && CAUSAL && !Cfg::PRESPLIT;
     float pv_t[F16S ? 2 : 1][F16S ? PVC / 2 : 1];
     float pv_s[F16S ? PVC / 2 : 1];
     const auto pv16 = [&](int st) {
         if constexpr (F16S) {
             constexpr int KS = BN / 16;
-            static_assert(DCOLS % PVC == 0, "whole passes");
+            static_assert(DCOLS % PVC == 0 && KS >= 2, "whole passes, two steps at least");
             const float f = pow2f(-(P16_LOG2 + ev));
 #pragma unroll
             for (int ch = 0; ch < DCOLS / PVC; ++ch) {
-                const auto step = [&](int kk, float (&tt)[PVC / 2]) {
+                // z: a zero (zero_after), added to the descriptor's low word alone (32 bits)
+                const auto step = [&](int kk, float (&tt)[PVC / 2], unsigned int z) {
                     const unsigned int va =
                         v_s + st * Cfg::KV_BYTES + kv_col + ch * KV_PSTEP + kk * 16 * 128;
                     const unsigned long long db = wgmma_desc(va, KV_PSTEP, 1024);
                     wgmma_fence();
-                    Wgmma<Op, PVC>::rs(tt, pk[kk], db, 0);
-                    Wgmma<Op, PVC>::rs(pv_s, pk[kk], wgmma_desc(va + KV_LO, KV_PSTEP, 1024),
-                                       kk > 0 ? 1 : 0);
+                    Wgmma<Op, PVC>::rs(tt, pk[kk],
+                                       (db & ~0xffffffffull) | (static_cast<unsigned int>(db) + z),
+                                       0);
+                    // the lo panel's descriptor: its address field (bytes / 16, 14 bits; shared
+                    // memory ends below 2^18 bytes) KV_LO / 16 on
+                    Wgmma<Op, PVC>::rs(pv_s, pk[kk], db + (KV_LO >> 4), kk > 0 ? 1 : 0);
                     Wgmma<Op, PVC>::rs(pv_s, pl[kk], db, 1);
                     wgmma_commit();
                 };
-                const auto take = [&](int, float (&tt)[PVC / 2]) {
+                float(&sum)[PVC / 2] = pv_t[0];
+                float(&tmp)[PVC / 2] = pv_t[1];
+                step(0, sum,
+                     PV_PIN && ch > 0 ? zero_after<PVC / 2>(o_flat + (ch - 1) * PVC / 2) : 0u);
+                step(1, tmp, 0u);  // steps 0 and 1 in flight together
 #pragma unroll
-                    for (int i = 0; i < PVC / 2; ++i)
-                        o_flat[ch * PVC / 2 + i] = fmaf(tt[i], f, o_flat[ch * PVC / 2 + i]);
-                };
-                steps_in_flight<KS>(pv_t, step, take, []() {});
+                for (int kk = 1; kk < KS; ++kk) {
+                    wgmma_wait<0>();
+                    if (kk == 1) fence_regs(sum);
+                    fence_regs(tmp);
+#pragma unroll
+                    for (int i = 0; i < PVC / 2; ++i) sum[i] += tmp[i];
+                    if (kk + 1 < KS) step(kk + 1, tmp, 0u);
+                }
                 fence_regs(pv_s);
 #pragma unroll
+                for (int i = 0; i < PVC / 2; ++i) sum[i] += pv_s[i];
+#pragma unroll
                 for (int i = 0; i < PVC / 2; ++i)
-                    o_flat[ch * PVC / 2 + i] = fmaf(pv_s[i], f, o_flat[ch * PVC / 2 + i]);
+                    o_flat[ch * PVC / 2 + i] = fmaf(sum[i], f, o_flat[ch * PVC / 2 + i]);
             }
         }
     };

@@ -89,15 +89,19 @@ def _scores(qh, ql, kh, kl, ksteps, extra_bits, fused=False):
         return (s + s2.astype(f32)).astype(f32)
 
 
-def _pv(ph, pl, vh, vl, ksteps, extra_bits, o=None, f=1.0, fused=False):
+def _pv(ph, pl, vh, vl, ksteps, extra_bits, o=None, f=1.0, fused=False, tile_sum=True):
     """One key tile's P V (split operands). o None: from zero, one chain of hi hi, hi lo, lo hi a
-    step (returned as float64 values). o (float32): promoted, each step's hi hi from zero and
-    added to o as o + t f (one FFMA), the small products chained over the tile and added the same
-    way after it (returns the new o); with fused, each step's three products chain from zero and
-    their sum goes into o so (no chain over the tile)."""
+    step (returned as float64 values). o (float32): promoted, each step's hi hi from zero; with
+    tile_sum (the kernels' form) the steps' products are summed in IEEE float32 over the tile,
+    the small products chained over the tile join that sum, and o takes it in one FFMA
+    (o + (sum + small) f); without, each step's product goes into o as o + t f (one FFMA a
+    step) and the small products the same way after the tile (the kernels' form before
+    2026-12-07; attn_mma.cu's still from D = 192 on); with fused, each step's three products
+    chain from zero and their sum goes into o a step (no chain over the tile)."""
     shape = np.broadcast_shapes(ph.shape[:-1], vh.shape[:-2] + (1,)) + (vh.shape[-1],)
     ot = np.zeros(shape)
     f32 = np.float32
+    tsum = None
     with np.errstate(invalid="ignore", over="ignore"):
         for idx in ksteps:
             if o is None:
@@ -107,33 +111,42 @@ def _pv(ph, pl, vh, vl, ksteps, extra_bits, o=None, f=1.0, fused=False):
                 if fused:
                     t = tc_step(t, ph[..., idx], vl[..., idx, :], extra_bits=extra_bits)
                     t = tc_step(t, pl[..., idx], vh[..., idx, :], extra_bits=extra_bits)
-                o = (o.astype(np.float64) + t * f).astype(f32)
-                if fused:
+                    o = (o.astype(np.float64) + t * f).astype(f32)
                     continue
+                if tile_sum:
+                    tsum = t.astype(f32) if tsum is None else (tsum + t.astype(f32)).astype(f32)
+                else:
+                    o = (o.astype(np.float64) + t * f).astype(f32)
             ot = tc_step(ot, ph[..., idx], vl[..., idx, :], extra_bits=extra_bits)
             ot = tc_step(ot, pl[..., idx], vh[..., idx, :], extra_bits=extra_bits)
-    if o is None:
-        return ot
-    if fused:
-        return o
-    return (o.astype(np.float64) + ot * f).astype(f32)
+        if o is None:
+            return ot
+        if fused:
+            return o
+        if tile_sum and tsum is not None:
+            ot = (tsum + ot.astype(f32)).astype(f32).astype(np.float64)
+        return (o.astype(np.float64) + ot * f).astype(f32)
 
 
 def hopper_f32_model(q, k, v, *, causal=False, scale=None, form="3xfp16", bm=128, bn=64,
                      rng=None, extra_bits=0, kstep=None, promote_pv=None, fused=False,
-                     p16_log2=P16_LOG2, lazy=True, dsplit=None):
+                     p16_log2=P16_LOG2, lazy=True, dsplit=None, tile_sum=True):
     """float64 output of the modelled Hopper float32 "highest" kernel on float32-representable
     inputs q (..., Sq, D), k, v (..., Sk, D), equal batch shapes.
 
     form: "3xfp16" or "3xtf32". kstep: products per tensor-core accumulation step (default the
     instruction's k: 16 for fp16, 8 for TF32; 8 for fp16 models a k16 instruction that truncates
     after each half). rng: perturbs every exp2 by up to 2^-22 relative (None: none).
-    promote_pv: P V's large products promoted per step into O (as attn_mma.cu does on sm_90, and
+    promote_pv: P V's large products promoted per step (formed from zero and added in IEEE
+    float32: to the tile's sum with tile_sum, else to O; as attn_mma.cu does on sm_90, and
     attn_wgmma.cu's 3xfp16 form: the default for it) instead of the tile's chain from zero
     (attn_wgmma.cu's 3xTF32 form: the default for it). fused: each step's three products in one chain from
     zero, promoted into S (and, with promote_pv, into O). dsplit: head-dim columns per consumer
     of S (None: one consumer takes all D); each consumer's partial S in its own chains, the
-    partials added in float32 in consumer order (two partials: the order does not matter)."""
+    partials added in float32 in consumer order (two partials: the order does not matter).
+    tile_sum (with promote_pv): each key tile's promoted P V products summed in IEEE float32 and
+    added to O once (attn_wgmma.cu's 3xfp16 form; attn_mma.cu's up to D = 128), else each step's
+    product added to O (attn_mma.cu from D = 192 on: _pv)."""
     if form not in ("3xfp16", "3xtf32"):
         raise ValueError(f"form: '3xfp16' or '3xtf32', got {form!r}")
     f16 = form == "3xfp16"
@@ -203,7 +216,8 @@ def hopper_f32_model(q, k, v, *, causal=False, scale=None, form="3xfp16", bm=128
                     f = 1.0
                     ph, pl = split_tf32(p)
                 if promote_pv:
-                    o = _pv(ph, pl, vh, vl, psteps, extra_bits, o=o, f=f, fused=fused)
+                    o = _pv(ph, pl, vh, vl, psteps, extra_bits, o=o, f=f, fused=fused,
+                            tile_sum=tile_sum)
                 else:  # the tile's sum from zero, then one FFMA (FADD for TF32) into O
                     o = (o.astype(np.float64)
                          + _pv(ph, pl, vh, vl, psteps, extra_bits) * f).astype(f32)

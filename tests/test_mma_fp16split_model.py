@@ -5,8 +5,9 @@ The mma.sync form's arithmetic is the Hopper form's (tests/fp16split_model.py): 
 power of two (Q once per block of BM = 64 rows, each K and V tile of BN keys), fp16 hi + lo,
 m16n8k16 products (k16 steps, head-dim columns in order), S's large products promoted per step
 and its small ones chained over the tile, P split as P 2^7, P V's large products promoted per
-step into O by an FFMA and its small ones chained over the tile and added after it. Only the
-tiles differ: BM = 64 and the key tiles of _dispatch.TC_F16SPLIT_CONFIGS (64 keys to D = 64,
+step (summed over the tile in IEEE float32 up to D = 128, into O a step from D = 192 on) and its
+small ones chained over the tile, O taking each by an FFMA after the tile. Only the tiles and
+the sum differ: BM = 64 and the key tiles of _dispatch.TC_F16SPLIT_CONFIGS (64 keys to D = 64,
 32 above). So the model is hopper_f32_model with those tiles; tests/test_gpu_float32.py runs the
 kernel itself."""
 import numpy as np
@@ -26,9 +27,16 @@ def _bn(d):
     return _dispatch.TC_F16SPLIT_CONFIGS[dpad][0]
 
 
+def _tile_sum(d):
+    """attn_mma.cu's P V: the tile's promoted products summed before O takes them up to
+    D = 128 (TILE_SUM), added to O a step from D = 192 on."""
+    return _dispatch.head_dim_bucket(d, sorted(_dispatch.TC_F16SPLIT_CONFIGS)) <= 128
+
+
 def _judge(q, k, v, causal=False, scale=None, seed=0, **kw):
     d = q.shape[-1]
     rule = ref.pass_threshold(q, k, v, causal=causal, scale=scale, dtype=F32)
+    kw.setdefault("tile_sum", _tile_sum(d))
     return rule.judge(hopper_f32_model(q, k, v, causal=causal, scale=scale, form="3xfp16",
                                        bm=BM, bn=_bn(d), rng=np.random.default_rng(seed + 1000),
                                        **kw))
