@@ -270,15 +270,27 @@ def presplit_kv(plan, prob, x, buf, offset):
     blocks = sizes[0] * sizes[1] * sizes[2] * n_tiles
     if blocks > MAX_GRID_X or sk == 0:
         raise ValueError(f"presplit: {blocks} key tiles is too many for one launch")
+    sr = rstr[0] if sk > 1 else d
+    # 16-byte loads of 8 columns and 16-byte stores (the Hopper plan's own requirements imply
+    # these; checked here as for every launch)
+    if (x.data.ptr % 16 or out.data.ptr % 16 or sr % 4 or d % 8 or d > dpad
+            or any(st % 4 for st in bstr[0])):
+        raise ValueError(f"presplit: x at {x.data.ptr:#x}, row stride {sr}, batch strides "
+                         f"{bstr[0]}, D = {d} (DPAD {dpad}): needs 16-byte aligned rows and "
+                         "D % 8 == 0")
     a = np.zeros((), dtype=SPLIT16_PARAMS_DTYPE)
     a["x"], a["out"] = x.data.ptr, out.data.ptr
     a["s0"], a["s1"], a["s2"] = bstr[0]
-    a["sr"], a["n1"], a["n2"] = rstr[0] if sk > 1 else d, sizes[1], sizes[2]
+    a["sr"], a["n1"], a["n2"] = sr, sizes[1], sizes[2]
     a["sk"], a["d"], a["n_tiles"] = sk, d, n_tiles
     from ._dispatch import presplit_spec
     kern = _compile.get_kernel(presplit_spec(dpad, bn), prob.device_id)
-    kern((blocks,), (128,), (a[()],), stream=_stream_ptr(prob.stream))
+    kern((blocks,), (SPLIT16_THREADS,), (a[()],), stream=_stream_ptr(prob.stream))
     return out
+
+
+#: attn_wgmma.cu's SPLIT16_THREADS: threads of a cuflash_split16_kv block.
+SPLIT16_THREADS = 256
 
 
 #: attn_wgmma.cu's Split16Params.

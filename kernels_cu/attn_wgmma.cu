@@ -443,14 +443,24 @@ __device__ __forceinline__ void split16_tile(unsigned int tile, unsigned int red
 // swizzle loads panels of 64 columns; the tile's e is the int32 at columns 2 DPAD, 2 DPAD + 1 of
 // its first row. The same finite_key / split16_exponent / split16_pair over the same values
 // (zeros past Sk and D, as TMA fills the tile) give bitwise the in-place split's operands.
+// Version 2: the tile is read once, into registers (a unit is 8 columns of a row: two 16-byte
+// loads, a 16-byte store of its hi and one of its lo parts; SPLIT16_THREADS threads, UNITS /
+// SPLIT16_THREADS units each), where version 1 read it twice in 4-byte loads and stored 4
+// bytes at a time: at D = 256, S = 512 the pass took about 0.3 ms for K and V, half the
+// bandwidth a copy reaches (notes/FLOAT32.md, "The split pass"). Needs (checked on the host:
+// _launch.presplit_kv) x, sr and the batch strides 16-byte aligned and D % 8 == 0, as the
+// Hopper kernel's tensor maps do.
 struct Split16Params {
     const float* x;
     unsigned short* out;
     long long s0, s1, s2, sr, n1, n2, sk, d, n_tiles;
 };
+constexpr int SPLIT16_THREADS = 256;
 template <int DPAD, int BN>
-__global__ void __launch_bounds__(128) cuflash_split16_kv(const Split16Params a) {
+__global__ void __launch_bounds__(SPLIT16_THREADS) cuflash_split16_kv(const Split16Params a) {
     constexpr int W = 2 * DPAD + 64;
+    constexpr int UNITS = BN * DPAD / 8, PER = UNITS / SPLIT16_THREADS;
+    static_assert(UNITS % SPLIT16_THREADS == 0 && DPAD % 64 == 0, "whole units a thread");
     const long long b = blockIdx.x / a.n_tiles;
     const int r0 = static_cast<int>(blockIdx.x % a.n_tiles) * BN;
     const long long i2 = b % a.n2, i1 = (b / a.n2) % a.n1, i0 = b / a.n2 / a.n1;
@@ -458,27 +468,43 @@ __global__ void __launch_bounds__(128) cuflash_split16_kv(const Split16Params a)
     unsigned short* out = a.out + b * a.sk * W;
     const int tid = threadIdx.x, rows = static_cast<int>(min(static_cast<long long>(BN), a.sk - r0));
     const int d = static_cast<int>(a.d);
-    __shared__ unsigned int red[4];
+    // unit u = tid + SPLIT16_THREADS i: row u / (DPAD / 8), columns 8 (u % (DPAD / 8)) ...
+    float4 v[PER][2];
     unsigned int mx = FINITE_KEY0;
-    for (int e = tid; e < rows * d; e += 128)
-        mx = max(mx, finite_key(x[(r0 + e / d) * a.sr + e % d]));
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int u = tid + SPLIT16_THREADS * i, r = u / (DPAD / 8), c = 8 * (u % (DPAD / 8));
+        const bool in = r < rows && c < d;  // d % 8 == 0: a unit is all in or all out
+        const float4* src = reinterpret_cast<const float4*>(x + (r0 + r) * a.sr + c);
+        v[i][0] = in ? __ldg(src) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[i][1] = in ? __ldg(src + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            mx = max(mx, max(max(finite_key(v[i][h].x), finite_key(v[i][h].y)),
+                             max(finite_key(v[i][h].z), finite_key(v[i][h].w))));
+    }
+    __shared__ unsigned int red[SPLIT16_THREADS / 32];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     if (tid % 32 == 0) red[tid / 32] = mx;
     __syncthreads();
-    mx = max(max(red[0], red[1]), max(red[2], red[3]));
+#pragma unroll
+    for (int w = 0; w < SPLIT16_THREADS / 32; ++w) mx = max(mx, red[w]);
     const int e = split16_exponent(mx);
     const float sc = pow2f(e);
     if (tid == 0) *reinterpret_cast<int*>(out + static_cast<long long>(r0) * W + 2 * DPAD) = e;
-    for (int u = tid; u < rows * (DPAD / 2); u += 128) {
-        const int r = u / (DPAD / 2), c = 2 * (u % (DPAD / 2));
-        const float* xr = x + (r0 + r) * a.sr;
-        const float va = c < d ? xr[c] : 0.f, vb = c + 1 < d ? xr[c + 1] : 0.f;
-        unsigned int hi, lo;
-        split16_pair(va * sc, vb * sc, hi, lo);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int u = tid + SPLIT16_THREADS * i, r = u / (DPAD / 8), c = 8 * (u % (DPAD / 8));
+        if (r >= rows) continue;
+        unsigned int h[4], l[4];
+        split16_pair(v[i][0].x * sc, v[i][0].y * sc, h[0], l[0]);
+        split16_pair(v[i][0].z * sc, v[i][0].w * sc, h[1], l[1]);
+        split16_pair(v[i][1].x * sc, v[i][1].y * sc, h[2], l[2]);
+        split16_pair(v[i][1].z * sc, v[i][1].w * sc, h[3], l[3]);
         unsigned short* o = out + static_cast<long long>(r0 + r) * W + (c / 64) * 128 + c % 64;
-        *reinterpret_cast<unsigned int*>(o) = hi;
-        *reinterpret_cast<unsigned int*>(o + 64) = lo;
+        *reinterpret_cast<uint4*>(o) = make_uint4(h[0], h[1], h[2], h[3]);
+        *reinterpret_cast<uint4*>(o + 64) = make_uint4(l[0], l[1], l[2], l[3]);
     }
 }
 
