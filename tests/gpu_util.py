@@ -179,7 +179,8 @@ def check_variant_case(q, k, v, qg, kg, vg, kw, dkw, *, causal, dtype, rng, seed
     of `check_against_reference`), then the backward (dbias too when `kw` has a bias) into
     poisoned buffers under `grad_pass_threshold`, from that forward's o and lse, with
     `bwd_kernel` ("generic" or "tensorcore", asserted through backward_dispatch_info; None: the
-    forward's kernel where the tensor-core backward takes the dtype and D, else "generic") and
+    forward's kernel where the tensor-core backward takes the dtype, D and the hooks, else
+    "generic") and
     `deterministic` (then a second backward must equal the first bit for bit). `kw` holds the
     variant as NumPy arrays (for the references), `dkw` on the device. Returns (dispatch label,
     o on the host, lse on the host)."""
@@ -205,8 +206,12 @@ def check_variant_case(q, k, v, qg, kg, vg, kw, dkw, *, causal, dtype, rng, seed
 
     do = reference.round_to(rng.standard_normal(batch + (sq, dv)), dtype)
     with_bias = kw.get("bias") is not None
-    if bwd_kernel is None:   # the tensor-core backward: 16-bit, D <= 128 (TC_BWD_CONFIGS)
-        tc = kernel == "tensorcore" and dtype in ("float16", "bfloat16") and q.shape[-1] <= 128
+    if bwd_kernel is None:   # the tensor-core backward: 16-bit, D <= 128 (TC_BWD_CONFIGS), with
+        # user hooks D <= TC_BWD_HOOK_MAX_D (beyond, the dispatcher refuses kernel="tensorcore")
+        from cuflash._dispatch_variants import TC_BWD_HOOK_MAX_D
+        hooks = kw.get("score_mod") is not None or kw.get("mask_mod") is not None
+        tc = (kernel == "tensorcore" and dtype in ("float16", "bfloat16")
+              and q.shape[-1] <= (TC_BWD_HOOK_MAX_D if hooks else 128))
         bwd_kernel = "tensorcore" if tc else "generic"
     dog = to_gpu(do, dtype)
     blabel = cuflash.backward_dispatch_info(dog, qg, kg, vg, o, lse, causal=causal,

@@ -300,8 +300,14 @@ def test_hook_blocks_backward(monkeypatch, fwd, bwd, dtype, d, causal, name, sq,
     o, lse = cuflash.attention(qg, kg, vg, causal=causal, return_lse=True, kernel=fwd, **dkw)
     do = to_gpu(rng.standard_normal(o.shape), dtype)
     for det in (False, True):
-        label = cuflash.backward_dispatch_info(do, qg, kg, vg, o, lse, causal=causal,
-                                               deterministic=det, kernel=bwd, **dkw)
+        try:
+            label = cuflash.backward_dispatch_info(do, qg, kg, vg, o, lse, causal=causal,
+                                                   deterministic=det, kernel=bwd, **dkw)
+        except ValueError as exc:
+            # the deterministic Hopper backward at D = 256 without causal takes no policy that
+            # reads tensors (the composed hooks' ALiBi): refused by design, and said so
+            assert det and bwd == "hopper" and "deterministic" in str(exc), exc
+            continue
         assert ("hook-blocks" in label) == (bwd == "generic" or not det), label
     if bwd == "generic":
         grads = [cuflash.attention_backward(do, qg, kg, vg, o, lse, causal=causal, kernel=bwd,
