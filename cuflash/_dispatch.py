@@ -535,10 +535,12 @@ def hopper_choice(dpad: int, causal: bool, sk: int, sq: Optional[int] = None):
 #: (variants and the varlen twin keep the in-place split). Label `presplit`; the split K and V,
 #: two (..., Sk, 2 DPAD + 64) float16 arrays (about K's and V's size again), live in the caller's
 #: `workspace=` (attention_workspace_size counts them) or else in a block of CuPy's pool on the
-#: call's stream (`_launch.presplit_kv`). Off until the float32 GPU suites (JAX command buffers,
-#: workspace, call cache) have run with it on; tests/test_gpu_float32.py -k presplit passed
-#: (H200, session r), bitwise equal to the in-place form (notes/FLOAT32.md: what is left).
-HOPPER_F32_PRESPLIT = False
+#: call's stream (`_launch.presplit_kv`). On since session u (2026-12-07): with it on (and
+#: MIN_REUSE 0) the float32 GPU suites passed on an H100 (test_gpu_float32 583, the float32 cases
+#: of test_gpu / test_nonfinite 129, workspace, call cache, JAX and its command buffers 117),
+#: bitwise equal to the in-place form; the H200 grid of session t measured it at 3.13x torch
+#: EFFICIENT on the geometric mean (in-place 2.11x). False restores the split per tile.
+HOPPER_F32_PRESPLIT = True
 
 #: Where HOPPER_F32_PRESPLIT pays: the split pass (one read and one write of K and V) is repaid by
 #: the query blocks that visit each key tile (`presplit_reuse`: ceil(Sq / BM), halved under the
