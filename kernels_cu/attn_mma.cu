@@ -455,11 +455,11 @@ struct Mma16SplitOps {
 #pragma unroll
                 for (int i = 0; i < OG; ++i)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        acc_o[mt][og * OG + i][e] =
-                            fmaf(TILE_SUM ? big[mt][TILE_SUM ? i : 0][e] + small[mt][i][e]
-                                          : small[mt][i][e],
-                                 f, acc_o[mt][og * OG + i][e]);
+                    for (int e = 0; e < 4; ++e) {
+                        float tile = small[mt][i][e];
+                        if constexpr (TILE_SUM) tile = big[mt][i][e] + tile;
+                        acc_o[mt][og * OG + i][e] = fmaf(tile, f, acc_o[mt][og * OG + i][e]);
+                    }
         }
     }
 };
