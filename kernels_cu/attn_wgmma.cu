@@ -1095,14 +1095,14 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
     // always in flight) spilled at D = 128 and 256. 64 columns at a time: at D = 128 the
     // accumulators of O, a whole tile's small products and two steps would not fit beside P in
     // the consumers' 224 registers.
-    // PV_PIN (the causal head-dim split form with the split per tile, whose consumers' registers
-    // are at their limit): ptxas (NVRTC 13.0) issued each pass's first wgmmas before the FFMAs
-    // into O of the pass before, holding that pass's 32 sums in fresh registers beside the new
-    // products, and spilled 12 bytes. There each later pass's first descriptor takes a zero made
-    // from those FFMAs' results (zero_after), so its wgmmas wait for them: about 20 instructions
-    // a tile, no value changes (its pre-split twin, which did not spill, computes the same).
+    // PV_PIN (the causal head-dim split forms, whose consumers' registers are at their limit):
+    // ptxas issued each pass's first wgmmas before the FFMAs into O of the pass before, holding
+    // that pass's 32 sums in fresh registers beside the new products, and spilled (NVRTC 13.0:
+    // 12 bytes with the split per tile; 13.5: 4 bytes pre-split). There each later pass's first
+    // descriptor takes a zero made from those FFMAs' results (zero_after), so its wgmmas wait
+    // for them: about 20 instructions a tile, no value changes.
     constexpr int PVC = 64;  // columns per pass
-    constexpr bool PV_PIN = Cfg::HSPLIT && CAUSAL && !Cfg::PRESPLIT;
+    constexpr bool PV_PIN = Cfg::HSPLIT && CAUSAL;
     float pv_t[F16S ? 2 : 1][F16S ? PVC / 2 : 1];
     float pv_s[F16S ? PVC / 2 : 1];
     const auto pv16 = [&](int st) {
