@@ -789,20 +789,34 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                         tma_load_5d(dst + pn * Cfg::KV_PANEL, map, pn * 64, row + k_row0,
                                     c[t][0], c[t][1], c[t][2], bar);
                 };
+                // The exponents are read one tile ahead (the item's first ones before its first
+                // wait): a read of global memory (L2 or DRAM, ~1 us) then runs under the waits for
+                // the stages instead of between a stage coming free and its TMA (ncu, H100, D =
+                // 256 S = 512: these 4-byte reads were the kernel's only global loads and
+                // L1TEX its largest stall).
+                int ke = 0, ve = 0;
+                if (issuer && n_tiles > 0) {
+                    ke = tile_exp(1, jt0 * BN);
+                    ve = tile_exp(2, jt0 * BN);
+                }
                 for (int j = 0; j < n_tiles; ++j, ++it) {
                     const int st = it % STAGES;
                     const unsigned int use = it / STAGES;
                     const int row = (jt0 + j) * BN;
                     if (issuer) {
                         if (it >= STAGES) mbar_wait(k_empty(st), (use - 1) & 1);
-                        st_shared_s32(k_exp(st), tile_exp(1, row));
+                        st_shared_s32(k_exp(st), ke);
                         load16(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, row, k_full(st));
                     }
                     if (j == 0) load_q();
                     if (issuer) {
                         if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
-                        st_shared_s32(v_exp(st), tile_exp(2, row));
+                        st_shared_s32(v_exp(st), ve);
                         load16(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, row, v_full(st));
+                        if (j + 1 < n_tiles) {
+                            ke = tile_exp(1, row + BN);
+                            ve = tile_exp(2, row + BN);
+                        }
                     }
                     if (j == 0) prep_q();
                 }
