@@ -126,7 +126,7 @@ def launch_forward(plan, prob, o, lse, device_attrs):
         sizes = presplit_sections(plan, prob)
         buf = scratch(sum(sizes), getattr(prob, "workspace", None), _stream_ptr(prob.stream),
                       "attention_workspace_size")
-        split_kv = (presplit_kv(plan, prob, k, buf, 0), presplit_kv(plan, prob, v, buf, sizes[0]))
+        split_kv = presplit_kv(plan, prob, k, v, buf, (0, sizes[0]))
     params, grid, (q, k, v), vparams = forward_params(plan, prob, q, k, v, o, lse, device_attrs,
                                                       variant=variant, split_kv=split_kv)
     kern = _compile.get_kernel(plan.spec, prob.device_id, plan.smem_bytes)
@@ -246,47 +246,56 @@ def presplit_sections(plan, prob):
             for x in (prob.k, prob.v)]
 
 
-def presplit_kv(plan, prob, x, buf, offset):
-    """``x`` (k or v: float32, shape (..., Sk, D), any strides) split for `plan` by
-    attn_wgmma.cu's cuflash_split16_kv on the call's stream into a contiguous float16 array of
-    shape x.shape[:-1] + (2 DPAD + 64,) at byte `offset` of the flat buffer `buf` (the caller's
-    workspace, or a pool block on the call's stream: `presplit_sections`). Row r holds, for each
-    64 columns, the fp16 hi then lo parts of x 2^e, e the exponent of r's key tile of BN keys,
-    stored as int32 at columns 2 DPAD of the tile's first row."""
+def presplit_kv(plan, prob, k, v, buf, offsets):
+    """``k`` and ``v`` (float32, shapes (..., Sk, D), any strides) split for `plan` by one
+    launch of attn_wgmma.cu's cuflash_split16_kv on the call's stream, each into a contiguous
+    float16 array of shape x.shape[:-1] + (2 DPAD + 64,) at its byte offset in `offsets` of the
+    flat buffer `buf` (the caller's workspace, or a pool block on the call's stream:
+    `presplit_sections`). Row r holds, for each 64 columns, the fp16 hi then lo parts of
+    x 2^e, e the exponent of r's key tile of BN keys, stored as int32 at columns 2 DPAD of the
+    tile's first row. Returns the two split arrays (k's, v's)."""
     import cupy
 
     dpad, bn = plan.presplit_dpad, plan.block_n
-    sk, d = int(x.shape[-2]), int(x.shape[-1])
-    out = cupy.ndarray(tuple(x.shape[:-1]) + (2 * dpad + 64,), dtype=cupy.float16,
-                       memptr=buf.data + offset)
-    sizes, bstr, rstr = collapse_batch(tuple(x.shape[:-2]), x)
-    if len(sizes) > 3:
-        x = cupy.ascontiguousarray(x)
+    pair = np.zeros((), dtype=SPLIT16_PAIR_DTYPE)
+    outs, blocks = [], []
+    for name, x, offset in (("k", k, offsets[0]), ("v", v, offsets[1])):
+        sk, d = int(x.shape[-2]), int(x.shape[-1])
+        out = cupy.ndarray(tuple(x.shape[:-1]) + (2 * dpad + 64,), dtype=cupy.float16,
+                           memptr=buf.data + offset)
         sizes, bstr, rstr = collapse_batch(tuple(x.shape[:-2]), x)
-    while len(sizes) < 3:
-        sizes.insert(0, 1)
-        bstr[0].insert(0, 0)
-    n_tiles = -(-sk // bn)
-    blocks = sizes[0] * sizes[1] * sizes[2] * n_tiles
-    if blocks > MAX_GRID_X or sk == 0:
-        raise ValueError(f"presplit: {blocks} key tiles is too many for one launch")
-    sr = rstr[0] if sk > 1 else d
-    # 16-byte loads of 8 columns and 16-byte stores (the Hopper plan's own requirements imply
-    # these; checked here as for every launch)
-    if (x.data.ptr % 16 or out.data.ptr % 16 or sr % 4 or d % 8 or d > dpad
-            or any(st % 4 for st in bstr[0])):
-        raise ValueError(f"presplit: x at {x.data.ptr:#x}, row stride {sr}, batch strides "
-                         f"{bstr[0]}, D = {d} (DPAD {dpad}): needs 16-byte aligned rows and "
-                         "D % 8 == 0")
-    a = np.zeros((), dtype=SPLIT16_PARAMS_DTYPE)
-    a["x"], a["out"] = x.data.ptr, out.data.ptr
-    a["s0"], a["s1"], a["s2"] = bstr[0]
-    a["sr"], a["n1"], a["n2"] = sr, sizes[1], sizes[2]
-    a["sk"], a["d"], a["n_tiles"] = sk, d, n_tiles
+        if len(sizes) > 3:
+            x = cupy.ascontiguousarray(x)
+            sizes, bstr, rstr = collapse_batch(tuple(x.shape[:-2]), x)
+        while len(sizes) < 3:
+            sizes.insert(0, 1)
+            bstr[0].insert(0, 0)
+        if sk == 0:
+            raise ValueError(f"presplit: {name} has no keys")
+        n_tiles = -(-sk // bn)
+        blocks.append(sizes[0] * sizes[1] * sizes[2] * n_tiles)
+        sr = rstr[0] if sk > 1 else d
+        # 16-byte loads of 8 columns and 16-byte stores (the Hopper plan's own requirements
+        # imply these; checked here as for every launch)
+        if (x.data.ptr % 16 or out.data.ptr % 16 or sr % 4 or d % 8 or d > dpad
+                or any(st % 4 for st in bstr[0])):
+            raise ValueError(f"presplit: {name} at {x.data.ptr:#x}, row stride {sr}, batch "
+                             f"strides {bstr[0]}, D = {d} (DPAD {dpad}): needs 16-byte aligned "
+                             "rows and D % 8 == 0")
+        a = pair[name]
+        a["x"], a["out"] = x.data.ptr, out.data.ptr
+        a["s0"], a["s1"], a["s2"] = bstr[0]
+        a["sr"], a["n1"], a["n2"] = sr, sizes[1], sizes[2]
+        a["sk"], a["d"], a["n_tiles"] = sk, d, n_tiles
+        outs.append(out)
+    if sum(blocks) > MAX_GRID_X:
+        raise ValueError(f"presplit: {blocks[0]} + {blocks[1]} key tiles of K and V is too many "
+                         "for one launch")
+    pair["first_v"] = blocks[0]
     from ._dispatch import presplit_spec
     kern = _compile.get_kernel(presplit_spec(dpad, bn), prob.device_id)
-    kern((blocks,), (SPLIT16_THREADS,), (a[()],), stream=_stream_ptr(prob.stream))
-    return out
+    kern((sum(blocks),), (SPLIT16_THREADS,), (pair[()],), stream=_stream_ptr(prob.stream))
+    return tuple(outs)
 
 
 #: attn_wgmma.cu's SPLIT16_THREADS: threads of a cuflash_split16_kv block.
@@ -297,6 +306,11 @@ SPLIT16_THREADS = 256
 SPLIT16_PARAMS_DTYPE = np.dtype([("x", np.uint64), ("out", np.uint64)]
                                 + [(f, np.int64) for f in ("s0", "s1", "s2", "sr", "n1", "n2",
                                                            "sk", "d", "n_tiles")])
+
+
+#: attn_wgmma.cu's Split16Pair: K's and V's Split16Params and the first block of V's.
+SPLIT16_PAIR_DTYPE = np.dtype([("k", SPLIT16_PARAMS_DTYPE), ("v", SPLIT16_PARAMS_DTYPE),
+                               ("first_v", np.int64)])
 
 
 def _fill_tensor_maps(p, plan, prob, tensors, sizes, bstr, rstr):

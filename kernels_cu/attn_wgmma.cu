@@ -435,8 +435,8 @@ __device__ __forceinline__ void split16_tile(unsigned int tile, unsigned int red
     }
 }
 // ---- The once-per-call split of K and V (OP = fp16pre_t; notes/FLOAT32.md, "Where the 3xfp16
-// Hopper forward waits"). Block blockIdx.x = b * n_tiles + t splits key tile t (rows BN t ...) of
-// batch entry b of x (float32, batch strides s0, s1, s2 over sizes (., n1, n2), row stride sr,
+// Hopper forward waits"). Block blk = b * n_tiles + t of a tensor's blocks splits key tile t
+// (rows BN t ...) of batch entry b of x (float32, batch strides s0, s1, s2 over sizes (., n1, n2), row stride sr,
 // Sk x D) into out ((entries, Sk, 2 DPAD + 64) fp16, contiguous): row r holds, for each 64
 // columns q, the fp16 hi then lo parts of x 2^e (columns 128 q ... and 128 q + 64 ...), i.e.
 // what split16_tile leaves in a stage, panel for panel, once a 16-bit tensor map with 128-byte
@@ -447,22 +447,34 @@ __device__ __forceinline__ void split16_tile(unsigned int tile, unsigned int red
 // loads, a 16-byte store of its hi and one of its lo parts; SPLIT16_THREADS threads, UNITS /
 // SPLIT16_THREADS units each), where version 1 read it twice in 4-byte loads and stored 4
 // bytes at a time: at D = 256, S = 512 the pass took about 0.3 ms for K and V, half the
-// bandwidth a copy reaches (notes/FLOAT32.md, "The split pass"). Needs (checked on the host:
-// _launch.presplit_kv) x, sr and the batch strides 16-byte aligned and D % 8 == 0, as the
-// Hopper kernel's tensor maps do.
+// bandwidth a copy reaches (notes/FLOAT32.md, "The split pass"). Version 3: K and V in one
+// launch (blocks [0, first_v) split K, the rest V), where version 2 launched once for each and
+// paid each launch's last, partly filled wave and the gap between them. Needs (checked on the
+// host: _launch.presplit_kv) x, sr and the batch strides 16-byte aligned and D % 8 == 0, as
+// the Hopper kernel's tensor maps do.
 struct Split16Params {
     const float* x;
     unsigned short* out;
     long long s0, s1, s2, sr, n1, n2, sk, d, n_tiles;
 };
+struct Split16Pair {
+    Split16Params k, v;
+    long long first_v;  // blocks of K: key tiles x batch entries of k
+};
+static_assert(sizeof(Split16Pair) == 23 * 8, "_launch.SPLIT16_PAIR_DTYPE");
 constexpr int SPLIT16_THREADS = 256;
+// __grid_constant__: `a` refers to one of the two halves in the parameter space (no local copy).
 template <int DPAD, int BN>
-__global__ void __launch_bounds__(SPLIT16_THREADS) cuflash_split16_kv(const Split16Params a) {
+__global__ void __launch_bounds__(SPLIT16_THREADS)
+cuflash_split16_kv(const __grid_constant__ Split16Pair p) {
     constexpr int W = 2 * DPAD + 64;
     constexpr int UNITS = BN * DPAD / 8, PER = UNITS / SPLIT16_THREADS;
     static_assert(UNITS % SPLIT16_THREADS == 0 && DPAD % 64 == 0, "whole units a thread");
-    const long long b = blockIdx.x / a.n_tiles;
-    const int r0 = static_cast<int>(blockIdx.x % a.n_tiles) * BN;
+    const bool is_v = blockIdx.x >= p.first_v;
+    const Split16Params& a = is_v ? p.v : p.k;
+    const long long blk = is_v ? blockIdx.x - p.first_v : blockIdx.x;
+    const long long b = blk / a.n_tiles;
+    const int r0 = static_cast<int>(blk % a.n_tiles) * BN;
     const long long i2 = b % a.n2, i1 = (b / a.n2) % a.n1, i0 = b / a.n2 / a.n1;
     const float* x = a.x + i0 * a.s0 + i1 * a.s1 + i2 * a.s2;
     unsigned short* out = a.out + b * a.sk * W;

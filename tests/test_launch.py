@@ -53,6 +53,8 @@ def test_param_dtypes_match_the_structs():
     assert hp.fields["q"][1] == 384 and hp.fields["coord_mask"][1] == 384 + 31 * 8
     assert hp.fields["kx"][1] == 640 and hp.fields["vx_sr"][1] == 640 + 9 * 8
     assert [hp.fields[f"tm_{t}"][1] for t in "qkv"] == [0, 128, 256]
+    sp = _launch.SPLIT16_PAIR_DTYPE   # one launch splits K and V (cuflash_split16_kv)
+    assert sp.itemsize == 23 * 8 and sp.fields["v"][1] == 11 * 8 and sp.fields["first_v"][1] == 176
 
 
 def test_hopper_maps_bshd_view_and_broadcast_kv(launches):
