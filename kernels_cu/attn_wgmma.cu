@@ -47,6 +47,12 @@
 //       TFLOP/s against the mma.sync form's measured 54-70). Measured (H200, session g):
 //       62.5-73.3 TFLOP/s at D = 256, +1 to +16% over the mma.sync form, 1.56-1.97x torch's
 //       EFFICIENT backend.
+//   7   K and V split once per call (OP = fp16pre_t, cuflash_split16_kv) and, at one stage (D =
+//       256), the pre-split producer's item boundary: Q is split before the wait for V_0's stage
+//       and the next K exponent is read right after K's load. H200 (session x, old/new twice in
+//       one call): D = 256 S = 512 causal 72.3, 72.5 -> 75.8, 75.8 TFLOP/s (2.07x -> 2.17x torch
+//       EFFICIENT), S = 512 +2%, S = 1024 +0.5 to +2.5%, S = 4096 within 1%. V_0 first whenever
+//       its stage was free once Q had landed lost the gain (H100 A/B).
 //
 // Block = 1 + CONSUMERS warpgroups (384 or 512 threads), BM = 64 * CONSUMERS query rows:
 //   - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
@@ -819,18 +825,29 @@ __device__ __forceinline__ void fwd_wgmma_body(const HopperParams& hp, const Var
                         if (it >= STAGES) mbar_wait(k_empty(st), (use - 1) & 1);
                         st_shared_s32(k_exp(st), ke);
                         load16(k_s + st * Cfg::KV_BYTES, &hp.tm_k, 1, row, k_full(st));
+                        // One stage: the next K exponent now, a whole tile before K_{j+1}'s load
+                        // needs it; read after V_j, which now waits for Q's split at j = 0 (below),
+                        // it was still in flight at K_1's load (H100: -1.5% at S = 4096 there)
+                        if (STAGES == 1 && j + 1 < n_tiles) ke = tile_exp(1, row + BN);
                     }
                     if (j == 0) load_q();
+                    // One stage (HSPLIT, D = 256): V_0 cannot be requested before the previous
+                    // item's last P V frees the stage, and the consumers cannot start this item
+                    // before Q is split; Q lands once that item's last scores are in, so it is
+                    // split first, under the last P V and the O epilogue, instead of after the
+                    // wait for V's stage (where it was on every item's critical path). With more
+                    // stages V_0's stage is usually free already and V goes first.
+                    if (STAGES == 1 && j == 0) prep_q();
                     if (issuer) {
                         if (it >= STAGES) mbar_wait(v_empty(st), (use - 1) & 1);
                         st_shared_s32(v_exp(st), ve);
                         load16(v_s + st * Cfg::KV_BYTES, &hp.tm_v, 2, row, v_full(st));
                         if (j + 1 < n_tiles) {
-                            ke = tile_exp(1, row + BN);
+                            if (STAGES > 1) ke = tile_exp(1, row + BN);
                             ve = tile_exp(2, row + BN);
                         }
                     }
-                    if (j == 0) prep_q();
+                    if (STAGES > 1 && j == 0) prep_q();
                 }
                 continue;
             }
