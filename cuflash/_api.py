@@ -195,7 +195,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None, 
     as in the float64 reference (`cuflash.reference.attention_ref`): a NaN score makes its row
     NaN, and so does a score of +inf (inf - inf, as ``scipy.special.softmax`` gives); a NaN in
     ``v`` makes that column NaN in every row that sees the key; an inf in ``v`` makes it inf, or
-    NaN where it meets a weight that rounded to 0 or an inf of the other sign.
+    NaN where it meets a weight that rounded to 0 or an inf of the other sign. One exception,
+    a known defect: float32 on the tensor cores (precision "highest" and "high", the default
+    for float32 on the GPU) splits each operand into parts, and an infinite element's low
+    part is ``inf - inf = NaN``, so an inf in ``k`` or ``v`` gives NaN in the rows that see
+    the key where the reference may give inf or (a score of -inf) a finite value;
+    ``kernel="generic"`` follows the reference there.
     """
     # A signature (types, shapes, strides, dtypes, devices, alignment, flags; the workspace's
     # too) seen before has passed every check and has its plan and parameter block: see
