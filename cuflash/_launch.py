@@ -259,6 +259,9 @@ def presplit_kv(plan, prob, k, v, buf, offsets):
     dpad, bn = plan.presplit_dpad, plan.block_n
     pair = np.zeros((), dtype=SPLIT16_PAIR_DTYPE)
     outs, blocks = [], []
+    # What the launch reads: a contiguous copy of k must stay alive past the loop, or v's copy
+    # could take its pool block before the kernel has read it.
+    srcs = []
     for name, x, offset in (("k", k, offsets[0]), ("v", v, offsets[1])):
         sk, d = int(x.shape[-2]), int(x.shape[-1])
         out = cupy.ndarray(tuple(x.shape[:-1]) + (2 * dpad + 64,), dtype=cupy.float16,
@@ -288,6 +291,7 @@ def presplit_kv(plan, prob, k, v, buf, offsets):
         a["sr"], a["n1"], a["n2"] = sr, sizes[1], sizes[2]
         a["sk"], a["d"], a["n_tiles"] = sk, d, n_tiles
         outs.append(out)
+        srcs.append(x)
     if sum(blocks) > MAX_GRID_X:
         raise ValueError(f"presplit: {blocks[0]} + {blocks[1]} key tiles of K and V is too many "
                          "for one launch")

@@ -441,23 +441,22 @@ __device__ __forceinline__ void split16_tile(unsigned int tile, unsigned int red
     }
 }
 // ---- The once-per-call split of K and V (OP = fp16pre_t; notes/FLOAT32.md, "Where the 3xfp16
-// Hopper forward waits"). Block blk = b * n_tiles + t of a tensor's blocks splits key tile t
-// (rows BN t ...) of batch entry b of x (float32, batch strides s0, s1, s2 over sizes (., n1, n2), row stride sr,
-// Sk x D) into out ((entries, Sk, 2 DPAD + 64) fp16, contiguous): row r holds, for each 64
-// columns q, the fp16 hi then lo parts of x 2^e (columns 128 q ... and 128 q + 64 ...), i.e.
+// Hopper forward waits"). Block blk = b * n_tiles + t of a tensor's blocks splits key tile t (rows
+// BN t ...) of batch entry b of x (float32, batch strides s0, s1, s2 over sizes (., n1, n2), row
+// stride sr, Sk x D) into out ((entries, Sk, 2 DPAD + 64) fp16, contiguous): row r holds, for each
+// 64 columns q, the fp16 hi then lo parts of x 2^e (columns 128 q ... and 128 q + 64 ...), i.e.
 // what split16_tile leaves in a stage, panel for panel, once a 16-bit tensor map with 128-byte
 // swizzle loads panels of 64 columns; the tile's e is the int32 at columns 2 DPAD, 2 DPAD + 1 of
-// its first row. The same finite_key / split16_exponent / split16_pair over the same values
-// (zeros past Sk and D, as TMA fills the tile) give bitwise the in-place split's operands.
-// Version 2: the tile is read once, into registers (a unit is 8 columns of a row: two 16-byte
-// loads, a 16-byte store of its hi and one of its lo parts; SPLIT16_THREADS threads, UNITS /
-// SPLIT16_THREADS units each), where version 1 read it twice in 4-byte loads and stored 4
-// bytes at a time: at D = 256, S = 512 the pass took about 0.3 ms for K and V, half the
-// bandwidth a copy reaches (notes/FLOAT32.md, "The split pass"). Version 3: K and V in one
-// launch (blocks [0, first_v) split K, the rest V), where version 2 launched once for each and
-// paid each launch's last, partly filled wave and the gap between them. Needs (checked on the
-// host: _launch.presplit_kv) x, sr and the batch strides 16-byte aligned and D % 8 == 0, as
-// the Hopper kernel's tensor maps do.
+// its first row. The same finite_key / split16_exponent / split16_pair over the same values (zeros
+// past Sk and D, as TMA fills the tile) give bitwise the in-place split's operands. Version 2: the
+// tile is read once, into registers (a unit is 8 columns of a row: two 16-byte loads, a 16-byte
+// store of its hi and one of its lo parts; SPLIT16_THREADS threads, UNITS / SPLIT16_THREADS units
+// each), where version 1 read it twice in 4-byte loads and stored 4 bytes at a time: at D = 256, S
+// = 512 the pass took about 0.3 ms for K and V, half the bandwidth a copy reaches
+// (notes/FLOAT32.md, "The split pass"). Version 3: K and V in one launch (blocks [0, first_v) split
+// K, the rest V), where version 2 launched once for each and paid each launch's last, partly filled
+// wave and the gap between them. Needs (checked on the host: _launch.presplit_kv) x, sr and the
+// batch strides 16-byte aligned and D % 8 == 0, as the Hopper kernel's tensor maps do.
 struct Split16Params {
     const float* x;
     unsigned short* out;
