@@ -908,9 +908,13 @@ TC_BWD_CANDIDATES = {
     "w8+lean": {64: (64, 8, 2, 1, 1)},
     "w8+lean+late": {64: (64, 8, 2, 1, 3)},
 }
-#: Padding column of a dq accumulator row past DPAD (the turn counters of deterministic mode sit
-#: at column DPAD of each query tile's first row; 4 keeps rows 16-byte aligned).
-TC_BWD_DQ_PAD = 4
+#: Padding columns of a dq accumulator row past DPAD (the turn counters of deterministic mode sit
+#: at column DPAD of each query tile's first row). 16 makes every row a multiple of 64 bytes
+#: (DPAD is a multiple of 64), so a quad's 32-byte (mma.sync, red.v2) or 64-byte (Hopper, red.v4)
+#: reduction covers whole 32-byte sectors of one 128-byte line; with 4 (rows of 16 mod 32 bytes)
+#: every other row's pieces straddled two sectors, 1.5x the sectors at L2 (ncu, H100, session y:
+#: notes/BACKWARD.md, "The dq reductions").
+TC_BWD_DQ_PAD = 16
 
 
 def bwd_tensorcore_config(dpad: int, compute_capability: int):

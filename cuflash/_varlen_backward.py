@@ -299,7 +299,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         ``attention_varlen_backward_workspace_size(...)`` bytes: delta (H x total_q, float32;
         float64 for float64), for float32/float64 also the recomputed row max and sum (twice
         that), and for the tensor-core backward the float32 dq accumulator (H x total_q x
-        (padded D + 4)). Without it that memory comes from CuPy's pool on the launch stream.
+        (padded D + 16)). Without it that memory comes from CuPy's pool on the launch stream.
         With ``out=`` and ``workspace=`` the call allocates nothing.
     stream : cupy.cuda.Stream, torch.cuda.Stream or int, optional
         GPU only: the stream to launch on. Never synchronises.
