@@ -12,6 +12,13 @@
 //       backward"): at long sequences D = 128 330 +- 60 TFLOP/s, D = 64 280 +- 60 (the exp2 /
 //       dS work per FLOP doubles there): 1.5-2x the mma.sync backward, 1.1-1.4x torch's FLASH
 //       backward (FA2), 0.6-0.9x cuDNN.
+//   1.1 (this file, session y) the dq reductions as 16-byte red.v4 after a pair exchange
+//       between lanes t4 and t4 ^ 1, on accumulator rows that are a multiple of 64 bytes
+//       (_dispatch.TC_BWD_DQ_PAD 16, was 4): half the reduction instructions and L2 requests,
+//       and no 32-byte piece straddling two sectors. Why: with the reductions disabled (an
+//       ablation, wrong dq) the H100 ran D = 256 S = 4096 at 348 TFLOP/s against 208, and ncu
+//       showed L2's input at 88% busy with 9 requests per red.v2 instruction (notes/
+//       BACKWARD.md, "The dq reductions").
 //   2   (not written) a producer warpgroup that issues TMA loads (setmaxnreg: 24 registers for
 //       it, 240 for the consumers) and an mbarrier ring instead of cp.async and __syncthreads:
 //       frees the consumers of the load issue and of the block-wide barriers. Predicted +5-15%.
@@ -210,6 +217,22 @@ __device__ __forceinline__ void sts_f32(unsigned int addr, float v) {
 }
 // Element (row, col) of a 16-bit tile stored as 64-column panels of PANEL bytes (128-byte rows,
 // the 128-byte swizzle), for a pair of columns col, col + 1 in one 32-bit store (col even).
+// __shfl_xor_sync(full, x, 1) as a volatile asm: kept in program order between the dq
+// reductions (also volatile asm), so that ptxas does not hoist every exchange of a tile ahead of
+// the reductions and hold their results live (registers are at the cap: that spilled).
+__device__ __forceinline__ float shfl_xor1_ordered(float x) {
+    float r;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, 1, 31, -1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// dst[0..3] += v in global memory (dst 16-byte aligned): one vector reduction (sm_90; the dq
+// pieces after the pair exchange below).
+__device__ __forceinline__ void bwd_red_add4(float* dst, float a, float b, float c, float d) {
+    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                 :: "l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
 template <int PANEL>
 __device__ __forceinline__ void sts_panel_u32(unsigned int at, int row, int col, unsigned int v) {
     sts_u32(at + (col / 64) * PANEL + row * 128 +
@@ -306,6 +329,12 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
     // hopper_bwd_variant_smem), written with P^T and read with dS^T: beside dK, dV, S^T and
     // dP^T they spilled at D = 128 (24 bytes, softcap, NVRTC 13.5).
     constexpr bool DSC_SMEM = !POLICY::PLAIN && POLICY::DSCORE && !Cfg::SPLIT;
+    // The dq reductions as 16-byte red.v4 after a pair exchange (below) where the registers allow
+    // it: the exchange needs an aligned quad of registers beside dK, dV and the dQ pieces, and
+    // ptxas spilled 4-36 bytes (NVRTC 13.0 or 13.5) in the deterministic D = 256 form, in the
+    // D = 256 and some D = 128 variant kernels and in the D = 64 causal one. Those keep the 8-byte
+    // reductions (on the same 64-byte aligned rows).
+    constexpr bool RED4 = POLICY::PLAIN && !(Cfg::SPLIT && DET) && !(DPAD == 64 && CAUSAL);
     [[maybe_unused]] const unsigned int dsc_s = base + Cfg::TURN_OFF + 16;
 
     const int tid = threadIdx.x;
@@ -811,14 +840,44 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
             fence_regs(dq[pc]);
             const int piece = cw * Cfg::PIECES_WG + pc;
             const int mp = piece / Cfg::PANELS, np = piece % Cfg::PANELS;
+            // RED4: 16-byte reductions. For each pair of 8-column blocks (2 j, 2 j + 1) lanes t4
+            // and t4 ^ 1 swap a pair of values, so that the even lane holds columns 16 j + 2 t4
+            // .. + 3 (its own block 2 j pair and its partner's) and the odd lane columns 16 j + 8
+            // + 2 t4 - 2 .. + 1 (its partner's block 2 j + 1 pair and its own). A quad then
+            // covers 64 contiguous bytes of its row per instruction (64-byte aligned: the
+            // accumulator's rows are a multiple of 64 bytes, _dispatch.TC_BWD_DQ_PAD), against
+            // 32 bytes for the pairs as they are: half the reduction requests reach L2.
+            // Otherwise one 8-byte reduction per pair (32 bytes a quad, still whole sectors).
+            if constexpr (RED4) {
+                const bool odd = t4 & 1;
+                const int col4 = 64 * np + (odd ? 8 : 0) + 4 * (t4 >> 1);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = i0 + 64 * mp + 16 * warp + g + 8 * h;
-                if (row < sq) {
-                    float* dst = dqa + static_cast<long long>(row) * p.dqa_sr + 64 * np + 2 * t4;
+                for (int h = 0; h < 2; ++h) {
+                    const int row = i0 + 64 * mp + 16 * warp + g + 8 * h;
+                    float* dst = dqa + static_cast<long long>(row) * p.dqa_sr + col4;
 #pragma unroll
-                    for (int nt = 0; nt < 8; ++nt)
-                        bwd_red_add2(dst + nt * 8, dq[pc][nt * 4 + 2 * h], dq[pc][nt * 4 + 2 * h + 1]);
+                    for (int j = 0; j < 4; ++j) {
+                        const float a0 = dq[pc][8 * j + 2 * h], a1 = dq[pc][8 * j + 2 * h + 1];
+                        const float b0 = dq[pc][8 * j + 4 + 2 * h], b1 = dq[pc][8 * j + 5 + 2 * h];
+                        const float r0 = shfl_xor1_ordered(odd ? a0 : b0);
+                        const float r1 = shfl_xor1_ordered(odd ? a1 : b1);
+                        if (row < sq)
+                            bwd_red_add4(dst + 16 * j, odd ? r0 : a0, odd ? r1 : a1,
+                                         odd ? b0 : r0, odd ? b1 : r1);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = i0 + 64 * mp + 16 * warp + g + 8 * h;
+                    if (row < sq) {
+                        float* dst =
+                            dqa + static_cast<long long>(row) * p.dqa_sr + 64 * np + 2 * t4;
+#pragma unroll
+                        for (int nt = 0; nt < 8; ++nt)
+                            bwd_red_add2(dst + nt * 8, dq[pc][nt * 4 + 2 * h],
+                                         dq[pc][nt * 4 + 2 * h + 1]);
+                    }
                 }
             }
         }

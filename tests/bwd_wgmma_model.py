@@ -226,6 +226,9 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132, vp=None, visits=None
     scale_log2, scale = float(p["scale_log2"]), float(p["scale"])
     dqa_sr, dqa = int(p["dqa_sr"]), int(p["dq_accum"])
     bm, bn, dpad = c.bm, c.bn, c.dpad
+    # the kernel's RED4: 16-byte dq reductions in the plain kernel but for the deterministic D = 256
+    # form and D = 64 causal (registers)
+    red4 = vp is None and not (c.split and det) and not (dpad == 64 and causal)
     seen = set()
     key_range, _, win_visible = _window_ranges(vp, sq, sk)
     window = vp is not None and (int(vp["left"]) >= 0 or int(vp["right"]) >= 0)
@@ -422,15 +425,37 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132, vp=None, visits=None
                             a = read_mn_major(smem, da, 64)
                         acc += a @ read_mn_major(smem, db, 64).T
                     frag = to_frag(acc)
+                    if not red4:  # 8-byte reductions: each pair where it is
+                        for h in range(2):
+                            row = i0 + 64 * mp + 16 * WARP + G + 8 * h
+                            ok = row < sq
+                            for nt in range(8):
+                                for j in range(2):
+                                    at = (dqa_off + row[ok] * dqa_sr + 64 * np_ + 2 * T4[ok]
+                                          + nt * 8 + j)
+                                    cur = mem.read(dqa, at)
+                                    mem.write(dqa, at, cur + frag[ok, nt * 4 + 2 * h + j])
+                        continue
+                    # RED4, the kernel's 16-byte reductions: lanes t4 and t4 ^ 1 swap one pair of
+                    # each two 8-column blocks (2 j, 2 j + 1); the even lane adds its block
+                    # 2 j pair and its partner's at column 16 j + 4 (t4 >> 1), the odd lane its
+                    # partner's block 2 j + 1 pair and its own at 16 j + 8 + 4 (t4 >> 1).
+                    odd = (T4 & 1) == 1
+                    partner = WG ^ 1
+                    col4 = 64 * np_ + np.where(odd, 8, 0) + 4 * (T4 >> 1)
                     for h in range(2):
                         row = i0 + 64 * mp + 16 * WARP + G + 8 * h
                         ok = row < sq
-                        for nt in range(8):
-                            for j in range(2):
-                                at = (dqa_off + row[ok] * dqa_sr + 64 * np_ + 2 * T4[ok]
-                                      + nt * 8 + j)
+                        for j in range(4):
+                            a = frag[:, [8 * j + 2 * h, 8 * j + 2 * h + 1]]
+                            b = frag[:, [8 * j + 4 + 2 * h, 8 * j + 5 + 2 * h]]
+                            r = np.where(odd[:, None], a, b)[partner]  # what the partner sent
+                            v = np.where(odd[:, None], np.concatenate([r, b], 1),
+                                         np.concatenate([a, r], 1))
+                            for e in range(4):
+                                at = dqa_off + row[ok] * dqa_sr + col4[ok] + 16 * j + e
                                 cur = mem.read(dqa, at)
-                                mem.write(dqa, at, cur + frag[ok, nt * 4 + 2 * h + j])
+                                mem.write(dqa, at, cur + v[ok, e])
             if det:
                 mem.write(dqa, [turn_at], [my_turn + 1])
         off = bwd_offsets(p, bwd_index(p, kv_red, owner, 0))
