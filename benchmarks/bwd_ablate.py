@@ -1,0 +1,243 @@
+"""Ablations of the Hopper backward: what each part of its tile costs (notes/BACKWARD.md, "The dq
+reductions"; notes/PERF.md's method: find where the time goes before changing it).
+
+An ablated kernel is a copy of ``kernels_cu`` whose attn_bwd_wgmma.cu has one part removed, so
+its gradients are wrong on purpose:
+
+- ``noreduce``: the dq reductions predicated off (the dQ products and everything else kept; the
+  predicate compares a dq value with a constant no input produces, so ptxas cannot drop the
+  products that feed it);
+- ``noload``: the next query tile's Q and dO copies not issued (its lse and delta still read).
+
+Variants are timed interleaved in rounds, in one process, beside torch's FLASH backward on the same
+inputs (each round: 10 back-to-back calls between two CUDA events behind bench.py's spinning
+kernel; the median over rounds), at points of the standard grid (B = 16384 / S, H = 2048 / D,
+float16, ``kernel="hopper"``). Before timing, every variant's dq, dk, dv are compared with FLASH's
+(max abs differences printed: the intact kernels must match the reference tree's, the ablated ones
+show which gradient they break) and, with ``--bitwise``, the deterministic variants' results with
+each other bit for bit. A variant is ``NAME=DIR[@PAD][@det]``: a kernel source directory, the dq
+accumulator's row padding (``_dispatch.TC_BWD_DQ_PAD`` for its calls; default the tree's) and
+``deterministic=True``. Kernels are compiled into per-variant in-process caches (the disk cache
+key holds the source, so ``compile`` can fill ``$CUFLASH_CACHE_DIR`` on a machine without a GPU)::
+
+    python3 benchmarks/bwd_ablate.py make /tmp/abl              # /tmp/abl/{base,noreduce,noload}
+    python3 benchmarks/bwd_ablate.py compile --variant base=/tmp/abl/base --variant ...
+    python3 benchmarks/bwd_ablate.py run --variant base=/tmp/abl/base \\
+        --variant noreduce=/tmp/abl/noreduce --variant det=/tmp/abl/base@@det \\
+        --points 256:4096,256:4096:causal,128:4096 --rounds 5 --bitwise
+
+Prints one JSON line per point: TFLOP/s (2.5x the forward's FLOPs) per variant and FLASH's.
+``run`` needs a GPU of compute capability 9.0, CuPy and PyTorch.
+"""
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+_KERNEL = "attn_bwd_wgmma.cu"
+_REDUCTIONS = (  # (the call as written in the kernel, the argument its predicate tests)
+    ("bwd_red_add4(dst + 16 * j,", "(odd ? r0 : a0)"),
+    ("bwd_red_add2(dst + nt * 8,", "dq[pc][nt * 4 + 2 * h]"),
+)
+_NEXT_LOAD = "load_rows(ix_n, mt_n * BM, 1 - buf, l2_next, dl_next);"
+_NEXT_LOAD_OFF = "load_rows_stats(ix_n, mt_n * BM, l2_next, dl_next);"
+_STATS_ONLY = """    // (bwd_ablate.py noload) the lse and delta part of load_rows alone
+    const auto load_rows_stats = [&](const BwdIndex& ix, int i0, float& l2, float& dl) {
+        const BwdOffsets off = bwd_offsets(p, ix);
+        l2 = __int_as_float(0x7f800000);
+        dl = 0.f;
+        const int row = i0 + tid;
+        if (tid < BM && row < sq) {
+            const float l = p.lse[off.lse + static_cast<long long>(row) * p.lse_sr];
+            if (l != neg_inf<float>()) l2 = l * LOG2E;
+            dl = static_cast<const float*>(p.delta)[off.delta + row];
+        }
+    };
+"""
+_STATS_ANCHOR = "    int cur_mt = m_first, cur_red = 0;"
+
+
+def _ablate(text, what):
+    if what == "noreduce":
+        for call, arg in _REDUCTIONS:
+            if text.count(call) != 1:
+                raise SystemExit(f"{_KERNEL}: expected one {call!r}; update bwd_ablate.py")
+            text = text.replace(call, f"if ({arg} == 1.2345e-30f) {call}")
+    elif what == "noload":
+        for s in (_NEXT_LOAD, _STATS_ANCHOR):
+            if text.count(s) != 1:
+                raise SystemExit(f"{_KERNEL}: expected one {s!r}; update bwd_ablate.py")
+        text = text.replace(_NEXT_LOAD, _NEXT_LOAD_OFF)
+        text = text.replace(_STATS_ANCHOR, _STATS_ONLY + _STATS_ANCHOR)
+    return text
+
+
+def make(out, src):
+    """Write out/base (a copy of src), out/noreduce and out/noload."""
+    for name in ("base", "noreduce", "noload"):
+        d = Path(out) / name
+        if d.exists():
+            shutil.rmtree(d)
+        shutil.copytree(src, d)
+        f = d / _KERNEL
+        f.write_text(_ablate(f.read_text(), name))
+        print(d)
+
+
+def parse_variants(items):
+    """{name: (source dir, pad or None, deterministic)} from NAME=DIR[@PAD][@det]."""
+    out = {}
+    for item in items:
+        name, _, rest = item.partition("=")
+        parts = rest.split("@")
+        d = Path(parts[0]).resolve()
+        if not name or not (d / _KERNEL).is_file():
+            raise SystemExit(f"--variant {item!r}: expected NAME=DIR[@PAD][@det], DIR with {_KERNEL}")
+        pad = int(parts[1]) if len(parts) > 1 and parts[1] else None
+        out[name] = (d, pad, parts[2:] == ["det"])
+    return out
+
+
+class Variants:
+    """Points the compiler, its in-process kernel cache and the dq padding at one variant."""
+
+    def __init__(self, variants):
+        from cuflash import _compile, _dispatch
+        self._compile, self._dispatch = _compile, _dispatch
+        self.v = variants
+        self.default_pad = _dispatch.TC_BWD_DQ_PAD
+        self.caches = {d: ({}, {}) for d, _, _ in variants.values()}
+
+    def use(self, name):
+        d, pad, _ = self.v[name]
+        self._compile.SOURCE_DIR = d
+        self._compile.family_source.cache_clear()
+        self._compile._kernels, self._compile._smem_limit = self.caches[d]
+        self._dispatch.TC_BWD_DQ_PAD = self.default_pad if pad is None else pad
+
+
+def compile_all(variants):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cuflash import _compile, _dispatch
+    vs = Variants(variants)
+    specs = [s for s in _dispatch.backward_kernel_specs(90) if s.family == "attn_bwd_wgmma"]
+    for name in variants:
+        vs.use(name)
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda s: _compile.compiled_image(s, "sm_90a"), specs))
+        print("compiled", name, len(specs), flush=True)
+
+
+def run(variants, points, rounds, bitwise):
+    import numpy as np
+    import cupy as cp
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cuflash
+    from bench import Spinner
+    from tune import burst_ms
+
+    vs = Variants(variants)
+    names = list(variants)
+    spinner = Spinner(cp)
+    for point in points.split(","):
+        parts = point.split(":")
+        d, s, causal = int(parts[0]), int(parts[1]), parts[2:] == ["causal"]
+        b, h = 16384 // s, 2048 // d
+        flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)  # five products of 2 S S D
+        g = torch.Generator(device="cuda").manual_seed(1234 + d + s)
+        tq, tk, tv, tdo = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16,
+                                       generator=g) for _ in range(4))
+        q, k, v, do = (cp.from_dlpack(x) for x in (tq, tk, tv, tdo))
+        vs.use(names[0])
+        o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        grads = [cp.empty_like(x) for x in (q, k, v)]
+        ws = {}
+        for n in names:
+            vs.use(n)
+            ws[n] = cp.empty(cuflash.attention_backward_workspace_size(
+                do, q, k, v, o, lse, causal=causal, deterministic=variants[n][2],
+                kernel="hopper"), dtype=cp.uint8)
+
+        def ours(n):
+            return cuflash.attention_backward(do, q, k, v, o, lse, causal=causal,
+                                              deterministic=variants[n][2], kernel="hopper",
+                                              out=tuple(grads), workspace=ws[n])
+
+        xs = [x.detach().clone().requires_grad_(True) for x in (tq, tk, tv)]
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(*xs, is_causal=causal)
+        ref = torch.autograd.grad(out, xs, tdo, retain_graph=True)
+        row = {"D": d, "S": s, "causal": causal, "label": str(cuflash.backward_dispatch_info(
+            do, q, k, v, o, lse, causal=causal, kernel="hopper"))}
+        kept = {}
+        for n in names:
+            vs.use(n)
+            for x in grads:
+                x.fill(float("nan"))
+            ours(n)
+            cp.cuda.Device().synchronize()
+            row["maxdiff_" + n] = "/".join(
+                f"{float(torch.max(torch.abs(torch.from_dlpack(a).float() - r.float()))):.1e}"
+                for a, r in zip(grads, ref))
+            if bitwise and variants[n][2]:
+                kept[n] = [x.copy() for x in grads]
+        first = next(iter(kept), None)
+        for n in kept:
+            if n != first:
+                row[f"bitwise_{first}_{n}"] = all(
+                    bool((x.view(cp.uint16) == y.view(cp.uint16)).all())
+                    for x, y in zip(kept[first], kept[n]))
+
+        def flash():
+            return torch.autograd.grad(out, xs, tdo, retain_graph=True)
+
+        for n in names:  # warm-up
+            vs.use(n)
+            ours(n)
+        flash()
+        times = {n: [] for n in names + ["flash"]}
+        for _ in range(rounds):
+            for n in names:
+                vs.use(n)
+                times[n].append(burst_ms(lambda: ours(n), spinner))
+            times["flash"].append(burst_ms(flash, spinner))
+        for n, ts in times.items():
+            row[n] = round(flops / np.median(ts) / 1e9, 1)
+        print(json.dumps(row), flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make", help="write the ablated kernel trees")
+    m.add_argument("out")
+    m.add_argument("--src", default=str(ROOT / "kernels_cu"))
+    for name in ("compile", "run"):
+        c = sub.add_parser(name)
+        c.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[@PAD][@det]")
+        if name == "run":
+            c.add_argument("--points", default="256:4096,256:4096:causal,128:4096,64:4096")
+            c.add_argument("--rounds", type=int, default=5)
+            c.add_argument("--bitwise", action="store_true",
+                           help="compare the deterministic variants' results bit for bit")
+    args = ap.parse_args(argv)
+    if args.cmd == "make":
+        make(args.out, args.src)
+    elif args.cmd == "compile":
+        compile_all(parse_variants(args.variant))
+    else:
+        run(parse_variants(args.variant), args.points, args.rounds, args.bitwise)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
