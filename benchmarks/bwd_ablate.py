@@ -45,21 +45,18 @@ _REDUCTIONS = (  # (the call as written in the kernel, the argument its predicat
     ("bwd_red_add2(dst + nt * 8,", "dq[pc][nt * 4 + 2 * h]"),
 )
 _NEXT_LOAD = "load_rows(ix_n, mt_n * BM, 1 - buf, l2_next, dl_next);"
-_NEXT_LOAD_OFF = "load_rows_stats(ix_n, mt_n * BM, l2_next, dl_next);"
-_STATS_ONLY = """    // (bwd_ablate.py noload) the lse and delta part of load_rows alone
-    const auto load_rows_stats = [&](const BwdIndex& ix, int i0, float& l2, float& dl) {
-        const BwdOffsets off = bwd_offsets(p, ix);
-        l2 = __int_as_float(0x7f800000);
-        dl = 0.f;
-        const int row = i0 + tid;
-        if (tid < BM && row < sq) {
-            const float l = p.lse[off.lse + static_cast<long long>(row) * p.lse_sr];
-            if (l != neg_inf<float>()) l2 = l * LOG2E;
-            dl = static_cast<const float*>(p.delta)[off.delta + row];
-        }
-    };
-"""
-_STATS_ANCHOR = "    int cur_mt = m_first, cur_red = 0;"
+# noload: load_rows gets a `copy` argument (default true) around its two tile copies, and the
+# next tile's call passes false (its lse and delta are still read).
+_LOAD_EDITS = (
+    ("const auto load_rows = [&](const BwdIndex& ix, int i0, int buf, float& l2, float& dl) {\n"
+     "        const BwdOffsets off = bwd_offsets(p, ix);\n",
+     "const auto load_rows = [&](const BwdIndex& ix, int i0, int buf, float& l2, float& dl,\n"
+     "                               bool copy = true) {\n"
+     "        const BwdOffsets off = bwd_offsets(p, ix);\n        if (copy) {\n"),
+    ("                                         sq, d, tid);\n        l2 = __int_as_float(0x7f800000);",
+     "                                         sq, d, tid);\n        }\n        l2 = __int_as_float(0x7f800000);"),
+    (_NEXT_LOAD, "load_rows(ix_n, mt_n * BM, 1 - buf, l2_next, dl_next, false);"),
+)
 
 
 def _ablate(text, what):
@@ -69,11 +66,10 @@ def _ablate(text, what):
                 raise SystemExit(f"{_KERNEL}: expected one {call!r}; update bwd_ablate.py")
             text = text.replace(call, f"if ({arg} == 1.2345e-30f) {call}")
     elif what == "noload":
-        for s in (_NEXT_LOAD, _STATS_ANCHOR):
-            if text.count(s) != 1:
-                raise SystemExit(f"{_KERNEL}: expected one {s!r}; update bwd_ablate.py")
-        text = text.replace(_NEXT_LOAD, _NEXT_LOAD_OFF)
-        text = text.replace(_STATS_ANCHOR, _STATS_ONLY + _STATS_ANCHOR)
+        for old, new in _LOAD_EDITS:
+            if text.count(old) != 1:
+                raise SystemExit(f"{_KERNEL}: expected one {old!r}; update bwd_ablate.py")
+            text = text.replace(old, new)
     return text
 
 
