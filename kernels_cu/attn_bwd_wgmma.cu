@@ -331,10 +331,11 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
     constexpr bool DSC_SMEM = !POLICY::PLAIN && POLICY::DSCORE && !Cfg::SPLIT;
     // The dq reductions as 16-byte red.v4 after a pair exchange (below) where the registers allow
     // it: the exchange needs an aligned quad of registers beside dK, dV and the dQ pieces, and
-    // ptxas spilled 4-36 bytes (NVRTC 13.0 or 13.5) in the deterministic D = 256 form, in the
-    // D = 256 and some D = 128 variant kernels and in the D = 64 causal one. Those keep the 8-byte
-    // reductions (on the same 64-byte aligned rows).
-    constexpr bool RED4 = POLICY::PLAIN && !(Cfg::SPLIT && DET) && !(DPAD == 64 && CAUSAL);
+    // ptxas spilled 4-36 bytes (NVRTC 13.0 or 13.5) in the D = 256 and some D = 128 variant
+    // kernels and in the D = 64 causal one. Those keep the 8-byte reductions (on the same 64-byte
+    // aligned rows). (The deterministic D = 256 form spilled 8 bytes too while the start gate
+    // below waited inside the tile loop.)
+    constexpr bool RED4 = POLICY::PLAIN && !(DPAD == 64 && CAUSAL);
     [[maybe_unused]] const unsigned int dsc_s = base + Cfg::TURN_OFF + 16;
 
     const int tid = threadIdx.x;
@@ -466,9 +467,18 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
     // first wave's start-up idles up to (N - 1) / 2 tiles a block, once per launch). Without
     // the mask the first tile is tile 0 (its counter at column DPAD of row 0) and rank r's turn
     // at every tile is r.
-    // (A window changes each block's first tile: no gate there.)
-    const bool gate = DET && !CAUSAL && !POLICY::HAS_WINDOW && n_iter > 1 &&
-                      gridDim.x >= 8u * sm_count();
+    // (A window changes each block's first tile: no gate there.) Before the tile loop, while
+    // the first tile's copies are in flight (inside it, at the first tile, its predicate stayed
+    // live through the loop: the deterministic D = 256 form spilled with the 16-byte reductions).
+    if (DET && !CAUSAL && !POLICY::HAS_WINDOW && n_iter > 1 && gridDim.x >= 8u * sm_count()) {
+        if (lane == 0) {  // each warp waits; no block barrier
+            const int* at =
+                reinterpret_cast<const int*>(p.dq_accum + bwd_offsets(p, cur_ix).dqa + DPAD);
+            while (bwd_turn_load(at) != static_cast<int>(p.n_nblocks) - 1 - nblock)
+                __nanosleep(64);
+        }
+        __syncwarp();
+    }
     [[maybe_unused]] int bound_red = 0;  // variants (SPLIT): the reduction step var is bound to
 
     // The next tile's Q, dO into the other stage and its lse, delta into registers.
@@ -526,15 +536,6 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
             wgmma_commit();
         };
         const auto issue_dp = [&]() { keys_by_queries(dp, v_s, do_t); };
-        if (DET && !CAUSAL && it == 0 && gate) {  // each warp waits; no block barrier
-            if (lane == 0) {
-                const int* at = reinterpret_cast<const int*>(p.dq_accum +
-                                                             bwd_offsets(p, cur_ix).dqa + DPAD);
-                while (bwd_turn_load(at) != static_cast<int>(p.n_nblocks) - 1 - nblock)
-                    __nanosleep(64);
-            }
-            __syncwarp();
-        }
         wgmma_fence();
         keys_by_queries(s, k_s, q_t);
         if constexpr (Cfg::DP_EARLY) issue_dp();

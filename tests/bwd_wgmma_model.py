@@ -226,9 +226,8 @@ def bwd_wgmma_kernel(mem, p, grid, c, causal, det, nsm=132, vp=None, visits=None
     scale_log2, scale = float(p["scale_log2"]), float(p["scale"])
     dqa_sr, dqa = int(p["dqa_sr"]), int(p["dq_accum"])
     bm, bn, dpad = c.bm, c.bn, c.dpad
-    # the kernel's RED4: 16-byte dq reductions in the plain kernel but for the deterministic D = 256
-    # form and D = 64 causal (registers)
-    red4 = vp is None and not (c.split and det) and not (dpad == 64 and causal)
+    # the kernel's RED4: 16-byte dq reductions in the plain kernel but at D = 64 causal (registers)
+    red4 = vp is None and not (dpad == 64 and causal)
     seen = set()
     key_range, _, win_visible = _window_ranges(vp, sq, sk)
     window = vp is not None and (int(vp["left"]) >= 0 or int(vp["right"]) >= 0)
