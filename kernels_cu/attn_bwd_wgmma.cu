@@ -215,8 +215,6 @@ __device__ __forceinline__ unsigned long long lds_u64(unsigned int addr) {
 __device__ __forceinline__ void sts_f32(unsigned int addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
 }
-// Element (row, col) of a 16-bit tile stored as 64-column panels of PANEL bytes (128-byte rows,
-// the 128-byte swizzle), for a pair of columns col, col + 1 in one 32-bit store (col even).
 // __shfl_xor_sync(full, x, 1) as a volatile asm: kept in program order between the dq
 // reductions (also volatile asm), so that ptxas does not hoist every exchange of a tile ahead of
 // the reductions and hold their results live (registers are at the cap: that spilled).
@@ -233,6 +231,8 @@ __device__ __forceinline__ void bwd_red_add4(float* dst, float a, float b, float
                  :: "l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
+// Element (row, col) of a 16-bit tile stored as 64-column panels of PANEL bytes (128-byte rows,
+// the 128-byte swizzle), for a pair of columns col, col + 1 in one 32-bit store (col even).
 template <int PANEL>
 __device__ __forceinline__ void sts_panel_u32(unsigned int at, int row, int col, unsigned int v) {
     sts_u32(at + (col / 64) * PANEL + row * 128 +
