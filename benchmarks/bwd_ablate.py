@@ -21,7 +21,8 @@ accumulator's row padding (``_dispatch.TC_BWD_DQ_PAD`` for its calls; default th
 key holds the source, so ``compile`` can fill ``$CUFLASH_CACHE_DIR`` on a machine without a GPU)::
 
     python3 benchmarks/bwd_ablate.py make /tmp/abl              # /tmp/abl/{base,noreduce,noload}
-    python3 benchmarks/bwd_ablate.py compile --variant base=/tmp/abl/base --variant ...
+    python3 benchmarks/bwd_ablate.py compile --variant base=/tmp/abl/base --variant ... \\
+        [--only "fp16_t, 256,"]
     python3 benchmarks/bwd_ablate.py run --variant base=/tmp/abl/base \\
         --variant noreduce=/tmp/abl/noreduce --variant det=/tmp/abl/base@@det \\
         --points 256:4096,256:4096:causal,128:4096 --rounds 5 --bitwise
@@ -117,12 +118,16 @@ class Variants:
         self._dispatch.TC_BWD_DQ_PAD = self.default_pad if pad is None else pad
 
 
-def compile_all(variants):
+def compile_all(variants, only=None):
+    """Compile every Hopper-backward specialisation (those whose name matches the regular
+    expression ``only``, if given) of each variant into the disk cache."""
+    import re
     from concurrent.futures import ThreadPoolExecutor
 
     from cuflash import _compile, _dispatch
     vs = Variants(variants)
-    specs = [s for s in _dispatch.backward_kernel_specs(90) if s.family == "attn_bwd_wgmma"]
+    specs = [s for s in _dispatch.backward_kernel_specs(90) if s.family == "attn_bwd_wgmma"
+             and (only is None or re.search(only, s.name))]
     for name in variants:
         vs.use(name)
         with ThreadPoolExecutor(2) as ex:
@@ -220,6 +225,9 @@ def main(argv=None):
     for name in ("compile", "run"):
         c = sub.add_parser(name)
         c.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[@PAD][@det]")
+        if name == "compile":
+            c.add_argument("--only", metavar="REGEX",
+                           help="only the specialisations whose name matches (re.search)")
         if name == "run":
             c.add_argument("--points", default="256:4096,256:4096:causal,128:4096,64:4096")
             c.add_argument("--rounds", type=int, default=5)
@@ -229,7 +237,7 @@ def main(argv=None):
     if args.cmd == "make":
         make(args.out, args.src)
     elif args.cmd == "compile":
-        compile_all(parse_variants(args.variant))
+        compile_all(parse_variants(args.variant), args.only)
     else:
         run(parse_variants(args.variant), args.points, args.rounds, args.bitwise)
     return 0
