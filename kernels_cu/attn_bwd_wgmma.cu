@@ -19,6 +19,11 @@
 //       ablation, wrong dq) the H100 ran D = 256 S = 4096 at 348 TFLOP/s against 208, and ncu
 //       showed L2's input at 88% busy with 9 requests per red.v2 instruction (notes/
 //       BACKWARD.md, "The dq reductions").
+//   1.2 (this file, session z) the deterministic hand-over: thread 0's st.release without a
+//       __threadfence before it (the release alone is cumulative through barrier 1), and at
+//       D = 64 and 256 the next tile's copies issued after the hand-over (NEXT_LATE). An A/B
+//       of five forms on an H100 (bwd_ablate.py): det / default 0.73-0.90 -> 0.80-0.96, bitwise
+//       the same results; the non-deterministic kernels are unchanged.
 //   2   (not written) a producer warpgroup that issues TMA loads (setmaxnreg: 24 registers for
 //       it, 240 for the consumers) and an mbarrier ring instead of cp.async and __syncthreads:
 //       frees the consumers of the load issue and of the block-wide barriers. Predicted +5-15%.
@@ -76,7 +81,8 @@
 //   the wgmmas read through the async proxy); barrier 1 (every copy landed; the previous tile's
 //   dQ products are complete, so dS^T and the other buffer are free); request the next tile into
 //   the other buffer (and fetch its lse, delta into registers); S^T and dP^T (two commit groups);
-//   (DET: thread 0 hands the previous tile's turn on); P^T once S^T is in, dS^T once dP^T is;
+//   (DET: thread 0 hands the previous tile's turn on; at D = 64 and 256 the next tile's request
+//   comes after it, NEXT_LATE); P^T once S^T is in, dS^T once dP^T is;
 //   dS^T to shared memory; dV, dK (one commit group, left in flight); store the next tile's lse,
 //   delta; fence.proxy.async; barrier 2 (dS^T complete); dQ (one commit group); (DET: each
 //   warp's lane 0 waits for the tile's turn while dQ runs); wait for all; the dq atomics.
@@ -446,7 +452,11 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
     // thread's additions before it: the release is cumulative through bar.sync, as a grid-wide
     // barrier's), so that no warp waits for a fence at the end of a tile. Thread 0 keeps the
     // pending hand-over in shared memory (registers are at the cap): the counter's address (0:
-    // none) and the turn it hands on.
+    // none) and the turn it hands on. The st.release is the whole release (PTX: a fence.acq_rel
+    // and the store; each thread's reductions precede barrier 1, which synchronizes with thread
+    // 0's, in causality order): no __threadfence before it (a MEMBAR.SC.GPU on top of the
+    // release's MEMBAR.ALL.GPU; without it the deterministic mode ran 3-11% faster, bitwise the
+    // same, notes/BACKWARD.md "The deterministic hand-over (session z)").
     const unsigned int turn_s = base + Cfg::TURN_OFF;
     if (DET && tid == 0) sts_u64(turn_s, 0ull);
     const auto hand_on = [&]() {
@@ -454,7 +464,6 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
             const unsigned long long at = lds_u64(turn_s);
             if (at != 0ull) {
                 const int next = static_cast<int>(lds_u64(turn_s + 8));
-                __threadfence();
                 bwd_turn_store(reinterpret_cast<int*>(at), next);
                 sts_u64(turn_s, 0ull);
             }
@@ -502,8 +511,12 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
         // tile's wgmmas, completed before barrier 1) and its lse, delta into registers. OV:
         // after S^T and dP^T are issued, so that the tensor cores start without waiting for
         // the index arithmetic and the 32 cp.async of each thread. (Without OV the SASS is the
-        // inline form's but for two registers swapped.)
-        if constexpr (!OV) issue_next(more, buf);
+        // inline form's but for two registers swapped.) DET at D = 64 and 256 (NEXT_LATE): after
+        // thread 0's hand-over too, whose fence then does not wait for this tile's 32 copies
+        // (+1-4% there; -3-5% at D = 128, which keeps the early copies; notes/BACKWARD.md "The
+        // deterministic hand-over (session z)").
+        constexpr bool NEXT_LATE = OV || (DET && DPAD != 128);
+        if constexpr (!NEXT_LATE) issue_next(more, buf);
         const unsigned int q_t = base + Cfg::Q_OFF + buf * Cfg::Q_BYTES;
         const unsigned int do_t = base + Cfg::DO_OFF + buf * Cfg::Q_BYTES;
         const unsigned int lse_t = lse_s + buf * BM * 4, delta_t = delta_s + buf * BM * 4;
@@ -539,8 +552,8 @@ __device__ __forceinline__ void bwd_wgmma_body(const BwdParams& p, const Variant
         wgmma_fence();
         keys_by_queries(s, k_s, q_t);
         if constexpr (Cfg::DP_EARLY) issue_dp();
-        if constexpr (OV) issue_next(more, buf);
         if (DET) hand_on();  // the previous tile's turn, under this tile's first products
+        if constexpr (NEXT_LATE) issue_next(more, buf);
 
         // P^T. Element e of n8 tile nt: key key_t + 8 (e / 2), query column nt * 8 + 2 t4 +
         // (e % 2). Masked: keys past Sk (zero-filled K gives s = 0, not -inf) and, under the

@@ -413,6 +413,40 @@ def test_hopper_backward_uses_wgmma(dtype, d, causal, det):
     assert all((t == ".BF16") == (dtype == "bfloat16") for _, t in hgmma)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype,causal", [("float16", False), ("bfloat16", True)])
+def test_hopper_backward_deterministic_hand_over_in_sass(dtype, causal, d):
+    """The deterministic hand-over in the SASS (attn_bwd_wgmma.cu version 1.2; notes/
+    BACKWARD.md, "The deterministic hand-over"): thread 0's st.release alone (MEMBAR.ALL.GPU,
+    then STG.E.STRONG.GPU) at its two sites, the tile loop and the end, and no MEMBAR.SC.GPU (a
+    __threadfence before the release cost 3-11%); inside the loop the next tile's copies
+    (LDGSTS) come after the hand-over at D = 64 and 256 (NEXT_LATE) and before it at D = 128.
+    The default kernel has no GPU-scope fence or strong store at all."""
+    import re
+
+    def ops(det):
+        spec = _dispatch.bwd_hopper_plan(dtype, d, causal, det).passes[0][1].spec
+        return re.findall(r"\b(MEMBAR\.[A-Z.]+|STG\.E\.STRONG\.GPU|LDGSTS|BAR\.SYNC)",
+                          _sass(_report(spec).cubin))
+
+    plain = ops(False)
+    assert not [o for o in plain if o.startswith("MEMBAR") and o.endswith("GPU")], plain
+    assert "STG.E.STRONG.GPU" not in plain
+    det = ops(True)
+    gpu_fences = [i for i, o in enumerate(det) if o.startswith("MEMBAR") and o.endswith("GPU")]
+    assert [det[i] for i in gpu_fences] == ["MEMBAR.ALL.GPU"] * 2, det
+    assert all(det[i + 1] == "STG.E.STRONG.GPU" for i in gpu_fences), det
+    # the loop: from the first barrier (after the prologue's copies) to the second release
+    loop = det[det.index("BAR.SYNC"):gpu_fences[1]]
+    release = loop.index("STG.E.STRONG.GPU")
+    copies = [i for i, o in enumerate(loop) if o == "LDGSTS"]
+    assert copies, loop
+    if d == 128:
+        assert max(copies) < release, loop
+    else:
+        assert min(copies) > release, loop
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("dtype,causal,det", [("float16", False, False), ("bfloat16", True, True),
                                               ("float16", False, True)])
