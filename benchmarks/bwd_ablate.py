@@ -9,6 +9,15 @@ its gradients are wrong on purpose:
   products that feed it);
 - ``noload``: the next query tile's Q and dO copies not issued (its lse and delta still read).
 
+A candidate is a copy with a part done another way (its gradients must match the base's):
+
+- ``bulk`` (non-deterministic D = 64 and 128; notes/BACKWARD.md, "The dq reductions"): each
+  warp's dq piece staged in the tile's own Q (warpgroup 0) or dO (warpgroup 1) stage, free once
+  both warpgroups' products are complete (one more block barrier), and added by one
+  ``cp.reduce.async.bulk`` of 256 bytes per row instead of 16- or 8-byte ``red`` per lane; the
+  staged rows are read before the next barrier 1, after which the next tile's copies land
+  there. Written in session z; not yet run on a GPU.
+
 Variants are timed interleaved in rounds, in one process, beside torch's FLASH backward on the same
 inputs (each round: 10 back-to-back calls between two CUDA events behind bench.py's spinning
 kernel; the median over rounds), at points of the standard grid (B = 16384 / S, H = 2048 / D,
@@ -20,7 +29,7 @@ accumulator's row padding (``_dispatch.TC_BWD_DQ_PAD`` for its calls; default th
 ``deterministic=True``. Kernels are compiled into per-variant in-process caches (the disk cache
 key holds the source, so ``compile`` can fill ``$CUFLASH_CACHE_DIR`` on a machine without a GPU)::
 
-    python3 benchmarks/bwd_ablate.py make /tmp/abl              # /tmp/abl/{base,noreduce,noload}
+    python3 benchmarks/bwd_ablate.py make /tmp/abl     # /tmp/abl/{base,noreduce,noload,bulk}
     python3 benchmarks/bwd_ablate.py compile --variant base=/tmp/abl/base --variant ... \\
         [--only "fp16_t, 256,"]
     python3 benchmarks/bwd_ablate.py run --variant base=/tmp/abl/base \\
@@ -60,14 +69,88 @@ _LOAD_EDITS = (
 )
 
 
+_BULK_EDITS = (
+    ("""__device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+}
+""", """__device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+}
+__device__ __forceinline__ void sts_f2(unsigned int addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\\n" :: "r"(addr), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ void bulk_red_add(float* dst, unsigned int src, unsigned int bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\\n" ::: "memory");
+}
+"""),
+    ("""    constexpr bool RED4 = POLICY::PLAIN && !(DPAD == 64 && CAUSAL);
+""", """    constexpr bool BULK = POLICY::PLAIN && !DET && !Cfg::SPLIT && !OV;
+    static_assert(!BULK || (Cfg::PIECES_WG == 1 && 4 * 16 * 256 == Cfg::Q_BYTES), "staging fits");
+    constexpr bool RED4 = POLICY::PLAIN && !(DPAD == 64 && CAUSAL);
+"""),
+    ("""        fence_regs(dv_acc);
+#pragma unroll
+        for (int pc = 0; pc < Cfg::PIECES_WG; ++pc) {
+            fence_regs(dq[pc]);
+            const int piece = cw * Cfg::PIECES_WG + pc;
+            const int mp = piece / Cfg::PANELS, np = piece % Cfg::PANELS;
+""", """        fence_regs(dv_acc);
+        if constexpr (BULK) __syncthreads();  // both warpgroups' reads of Q and dO are complete
+#pragma unroll
+        for (int pc = 0; pc < Cfg::PIECES_WG; ++pc) {
+            fence_regs(dq[pc]);
+            const int piece = cw * Cfg::PIECES_WG + pc;
+            const int mp = piece / Cfg::PANELS, np = piece % Cfg::PANELS;
+            if constexpr (BULK) {
+                const unsigned int stg = (cw == 0 ? q_t : do_t) + warp * 16 * 256;
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt)
+                        sts_f2(stg + (g + 8 * h) * 256 + (nt * 8 + 2 * t4) * 4,
+                               dq[pc][nt * 4 + 2 * h], dq[pc][nt * 4 + 2 * h + 1]);
+                fence_async_smem();
+                __syncwarp();
+                const int row = i0 + 64 * mp + 16 * warp + lane;
+                if (lane < 16 && row < sq)
+                    bulk_red_add(dqa + static_cast<long long>(row) * p.dqa_sr + 64 * np,
+                                 stg + lane * 256, 256u);
+                continue;
+            }
+"""),
+    ("""        if constexpr (OV) {  // dK complete: dS^T and this stage's Q are free for the next tile
+            wgmma_wait<0>();
+            fence_regs(dk_acc);
+        }
+        kb.step(p, cur_mt, cur_red, cur_ix);""", """        if constexpr (BULK) {
+            if (lane < 16) {
+                bulk_commit();
+                bulk_wait_read();  // the staged rows are the next tile's load target
+            }
+        }
+        if constexpr (OV) {  // dK complete: dS^T and this stage's Q are free for the next tile
+            wgmma_wait<0>();
+            fence_regs(dk_acc);
+        }
+        kb.step(p, cur_mt, cur_red, cur_ix);"""),
+)
+
+
 def _ablate(text, what):
     if what == "noreduce":
         for call, arg in _REDUCTIONS:
             if text.count(call) != 1:
                 raise SystemExit(f"{_KERNEL}: expected one {call!r}; update bwd_ablate.py")
             text = text.replace(call, f"if ({arg} == 1.2345e-30f) {call}")
-    elif what == "noload":
-        for old, new in _LOAD_EDITS:
+    elif what in ("noload", "bulk"):
+        for old, new in (_LOAD_EDITS if what == "noload" else _BULK_EDITS):
             if text.count(old) != 1:
                 raise SystemExit(f"{_KERNEL}: expected one {old!r}; update bwd_ablate.py")
             text = text.replace(old, new)
@@ -75,8 +158,8 @@ def _ablate(text, what):
 
 
 def make(out, src):
-    """Write out/base (a copy of src), out/noreduce and out/noload."""
-    for name in ("base", "noreduce", "noload"):
+    """Write out/base (a copy of src), out/noreduce, out/noload and out/bulk."""
+    for name in ("base", "noreduce", "noload", "bulk"):
         d = Path(out) / name
         if d.exists():
             shutil.rmtree(d)

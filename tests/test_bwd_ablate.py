@@ -38,3 +38,29 @@ def test_variant_specs(tmp_path):
     assert v["c"] == ((tmp_path / "base").resolve(), None, True)
     with pytest.raises(SystemExit):
         bwd_ablate.parse_variants([f"x={tmp_path}"])  # no attn_bwd_wgmma.cu there
+
+
+def test_bulk_candidate_compiles_without_spills(tmp_path):
+    """The bulk-reduction candidate's tree (``make``'s ``bulk``) stages and adds dq with
+    cp.reduce.async.bulk in the non-deterministic D = 64 / 128 kernels only (the deterministic and
+    D = 256 kernels are the base's), and compiles for sm_90a without spills or stack."""
+    from cuflash import _compile, _dispatch
+
+    bwd_ablate.make(tmp_path, ROOT / "kernels_cu")
+    text = (tmp_path / "bulk" / "attn_bwd_wgmma.cu").read_text()
+    assert text.count("bulk_red_add(dqa") == 1 and text.count("bulk_wait_read();") == 1
+    spec = _dispatch.bwd_hopper_plan("float16", 128, False, False).passes[0][1].spec
+    old_dir = _compile.SOURCE_DIR
+    try:
+        _compile.SOURCE_DIR = tmp_path / "bulk"
+        _compile.family_source.cache_clear()
+        rep = _compile.compile_report(spec, "sm_90a")
+    finally:
+        _compile.SOURCE_DIR = old_dir
+        _compile.family_source.cache_clear()
+    assert (rep.spill_stores, rep.spill_loads, rep.stack_bytes) == (0, 0, 0), rep.summary()
+    from test_compile import _sass  # noqa: E402
+
+    sass = _sass(rep.cubin)
+    assert "UBLKRED.G.S.ADD.F32" in sass, "no bulk reduction in the SASS"
+    assert "REDG" not in sass  # every dq addition of this kernel is a bulk one
