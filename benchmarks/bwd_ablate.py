@@ -83,12 +83,6 @@ __device__ __forceinline__ void bulk_red_add(float* dst, unsigned int src, unsig
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\\n"
                  :: "l"(dst), "r"(src), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void bulk_commit() {
-    asm volatile("cp.async.bulk.commit_group;\\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read 0;\\n" ::: "memory");
-}
 """),
     ("""    constexpr bool RED4 = POLICY::PLAIN && !(DPAD == 64 && CAUSAL);
 """, """    constexpr bool BULK = POLICY::PLAIN && !DET && !Cfg::SPLIT && !OV;
@@ -130,10 +124,12 @@ __device__ __forceinline__ void bulk_wait_read() {
             fence_regs(dk_acc);
         }
         kb.step(p, cur_mt, cur_red, cur_ix);""", """        if constexpr (BULK) {
-            if (lane < 16) {
-                bulk_commit();
-                bulk_wait_read();  // the staged rows are the next tile's load target
-            }
+            // The tile's additions one bulk group; its reads of the staged rows (the next tile's
+            // load target) done before barrier 1. (Were it kept: attn_wgmma.cu's bulk-group
+            // helpers to wgmma_ops.cuh, shared.)
+            if (lane < 16)
+                asm volatile("cp.async.bulk.commit_group;\\ncp.async.bulk.wait_group.read 0;\\n"
+                             ::: "memory");
         }
         if constexpr (OV) {  // dK complete: dS^T and this stage's Q are free for the next tile
             wgmma_wait<0>();

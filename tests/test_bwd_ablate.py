@@ -48,7 +48,7 @@ def test_bulk_candidate_compiles_without_spills(tmp_path):
 
     bwd_ablate.make(tmp_path, ROOT / "kernels_cu")
     text = (tmp_path / "bulk" / "attn_bwd_wgmma.cu").read_text()
-    assert text.count("bulk_red_add(dqa") == 1 and text.count("bulk_wait_read();") == 1
+    assert text.count("bulk_red_add(dqa") == 1 and text.count("wait_group.read 0") == 1
     spec = _dispatch.bwd_hopper_plan("float16", 128, False, False).passes[0][1].spec
     old_dir = _compile.SOURCE_DIR
     try:
